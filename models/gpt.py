@@ -1,7 +1,10 @@
 """GPT-2 style decoder-only transformer (Flax NNX), next-token loss, Optax AdamW.
 
-Attention is written out explicitly (einsum scores, causal mask via ``jnp`` ops, softmax,
-einsum with values); no fused / cuDNN attention paths. Layers are an unrolled Python loop.
+Radford et al. 2019, "Language Models are Unsupervised Multitask Learners". Blocks come
+from :mod:`models.layers` (explicit einsum attention with a causal mask, no fused paths);
+layers are an unrolled Python loop. Activations carry logical-axis annotations
+(:func:`models.logical.constrain`, inert by default) and :func:`param_axes` names every
+parameter dim for the expert baselines.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from models.common import (
     build_train_step,
     init_train_state,
 )
+from models.layers import RESID, Axes, Block, checked, layer_norm, transformer_param_axes
+from models.logical import constrain
 
 PARAM_SEED = 0
 DATA_SEED = 1
@@ -71,79 +76,6 @@ class GPTConfig:
         )
 
 
-def _linear(
-    d_in: int, d_out: int, cfg: GPTConfig, rngs: nnx.Rngs, std: float
-) -> nnx.Linear:
-    return nnx.Linear(
-        d_in,
-        d_out,
-        kernel_init=nnx.initializers.normal(std),
-        dtype=cfg.dtype,
-        param_dtype=cfg.dtype,
-        rngs=rngs,
-    )
-
-
-def _layer_norm(cfg: GPTConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
-    return nnx.LayerNorm(
-        cfg.d_model, epsilon=1e-5, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs
-    )
-
-
-class CausalSelfAttention(nnx.Module):
-    """Multi-head causal self-attention with separate q/k/v projections."""
-
-    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs) -> None:
-        d, proj_std = cfg.d_model, INIT_STD / math.sqrt(2 * cfg.n_layers)
-        self.n_heads = cfg.n_heads
-        self.query = _linear(d, d, cfg, rngs, INIT_STD)
-        self.key = _linear(d, d, cfg, rngs, INIT_STD)
-        self.value = _linear(d, d, cfg, rngs, INIT_STD)
-        self.proj = _linear(d, d, cfg, rngs, proj_std)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        b, t, d = x.shape
-        h = self.n_heads
-        dh = d // h
-        q = self.query(x).reshape(b, t, h, dh)
-        k = self.key(x).reshape(b, t, h, dh)
-        v = self.value(x).reshape(b, t, h, dh)
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(
-            jnp.asarray(dh, x.dtype)
-        )
-        causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
-        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
-        probs = jax.nn.softmax(scores, axis=-1)
-        out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d)
-        return self.proj(out)
-
-
-class MLPBlock(nnx.Module):
-    """Position-wise feed-forward: d -> 4d -> GELU -> d."""
-
-    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs) -> None:
-        d, proj_std = cfg.d_model, INIT_STD / math.sqrt(2 * cfg.n_layers)
-        self.fc = _linear(d, 4 * d, cfg, rngs, INIT_STD)
-        self.proj = _linear(4 * d, d, cfg, rngs, proj_std)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.proj(jax.nn.gelu(self.fc(x), approximate=True))
-
-
-class Block(nnx.Module):
-    """Pre-LayerNorm transformer block."""
-
-    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs) -> None:
-        self.ln1 = _layer_norm(cfg, rngs)
-        self.attn = CausalSelfAttention(cfg, rngs=rngs)
-        self.ln2 = _layer_norm(cfg, rngs)
-        self.mlp = MLPBlock(cfg, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
 class GPT(nnx.Module):
     """Token + learned position embeddings, blocks, final LayerNorm, tied output head."""
 
@@ -156,17 +88,31 @@ class GPT(nnx.Module):
         self.wpe = nnx.Embed(
             cfg.seq_len, cfg.d_model, embedding_init=init, rngs=rngs, **kw
         )
-        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
-        self.ln_f = _layer_norm(cfg, rngs)
+        proj_std = INIT_STD / math.sqrt(2 * cfg.n_layers)
+        self.blocks = nnx.List([
+            Block(cfg.d_model, cfg.n_heads, 4 * cfg.d_model, causal=True, std=INIT_STD,
+                  proj_std=proj_std, dtype=cfg.dtype, rngs=rngs)
+            for _ in range(cfg.n_layers)
+        ])
+        self.ln_f = layer_norm(cfg.d_model, dtype=cfg.dtype, rngs=rngs)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Logits ``[B, T, vocab]`` for int tokens ``[B, T]``."""
         t = tokens.shape[1]
-        x = self.wte(tokens) + self.wpe.embedding[...][:t]
+        x = constrain(self.wte(tokens) + self.wpe.embedding[...][:t], RESID)
         for block in self.blocks:
             x = block(x)
-        x = self.ln_f(x)
-        return x @ self.wte.embedding[...].T
+        x = constrain(self.ln_f(x), RESID)
+        return constrain(x @ self.wte.embedding[...].T, ("batch", "seq", "vocab"))
+
+
+def param_axes(path: tuple[str, ...], shape: tuple[int, ...]) -> Axes:
+    """Logical axis names of the parameter at ``path`` (string keys) with ``shape``."""
+    names = {
+        ("wte", "embedding"): ("vocab", "embed"),
+        ("wpe", "embedding"): (None, "embed"),
+    }.get(tuple(path)) or transformer_param_axes(path)
+    return checked(path, shape, names)
 
 
 def next_token_loss(model: GPT, batch: Batch) -> jax.Array:

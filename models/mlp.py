@@ -1,4 +1,9 @@
-"""A plain multi-layer perceptron regressor (Flax NNX), MSE loss, Optax Adam."""
+"""A plain multi-layer perceptron regressor (Flax NNX), MSE loss, Optax Adam.
+
+Feature dims are named Megatron-style (Shoeybi et al. 2019) for the expert baselines: the
+input features are ``"embed"``, then the outputs of layers 0, 1, 2, ... alternate ``"mlp"``
+(column-parallel layer) and ``"embed"`` (row-parallel layer), the last layer's included.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +23,8 @@ from models.common import (
     build_train_step,
     init_train_state,
 )
+from models.layers import Axes, checked
+from models.logical import constrain
 
 PARAM_SEED = 0
 DATA_SEED = 1
@@ -60,11 +67,27 @@ class MLP(nnx.Module):
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        x = constrain(x, ("batch", features_axis(0)))
         for i, layer in enumerate(self.layers):
             if i > 0:
                 x = jax.nn.relu(x)
-            x = layer(x)
+            x = constrain(layer(x), ("batch", features_axis(i + 1)))
         return x
+
+
+def features_axis(j: int) -> str:
+    """Logical name of the features entering layer ``j`` (``j - 1``'s output)."""
+    return "mlp" if j % 2 else "embed"
+
+
+def param_axes(path: tuple[str, ...], shape: tuple[int, ...]) -> Axes:
+    """Logical axis names of ``("layers", i, "kernel" | "bias")`` (see the module doc)."""
+    names: Axes | None = None
+    if len(path) == 3 and path[0] == "layers" and path[1].isdigit():
+        i = int(path[1])
+        fin, fout = features_axis(i), features_axis(i + 1)
+        names = {"kernel": (fin, fout), "bias": (fout,)}.get(path[2])
+    return checked(path, shape, names)
 
 
 def mse_loss(model: MLP, batch: Batch) -> jax.Array:
