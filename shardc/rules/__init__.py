@@ -1,5 +1,7 @@
 """Strategy rules, one file per family; importing this package registers them all."""
 
+from shardc.rules import control as control
+from shardc.rules import conv as conv
 from shardc.rules import dot as dot  # noqa: F401  (registration)
 from shardc.rules import elementwise as elementwise
 from shardc.rules import indexing as indexing

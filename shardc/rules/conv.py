@@ -1,0 +1,84 @@
+"""conv_general_dilated: batch, output-channel and input-channel splits.
+
+With ``ConvDimensionNumbers`` ``lhs_spec = (batch, feature, spatial...)``, ``rhs_spec =
+(out_feature, in_feature, spatial...)`` and ``out_spec = (batch, feature, spatial...)``, per
+mesh axis (OneFlow's conv SBP table, read through XLA's dimension numbers):
+
+* batch split ``(S(lhs batch), B) -> S(out batch)``;
+* output-channel split ``(B, S(rhs out_feature)) -> S(out feature)``;
+* input-channel split ``(S(lhs feature), S(rhs in_feature)) -> P`` (the contraction);
+* ``(P, B) -> P`` and ``(B, P) -> P`` (the conv is bilinear).
+
+The convs of the backward pass are the same primitive with other dimension numbers, so they
+need no rule of their own: the kernel gradient of an ungrouped conv has the activations' batch
+dim as ``lhs`` *feature* and the cotangent's batch dim as ``rhs`` *in_feature*, so splitting
+the data batch gives the P of the input-channel rule.
+
+Groups (``feature_group_count`` / ``batch_group_count`` ``G > 1``): the batch split (for
+feature groups) and the linear P signatures hold as they are. A channel split is exact only
+when every device holds whole groups, i.e. when the mesh axis size divides ``G``; the rule
+cannot see the mesh, so it offers the group split only where the even-split check of the
+split dims implies it: ``G`` equal to the split dim's size (depthwise convs and their
+gradients). Then ``(S(lhs feature), S(rhs out_feature)) -> S(out feature)`` for feature
+groups and ``(S(lhs batch), S(rhs out_feature)) -> S(out feature)`` for batch groups (the
+depthwise kernel gradient), each device running ``G / n`` groups. Other channel splits of a
+grouped conv are left out, and so are spatial splits: a window crosses the cut, so they need
+a halo exchange that an SBP signature cannot express.
+
+References:
+  OneFlow ``user/ops/conv_op.cpp`` SBP signatures; XLA ``ConvolutionDimensionNumbers`` and
+  ``spmd/convolution_handler.cc`` (channel/batch-group partitioning).
+"""
+
+from __future__ import annotations
+
+import math
+
+from shardc.ir.graph import Op
+from shardc.ir.sbp import B, P, Split
+from shardc.rules.registry import Signature, register
+from shardc.rules.shape import is_numeric
+
+
+def conv_specs(op: Op) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """``(lhs_spec, rhs_spec, out_spec)``: each ``(batch|out_feature, feature|in_feature,
+    spatial...)`` as dims of the lhs, rhs and output; ``None`` dimension numbers mean NCHW."""
+    dn = op.params.get("dimension_numbers")
+    if dn is None:
+        n = op.inputs[0].ndim
+        return tuple(range(n)), tuple(range(n)), tuple(range(n))
+    return tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec)
+
+
+def conv_flops(op: Op) -> float:
+    """2 * |out| * (kernel window * input features per group); the rhs in_feature dim is
+    already ``lhs features / feature_group_count``."""
+    _, rhs_spec, _ = conv_specs(op)
+    rhs = op.inputs[1]
+    window = math.prod(rhs.shape[d] for d in rhs_spec[2:])
+    return 2.0 * op.outputs[0].size * window * rhs.shape[rhs_spec[1]]
+
+
+@register("conv_general_dilated", flops=conv_flops)
+def conv_rule(op: Op) -> list[Signature]:
+    lhs, rhs = op.inputs
+    (lb, lf, *_), (ro, ri, *_), (ob, of, *_) = conv_specs(op)
+    fgc = int(op.params.get("feature_group_count", 1))
+    bgc = int(op.params.get("batch_group_count", 1))
+    sigs = []
+    if bgc == 1:  # batch elements are independent (feature groups or not)
+        sigs.append(Signature((Split(lb), B), (Split(ob),)))
+    if fgc == 1 and bgc == 1:
+        sigs.append(Signature((B, Split(ro)), (Split(of),)))
+        sigs.append(Signature((Split(lf), Split(ri)), (P,)))
+    elif bgc == 1:  # feature groups: whole groups per device when G is the split dim's size
+        if fgc in (lhs.shape[lf], rhs.shape[ro]):
+            sigs.append(Signature((Split(lf), Split(ro)), (Split(of),)))
+    elif fgc == 1:  # batch groups: lhs batch groups pair with rhs out_feature groups
+        sigs.append(Signature((Split(lf), Split(ri)), (P,)))  # groups don't touch features
+        if bgc in (lhs.shape[lb], rhs.shape[ro]):
+            sigs.append(Signature((Split(lb), Split(ro)), (Split(of),)))
+    if all(is_numeric(v.dtype) for v in (*op.inputs, *op.outputs)):
+        sigs.append(Signature((P, B), (P,)))
+        sigs.append(Signature((B, P), (P,)))
+    return sigs

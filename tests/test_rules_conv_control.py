@@ -1,0 +1,360 @@
+"""conv_general_dilated and control-flow rules: expected signatures present, wrong ones absent,
+and EVERY returned signature checked numerically with the family checker on 2 simulated
+devices.
+
+The checker keeps an op's params global except for a few shape params it knows. Two kinds of
+op need more to run on a device's piece, and get it from a stand-in primitive here:
+
+* grouped convs: a device holding ``1/n`` of the groups runs ``G/n`` of them, so the group
+  counts follow the local lhs (:class:`LocalGroupsConv`);
+* loops and branches hold sub-jaxprs typed with the global shapes, so the traced Python
+  function is traced again on the local pieces (:class:`Retraced`); the functions below take
+  their shapes from their arguments for this.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from test_rules_families import (
+    check_signature_numerically,
+    evaluate,
+    f32,
+    op_inputs,
+    sig,
+)
+
+from shardc.ir.sbp import B, P, Split
+from shardc.ir.trace import trace
+from shardc.rules import Signature, op_flops, signatures, strategies
+from shardc.rules.conv import conv_specs
+
+S = Split
+
+
+# ---- conv --------------------------------------------------------------------------------
+
+class LocalGroupsConv:
+    """conv_general_dilated whose group counts scale with the local lhs (what XLA's SPMD
+    partitioner does for a channel- or batch-group split)."""
+
+    name = "conv_general_dilated"
+    multiple_results = False
+
+    def __init__(self, op):
+        self.op = op
+        self.prim = op.prim
+
+    def bind(self, lhs, rhs, **params):
+        (lb, lf, *_), _, _ = conv_specs(self.op)
+        full = self.op.inputs[0].shape
+        for key, d in (("feature_group_count", lf), ("batch_group_count", lb)):
+            if params[key] == 1:
+                continue  # ungrouped: a split of the dim is no split of groups
+            g = params[key] * lhs.shape[d]
+            assert g % full[d] == 0, f"{key} {params[key]} does not divide the local lhs"
+            params[key] = g // full[d]
+        return self.prim.bind(lhs, rhs, **params)
+
+
+def conv_ops(fn, *args):
+    """Every conv_general_dilated op of ``fn`` with its concrete inputs."""
+    graph = trace(fn, *args).graph
+    env = evaluate(graph, args)
+    return [(op, [np.asarray(v.const) if v.is_const else env[v.id] for v in op.inputs])
+            for op in graph.ops if op.name == "conv_general_dilated"]
+
+
+def check_convs(fn, *args) -> list[tuple]:
+    """(op, signatures) of every conv in ``fn``; every signature is checked numerically."""
+    found = []
+    for op, ins in conv_ops(fn, *args):
+        grouped = op.params["feature_group_count"] > 1 or op.params["batch_group_count"] > 1
+        local = op.replace(prim=LocalGroupsConv(op)) if grouped else op
+        sigs = signatures(op)
+        checked = sum(check_signature_numerically(local, s, ins) for s in sigs)
+        assert checked == len(sigs), f"{op.params} {[str(s) for s in sigs]}: uneven test shapes"
+        found.append((op, sigs))
+    return found
+
+
+def _conv(x, w, layout, stride, padding, groups=1):
+    lhs, rhs = ("NHWC", "HWIO") if layout == "NHWC" else ("NCHW", "OIHW")
+    return lax.conv_general_dilated(x, w, stride, padding, dimension_numbers=(lhs, rhs, lhs),
+                                    feature_group_count=groups)
+
+
+def _cnn(layout, stride, padding, groups=1):
+    def loss(x, w1, w2):
+        h = jnp.tanh(_conv(x, w1, layout, stride, padding))
+        return (_conv(h, w2, layout, (1, 1), padding, groups) ** 2).sum()
+    return loss
+
+
+def _cnn_args(layout, groups=1):
+    # batch 4, 4 -> 8 -> 8 channels, 8x8 images
+    if layout == "NHWC":
+        return f32(4, 8, 8, 4), f32(3, 3, 4, 8), f32(3, 3, 8 // groups, 8)
+    return f32(4, 4, 8, 8), f32(8, 4, 3, 3), f32(8, 8 // groups, 3, 3)
+
+
+def _role_sigs(op):
+    """The signatures the rule is expected to give an ungrouped conv, from its specs."""
+    (lb, lf, *_), (ro, ri, *_), (ob, of, *_) = conv_specs(op)
+    return {sig([S(lb), B], [S(ob)]), sig([B, S(ro)], [S(of)]), sig([S(lf), S(ri)], [P]),
+            sig([P, B], [P]), sig([B, P], [P])}
+
+
+@pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+@pytest.mark.parametrize("stride,padding", [((1, 1), "SAME"), ((2, 2), "SAME"),
+                                            ((2, 1), ((1, 2), (0, 1))), ((1, 1), "VALID")])
+def test_cnn_forward_and_gradient_convs_are_exact(layout, stride, padding):
+    args = _cnn_args(layout)
+    loss = _cnn(layout, stride, padding)
+    fwd = check_convs(loss, *args)
+    assert len(fwd) == 2
+    grads = check_convs(jax.grad(loss, argnums=(0, 1, 2)), *args)
+    assert len(grads) == 6  # 2 forward, 2 input gradients (transposed), 2 kernel gradients
+    for op, sigs in fwd + grads:
+        assert set(sigs) == _role_sigs(op) | {sig([B, B], [B])}
+        assert all(s.outs != (S(d),) for s in sigs for d in conv_specs(op)[2][2:])  # spatial
+
+
+def test_kernel_gradient_splits_the_data_batch_into_partial():
+    x, w1, w2 = _cnn_args("NHWC")
+    ops = conv_ops(jax.grad(_cnn("NHWC", (2, 2), "SAME"), argnums=2), x, w1, w2)
+    kernel_grad = [op for op, _ in ops if op.outputs[0].shape == w2.shape]
+    assert kernel_grad
+    for op in kernel_grad:
+        # lhs = activations (batch is dim 0), rhs = cotangent (batch is dim 0): contraction
+        assert sig([S(0), S(0)], [P]) in signatures(op)
+        assert sig([S(3), B], [S(2)]) in signatures(op)  # lhs "batch" = input channels
+
+
+@pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+def test_depthwise_conv_and_its_batch_grouped_kernel_gradient(layout):
+    x, w1, w2 = _cnn_args(layout, groups=8)
+    loss = _cnn(layout, (1, 1), "SAME", groups=8)
+    found = check_convs(jax.grad(loss, argnums=(0, 2)), x, w1, w2)
+    grouped = [(op, sigs) for op, sigs in found
+               if op.params["feature_group_count"] > 1 or op.params["batch_group_count"] > 1]
+    assert {op.params["batch_group_count"] for op, _ in grouped} == {1, 8}
+    for op, sigs in grouped:
+        (lb, lf, *_), (ro, ri, *_), (ob, of, *_) = conv_specs(op)
+        if op.params["batch_group_count"] > 1:  # kernel gradient
+            assert sig([S(lb), S(ro)], [S(of)]) in sigs and sig([S(lf), S(ri)], [P]) in sigs
+            assert sig([S(lb), B], [S(ob)]) not in sigs and sig([B, S(ro)], [S(of)]) not in sigs
+        else:
+            assert sig([S(lf), S(ro)], [S(of)]) in sigs and sig([S(lb), B], [S(ob)]) in sigs
+            assert sig([B, S(ro)], [S(of)]) not in sigs and sig([S(lf), S(ri)], [P]) not in sigs
+
+
+def test_grouped_conv_channel_split_only_when_groups_divide():
+    # 2 groups of 4 channels: a mesh axis of 4 would cut groups, so no channel split at all
+    x, w = f32(4, 8, 8, 8), f32(3, 3, 4, 8)
+    found = check_convs(lambda x, w: _conv(x, w, "NHWC", (1, 1), "SAME", groups=2), x, w)
+    (op, sigs), = found
+    assert sig([S(0), B], [S(0)]) in sigs
+    assert not any(isinstance(s.ins[1], Split) for s in sigs)
+
+
+def test_conv_flops_and_strategies():
+    x, w = f32(4, 8, 8, 6), f32(3, 3, 6, 10)
+    op, _ = op_inputs(lambda x, w: _conv(x, w, "NHWC", (2, 2), "SAME"), x, w,
+                      name="conv_general_dilated")
+    assert op_flops(op) == 2 * (4 * 4 * 4 * 10) * (3 * 3 * 6)
+    names = {st.name for st in strategies(op, (2, 2))}
+    assert "S(0),B->S(0) | B,S(3)->S(3)" in names
+    assert not any("P" in part.split("->")[0] for n in names for part in n.split(" | "))
+    assert all(st.flops == op_flops(op) / 4 for st in strategies(op, (2, 2))
+               if "B,B->B" not in st.name)
+
+
+# ---- control flow ------------------------------------------------------------------------
+
+class Retraced:
+    """Stand-in primitive running ``local_fn`` (a Python function of the op's inputs, in op
+    order, that traces the same loop or branch again) on the pieces it gets."""
+
+    multiple_results = True
+
+    def __init__(self, name: str, local_fn):
+        self.name = name
+        self.local_fn = local_fn
+
+    def bind(self, *ins, **params):
+        return jax.tree.leaves(self.local_fn(*ins))
+
+
+def from_graph_inputs(fn, graph, op):
+    """``fn``'s arguments picked from the op's inputs: the op must read the graph inputs
+    (constants aside: ``fn`` makes those again) and produce the graph outputs."""
+    assert [v.id for v in graph.outputs] == [v.id for v in op.outputs]
+    slot = {k: next(i for i, g in enumerate(graph.inputs) if g is v)
+            for k, v in enumerate(op.inputs) if not v.is_const}
+    assert sorted(slot.values()) == list(range(len(graph.inputs)))
+
+    def local_fn(*ins):
+        args = [None] * len(graph.inputs)
+        for k, i in slot.items():
+            args[i] = ins[k]
+        return fn(*args)
+
+    return local_fn
+
+
+def control_op(fn, *args, name: str, local_fn=None):
+    """The ``name`` op of ``fn``, a copy running on local pieces, and its inputs."""
+    graph = trace(fn, *args).graph
+    (op,) = [o for o in graph.ops if o.name == name]
+    env = evaluate(graph, args)
+    ins = [np.asarray(v.const) if v.is_const else env[v.id] for v in op.inputs]
+    local_fn = local_fn or from_graph_inputs(fn, graph, op)
+    return op, op.replace(prim=Retraced(name, local_fn)), ins
+
+
+def check_control(fn, *args, name: str, local_fn=None) -> list[Signature]:
+    op, local, ins = control_op(fn, *args, name=name, local_fn=local_fn)
+    sigs = signatures(op)
+    for s in sigs:
+        assert check_signature_numerically(local, s, ins), f"{s} does not fit the test shapes"
+    return sigs
+
+
+def rnn(h0, xs, w, u):
+    def body(h, x):
+        h = jnp.tanh(h @ w + x @ u)
+        return h, (h.sum(-1), h * 2.0)
+    return lax.scan(body, h0, xs)
+
+
+def test_batch_parallel_rnn_scan():
+    # consts w, u; carry h (batch 4, hidden 6); xs (time 5, batch 4, features 3)
+    sigs = check_control(rnn, f32(4, 6), f32(5, 4, 3), f32(6, 6), f32(3, 6), name="scan")
+    batch = sig([B, B, S(0), S(1)], [S(0), S(1), S(1)])
+    assert batch in sigs
+    # the hidden dim is contracted every step: no split of it, no split of time
+    assert len(sigs) == 2 and sigs[0] == sig([B] * 4, [B] * 3)
+
+
+def test_scan_refuses_to_split_a_dim_the_body_mixes():
+    def cumulative(h0, xs):
+        def body(h, x):
+            h = jnp.cumsum(h * x, axis=0)  # mixes the batch (dim 0)
+            return h, h[0]
+        return lax.scan(body, h0, xs)
+
+    sigs = check_control(cumulative, f32(4, 6), f32(5, 4, 6), name="scan")
+    assert all(s.ins[0] != S(0) for s in sigs)
+    # dim 1 is never mixed (cumsum runs along 0, h[0] keeps it): that split is exact
+    assert sig([S(1), S(2)], [S(1), S(1)]) in sigs
+
+
+def test_scan_with_a_scalar_carry_and_broadcast_consts():
+    def fn(h0, xs, bias):
+        def body(carry, x):
+            t, h = carry
+            h = h * 0.5 + x + bias + t  # bias (6,) is broadcast into (4, 6) in the body
+            return (t + 1.0, h), h.max(-1)
+        return lax.scan(body, (jnp.float32(0.0), h0), xs, reverse=True)
+
+    sigs = check_control(fn, f32(4, 6), f32(3, 4, 6), f32(6), name="scan")
+    op, _, _ = control_op(fn, f32(4, 6), f32(3, 4, 6), f32(6), name="scan")
+    nc = op.params["num_consts"]
+    assert sig([B] * nc + [B, S(0), S(1)], [B, S(0), S(1)]) in sigs  # counter replicated
+    assert not any(s.ins[nc + 1] == S(1) for s in sigs)  # max over the hidden dim
+
+
+def test_nested_scan_is_batch_parallel_through_the_inner_body():
+    def fn(h0, xs):
+        def step(h, x):  # x: (2, batch, 6): an inner scan over its leading axis
+            h, _ = lax.scan(lambda c, y: (jnp.tanh(c + y), None), h, x)
+            return h, h * 2.0
+        return lax.scan(step, h0, xs)
+
+    sigs = check_control(fn, f32(4, 6), f32(3, 2, 4, 6), name="scan")
+    assert {sig([S(0), S(2)], [S(0), S(1)]), sig([S(1), S(3)], [S(1), S(2)])} <= set(sigs)
+
+
+def test_scan_splits_a_const_the_body_only_uses_split():
+    # mask (4, 6) is a scan const; the body only multiplies it into the split carry, so each
+    # device needs only its rows of it. bias is used whole by a replicated op: it stays B.
+    def fn(h0, xs, mask, bias):
+        return lax.scan(lambda h, x: (h * mask + x * bias.sum(), None), h0, xs)
+
+    sigs = check_control(fn, f32(4, 6), f32(3, 4, 6), f32(4, 6), f32(6), name="scan")
+    op, _, _ = control_op(fn, f32(4, 6), f32(3, 4, 6), f32(4, 6), f32(6), name="scan")
+    mask = next(k for k, v in enumerate(op.inputs) if v.shape == (4, 6) and k < 2)
+    ins = [B, B, S(0), S(1)]
+    ins[mask] = S(0)
+    assert sig(ins, [S(0)]) in sigs
+    assert all(s.ins[1 - mask] == B for s in sigs)
+
+
+def test_backward_rnn_scan_offers_no_split_that_leaves_the_work_replicated():
+    def model(h0, xs, w, u):
+        h, (s, ys) = rnn(h0, xs, w, u)
+        return h.sum() + s.sum() + ys.sum()
+
+    args = f32(8, 6), f32(5, 8, 3), f32(6, 6), f32(3, 6)
+    graph = trace(jax.grad(model, argnums=(0, 2, 3)), *args).graph
+    forward, backward = [op for op in graph.ops if op.name == "scan"]
+    assert any(s.ins[2:4] == (S(0), S(1)) for s in signatures(forward))
+    # batch split: the weight gradients sum over the batch (partial carries: not offered);
+    # splitting only the (6, 6) accumulator is exact but leaves the dots replicated
+    assert [s.divides_work for s in signatures(backward)] == [False]
+
+
+def test_scan_flops_count_every_iteration():
+    op, _, _ = control_op(rnn, f32(4, 6), f32(5, 4, 3), f32(6, 6), f32(3, 6), name="scan")
+    from shardc.rules.control import body_graph
+
+    body = sum(op_flops(o) for o in body_graph(op.params["jaxpr"]).ops)
+    assert body >= 2 * 4 * 6 * 6 + 2 * 4 * 3 * 6
+    assert op_flops(op) == 5 * body
+
+
+def test_while_loop_splits_the_batch_only_with_a_replicated_predicate():
+    def counted(h, w):
+        def body(c):
+            i, h = c
+            return i + 1, jnp.tanh(h @ w)
+        return lax.while_loop(lambda c: c[0] < 3, body, (jnp.int32(0), h))
+
+    sigs = check_control(counted, f32(4, 6), f32(6, 6), name="while")
+    assert sig([B, B, S(0)], [B, S(0)]) in sigs
+
+    def until_small(h):  # the trip count depends on every row: the batch cannot be split
+        return lax.while_loop(lambda h: jnp.abs(h).max() > 0.1, lambda h: h * 0.5, h)
+
+    sigs = check_control(until_small, f32(4, 6), name="while")
+    assert sigs == [sig([B], [B])]
+
+
+def test_cond_keeps_the_index_broadcast():
+    branches = [lambda x, y: (jnp.sin(x), jnp.zeros_like(y[0])),  # index 0: false
+                lambda x, y: (x * 2.0, y.sum(0))]
+
+    def fn(p, x, y):
+        return lax.cond(p, branches[1], branches[0], x, y)
+
+    sigs = check_control(fn, True, f32(4, 6), f32(4, 6), name="cond",
+                         local_fn=lambda i, x, y: lax.switch(i, branches, x, y))
+    # the false branch's zeros are replicated: sliced to the true branch's split
+    assert sig([B, S(1), S(1)], [S(1), S(0)]) in sigs
+    assert all(s.ins[0] == B for s in sigs)
+    assert not any(s.ins[2] == S(0) for s in sigs)  # y.sum(0) reduces the split
+
+
+def test_scan_inside_a_traced_model_gets_strategies():
+    def model(h0, xs, w, u):
+        h, (s, ys) = rnn(h0, xs, w, u)
+        return h.sum() + s.sum() + ys.sum()
+
+    graph = trace(model, f32(8, 6), f32(5, 8, 3), f32(6, 6), f32(3, 6)).graph
+    (op,) = [o for o in graph.ops if o.name == "scan"]
+    names = {st.name for st in strategies(op, (2, 4))}
+    assert "B,B,S(0),S(1)->S(0),S(1),S(1) | B,B,S(0),S(1)->S(0),S(1),S(1)" in names
