@@ -31,7 +31,8 @@ def summary(cells: list[Cell]) -> list[dict]:
         if ours and best:
             row["ratio"] = ours.compiled_s / best.compiled_s
         if ours and ours.compiled_comm_s:
-            row["comm_error"] = (ours.predicted_comm_s - ours.compiled_comm_s) / ours.compiled_comm_s
+            err = ours.predicted_comm_s - ours.compiled_comm_s
+            row["comm_error"] = err / ours.compiled_comm_s
         rows.append(row)
     return rows
 

@@ -58,7 +58,8 @@ class ZooModel:
 
 
 def _call(cls, expr: str):
-    """``"gpt2_small(n_layers=4)"`` -> ``cls.gpt2_small(n_layers=4)``; ``"tiny"`` -> ``cls.tiny()``."""
+    """``"gpt2_small(n_layers=4)"`` -> ``cls.gpt2_small(n_layers=4)``;
+    ``"tiny"`` -> ``cls.tiny()``."""
     name, _, args = expr.partition("(")
     kwargs = {}
     for part in filter(None, args.rstrip(")").split(",")):
