@@ -50,7 +50,10 @@ def explain_plan(plan, max_rows: int | None = 60, top: int = 10) -> str:
     if plan.reshards:
         lines.append(f"top {min(top, len(plan.reshards))} resharding edges:")
         for r in sorted(plan.reshards, key=lambda r: -r.time)[:top]:
-            where = f"op {r.consumer}" if r.consumer >= 0 else f"output {-1 - r.consumer}"
+            if r.consumer is None:
+                where = "its uses"
+            else:
+                where = f"op {r.consumer}" if r.consumer >= 0 else f"output {-1 - r.consumer}"
             lines.append(f"  v{r.value} -> {where}: {r.src} -> {r.dst}  "
                          f"{'+'.join(r.collectives)}  {fmt_time(r.time)}  "
                          f"{fmt_bytes(r.wire_bytes)}")

@@ -54,7 +54,7 @@ class OpPlan:
 @dataclass(frozen=True)
 class Reshard:
     value: int
-    consumer: int  # op id, or -1 - j for graph output j
+    consumer: int | None  # op id, -1 - j for graph output j, None: the value's settling
     src: NdSbp
     dst: NdSbp
     time: float
@@ -82,7 +82,7 @@ class Plan:
     cluster: Cluster
     inputs: tuple[NdSbp, ...]  # per flat input leaf
     outputs: tuple[NdSbp, ...]  # per flat output leaf
-    values: dict  # value id -> NdSbp
+    values: dict  # value id -> NdSbp (as its producer makes it)
     ops: tuple[OpPlan, ...]
     reshards: tuple[Reshard, ...]
     predicted: Predicted
@@ -90,6 +90,11 @@ class Plan:
     fingerprint: str = ""
     input_ranks: tuple[int, ...] = ()
     output_ranks: tuple[int, ...] = ()
+    settled: dict = field(default_factory=dict)  # value id -> NdSbp its uses read it from
+
+    def read_as(self, value_id: int) -> NdSbp | None:
+        """The layout the uses of a value read it from: settled, else as produced."""
+        return self.settled.get(value_id, self.values.get(value_id))
 
     @property
     def axis_names(self) -> tuple[str, ...]:
@@ -135,6 +140,7 @@ class Plan:
             "input_ranks": list(self.input_ranks),
             "output_ranks": list(self.output_ranks),
             "values": {str(k): nd.to_json() for k, nd in self.values.items()},
+            "settled": {str(k): nd.to_json() for k, nd in self.settled.items()},
             "ops": [{**asdict(o), "ins": [nd.to_json() for nd in o.ins],
                      "outs": [nd.to_json() for nd in o.outs]} for o in self.ops],
             "reshards": [{**asdict(r), "src": r.src.to_json(), "dst": r.dst.to_json()}
@@ -157,6 +163,7 @@ class Plan:
             inputs=tuple(nd(x) for x in d["inputs"]),
             outputs=tuple(nd(x) for x in d["outputs"]),
             values={int(k): nd(v) for k, v in d["values"].items()},
+            settled={int(k): nd(v) for k, v in d.get("settled", {}).items()},
             ops=tuple(OpPlan(**{**o, "ins": tuple(nd(x) for x in o["ins"]),
                                 "outs": tuple(nd(x) for x in o["outs"])}) for o in d["ops"]),
             reshards=tuple(Reshard(**{**r, "src": nd(r["src"]), "dst": nd(r["dst"]),
@@ -197,14 +204,26 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
                                 tuple(c.bytes_factor * value.nbytes for c in conv.collectives)))
         return t
 
+    settled = {vid: cg.choices[w][choice[w]] for vid, w in cg.settle.items()}
+
+    def settle(v) -> None:
+        if v.id in settled:
+            record(v, None, values[v.id], settled[v.id])
+
+    def read(v) -> NdSbp:
+        return settled.get(v.id, values[v.id])
+
+    for v in graph.inputs:
+        settle(v)
     for j, op in enumerate(graph.ops):
         strat = cg.choices[n_in + j][choice[n_in + j]]
         op_comm = 0.0
         for k, v in enumerate(op.inputs):
             if not v.is_const:
-                op_comm += record(v, op.id, values[v.id], strat.ins[k])
+                op_comm += record(v, op.id, read(v), strat.ins[k])
         for v, nd in zip(op.outputs, strat.outs):
             values[v.id] = nd
+            settle(v)
         types = (",".join(v.type_str() for v in op.inputs) + "->" +
                  ",".join(v.type_str() for v in op.outputs))
         ops.append(OpPlan(op.id, op.name, types, strat.ins, strat.outs, strat.flops / rate,
@@ -213,7 +232,12 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
     tied = dict(ties)
     outputs = []
     for j, v in enumerate(graph.outputs):
-        src = values.get(v.id, NdSbp((B,) * len(sizes)))
+        if v.is_const:
+            src = NdSbp((B,) * len(sizes))
+        elif j in tied and graph.inputs[tied[j]].id == v.id:
+            src = values[v.id]  # the state passed through unchanged
+        else:
+            src = read(v)
         dst = values[graph.inputs[tied[j]].id] if j in tied else unreduced(src)
         if not v.is_const:
             record(v, -1 - j, src, dst)
@@ -226,7 +250,7 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
                 tuple(values[v.id] for v in graph.inputs), tuple(outputs), values, tuple(ops),
                 tuple(reshards), Predicted(comm, compute, wire, peak, feed), dict(solver),
                 fingerprint(graph), tuple(v.ndim for v in graph.inputs),
-                tuple(v.ndim for v in graph.outputs))
+                tuple(v.ndim for v in graph.outputs), settled)
 
 
 def _peak_memory(graph: Graph, values: dict, sizes) -> float:

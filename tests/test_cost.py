@@ -34,6 +34,12 @@ def test_nd_conversions_run_on_the_already_sharded_size():
 def test_combined_collectives_share_latency():
     conv = conversion(NdSbp((P, B)), NdSbp((B, B)), SIZES, NAMES, CL)
     assert conv.time(MB, alpha_scale=0.25) == pytest.approx(0.25e-6 + MB / 100e9)
+    # XLA:CPU has no all-gather combiner: an all-gather keeps its whole latency
+    gather = conversion(NdSbp((S(0), B)), NdSbp((B, B)), SIZES, NAMES, CL)
+    assert gather.time(MB, alpha_scale=0.25) == pytest.approx(1e-6 + 0.5 * MB / 100e9)
+    both = conversion(NdSbp((S(0), P)), NdSbp((B, B)), SIZES, NAMES, CL)  # gather + reduce
+    assert both.time(MB, alpha_scale=0.25) == pytest.approx(
+        1e-6 + 0.25 * 5e-6 + 0.5 * MB / 100e9 + 2 * 0.75 * MB / 2 / 10e9)
 
 
 def test_cluster_validates_and_round_trips():

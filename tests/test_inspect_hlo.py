@@ -15,12 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 from shardc.cost.cluster import Cluster
 from shardc.inspect import CompiledCost, HloCollective, collectives, price
-from shardc.inspect.hlo import (
-    collective_seconds,
-    group_axes,
-    loop_trip_counts,
-    parse_replica_groups,
-)
+from shardc.inspect.groups import group_axes, parse_replica_groups
+from shardc.inspect.hlo import collective_seconds, loop_trip_counts
 
 F32 = 4
 GPU_LINES = ((0, 1, 2, 3), (4, 5, 6, 7))
@@ -297,6 +293,57 @@ def test_cpu_reduce_scatter_only_when_the_sole_user_keeps_one_nth(mesh):
         "reduce-scatter", True, ("f32[1,8,64]",), 8 * 64 * F32)
     assert found["ar.half"].kind == "all-reduce"  # keeps 1/2 of a 4-way sum
     assert found["ar.shared"].kind == "all-reduce"  # two users
+
+
+TUPLE_SCATTER = """\
+HloModule tuple_scatter, num_partitions=8
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%adam_m (m: f32[8,64], g: f32[32,64], pid: u32[]) -> f32[8,64] {
+  %g = f32[32,64]{1,0} parameter(1)
+  %pid = u32[] parameter(2)
+  %row = s32[] convert(%pid)
+  %zero = s32[] constant(0)
+  %mine = f32[8,64]{1,0} dynamic-slice(%g, %row, %zero), dynamic_slice_sizes={8,64}
+  %m = f32[8,64]{1,0} parameter(0)
+  ROOT %new = f32[8,64]{1,0} add(%m, %mine)
+}
+
+ENTRY %main (p: f32[32,64], q: f32[16], m: f32[8,64], v: f32[8,64]) -> (f32[8,64], f32[8,64], f32[16]) {
+  %p = f32[32,64]{1,0} parameter(0)
+  %q = f32[16]{0} parameter(1)
+  %m = f32[8,64]{1,0} parameter(2)
+  %v = f32[8,64]{1,0} parameter(3)
+  %pid = u32[] partition-id()
+  %ar = (f32[32,64]{1,0}, f32[16]{0}) all-reduce(%p, %q), replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%add
+  %g0 = f32[32,64]{1,0} get-tuple-element(%ar), index=0
+  %g1 = f32[16]{0} get-tuple-element(%ar), index=1
+  %new.m = f32[8,64]{1,0} fusion(%m, %g0, %pid), kind=kLoop, calls=%adam_m
+  %new.v = f32[8,64]{1,0} fusion(%v, %g0, %pid), kind=kLoop, calls=%adam_m
+  %whole = f32[16]{0} add(%g1, %g1)
+  ROOT %out = (f32[8,64]{1,0}, f32[8,64]{1,0}, f32[16]{0}) tuple(%new.m, %new.v, %whole)
+}
+"""  # noqa: E501
+
+
+def test_combined_all_reduce_splits_into_reduce_scatter_and_all_reduce(mesh):
+    """A tuple all-reduce is several combined; an element whose every use (here two
+    optimizer fusions) keeps the same 1/n slice is a reduce-scatter."""
+    found = collectives(TUPLE_SCATTER, mesh)
+    assert [(c.kind, c.name, c.shapes, c.result_bytes, c.from_all_reduce) for c in found] == [
+        ("all-reduce", "ar", ("f32[16]",), 16 * F32, False),
+        ("reduce-scatter", "ar", ("f32[8,64]",), 8 * 64 * F32, True),
+    ]
+    alone = TUPLE_SCATTER.replace("%whole = f32[16]{0} add(%g1, %g1)",
+                                  "%whole = f32[4]{0} slice(%g1), slice={[0:4]}")
+    alone = alone.replace("f32[16]{0}) tuple(", "f32[4]{0}) tuple(")
+    assert [(c.kind, c.shapes) for c in collectives(alone, mesh)] == [
+        ("reduce-scatter", ("f32[8,64]", "f32[4]"))]
 
 
 def test_collectives_names_what_arrived(mesh):

@@ -1,12 +1,17 @@
 """Which resharding collectives XLA will combine into one.
 
-XLA's all-reduce / all-gather / reduce-scatter combiners merge collectives that do not
-depend on each other into one tuple collective (a data-parallel step's gradient all-reduces
-compile to a single ``all-reduce`` of a tuple). Values in the step's *tail*, from which every
-path to the outputs runs through elementwise and layout ops only (gradients on their way into
-the optimizer update), are independent of each other in that sense: their collectives share
-one latency. The cost model charges each of them ``α / K`` for ``K`` tail values, so a plan
-that reduces all of them pays about one ``α``, as the compiled program does.
+XLA's combiners merge collectives that do not depend on each other into one tuple collective
+(a data-parallel step's gradient all-reduces compile to a single ``all-reduce`` of a tuple).
+Values in the step's *tail*, from which every path to the outputs runs through elementwise
+and layout ops only (gradients on their way into the optimizer update), are independent of
+each other in that sense: their collectives share one latency. The cost model charges each of
+them ``α / K`` for ``K`` tail values, so a plan that reduces all of them pays about one ``α``,
+as the compiled program does.
+
+Only the kinds in :data:`COMBINED_KINDS` share: XLA:CPU (jax 0.10) runs the all-reduce
+combiner but no all-gather combiner (five independent all-gathers of sharded parameters
+compile to five ``all-gather`` ops), and its reduce-scatters are all-reduces followed by a
+slice, so they combine as all-reduces do.
 
 References:
   XLA ``all_reduce_combiner.cc`` / ``all_gather_combiner.cc`` (combine independent
@@ -16,6 +21,9 @@ References:
 from __future__ import annotations
 
 from shardc.ir.graph import Graph
+
+#: collective kinds whose independent instances XLA merges into one (see the module doc)
+COMBINED_KINDS = frozenset({"all-reduce", "reduce-scatter"})
 
 #: primitives that do no cross-element work: a collective before them could be after them
 TAIL_PRIMS = set(

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from shardc.cost.cluster import Cluster
+from shardc.cost.combine import COMBINED_KINDS
 from shardc.ir.sbp import Broadcast, NdSbp, Partial, Sbp, Split
 
 
@@ -41,18 +42,23 @@ class Collective:
 
 @dataclass(frozen=True, slots=True)
 class Conversion:
-    """Cost of a conversion as ``alpha + per_byte * logical_bytes`` seconds."""
+    """Cost of a conversion as ``alpha + per_byte * logical_bytes`` seconds.
+
+    ``combinable_alpha`` is the part of ``alpha`` paid by collectives XLA may combine with
+    independent ones of their kind (:data:`shardc.cost.combine.COMBINED_KINDS`)."""
 
     alpha: float
     per_byte: float
     wire_per_byte: float
     collectives: tuple[Collective, ...]
+    combinable_alpha: float = 0.0
 
     def time(self, nbytes: float, alpha_scale: float = 1.0) -> float:
-        """Seconds; ``alpha_scale`` < 1 when XLA combines this collective with others."""
+        """Seconds; ``alpha_scale`` < 1 when XLA combines the combinable collectives of this
+        conversion with others."""
         if not self.collectives:
             return 0.0
-        return self.alpha * alpha_scale + self.per_byte * nbytes
+        return self.alpha - self.combinable_alpha * (1.0 - alpha_scale) + self.per_byte * nbytes
 
     def wire_bytes(self, nbytes: float) -> float:
         return self.wire_per_byte * nbytes
@@ -83,7 +89,7 @@ def _axis_step(src: Sbp, dst: Sbp, n: int) -> tuple[str, float] | None:
 @lru_cache(maxsize=1 << 16)
 def conversion(src: NdSbp, dst: NdSbp, axis_sizes: tuple[int, ...], axis_names: tuple[str, ...],
                cluster: Cluster) -> Conversion:
-    alpha = per_byte = wire = 0.0
+    alpha = per_byte = wire = combinable = 0.0
     colls = []
     for i, n in enumerate(axis_sizes):
         step = _axis_step(src.sbps[i], dst.sbps[i], n)
@@ -96,10 +102,12 @@ def conversion(src: NdSbp, dst: NdSbp, axis_sizes: tuple[int, ...], axis_names: 
                 shrink *= m
         local = factor / shrink
         alpha += cluster.latency(axis_names[i])
+        if kind in COMBINED_KINDS:
+            combinable += cluster.latency(axis_names[i])
         per_byte += local / cluster.bandwidth(axis_names[i])
         wire += local
         colls.append(Collective(kind, i, local))
-    return Conversion(alpha, per_byte, wire, tuple(colls))
+    return Conversion(alpha, per_byte, wire, tuple(colls), combinable)
 
 
 def reshard_time(src: NdSbp, dst: NdSbp, nbytes: float, axis_sizes: Sequence[int],

@@ -56,23 +56,27 @@ occurrence; its :attr:`HloCollective.computation` names the body, and
 
 from __future__ import annotations
 
-import math
 import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 from jax.sharding import Mesh
 
 from shardc.cost import comm
 from shardc.cost.cluster import Cluster
+from shardc.inspect.groups import Groups, group_axes, instruction_groups
+from shardc.inspect.hlotext import (
+    Computation,
+    Instruction,
+    parse_module,
+    result_shapes,
+    shape_bytes,
+    shape_tree,
+)
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-
-Groups = tuple[tuple[int, ...], ...]
-ShapeTree = str | tuple["ShapeTree", ...]
 
 # ---- results -------------------------------------------------------------------------------
 
@@ -129,392 +133,81 @@ class CompiledCost:
         return self.comm_time + self.compute_time
 
 
-# ---- HLO text -> computations ------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Instruction:
-    name: str
-    shape: str
-    opcode: str
-    operands: tuple[str, ...]
-    attrs: str
-
-
-@dataclass
-class _Computation:
-    name: str
-    instructions: dict[str, _Instruction] = field(default_factory=dict)
-    users: dict[str, list[str]] = field(default_factory=dict)
-
-    def add(self, instr: _Instruction) -> None:
-        self.instructions[instr.name] = instr
-        for op in instr.operands:
-            self.users.setdefault(op, []).append(instr.name)
-
-    def parameter(self, index: int) -> _Instruction | None:
-        for instr in self.instructions.values():
-            if instr.opcode == "parameter" and instr.operands == (str(index),):
-                return instr
-        return None
-
-
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([^\s(]+)\s*\(.*\{\s*$")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*")
-_OPCODE = re.compile(r"\s*([A-Za-z][\w\-]*)\(")
-_COMMENT = re.compile(r"/\*.*?\*/")
-
-
-def _closing(text: str, start: int) -> int:
-    """Index of the ``)`` matching the ``(`` at ``start`` (double-quoted text skipped)."""
-    depth, quoted = 0, False
-    for i in range(start, len(text)):
-        ch = text[i]
-        if ch == '"' and text[i - 1] != "\\":
-            quoted = not quoted
-        elif quoted:
-            continue
-        elif ch == "(":
-            depth += 1
-        elif ch == ")":
-            depth -= 1
-            if depth == 0:
-                return i
-    raise ValueError(f"unbalanced parentheses in HLO line: {text[:200]!r}")
-
-
-def _split_top(text: str) -> list[str]:
-    """Split on commas outside (), [] and {}."""
-    parts, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    parts.append(text[start:])
-    return [p.strip() for p in parts if p.strip()]
-
-
-def _parse_instruction(line: str) -> _Instruction | None:
-    m = _INSTR.match(line)
-    if m is None:
-        return None
-    rest = line[m.end():]
-    if rest.startswith("("):
-        end = _closing(rest, 0) + 1
-    else:
-        end = len(rest.split(None, 1)[0]) if rest.strip() else 0
-    shape, rest = rest[:end], rest[end:]
-    op = _OPCODE.match(rest)
-    if op is None:
-        return None
-    close = _closing(rest, op.end() - 1)
-    operand_text = _COMMENT.sub("", rest[op.end():close])
-    operands = tuple(p.split()[-1].lstrip("%") for p in _split_top(operand_text))
-    return _Instruction(m.group(1), _COMMENT.sub("", shape), op.group(1), operands,
-                        rest[close + 1:])
-
-
-def _parse_module(text: str) -> dict[str, _Computation]:
-    comps: dict[str, _Computation] = {}
-    current: _Computation | None = None
-    for line in text.splitlines():
-        if not line.strip() or line.startswith("HloModule"):
-            continue
-        if not line[0].isspace():
-            if line.strip() == "}":
-                current = None
-                continue
-            header = _HEADER.match(line)
-            if header:
-                current = comps.setdefault(header.group(1), _Computation(header.group(1)))
-            continue
-        if current is not None:
-            instr = _parse_instruction(line)
-            if instr is not None:
-                current.add(instr)
-    if not comps:
-        raise ValueError(f"no HLO computations found in text starting {text[:120]!r}")
-    return comps
-
-
-# ---- shapes --------------------------------------------------------------------------------
-
-_DTYPE_BITS = {
-    "pred": 8, "s1": 1, "u1": 1, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8,
-    "s16": 16, "u16": 16, "f16": 16, "bf16": 16, "s32": 32, "u32": 32, "f32": 32,
-    "s64": 64, "u64": 64, "f64": 64, "c64": 64, "c128": 128, "f4e2m1fn": 4,
-    "f8e5m2": 8, "f8e4m3": 8, "f8e4m3fn": 8, "f8e4m3b11fnuz": 8, "f8e5m2fnuz": 8,
-    "f8e4m3fnuz": 8, "f8e3m4": 8, "f8e8m0fnu": 8, "token": 0, "opaque": 0,
-}
-_LEAF = re.compile(r"^([a-z][a-z0-9]*)\[([^\]]*)\]")
-
-
-def _shape_tree(text: str) -> ShapeTree:
-    text = text.strip()
-    if text.startswith("("):
-        return tuple(_shape_tree(p) for p in _split_top(text[1:-1]))
-    m = _LEAF.match(text)
-    if m is None:
-        raise ValueError(f"unrecognised HLO shape {text!r}")
-    return m.group(0)
-
-
-def _leaves(tree: ShapeTree) -> tuple[str, ...]:
-    if isinstance(tree, str):
-        return (tree,)
-    return tuple(leaf for t in tree for leaf in _leaves(t))
-
-
-def shape_bytes(shape: str) -> int:
-    """Bytes of one array shape string such as ``"f32[32,256]"`` (layout optional)."""
-    m = _LEAF.match(shape.strip())
-    if m is None:
-        raise ValueError(f"unrecognised HLO array shape {shape!r}")
-    dtype, dims = m.groups()
-    if dtype not in _DTYPE_BITS:
-        raise ValueError(f"unknown HLO element type {dtype!r} in shape {shape!r}")
-    n = math.prod(int(d.strip().removeprefix("<=")) for d in dims.split(",") if d.strip())
-    return math.ceil(n * _DTYPE_BITS[dtype] / 8)
-
-
-def _result_shapes(opcode: str, shape: str) -> tuple[str, ...]:
-    """Leaf shapes of a collective's result; async ``-start`` ops return
-    ``(operands, results, context...)`` except ``all-reduce-start`` (results only)."""
-    tree = _shape_tree(shape)
-    if opcode.endswith("-start") and opcode != "all-reduce-start":
-        if isinstance(tree, str) or len(tree) < 2:
-            raise ValueError(f"{opcode} result {shape!r} is not an (operand, result, ...) tuple")
-        tree = tree[1]
-    return _leaves(tree)
-
-
-# ---- replica groups ------------------------------------------------------------------------
-
-_EXPLICIT = re.compile(r"\{((?:\s*\{[\d,\s]*\}\s*,?)*)\s*\}")
-_IOTA = re.compile(r"\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
-_MESH = re.compile(
-    r"mesh\[([^\]]*)\](?:,\s*device_ids=\(((?:[^()]|\([^()]*\))*)\))?\s*\{([^{}]*)\}")
-_PAIRS = re.compile(r"source_target_pairs=\{((?:\s*\{\d+,\d+\}\s*,?)*)\s*\}")
-_INTS = re.compile(r"\d+")
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in _INTS.findall(text)]
-
-
-def _iota(dims: Sequence[int], perm: Sequence[int] | None) -> np.ndarray:
-    """``iota(prod(dims))`` reshaped to ``dims`` and transposed by ``perm``."""
-    arr = np.arange(math.prod(dims)).reshape(dims)
-    if not perm:
-        return arr
-    if sorted(perm) != list(range(len(dims))):
-        raise ValueError(f"iota transpose T{tuple(perm)} is not a permutation of the "
-                         f"{len(dims)} reshape dims {list(dims)}")
-    return arr.transpose(perm)
-
-
-def _explicit_groups(m: re.Match, num_devices: int) -> Groups:
-    groups = tuple(tuple(_ints(g)) for g in re.findall(r"\{([\d,\s]*)\}", m.group(1)))
-    return groups or (tuple(range(num_devices)),)
-
-
-def _iota_groups(m: re.Match) -> Groups:
-    n_groups, size = int(m.group(1)), int(m.group(2))
-    dims = _ints(m.group(3))
-    perm = _ints(m.group(4)) if m.group(4) else None
-    if math.prod(dims) != n_groups * size:
-        raise ValueError(f"iota replica groups {m.group(0)!r}: {n_groups}x{size} groups "
-                         f"but {math.prod(dims)} devices")
-    return tuple(tuple(int(d) for d in row) for row in _iota(dims, perm).reshape(n_groups, size))
-
-
-def _mesh_device_ids(spec: str | None, n: int) -> np.ndarray:
-    """Flat device assignment of a mesh-spelled replica group: ``[dims]T(perm)`` iota,
-    ``[dims]`` iota, a comma list of ids, or None (plain iota)."""
-    if spec is None:
-        return np.arange(n)
-    spec = spec.strip()
-    iota = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", spec)
-    if iota:
-        ids = _iota(_ints(iota.group(1)), _ints(iota.group(2)) if iota.group(2) else None)
-    elif re.fullmatch(r"[\d,\s]+", spec):
-        ids = np.array(_ints(spec))
-    else:
-        raise ValueError(f"unrecognised mesh device_ids=({spec})")
-    if ids.size != n:
-        raise ValueError(f"mesh device_ids=({spec}) has {ids.size} ids, mesh has {n} devices")
-    return ids.ravel()
-
-
-def _axis_reshape(refs: list[tuple[int, int]], full: int) -> tuple[list[int], list[int]]:
-    """Split one mesh axis of size ``full`` for its sub-axis refs ``(pre_size, size)``:
-    the reshaped dims and, per ref in the given order, the dim it aggregates over."""
-    if len(refs) == 1 and refs[0] == (1, full):
-        return [full], [0]
-    order = sorted(range(len(refs)), key=lambda i: refs[i][0])
-    dims: list[int] = []
-    agg_sorted: list[int] = []
-    prefix = 1
-    for i in order:
-        pre, size = refs[i]
-        if pre != prefix:
-            dims.append(pre // prefix)
-            prefix = pre
-        agg_sorted.append(len(dims))
-        dims.append(size)
-        prefix *= size
-    if prefix != full:
-        dims.append(full // prefix)
-    agg = [0] * len(refs)
-    for pos, i in enumerate(order):
-        agg[i] = agg_sorted[pos]
-    return dims, agg
-
-
-def _mesh_refs(m: re.Match) -> tuple[list[int], list[tuple[int, int, int]]]:
-    """Axis sizes of a mesh spelling and its braced refs as ``(axis, pre_size, size)``."""
-    axes = re.findall(r"'?([^'=,\s]+)'?\s*=\s*(\d+)", m.group(1))
-    if not axes:
-        raise ValueError(f"mesh replica groups {m.group(0)!r} name no axes")
-    names = [a for a, _ in axes]
-    sizes = [int(n) for _, n in axes]
-    refs = []
-    for name, pre, size in re.findall(r"'?([^',:\s{}]+)'?(?::\((\d+)\)(\d+))?", m.group(3)):
-        if name not in names:
-            raise ValueError(f"mesh replica groups {m.group(0)!r} group over unknown axis "
-                             f"{name!r}; mesh axes are {names}")
-        dim = names.index(name)
-        refs.append((dim, int(pre), int(size)) if pre else (dim, 1, sizes[dim]))
-    return sizes, refs
-
-
-def _mesh_groups(m: re.Match) -> Groups:
-    """Groups of a mesh spelling, as XLA's ``MeshAxesReplicaGroupList`` builds them: split
-    each axis for its sub-axis refs, move the grouped dims (in ref order) last, chunk."""
-    sizes, refs = _mesh_refs(m)
-    ids = _mesh_device_ids(m.group(2), math.prod(sizes))
-    reshaped: list[int] = []
-    offsets: list[int] = []
-    splits: list[list[int]] = []
-    for dim, full in enumerate(sizes):
-        dim_refs = [(pre, size) for d, pre, size in refs if d == dim]
-        dims, agg = _axis_reshape(dim_refs, full) if dim_refs else ([full], [])
-        offsets.append(len(reshaped))
-        splits.append(agg)
-        reshaped += dims
-    grouped: list[int] = []
-    used: Counter[int] = Counter()
-    for dim, _, _ in refs:
-        grouped.append(splits[dim][used[dim]] + offsets[dim])
-        used[dim] += 1
-    perm = [d for d in range(len(reshaped)) if d not in grouped] + grouped
-    size = math.prod(size for _, _, size in refs)
-    arr = ids.reshape(reshaped).transpose(perm).reshape(-1, size)
-    return tuple(tuple(int(d) for d in row) for row in arr)
-
-
-def parse_replica_groups(spelling: str, num_devices: int) -> Groups:
-    """Device groups of a ``replica_groups=`` value in any of the three spellings (module
-    docstring); ``num_devices`` expands the empty explicit list ``{}``."""
-    text = spelling.strip().removeprefix("replica_groups=")
-    if m := _EXPLICIT.match(text):
-        return _explicit_groups(m, num_devices)
-    if m := _IOTA.match(text):
-        return _iota_groups(m)
-    if m := _MESH.match(text):
-        return _mesh_groups(m)
-    raise ValueError(f"unrecognised replica_groups spelling {text[:160]!r}; expected "
-                     "{{..},..}, [g,s]<=[dims]T(perm) or mesh[..], device_ids=(..) {axes}")
-
-
-def _permute_groups(pairs: Sequence[tuple[int, int]]) -> Groups:
-    """Connected components of collective-permute source→target pairs."""
-    parent: dict[int, int] = {}
-
-    def root(x: int) -> int:
-        while parent.setdefault(x, x) != x:
-            x = parent[x]
-        return x
-
-    for s, t in pairs:
-        parent[root(s)] = root(t)
-    comps: dict[int, list[int]] = {}
-    for d in parent:
-        comps.setdefault(root(d), []).append(d)
-    return tuple(sorted(tuple(sorted(c)) for c in comps.values()))
-
-
-def _instruction_groups(instr: _Instruction, num_devices: int) -> Groups:
-    if instr.opcode.startswith("collective-permute"):
-        m = _PAIRS.search(instr.attrs)
-        if m is None:
-            raise ValueError(f"{instr.opcode} %{instr.name} has no source_target_pairs")
-        ints = _ints(m.group(1))
-        return _permute_groups(list(zip(ints[::2], ints[1::2])))
-    at = instr.attrs.find("replica_groups=")
-    if at < 0:
-        return (tuple(range(num_devices)),)
-    try:
-        return parse_replica_groups(instr.attrs[at:], num_devices)
-    except ValueError as e:
-        raise ValueError(f"{instr.opcode} %{instr.name}: {e}") from None
-
-
-def group_axes(groups: Groups, mesh: Mesh) -> tuple[str, ...] | None:
-    """Mesh axes (in mesh order) the groups span, or None unless every group is exactly a
-    full line/plane of those axes. Ids are positions in ``mesh.devices.flat``."""
-    shape = mesh.devices.shape
-    n = mesh.devices.size
-    varying: list[frozenset[int]] = []
-    for g in groups:
-        bad = [d for d in g if not 0 <= d < n]
-        if bad:
-            raise ValueError(f"replica group {g} names device ids {bad} outside the mesh's "
-                             f"{n} devices (shape {dict(mesh.shape)})")
-        coords = np.array(np.unravel_index(list(g), shape)).T
-        varying.append(frozenset(i for i in range(len(shape)) if len(set(coords[:, i])) > 1))
-    axes = frozenset().union(*varying)
-    size = math.prod(shape[i] for i in axes)
-    if any(v != axes or len(set(g)) != size for g, v in zip(groups, varying)):
-        return None
-    return tuple(mesh.axis_names[i] for i in sorted(axes))
-
-
 # ---- the CPU reduce-scatter pattern ----------------------------------------------------------
 
 _PASS_THROUGH = frozenset({"bitcast", "reshape", "copy", "transpose", "all-reduce-done"})
 _CALLS = re.compile(r"calls=%?([^\s,}]+)")
+_INDEX = re.compile(r"\bindex=(\d+)")
 
 
-def _kept_slice(comps: Mapping[str, _Computation], comp: _Computation, name: str,
+def _kept_slice(comps: Mapping[str, Computation], comp: Computation, name: str,
                 full_bytes: int, n: int) -> str | None:
-    """Shape of the ``1/n`` slice that the sole user chain of ``name`` keeps, if any."""
+    """Shape of the ``1/n`` slice that every use of ``name`` keeps, if every use keeps the
+    same one: each user is a (dynamic-)slice of it, a pass-through op whose uses do so, or a
+    fusion whose parameter does so (optimizer fusions read their slice of a gradient this
+    way, several of them per gradient)."""
     users = comp.users.get(name, [])
-    if len(users) != 1:
-        return None
-    user = comp.instructions[users[0]]
-    if user.opcode in _PASS_THROUGH:
-        return _kept_slice(comps, comp, user.name, full_bytes, n)
-    if user.opcode in ("dynamic-slice", "slice"):
-        kept = _shape_tree(user.shape)
-        if user.operands[:1] == (name,) and isinstance(kept, str):
-            return kept if shape_bytes(kept) * n == full_bytes else None
-        return None
-    if user.opcode == "fusion":
-        callee = _CALLS.search(user.attrs)
-        slots = [i for i, op in enumerate(user.operands) if op == name]
-        if callee is None or callee.group(1) not in comps or len(slots) != 1:
+    kept: set[str] = set()
+    for user_name in users:
+        user = comp.instructions[user_name]
+        if user.opcode in _PASS_THROUGH:
+            k = _kept_slice(comps, comp, user.name, full_bytes, n)
+        elif user.opcode in ("dynamic-slice", "slice"):
+            tree = shape_tree(user.shape)
+            ok = user.operands[:1] == (name,) and name not in user.operands[1:]
+            ok = ok and isinstance(tree, str) and shape_bytes(tree) * n == full_bytes
+            k = tree if ok else None
+        elif user.opcode == "fusion":
+            callee = _CALLS.search(user.attrs)
+            if callee is None or callee.group(1) not in comps:
+                return None
+            inner = comps[callee.group(1)]
+            slots = [i for i, op in enumerate(user.operands) if op == name]
+            params = [inner.parameter(i) for i in slots]
+            if not params or any(p is None for p in params):
+                return None
+            ks = {_kept_slice(comps, inner, p.name, full_bytes, n) for p in params}
+            k = ks.pop() if len(ks) == 1 else None
+        else:
             return None
-        inner = comps[callee.group(1)]
-        param = inner.parameter(slots[0])
-        if param is None:
+        if k is None:
             return None
-        return _kept_slice(comps, inner, param.name, full_bytes, n)
-    return None
+        kept.add(k)
+    return kept.pop() if len(kept) == 1 else None
+
+
+def _tuple_parts(comp: Computation, instr: Instruction) -> dict[int, list[str]] | None:
+    """Tuple index -> names of the get-tuple-elements reading it, when those are the only
+    users of ``instr`` (else None)."""
+    parts: dict[int, list[str]] = {}
+    for user_name in comp.users.get(instr.name, []):
+        user = comp.instructions[user_name]
+        index = _INDEX.search(user.attrs)
+        if user.opcode != "get-tuple-element" or index is None:
+            return None
+        parts.setdefault(int(index.group(1)), []).append(user.name)
+    return parts
+
+
+def _split_scatters(comps: Mapping[str, Computation], comp: Computation, instr: Instruction,
+                    shapes: tuple[str, ...], n: int) -> tuple[list[str], list[str]]:
+    """(shapes all-reduced, kept slices reduce-scattered) of an all-reduce's elements. A
+    tuple all-reduce is XLA's combination of several; each element whose every use keeps
+    ``1/n`` of it is the reduce-scatter a backend with that rewrite would run."""
+    if len(shapes) == 1:
+        kept = _kept_slice(comps, comp, instr.name, shape_bytes(shapes[0]), n)
+        return ([], [kept]) if kept is not None else (list(shapes), [])
+    parts = _tuple_parts(comp, instr)
+    reduced, scattered = [], []
+    for i, shape in enumerate(shapes):
+        names = (parts or {}).get(i, [])
+        slices = {_kept_slice(comps, comp, g, shape_bytes(shape), n) for g in names}
+        kept = slices.pop() if parts is not None and len(slices) == 1 else None
+        if kept is None:
+            reduced.append(shape)
+        else:
+            scattered.append(kept)
+    return reduced, scattered
 
 
 # ---- collectives -----------------------------------------------------------------------------
@@ -539,31 +232,38 @@ def _kind(opcode: str) -> str | None:
     return base if base in KINDS else None
 
 
-def _collective(comps: Mapping[str, _Computation], comp: _Computation, instr: _Instruction,
-                kind: str, mesh: Mesh) -> HloCollective:
-    groups = _instruction_groups(instr, mesh.devices.size)
+def _collectives_of(comps: Mapping[str, Computation], comp: Computation,
+                    instr: Instruction, kind: str, mesh: Mesh) -> list[HloCollective]:
+    """One collective, or two where a tuple all-reduce combines all-reduces with CPU
+    reduce-scatters (what a backend with both combiners would run as two collectives)."""
+    groups = instruction_groups(instr, mesh.devices.size)
     size = max((len(g) for g in groups), default=1)
-    shapes = _result_shapes(instr.opcode, instr.shape)
-    nbytes = sum(shape_bytes(s) for s in shapes)
-    from_ar = False
-    if kind == "all-reduce" and len(shapes) == 1 and size > 1:
-        kept = _kept_slice(comps, comp, instr.name, nbytes, size)
-        if kept is not None:
-            kind, shapes, nbytes, from_ar = "reduce-scatter", (kept,), shape_bytes(kept), True
-    return HloCollective(kind, instr.name, nbytes, shapes, size, groups,
-                         group_axes(groups, mesh), from_ar, comp.name)
+    axes = group_axes(groups, mesh)
+    shapes = result_shapes(instr.opcode, instr.shape)
+
+    def make(kind: str, shapes, from_ar: bool = False) -> HloCollective:
+        return HloCollective(kind, instr.name, sum(shape_bytes(s) for s in shapes),
+                             tuple(shapes), size, groups, axes, from_ar, comp.name)
+
+    if kind != "all-reduce" or size == 1:
+        return [make(kind, shapes)]
+    reduced, scattered = _split_scatters(comps, comp, instr, shapes, size)
+    out = [make("all-reduce", reduced)] if reduced else []
+    if scattered:
+        out.append(make("reduce-scatter", scattered, from_ar=True))
+    return out
 
 
 def collectives(compiled_or_hlo_text: Any, mesh: Mesh) -> list[HloCollective]:
     """Every collective of an optimized HLO module, in text order, over all computations
     (entry, while bodies, fusions, async computations); see the module docstring."""
-    comps = _parse_module(_hlo_text(compiled_or_hlo_text))
+    comps = parse_module(_hlo_text(compiled_or_hlo_text))
     found = []
     for comp in comps.values():
         for instr in comp.instructions.values():
             kind = _kind(instr.opcode)
             if kind is not None:
-                found.append(_collective(comps, comp, instr, kind, mesh))
+                found += _collectives_of(comps, comp, instr, kind, mesh)
     return found
 
 
@@ -575,7 +275,7 @@ def loop_trip_counts(compiled_or_hlo_text: Any) -> dict[str, int]:
     """While-body computation name -> XLA's known trip count (per entry into the loop;
     multiply through enclosing loops yourself). Loops without a known count are absent."""
     counts: dict[str, int] = {}
-    for comp in _parse_module(_hlo_text(compiled_or_hlo_text)).values():
+    for comp in parse_module(_hlo_text(compiled_or_hlo_text)).values():
         for instr in comp.instructions.values():
             body, trip = _WHILE_BODY.search(instr.attrs), _TRIP.search(instr.attrs)
             if instr.opcode == "while" and body and trip:

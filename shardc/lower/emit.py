@@ -32,8 +32,14 @@ def evaluator(graph: Graph, plan, mesh: Mesh) -> Callable[..., list]:
             return x
         return jax.lax.with_sharding_constraint(x, _sharding(mesh, nd, x.ndim))
 
+    def settle(v, x):
+        """Convert a value used more than once to the layout its uses read, once."""
+        nd = plan.settled.get(v.id)
+        return x if nd is None or nd == plan.values.get(v.id) else constrain(x, nd)
+
     def run(*flat):
-        env: dict[int, Any] = {v.id: x for v, x in zip(graph.inputs, flat)}
+        raw = {v.id: x for v, x in zip(graph.inputs, flat)}
+        env: dict[int, Any] = {v.id: settle(v, x) for v, x in zip(graph.inputs, flat)}
         for op in graph.ops:
             planned = by_op[op.id]
             args = []
@@ -43,15 +49,23 @@ def evaluator(graph: Graph, plan, mesh: Mesh) -> Callable[..., list]:
                     continue
                 x = env[v.id]
                 want = planned.ins[k]
-                if want != plan.values.get(v.id):
+                if want != plan.read_as(v.id):
                     x = constrain(x, want)
                 args.append(x)
             outs = op.prim.bind(*args, **op.params)
             if not op.prim.multiple_results:
                 outs = [outs]
             for v, x, nd in zip(op.outputs, outs, planned.outs):
-                env[v.id] = constrain(x, nd)
-        return [v.const if v.is_const else env[v.id] for v in graph.outputs]
+                env[v.id] = settle(v, constrain(x, nd))
+        outs = []
+        for v, nd in zip(graph.outputs, plan.outputs):
+            if v.is_const:
+                outs.append(v.const)
+            elif v.id in raw and nd == plan.values[v.id]:
+                outs.append(raw[v.id])  # an input passed through in its own layout
+            else:
+                outs.append(env[v.id])
+        return outs
 
     return run
 

@@ -127,17 +127,27 @@ def signatures(op: Op) -> list[Signature]:
     return out
 
 
+#: ops that may pass a partial value through (P -> P): pure layout changes, which move the
+#: same bytes whether XLA reduces before or after them
+PARTIAL_PASS_THROUGH = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "copy",
+                                  "copy_p", "rev"})
+
+
 def strategies(op: Op, axis_sizes: Sequence[int], consume_partial: bool = False
                ) -> list[Strategy]:
     """nd strategies of ``op`` on a mesh with ``axis_sizes``: product of 1-D signatures,
     keeping only even splits. Constant inputs are never partial.
 
-    ``consume_partial=False`` drops signatures that take a partial input: lowering on Auto
-    mesh axes cannot keep a value unreduced across ops (XLA reduces a partial result before
-    its next use), so a plan must not count on it. Ops may still *produce* partial values."""
+    ``consume_partial=False`` drops signatures that take a partial input, except the P -> P
+    of :data:`PARTIAL_PASS_THROUGH` ops: lowering on Auto mesh axes cannot keep a value
+    unreduced across ops (XLA reduces a partial result before its next use; an add of two
+    partials becomes two all-reduces), so a plan must not count on it. Ops may still
+    *produce* partial values."""
     sigs = signatures(op)
     if not consume_partial:
-        sigs = [s for s in sigs if not any(isinstance(x, Partial) for x in s.ins)]
+        keep = op.name in PARTIAL_PASS_THROUGH
+        sigs = [s for s in sigs if not any(isinstance(x, Partial) for x in s.ins)
+                or (keep and all(isinstance(x, Partial) for x in (*s.ins[:1], *s.outs)))]
     total = op_flops(op)
     result: list[Strategy] = []
     seen = set()

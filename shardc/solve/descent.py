@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from shardc.ir.graph import Value
 from shardc.solve.problem import CostGraph
 
 
@@ -91,7 +92,7 @@ def starts(cg: CostGraph) -> list[dict[int, int]]:
     """Start points: replicated, cheapest compute, and greedy passes from three input
     layouts: state replicated + batch split (data parallel), everything split (FSDP-like),
     everything replicated."""
-    inputs = [i for i in cg.live if not hasattr(cg.refs[i], "prim")]
+    inputs = [i for i in cg.live if isinstance(cg.refs[i], Value)]
     carried = cg.carried
     dp = {i: (0 if i in carried else _split_most(cg, i)) for i in inputs}
     fsdp = {i: _split_most(cg, i) for i in inputs}

@@ -28,12 +28,16 @@ import numpy as np
 
 from shardc.cost.cluster import Cluster
 from shardc.cost.combine import alpha_scales
-from shardc.cost.comm import conversion
+from shardc.cost.comm import Conversion, conversion
 from shardc.ir.graph import Graph, Op, Value
-from shardc.ir.sbp import B, NdSbp, Partial, Split
+from shardc.ir.sbp import B, Broadcast, NdSbp, Partial, Split
+from shardc.rules.elementwise import BINARY, UNARY
 from shardc.rules.registry import has_rule, strategies, warn_missing
 
 MEMORY_POINTS = 4  # program points sampled for the memory constraint (Alpa samples too)
+#: ops that may follow one operand when their inputs come from several nodes: the output
+#: layout of an elementwise op is one of its operands' (the others convert to it)
+FOLLOW_ANY_OPERAND = frozenset(UNARY) | frozenset(BINARY)
 
 
 @dataclass
@@ -43,6 +47,20 @@ class Edge:
     cost: np.ndarray  # [len(choices[u]), len(choices[v])] seconds
     value: Value
     k: int = -1  # which input of the consumer op (-1: a tie back to a graph input)
+    src: tuple[int, int] = (-1, 0)  # the (node, slot) whose layouts the rows are
+
+
+@dataclass(frozen=True, eq=False)
+class Settle:
+    """The layout a value used more than once is converted to, once, before its uses.
+
+    Every use of a value in the same layout reads one conversion (XLA emits one all-reduce of
+    a gradient that two optimizer slots read, one all-gather of a parameter that the forward
+    and the backward pass read); pricing each use's conversion alone would charge it per
+    use. A settle node chooses that shared layout (never partial); its uses convert from it.
+    """
+
+    value: Value
 
 
 @dataclass
@@ -59,8 +77,10 @@ class CostGraph:
     producer: dict[int, tuple[int, int]] = field(default_factory=dict)  # value id -> node, slot
     follows: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)  # v -> (u, f[a])
     spans: list = field(default_factory=list)  # (first, last program point, node, slot, bytes)
-    conversions: dict = field(default_factory=dict)  # (src, dst) -> (alpha, seconds per byte)
+    conversions: dict = field(default_factory=dict)  # (src, dst) -> Conversion
     carried: set = field(default_factory=set)  # input nodes tied to an output (the state)
+    settle: dict = field(default_factory=dict)  # value id -> its Settle node
+    order: list = field(default_factory=list)  # every node, producers before their uses
 
     # ---- construction ---------------------------------------------------------------------
     def out_sbp(self, node: int, slot: int, choice: int) -> NdSbp:
@@ -74,26 +94,24 @@ class CostGraph:
                        alpha_scale: float = 1.0) -> np.ndarray:
         usrc, si = _unique(src)
         udst, di = _unique(dst)
-        alpha = np.empty((len(usrc), len(udst)))
-        per_byte = np.empty_like(alpha)
+        small = np.empty((len(usrc), len(udst)))
         for r, a in enumerate(usrc):
             for c, b in enumerate(udst):
-                alpha[r, c], per_byte[r, c] = self._conversion(a, b)
-        small = alpha * alpha_scale + per_byte * nbytes
+                small[r, c] = self._conversion(a, b).time(nbytes, alpha_scale)
         return small[np.ix_(si, di)]
 
-    def _conversion(self, a: NdSbp, b: NdSbp) -> tuple[float, float]:
+    def _conversion(self, a: NdSbp, b: NdSbp) -> Conversion:
         key = (a, b)
         hit = self.conversions.get(key)
         if hit is None:
-            conv = conversion(a, b, self.axis_sizes, self.axis_names, self.cluster)
-            hit = (conv.alpha, conv.per_byte) if conv.collectives else (0.0, 0.0)
+            hit = conversion(a, b, self.axis_sizes, self.axis_names, self.cluster)
             self.conversions[key] = hit
         return hit
 
     @property
     def live(self) -> list[int]:
-        return [i for i in range(len(self.choices)) if i not in self.follows]
+        """Nodes that are decided (not following another), producers first."""
+        return [i for i in self.order if i not in self.follows]
 
     def resolve(self, node: int) -> tuple[int, np.ndarray]:
         """The variable node deciding ``node``, and the map from its choice to ``node``'s."""
@@ -116,7 +134,9 @@ class CostGraph:
         """[|Su|, |Sv|] True where every edge from u into v needs no conversion at all."""
         ok = np.ones((len(self.choices[u]), len(self.choices[v])), dtype=bool)
         for e in ins:
-            node, slot = self.producer[e.value.id]
+            if e.k < 0:
+                continue  # a tie or a re-pointed edge: no input slot of v to compare
+            node, slot = e.src
             _, g = self.resolve(node)  # u's choice -> the producer's choice
             src = self.out_sbps(node, slot)
             dst = [c.ins[e.k] for c in self.choices[v]]
@@ -132,23 +152,44 @@ class CostGraph:
         for e in self.edges:
             ins_of.setdefault(e.v, []).append(e)
             outs_of.setdefault(e.u, []).append(e)
-        for v in range(len(self.choices)):
+        for v in self.order:
             ins = ins_of.get(v, [])
-            if not ins or not isinstance(self.refs[v], Op) or len({e.u for e in ins}) != 1:
+            if not ins or not isinstance(self.refs[v], Op):
                 continue
-            u = ins[0].u
+            if len({e.u for e in ins}) > 1:
+                if self.refs[v].name not in FOLLOW_ANY_OPERAND:
+                    continue
+                # an elementwise op of several producers follows its largest operand; the
+                # others' edges are re-pointed to that operand's node (Alpa / XLA "follow")
+                lead = max(ins, key=lambda e: (e.value.nbytes, -e.k))
+                u = lead.u
+                others = [e for e in ins if e.u != u]
+                ins = [e for e in ins if e.u == u]
+            else:
+                u, others = ins[0].u, []
             local = self.cost[v][None, :] + sum(e.cost for e in ins)  # [|Su|, |Sv|]
             # follow: take the operand's layout as it is (no conversion, not even a free
-            # slice) where a strategy allows it; the cheapest such strategy, else the cheapest
-            same = np.where(self._same_layout(ins, u, v), local, np.inf)
-            f = np.argmin(same, axis=1)
-            free = ~np.isfinite(same[np.arange(len(f)), f])
-            f[free] = np.argmin(local[free], axis=1)
+            # slice) and split nothing the operand does not (a broadcast_in_dim B -> S(d)
+            # would save its own compute but make every consumer of a replicated chain
+            # re-gather); the cheapest such strategy, else the cheapest keeping the layout,
+            # else the cheapest
+            same = self._same_layout(ins, u, v)
+            if not same.any(axis=1).all():
+                continue  # some layout of u must convert first: a decision of v's own
+            f = np.argmin(local, axis=1)
+            for allowed in (same, same & ~_fresh_splits(self.choices[v])[None, :]):
+                masked = np.where(allowed, local, np.inf)
+                g = np.argmin(masked, axis=1)
+                ok = np.isfinite(masked[np.arange(len(g)), g])
+                f[ok] = g[ok]
             self.cost[u] = self.cost[u] + local[np.arange(len(f)), f]
             self.follows[v] = (u, f)
             gone = {id(e) for e in ins}
             outs_of[u] = [e for e in outs_of.get(u, []) if id(e) not in gone]
             ins_of[v] = []
+            for e in others:  # a -> v becomes a -> u, priced at v's choice for u's
+                e.v, e.cost, e.k = u, e.cost[:, f], -2
+                ins_of.setdefault(u, []).append(e)
             for e in outs_of.pop(v, []):
                 e.u, e.cost = u, e.cost[f, :]
                 if e.v == u:  # a tie back to u: a cost on u alone
@@ -191,6 +232,19 @@ class CostGraph:
                     vec = point.pop(u)[g]
                     point[v] = point[v] + vec if v in point else vec
         self.edges = [e for es in outs_of.values() for e in es]
+
+
+def _fresh_splits(strategies: Sequence) -> np.ndarray:
+    """Per strategy: True when some output is split along a mesh axis on which every input
+    is broadcast (the op would cut a replicated value on its own)."""
+    out = np.zeros(len(strategies), dtype=bool)
+    for b, s in enumerate(strategies):
+        for axis in range(len(s.outs[0]) if s.outs else 0):
+            if (all(isinstance(nd.sbps[axis], Broadcast) for nd in s.ins)
+                    and any(isinstance(nd.sbps[axis], Split) for nd in s.outs)):
+                out[b] = True
+                break
+    return out
 
 
 def _unique(items: Sequence) -> tuple[list, np.ndarray]:
@@ -243,16 +297,29 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
     cache: dict = {}
     matrices: dict = {}  # identical edges (repeated layers) share one cost matrix
 
-    def edge_matrix(u: int, slot: int, dst_owner: list, k: int, dst, nbytes, a_scale):
-        key = (id(cg.choices[u]), slot, id(dst_owner), k, nbytes, a_scale)
+    def edge_matrix(src_owner: list, slot: int, src, dst_owner: list, k: int, dst, nbytes,
+                    a_scale):
+        key = (id(src_owner), slot, id(dst_owner), k, nbytes, a_scale)
         mat = matrices.get(key)
         if mat is None:
-            mat = cg.reshard_matrix(cg.out_sbps(u, slot), dst, nbytes, a_scale)
+            mat = cg.reshard_matrix(src, dst, nbytes, a_scale)
             matrices[key] = mat
         return mat
 
     scale = alpha_scales(graph)
     warn_missing([op.name for op in graph.ops if not has_rule(op.name)])
+    uses: dict[int, int] = {}
+    for val in [v for op in graph.ops for v in op.inputs] + list(graph.outputs):
+        if not val.is_const:
+            uses[val.id] = uses.get(val.id, 0) + 1
+    shared = [v for v in graph.values() if uses.get(v.id, 0) > 1]
+    first_settle = len(graph.inputs) + len(graph.ops)
+    cg.settle = {v.id: first_settle + k for k, v in enumerate(shared)}
+
+    def source(val: Value) -> tuple[int, int]:
+        """(node, slot) its uses read ``val`` from: its settle node, else its producer."""
+        return (cg.settle[val.id], 0) if val.id in cg.settle else cg.producer[val.id]
+
     for op in graph.ops:
         node = len(cg.choices)
         key = _op_key(op)
@@ -269,27 +336,55 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
         for k, val in enumerate(op.inputs):
             if val.is_const:
                 continue
-            u, slot = cg.producer[val.id]
+            u, slot = source(val)
             dst = [s.ins[k] for s in strats]
-            cg.edges.append(Edge(u, node, edge_matrix(u, slot, strats, k, dst, val.nbytes,
-                                                      scale.get(val.id, 1.0)), val, k))
+            if u >= first_settle:
+                owner = _settle_choices(val, axis_sizes, layouts)
+                src = owner
+            else:
+                owner, src = cg.choices[u], cg.out_sbps(u, slot)
+            mat = edge_matrix(owner, slot, src, strats, k, dst, val.nbytes,
+                              scale.get(val.id, 1.0))
+            cg.edges.append(Edge(u, node, mat, val, k, (u, slot)))
+    for val in shared:
+        w = len(cg.choices)
+        u, slot = cg.producer[val.id]
+        cg.choices.append(_settle_choices(val, axis_sizes, layouts))
+        cg.refs.append(Settle(val))
+        cg.cost.append(np.zeros(len(cg.choices[w])))
+        cg.edges.append(Edge(u, w, cg.reshard_matrix(cg.out_sbps(u, slot), cg.choices[w],
+                                                     val.nbytes, scale.get(val.id, 1.0)),
+                             val, 0, (u, slot)))
+    after = {cg.producer[val.id][0]: [] for val in shared}
+    for val in shared:
+        after[cg.producer[val.id][0]].append(cg.settle[val.id])
+    cg.order = [j for i in range(first_settle) for j in (i, *after.get(i, ()))]
     tied = dict(ties)
     for j, val in enumerate(graph.outputs):
         if val.is_const:
             continue
-        u, slot = cg.producer[val.id]
+        u, slot = source(val)
         src = cg.out_sbps(u, slot)
         if j in tied:
             t = tied[j]
-            if t != u:
+            if t != u and (val.id not in cg.settle or cg.producer[val.id][0] != t):
                 cg.edges.append(Edge(u, t, cg.reshard_matrix(
-                    src, cg.choices[t], val.nbytes, scale.get(val.id, 1.0)), val))
+                    src, cg.choices[t], val.nbytes, scale.get(val.id, 1.0)), val,
+                    src=(u, slot)))
         else:
             fix = cg.reshard_matrix(src, [_unreduce(s) for s in src], val.nbytes,
                                     scale.get(val.id, 1.0))
             cg.cost[u] = cg.cost[u] + np.diag(fix)
     cg.memory = _memory_points(cg)
     return cg
+
+
+def _settle_choices(v: Value, axis_sizes: Sequence[int], layouts: dict) -> list[NdSbp]:
+    """The layouts a shared value may settle in: every even one but partial (one list per
+    shape, shared like the graph inputs')."""
+    if v.shape not in layouts:
+        layouts[v.shape] = input_choices(v, axis_sizes)
+    return layouts[v.shape]
 
 
 def _op_key(op: Op):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shardc.cost.cluster import Cluster
+from shardc.cost.combine import tail_values
 from shardc.ir.graph import Graph
 from shardc.solve import descent
 from shardc.solve.ilp import problem_size, solve_ilp
@@ -22,6 +23,7 @@ from shardc.solve.problem import CostGraph, build, memory_point, memory_profile
 MEMORY_ROUNDS = 6  # re-solves adding the worst violated program point
 ILP_FULL_TERMS = 40_000  # model terms up to which one ILP covers the whole graph
 BLOCK_TERMS = 6_000  # model terms per block when refining a larger graph block by block
+TAIL_BLOCK_TERMS = 200  # model terms per block of the tail's update chains
 BLOCK_SHARE = 0.3  # share of time_limit the block refinement of a large graph may spend
 
 
@@ -91,21 +93,26 @@ def _better(cg: CostGraph, x: dict[int, int], y: dict[int, int], memory_budget) 
     return y if y_fits and (cheaper or not x_fits) else x
 
 
-def _blocks(cg: CostGraph, order: Sequence[int]) -> list[list[int]]:
+def _pack(cg: CostGraph, groups: Sequence[Sequence[int]], terms: int) -> list[list[int]]:
+    """Consecutive groups of nodes packed into blocks of about ``terms`` model terms."""
     weight = {i: len(cg.choices[i]) for i in cg.live}
     for e in cg.edges:
         weight[e.u] += e.cost.size // 2
         weight[e.v] += e.cost.size // 2
     blocks, cur, size = [], [], 0
-    for i in order:
-        cur.append(i)
-        size += weight[i]
-        if size >= BLOCK_TERMS:
+    for group in groups:
+        cur += group
+        size += sum(weight[i] for i in group)
+        if size >= terms:
             blocks.append(cur)
             cur, size = [], 0
     if cur:
         blocks.append(cur)
     return blocks
+
+
+def _blocks(cg: CostGraph, order: Sequence[int]) -> list[list[int]]:
+    return _pack(cg, [[i] for i in order], BLOCK_TERMS)
 
 
 def _bfs_order(cg: CostGraph) -> list[int]:
@@ -129,15 +136,54 @@ def _bfs_order(cg: CostGraph) -> list[int]:
     return order
 
 
+def _tail_blocks(cg: CostGraph) -> list[list[int]]:
+    """Blocks of the step's tail (:func:`shardc.cost.combine.tail_values`: gradients on
+    their way through the optimizer) with the state they update: its connected components,
+    small ones packed together up to ``TAIL_BLOCK_TERMS``. A parameter's update chain (the
+    gradient's conversion, the optimizer slots, the new value tied back to the old) must
+    change layout all at once to go from, say, reduce-scatter + sharded update + all-gather
+    to all-reduce + replicated update; no single-node move can, and program order puts the
+    state (graph inputs) far from its update. Nodes with one choice (scalars: the step
+    count, learning-rate schedules) join nothing, or every chain would be one component.
+    The components are kept small on purpose: the ILP's relaxation of a layout problem is
+    weak (fractional layouts pair up for free), so CP-SAT proves small blocks at once and
+    large ones not at all."""
+    tail = tail_values(cg.graph)
+    nodes = {cg.resolve(cg.producer[vid][0])[0] for vid in tail if vid in cg.producer}
+    nodes |= {cg.resolve(i)[0] for i in cg.carried}
+    nodes = {i for i in nodes if len(cg.choices[i]) > 1}
+    adj: dict[int, list[int]] = {i: [] for i in nodes}
+    for e in cg.edges:
+        if e.u in nodes and e.v in nodes:
+            adj[e.u].append(e.v)
+            adj[e.v].append(e.u)
+    seen: set[int] = set()
+    comps: list[list[int]] = []
+    for root in sorted(nodes):
+        if root in seen:
+            continue
+        seen.add(root)
+        comp, stack = [], [root]
+        while stack:
+            i = stack.pop()
+            comp.append(i)
+            fresh = {j for j in adj[i] if j not in seen}
+            stack += sorted(fresh)
+            seen |= fresh
+        comps.append(comp)
+    return _pack(cg, comps, TAIL_BLOCK_TERMS)
+
+
 def block_refine(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: float):
     """Block coordinate descent with exact ILP blocks: the graph is cut into blocks of
-    consecutive nodes (program order, then breadth-first order so a layer's forward and
-    backward meet), and each block is re-solved exactly with everything else held fixed.
-    Spends at most ``BLOCK_SHARE`` of ``time_limit``; stops after a pass that finds nothing."""
+    consecutive nodes (the tail's update chains with their state, program order, then
+    breadth-first order so a layer's forward and backward meet), and each block is re-solved
+    exactly with everything else held fixed. Spends at most ``BLOCK_SHARE`` of
+    ``time_limit``; stops after a pass that finds nothing."""
     t0 = time.perf_counter()
     budget = time_limit * BLOCK_SHARE
-    for order in (cg.live, _bfs_order(cg)):
-        blocks = _blocks(cg, order)
+    tail = _tail_blocks(cg)
+    for blocks in (tail, _blocks(cg, cg.live), _blocks(cg, _bfs_order(cg))):
         before = descent.objective(cg, x)
         for block in blocks:
             left = budget - (time.perf_counter() - t0)
@@ -147,7 +193,7 @@ def block_refine(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: fl
                             hint=x, free=block)
             if res.assignment is not None:
                 x = _better(cg, x, res.assignment, memory_budget)
-        if descent.objective(cg, x) >= before - 1e-12:
+        if descent.objective(cg, x) >= before - 1e-12 and blocks is not tail:
             break
     return x, "blocks", time.perf_counter() - t0
 
