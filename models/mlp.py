@@ -46,6 +46,13 @@ class MLPConfig:
         """Small preset for tests (all dims divisible by 8)."""
         return cls()
 
+    @classmethod
+    def realistic(cls, n_layers: int = 8) -> MLPConfig:
+        """Benchmark preset: 8 layers of width 8192 over a batch of 1024 (weights dominate
+        activations, the regime where tensor parallelism pays)."""
+        return cls(batch=1024, d_in=4096, hidden=8192, d_out=4096, n_layers=n_layers,
+                   learning_rate=1e-3)
+
     @property
     def layer_dims(self) -> list[tuple[int, int]]:
         """(in, out) features of each Linear layer."""

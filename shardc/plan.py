@@ -200,7 +200,8 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
         comm += t
         wire += conv.wire_bytes(value.nbytes)
         reshards.append(Reshard(value.id, consumer, src, dst, t, conv.wire_bytes(value.nbytes),
-                                tuple(f"{c.kind}@{names[c.axis]}" for c in conv.collectives),
+                                tuple(f"{c.kind}@{'+'.join(names[a] for a in c.axes)}"
+                                      for c in conv.collectives),
                                 tuple(c.bytes_factor * value.nbytes for c in conv.collectives)))
         return t
 

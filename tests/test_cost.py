@@ -27,8 +27,49 @@ def test_one_axis_collectives_follow_the_ring_formulas():
 def test_nd_conversions_run_on_the_already_sharded_size():
     # all-reduce over b of a value split over a: half the bytes
     assert t((S(0), P), (S(0), B)) == pytest.approx(5e-6 + 2 * 0.75 * MB / 2 / 10e9)
-    both = t((P, P), (B, B))
-    assert both == pytest.approx(1e-6 + 5e-6 + 2 * 0.5 * MB / 100e9 + 2 * 0.75 * MB / 10e9)
+    # partial on both axes to replicated: XLA emits ONE all-reduce over the 8 devices, which
+    # runs at the slower link with the larger latency
+    assert t((P, P), (B, B)) == pytest.approx(5e-6 + 2 * 7 / 8 * MB / 10e9)
+
+
+def conv(src, dst):
+    return conversion(NdSbp(src), NdSbp(dst), SIZES, NAMES, CL)
+
+
+def test_partials_resolve_first_scatter_then_reduce():
+    """(P, P) -> (B, S(1)): reduce-scatter over b, then all-reduce over a on a quarter of the
+    data (what XLA compiles for that first constraint)."""
+    c = conv((P, P), (B, S(1)))
+    assert [(x.kind, x.axes) for x in c.collectives] == [("reduce-scatter", (1,)),
+                                                          ("all-reduce", (0,))]
+    assert c.time(MB) == pytest.approx(5e-6 + 0.75 * MB / 10e9 + 1e-6 + 2 * 0.5 * MB / 4 / 100e9)
+    assert c.layouts == (NdSbp((B, S(1))),)
+    # splits of different dims cannot scatter in one collective: all-reduce, then slice
+    c = conv((P, P), (S(0), S(1)))
+    assert [(x.kind, x.axes) for x in c.collectives] == [("all-reduce", (0, 1))]
+    assert c.layouts == (NdSbp((B, B)), NdSbp((S(0), S(1))))
+
+
+def test_gathers_run_one_axis_at_a_time_slowest_first():
+    """(S(0), S(1)) -> (B, B): gather over the slow axis b while the data is small, then over
+    a; each step is a layout to pin, so XLA never gathers both at once."""
+    c = conv((S(0), S(1)), (B, B))
+    assert [(x.kind, x.axes) for x in c.collectives] == [("all-gather", (1,)),
+                                                          ("all-gather", (0,))]
+    local = MB / 8
+    assert c.time(MB) == pytest.approx(5e-6 + 3 * local / 10e9 + 1e-6 + 1 * 4 * local / 100e9)
+    assert c.layouts == (NdSbp((S(0), B)), NdSbp((B, B)))
+
+
+def test_intermediate_layouts_always_divide_evenly():
+    """(S(0), B) -> (B, S(0)): slicing first would split dim 0 eight ways, which neither end
+    needs to divide; gather over a first, then slice over b."""
+    c = conv((S(0), B), (B, S(0)))
+    assert [x.kind for x in c.collectives] == ["all-gather"]
+    assert c.layouts == (NdSbp((B, B)), NdSbp((B, S(0))))
+    # a swap of dims on one axis is an all-to-all
+    c = conv((B, S(0)), (B, S(1)))
+    assert [(x.kind, x.axes) for x in c.collectives] == [("all-to-all", (1,))]
 
 
 def test_combined_collectives_share_latency():
@@ -62,3 +103,17 @@ def test_wire_bytes_match_the_planner_conversions():
     assert wire_bytes("all-to-all", 4, MB / 4) == pytest.approx(planned)
     with pytest.raises(ValueError, match="unknown collective kind"):
         wire_bytes("broadcast", 4, MB)
+
+
+def test_a_dim_split_over_two_axes_gathers_its_minor_axis_first():
+    """Dim 0 split over (a, b) is cut a-major; gathering a first would leave each device's
+    pieces out of order (XLA adds a collective-permute), so b goes first even when a is the
+    slower link."""
+    slow_a = Cluster(axis_bandwidth={"a": 10e9, "b": 100e9}, axis_latency={"a": 5e-6, "b": 1e-6})
+    c = conversion(NdSbp((S(0), S(0))), NdSbp((B, B)), SIZES, NAMES, slow_a)
+    assert [(x.kind, x.axes) for x in c.collectives] == [("all-gather", (1,)),
+                                                          ("all-gather", (0,))]
+    assert c.layouts == (NdSbp((S(0), B)), NdSbp((B, B)))
+    # a slice may only add the minor axis of a dim: (B, S(0)) -> (S(0), S(0)) regathers
+    c = conversion(NdSbp((B, S(0))), NdSbp((S(0), S(0))), SIZES, NAMES, slow_a)
+    assert c.layouts == (NdSbp((B, B)), NdSbp((S(0), S(0))))

@@ -69,8 +69,9 @@ def _call(cls, expr: str):
 
 
 ZOO = {
-    "mlp": ZooModel("mlp", "models.mlp", "tiny", "tiny", "tiny"),
-    "gpt": ZooModel("gpt", "models.gpt", "tiny", "gpt2_small(n_layers=12)", "tiny"),
+    "mlp": ZooModel("mlp", "models.mlp", "tiny", "realistic", "realistic(n_layers=4)"),
+    "gpt": ZooModel("gpt", "models.gpt", "tiny", "gpt2_small(n_layers=12)",
+                    "gpt2_small(n_layers=2)"),
     "moe": ZooModel("moe", "models.moe", "tiny", "realistic", "tiny", moe=True),
     "wrn": ZooModel("wrn", "models.wrn", "tiny", "realistic", "tiny"),
     "vit": ZooModel("vit", "models.vit", "tiny", "realistic", "tiny"),

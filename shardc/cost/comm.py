@@ -1,42 +1,57 @@
-"""Resharding (boxing) cost in the α-β model, axis by axis.
+"""Resharding (boxing) in the α-β model: a conversion is a sequence of collectives.
 
-Per mesh axis of size n, on the bytes that axis moves (the value's size divided by the
-splits of the other axes, i.e. conversions are ordered so each one runs on the smallest
-data):
+A conversion ``src -> dst`` of an NdSbp runs as the steps XLA compiles predictably, each a
+layout the lowering pins with one sharding constraint (:attr:`Conversion.layouts`):
 
-=========  =============  ===========================
-from→to    collective     time
-=========  =============  ===========================
-S→B        all-gather     α + β·(n−1)/n·b
-P→B        all-reduce     α + 2β·(n−1)/n·b
-P→S        reduce-scatter α + β·(n−1)/n·b
-S(i)→S(j)  all-to-all     α + β·(n−1)/n²·b
-S→P        all-gather     α + β·(n−1)/n·b (then a local zeroing)
-B→S        local slice    0
-B→P        local zeroing  α (penalised: it poisons consumers)
-=========  =============  ===========================
+1. **Partial axes first** (a partial value has no spelling on Auto axes, so its first
+   constraint must resolve every partial axis at once). Axes going to ``S(d)`` (one ``d``)
+   reduce-scatter as one collective over their union, then axes going to ``B`` all-reduce
+   as one collective on the already-scattered data; partial axes going to splits of
+   different dims all-reduce and then slice. This is what XLA emits for those first
+   constraints (seen on jax 0.10.2 CPU: ``(P, P) -> (B, S(1))`` is a reduce-scatter over
+   the second axis and an all-reduce over the first on a quarter of the data).
+2. **Slices** ``B -> S``: free, done early so later steps move less.
+3. **All-to-alls** ``S(i) -> S(j)``, one mesh axis per step.
+4. **All-gathers** ``S -> B``, one mesh axis per step, slowest link first (on the smallest
+   data). One axis per constraint because XLA's partitioner falls back to gathering the
+   whole value for some multi-axis transitions (``(S(0) over both) -> (B, S(1))``).
+
+A dim split over several axes is cut major to minor in mesh order; a step only gathers,
+slices or moves the minor-most axis of a dim (see :func:`_minor`), so every step is a
+plain collective, never one XLA must follow with a collective-permute; anything else
+gathers first.
+
+Each step moves ``wire`` bytes per device computed on the value's *current* local size
+``L`` (a partial axis holds the full size): all-gather ``(n−1)·L`` (the result is ``n·L``),
+all-reduce ``2(n−1)/n·L``, reduce-scatter and all-to-all ``(n−1)/n·L``. A collective over
+several mesh axes runs at the slowest of their links with ``n`` their product, as the
+compiled program is priced (:mod:`shardc.inspect.hlo`). Time is ``α + wire / bandwidth``.
+``B -> P`` (a local zeroing) costs ``α``: it poisons consumers; ``S -> P`` gathers first.
 
 References:
   Thakur, Rabenseifner, Gropp, "Optimization of Collective Communication Operations in
     MPICH" (IJHPCA 2005): ring all-gather / reduce-scatter / all-reduce costs.
-  Alpa (Zheng et al., OSDI'22) §4.2; PaddlePaddle ``comm_op_cost.py`` (2(p−1)/p all-reduce).
+  Alpa (Zheng et al., OSDI'22) §4.2; PaddlePaddle ``comm_op_cost.py`` (2(p−1)/p all-reduce);
+  OneFlow boxing (``boxing/``): nd conversions as a chain of 1-D ones.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
 from shardc.cost.cluster import Cluster
 from shardc.cost.combine import COMBINED_KINDS
-from shardc.ir.sbp import Broadcast, NdSbp, Partial, Sbp, Split
+from shardc.ir.sbp import B, Broadcast, NdSbp, Partial, Split
 
 
 @dataclass(frozen=True, slots=True)
 class Collective:
     kind: str  # all-gather | all-reduce | reduce-scatter | all-to-all | local
-    axis: int
+    axes: tuple[int, ...]  # mesh axes the group spans
     bytes_factor: float  # wire bytes per device = bytes_factor * logical bytes
 
 
@@ -45,13 +60,15 @@ class Conversion:
     """Cost of a conversion as ``alpha + per_byte * logical_bytes`` seconds.
 
     ``combinable_alpha`` is the part of ``alpha`` paid by collectives XLA may combine with
-    independent ones of their kind (:data:`shardc.cost.combine.COMBINED_KINDS`)."""
+    independent ones of their kind (:data:`shardc.cost.combine.COMBINED_KINDS`).
+    ``layouts`` are the layouts to pin one after the other to run it (see the module doc)."""
 
     alpha: float
     per_byte: float
     wire_per_byte: float
     collectives: tuple[Collective, ...]
     combinable_alpha: float = 0.0
+    layouts: tuple[NdSbp, ...] = ()
 
     def time(self, nbytes: float, alpha_scale: float = 1.0) -> float:
         """Seconds; ``alpha_scale`` < 1 when XLA combines the combinable collectives of this
@@ -64,50 +81,195 @@ class Conversion:
         return self.wire_per_byte * nbytes
 
 
-def _axis_step(src: Sbp, dst: Sbp, n: int) -> tuple[str, float] | None:
-    """(collective kind, wire bytes per byte of the axis-local value), None when free."""
-    if src == dst or n == 1:
-        return None
-    f = (n - 1) / n
-    if isinstance(src, Split):
-        if isinstance(dst, Broadcast):
-            return "all-gather", f
-        if isinstance(dst, Split):
-            return "all-to-all", f / n
-        return "all-gather", f  # S -> P: gather, then zero all but one copy
-    if isinstance(src, Partial):
-        if isinstance(dst, Broadcast):
-            return "all-reduce", 2 * f
-        if isinstance(dst, Split):
-            return "reduce-scatter", f
-        return "all-reduce", 2 * f  # P(op1) -> P(op2)
-    if isinstance(dst, Split):
-        return None  # B -> S: each device keeps its slice
-    return "local", 0.0  # B -> P
+class _Builder:
+    """Accumulates the steps of one conversion."""
+
+    def __init__(self, src: NdSbp, axis_sizes: tuple[int, ...], axis_names: tuple[str, ...],
+                 cluster: Cluster):
+        self.cur = list(src.sbps)
+        self.sizes, self.names, self.cluster = axis_sizes, axis_names, cluster
+        self.alpha = self.per_byte = self.wire = self.combinable = 0.0
+        self.colls: list[Collective] = []
+        self.layouts: list[NdSbp] = []
+
+    def local(self) -> float:
+        """Current bytes per device per logical byte."""
+        return 1.0 / math.prod(n for s, n in zip(self.cur, self.sizes) if isinstance(s, Split))
+
+    def collective(self, kind: str, axes: Sequence[int], factor: float) -> None:
+        """One collective over ``axes`` moving ``factor`` x the current local bytes."""
+        n = math.prod(self.sizes[a] for a in axes)
+        if n == 1:
+            return
+        wire = factor * self.local()
+        lat = max(self.cluster.latency(self.names[a]) for a in axes)
+        bw = min(self.cluster.bandwidth(self.names[a]) for a in axes)
+        self.alpha += lat
+        if kind in COMBINED_KINDS:
+            self.combinable += lat
+        self.per_byte += wire / bw
+        self.wire += wire
+        self.colls.append(Collective(kind, tuple(axes), wire))
+
+    def pin(self) -> None:
+        nd = NdSbp(tuple(self.cur))
+        if not self.layouts or self.layouts[-1] != nd:
+            self.layouts.append(nd)
+
+    def result(self) -> Conversion:
+        return Conversion(self.alpha, self.per_byte, self.wire, tuple(self.colls),
+                          self.combinable, tuple(self.layouts))
+
+
+def _split_axes(sbps: Sequence) -> dict[int, frozenset[int]]:
+    """dim -> the mesh axes splitting it."""
+    out: dict[int, set[int]] = {}
+    for a, s in enumerate(sbps):
+        if isinstance(s, Split):
+            out.setdefault(s.dim, set()).add(a)
+    return {d: frozenset(x) for d, x in out.items()}
+
+
+def _safe(sbps: Sequence, src: NdSbp, dst: NdSbp) -> bool:
+    """An intermediate layout divides evenly for any shape both ``src`` and ``dst`` fit:
+    every dim is split by a subset of the axes splitting it in ``src`` or in ``dst``."""
+    have, s, d = _split_axes(sbps), _split_axes(src.sbps), _split_axes(dst.sbps)
+    empty: frozenset[int] = frozenset()
+    return all(x <= s.get(k, empty) or x <= d.get(k, empty) for k, x in have.items())
+
+
+def _minor(sbps: Sequence, axis: int, dim: int) -> bool:
+    """``axis`` would be the minor-most (last in mesh order) of the axes splitting ``dim``.
+
+    A dim split over several axes is cut major to minor in mesh order, so only its minor-
+    most axis can be gathered (or added by a slice, or moved by an all-to-all) in place;
+    the major one would leave each device's pieces out of order, and XLA reorders them with
+    a collective-permute (seen on jax 0.10.2: gathering the major axis of ``S(0)`` over
+    ``(node, gpu)``)."""
+    return all(a <= axis for a, s in enumerate(sbps) if isinstance(s, Split) and s.dim == dim)
+
+
+def _resolve_partials(b: _Builder, src: NdSbp, dst: NdSbp) -> None:
+    """Step 1 of the module doc: every partial axis at once."""
+    partial = [a for a, s in enumerate(b.cur) if isinstance(s, Partial)]
+    if not partial:
+        return
+    to_split = [a for a in partial if isinstance(dst.sbps[a], Split)]
+    trial = [dst.sbps[a] if a in to_split else s for a, s in enumerate(b.cur)]
+    dims = {dst.sbps[a].dim for a in to_split}
+    if (len(dims) > 1 or not _safe(trial, src, dst)
+            or not all(_minor(trial, max(to_split), d) for d in dims)
+            or any(s.dim in dims and a > min(to_split) and a not in to_split
+                   for a, s in enumerate(trial) if isinstance(s, Split))):
+        to_split = []  # all-reduce, then slice
+    to_full = [a for a in partial if a not in to_split]
+    if to_split:
+        n = math.prod(b.sizes[a] for a in to_split)
+        b.collective("reduce-scatter", to_split, (n - 1) / n)
+        for a in to_split:
+            b.cur[a] = dst.sbps[a]
+    if to_full:
+        n = math.prod(b.sizes[a] for a in to_full)
+        b.collective("all-reduce", to_full, 2 * (n - 1) / n)
+        for a in to_full:
+            b.cur[a] = B
+    b.pin()
+
+
+def _moves(cur: tuple, src: NdSbp, dst: NdSbp, b: _Builder):
+    """Plain single-axis steps from layout ``cur``: ``(kind, axis, next layout, seconds
+    per logical byte)``; slices cost nothing, gathers and all-to-alls move the local data."""
+    local = 1.0 / math.prod(n for s, n in zip(cur, b.sizes) if isinstance(s, Split))
+    for a, s in enumerate(cur):
+        n, bw = b.sizes[a], b.cluster.bandwidth(b.names[a])
+        if isinstance(s, Broadcast):
+            for d in {x.dim for x in dst.sbps if isinstance(x, Split)}:
+                nxt = cur[:a] + (Split(d),) + cur[a + 1:]
+                if _minor(nxt, a, d) and _safe(nxt, src, dst):
+                    yield "slice", a, nxt, 0.0
+        elif isinstance(s, Split) and _minor(cur, a, s.dim):
+            nxt = cur[:a] + (B,) + cur[a + 1:]
+            yield "all-gather", a, nxt, (n - 1) * local / bw
+            d = dst.sbps[a]
+            if isinstance(d, Split) and d != s:
+                nxt = cur[:a] + (d,) + cur[a + 1:]
+                if _minor(nxt, a, d.dim) and _safe(nxt, src, dst):
+                    yield "all-to-all", a, nxt, (n - 1) / n * local / bw
+
+
+def _plain_steps(b: _Builder, src: NdSbp, dst: NdSbp) -> None:
+    """Steps 2-4 of the module doc: the cheapest sequence of plain moves (Dijkstra over the
+    few layouts of a value on a small mesh; ties go to fewer collectives)."""
+    start, goal = tuple(b.cur), tuple(dst.sbps)
+    best = {start: (0.0, 0)}
+    prev: dict[tuple, tuple] = {}
+    heap = [(0.0, 0, 0, start)]
+    tick = 1
+    while heap:
+        cost, hops, _, cur = heapq.heappop(heap)
+        if cur == goal:
+            break
+        if (cost, hops) > best[cur]:
+            continue
+        for kind, a, nxt, t in _moves(cur, src, dst, b):
+            key = (cost + t, hops + (kind != "slice"))
+            if nxt not in best or key < best[nxt]:
+                best[nxt] = key
+                prev[nxt] = (cur, kind, a)
+                heapq.heappush(heap, (*key, tick, nxt))
+                tick += 1
+    if goal not in best:
+        raise ValueError(f"no plain conversion from {src} to {dst}; please report this")
+    path = []
+    node = goal
+    while node != start:
+        before, kind, a = prev[node]
+        path.append((kind, a, node))
+        node = before
+    path.reverse()
+    for i, (kind, a, layout) in enumerate(path):
+        n = b.sizes[a]
+        if kind == "all-gather":
+            b.collective(kind, [a], n - 1)
+        elif kind == "all-to-all":
+            b.collective(kind, [a], (n - 1) / n)
+        b.cur = list(layout)
+        if kind != "slice" or i + 1 == len(path) or path[i + 1][0] != "slice":
+            b.pin()  # a run of (free) slices is one layout
 
 
 @lru_cache(maxsize=1 << 16)
 def conversion(src: NdSbp, dst: NdSbp, axis_sizes: tuple[int, ...], axis_names: tuple[str, ...],
                cluster: Cluster) -> Conversion:
-    alpha = per_byte = wire = combinable = 0.0
-    colls = []
-    for i, n in enumerate(axis_sizes):
-        step = _axis_step(src.sbps[i], dst.sbps[i], n)
-        if step is None:
+    b = _Builder(src, axis_sizes, axis_names, cluster)
+    if src == dst:
+        return b.result()
+    if any(isinstance(s, Partial) for s in dst.sbps):
+        return _into_partial(b, src, dst)
+    _resolve_partials(b, src, dst)
+    _plain_steps(b, src, dst)
+    return b.result()
+
+
+def _into_partial(b: _Builder, src: NdSbp, dst: NdSbp) -> Conversion:
+    """Conversions that end partial on some axis (only ops passing a partial through read
+    partial values, so these are never worth it; priced per axis as the module doc says)."""
+    for a, (s, d) in enumerate(zip(src.sbps, dst.sbps)):
+        n = b.sizes[a]
+        if s == d or n == 1:
             continue
-        kind, factor = step
-        shrink = 1
-        for j, m in enumerate(axis_sizes):
-            if j != i and (isinstance(src.sbps[j], Split) or isinstance(dst.sbps[j], Split)):
-                shrink *= m
-        local = factor / shrink
-        alpha += cluster.latency(axis_names[i])
-        if kind in COMBINED_KINDS:
-            combinable += cluster.latency(axis_names[i])
-        per_byte += local / cluster.bandwidth(axis_names[i])
-        wire += local
-        colls.append(Collective(kind, i, local))
-    return Conversion(alpha, per_byte, wire, tuple(colls), combinable)
+        if isinstance(s, Split) and isinstance(d, Split):
+            b.collective("all-to-all", [a], (n - 1) / n)
+        elif isinstance(s, Split):
+            b.collective("all-gather", [a], n - 1)
+        elif isinstance(s, Partial):
+            b.collective("reduce-scatter" if isinstance(d, Split) else "all-reduce", [a],
+                         (n - 1) / n if isinstance(d, Split) else 2 * (n - 1) / n)
+        elif isinstance(d, Partial):
+            b.alpha += b.cluster.latency(b.names[a])
+            b.colls.append(Collective("local", (a,), 0.0))
+        b.cur[a] = d
+    return b.result()
 
 
 def reshard_time(src: NdSbp, dst: NdSbp, nbytes: float, axis_sizes: Sequence[int],

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
+from shardc.cost.comm import conversion
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import NdSbp, to_partition_spec
 
@@ -32,10 +33,19 @@ def evaluator(graph: Graph, plan, mesh: Mesh) -> Callable[..., list]:
             return x
         return jax.lax.with_sharding_constraint(x, _sharding(mesh, nd, x.ndim))
 
+    def convert(x, src: NdSbp | None, dst: NdSbp):
+        """Pin each layout of the planned conversion in turn (:mod:`shardc.cost.comm`), so
+        XLA runs the collectives the plan priced, one mesh axis at a time."""
+        if src is None or src == dst:
+            return x
+        for nd in conversion(src, dst, plan.axis_sizes, plan.axis_names, plan.cluster).layouts:
+            x = constrain(x, nd)
+        return constrain(x, dst)
+
     def settle(v, x):
         """Convert a value used more than once to the layout its uses read, once."""
         nd = plan.settled.get(v.id)
-        return x if nd is None or nd == plan.values.get(v.id) else constrain(x, nd)
+        return x if nd is None else convert(x, plan.values.get(v.id), nd)
 
     def run(*flat):
         raw = {v.id: x for v, x in zip(graph.inputs, flat)}
@@ -47,11 +57,7 @@ def evaluator(graph: Graph, plan, mesh: Mesh) -> Callable[..., list]:
                 if v.is_const:
                     args.append(v.const)
                     continue
-                x = env[v.id]
-                want = planned.ins[k]
-                if want != plan.read_as(v.id):
-                    x = constrain(x, want)
-                args.append(x)
+                args.append(convert(env[v.id], plan.read_as(v.id), planned.ins[k]))
             outs = op.prim.bind(*args, **op.params)
             if not op.prim.multiple_results:
                 outs = [outs]
@@ -64,7 +70,7 @@ def evaluator(graph: Graph, plan, mesh: Mesh) -> Callable[..., list]:
             elif v.id in raw and nd == plan.values[v.id]:
                 outs.append(raw[v.id])  # an input passed through in its own layout
             else:
-                outs.append(env[v.id])
+                outs.append(convert(env[v.id], plan.read_as(v.id), nd))
         return outs
 
     return run

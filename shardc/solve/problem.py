@@ -81,6 +81,7 @@ class CostGraph:
     carried: set = field(default_factory=set)  # input nodes tied to an output (the state)
     settle: dict = field(default_factory=dict)  # value id -> its Settle node
     order: list = field(default_factory=list)  # every node, producers before their uses
+    ties: list = field(default_factory=list)  # (output index, input index) pairs
 
     # ---- construction ---------------------------------------------------------------------
     def out_sbp(self, node: int, slot: int, choice: int) -> NdSbp:
@@ -177,7 +178,8 @@ class CostGraph:
             if not same.any(axis=1).all():
                 continue  # some layout of u must convert first: a decision of v's own
             f = np.argmin(local, axis=1)
-            for allowed in (same, same & ~_fresh_splits(self.choices[v])[None, :]):
+            fresh = _fresh_splits(self.choices[v], sorted({e.k for e in ins if e.k >= 0}))
+            for allowed in (same, same & ~fresh[None, :]):
                 masked = np.where(allowed, local, np.inf)
                 g = np.argmin(masked, axis=1)
                 ok = np.isfinite(masked[np.arange(len(g)), g])
@@ -234,13 +236,13 @@ class CostGraph:
         self.edges = [e for es in outs_of.values() for e in es]
 
 
-def _fresh_splits(strategies: Sequence) -> np.ndarray:
-    """Per strategy: True when some output is split along a mesh axis on which every input
-    is broadcast (the op would cut a replicated value on its own)."""
+def _fresh_splits(strategies: Sequence, followed: Sequence[int]) -> np.ndarray:
+    """Per strategy: True when some output is split along a mesh axis on which every
+    ``followed`` input is broadcast (the op would cut a replicated value on its own)."""
     out = np.zeros(len(strategies), dtype=bool)
     for b, s in enumerate(strategies):
         for axis in range(len(s.outs[0]) if s.outs else 0):
-            if (all(isinstance(nd.sbps[axis], Broadcast) for nd in s.ins)
+            if (all(isinstance(s.ins[k].sbps[axis], Broadcast) for k in followed)
                     and any(isinstance(nd.sbps[axis], Split) for nd in s.outs)):
                 out[b] = True
                 break
@@ -285,6 +287,7 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
     rate = cluster.device_flops * cluster.utilization
     carried = {i for _, i in ties}
     cg.carried = carried
+    cg.ties = list(ties)
     layouts: dict = {}
     for k, v in enumerate(graph.inputs):
         cg.producer[v.id] = (len(cg.choices), 0)

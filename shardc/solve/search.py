@@ -6,6 +6,8 @@ worse. A time-limited ILP returns its best incumbent and the plan says so.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -16,7 +18,9 @@ import numpy as np
 from shardc.cost.cluster import Cluster
 from shardc.cost.combine import tail_values
 from shardc.ir.graph import Graph
+from shardc.ir.sbp import NdSbp
 from shardc.solve import descent
+from shardc.solve.fold import expand, fold
 from shardc.solve.ilp import problem_size, solve_ilp
 from shardc.solve.problem import CostGraph, build, memory_point, memory_profile
 
@@ -25,6 +29,8 @@ ILP_FULL_TERMS = 40_000  # model terms up to which one ILP covers the whole grap
 BLOCK_TERMS = 6_000  # model terms per block when refining a larger graph block by block
 TAIL_BLOCK_TERMS = 200  # model terms per block of the tail's update chains
 BLOCK_SHARE = 0.3  # share of time_limit the block refinement of a large graph may spend
+FOLD_SHARE = 0.5  # share of time_limit the ILP of a large graph's folded quotient may spend
+FLAT_SHARE = 0.6  # share of time_limit a multi-axis mesh spends on its flattened seed
 
 
 class MemoryBudgetError(ValueError):
@@ -46,6 +52,10 @@ def solve(cg: CostGraph, *, memory_budget: float | None = None, time_limit: floa
     cg.merge_followers()
     t1 = time.perf_counter()
     x = descent.solve(cg, memory_budget)
+    if len(cg.axis_sizes) > 1 and use_ilp and time_limit > 0:
+        seed = flat_seed(cg, memory_budget, time_limit * FLAT_SHARE)
+        x = _better(cg, x, seed, memory_budget)
+        time_limit *= 1 - FLAT_SHARE
     t2 = time.perf_counter()
     status, ilp_time = "descent-only", 0.0
     for _ in range(MEMORY_ROUNDS):
@@ -72,11 +82,17 @@ def solve(cg: CostGraph, *, memory_budget: float | None = None, time_limit: floa
 
 
 def _solve_once(cg: CostGraph, x: dict[int, int], memory_budget, time_limit, use_ilp):
-    """Improve the descent point ``x`` with the ILP; keep whichever is better and fits."""
+    """Improve the descent point ``x`` with the ILP; keep whichever is better and fits.
+    A graph too large for one ILP is folded (:mod:`shardc.solve.fold`), its quotient solved,
+    and the expanded plan refined block by block."""
     if not use_ilp or time_limit <= 0:
         return x, "descent-only", 0.0
     if problem_size(cg) > ILP_FULL_TERMS:
-        return block_refine(cg, x, memory_budget, time_limit)
+        t0 = time.perf_counter()
+        x, folded = fold_refine(cg, x, memory_budget, time_limit * FOLD_SHARE)
+        x, status, _ = block_refine(cg, x, memory_budget, time_limit)
+        status = f"folded ({folded}) + {status}" if folded else status
+        return x, status, time.perf_counter() - t0
     res = solve_ilp(cg, time_limit=time_limit, memory_budget=memory_budget, hint=x)
     if res.assignment is None:
         return x, ("infeasible-ilp" if res.status == "INFEASIBLE" else "descent-only"), \
@@ -172,6 +188,56 @@ def _tail_blocks(cg: CostGraph) -> list[list[int]]:
             seen |= fresh
         comps.append(comp)
     return _pack(cg, comps, TAIL_BLOCK_TERMS)
+
+
+def flat_seed(cg: CostGraph, memory_budget, time_limit: float) -> dict[int, int]:
+    """A plan of a multi-axis mesh seen as one axis of all its devices (priced at its
+    slowest link), mapped back: each 1-D ``S(d)`` / ``B`` / ``P`` becomes the same on every
+    mesh axis (a dim split over all of them, in mesh order). The 1-D problem is a fraction
+    of the size (its dots have a handful of strategies, not their square), so it is solved
+    well, and a data-parallel or FSDP plan over the whole mesh is one of its plans."""
+    n = math.prod(cg.axis_sizes)
+    names = cg.axis_names
+    flat = dataclasses.replace(
+        cg.cluster, axis_bandwidth={"flat": min(cg.cluster.bandwidth(a) for a in names)},
+        axis_latency={"flat": max(cg.cluster.latency(a) for a in names)})
+    one = build(cg.graph, (n,), ("flat",), flat, cg.ties)
+    sol = solve(one, memory_budget=memory_budget, time_limit=time_limit)
+    k = len(cg.axis_sizes)
+
+    def spread(nd: NdSbp) -> NdSbp:
+        return NdSbp(nd.sbps * k)
+
+    index: dict[int, dict] = {}
+    x = {}
+    for i in cg.live:
+        choices = cg.choices[i]
+        if id(choices) not in index:
+            index[id(choices)] = {(c if isinstance(c, NdSbp) else (c.ins, c.outs)): a
+                                  for a, c in enumerate(choices)}
+        c = one.choices[i][sol.choice[i]]
+        key = spread(c) if isinstance(c, NdSbp) else (tuple(map(spread, c.ins)),
+                                                      tuple(map(spread, c.outs)))
+        x[i] = index[id(choices)][key]
+    return x
+
+
+def fold_refine(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: float
+                ) -> tuple[dict[int, int], str]:
+    """Solve the repeated-layer quotient of ``cg`` (descent, then the ILP for ``time_limit``
+    seconds), expand it, refine it by descent on the full graph, and keep it if it beats
+    ``x``. Returns the plan and the quotient ILP's status ("" when nothing folds)."""
+    q, cls = fold(cg)
+    if len(q.choices) * 2 > len(cls):
+        return x, ""  # less than 2 members per class on average: no repeated layers
+    if problem_size(q) > ILP_FULL_TERMS:
+        return x, ""  # still too large for one ILP (a 2-D mesh squares the choices)
+    xq = descent.solve(q, memory_budget)
+    res = solve_ilp(q, time_limit=time_limit, memory_budget=memory_budget, hint=xq)
+    if res.assignment is not None:
+        xq = _better(q, xq, res.assignment, memory_budget)
+    y = descent.descend(cg, expand(cls, xq))
+    return _better(cg, x, y, memory_budget), res.status.lower()
 
 
 def block_refine(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: float):
