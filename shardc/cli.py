@@ -126,7 +126,14 @@ def cmd_bench(args) -> None:
         if name not in known:
             sys.exit(f"shardc bench: unknown {name!r}; choose from {sorted(known)}")
     which = "quick" if args.quick else "bench"
-    todo = harness.cells(models, presets)
+    methods = args.methods.split(",") if args.methods else None
+    todo = harness.cells(models, presets, methods)
+    if not todo:
+        sys.exit("shardc bench: no cells match; check --models / --presets / --methods")
+    out = Path(args.out or ("docs/benchmarks/quick" if args.quick else "docs/benchmarks"))
+    command = ("shardc bench " + " ".join(sys.argv[2:])).strip()
+    kept, commands = report.load(out) if args.update else ([], [])
+    commands = [*commands, command]
     done: list = []
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
                "{task.total}"), TimeElapsedColumn())
@@ -140,10 +147,12 @@ def cmd_bench(args) -> None:
                 bar.console.print(f"[red]{zm.name} {preset.name} {method}: "
                                   f"{cell.error.splitlines()[0]}")
             done.append(cell)
+            # written after every cell: an interrupted run keeps what it measured
+            report.write(report.merge(kept, done), out, commands, plot_png=False)
             bar.advance(task)
-    command = "shardc bench " + " ".join(sys.argv[2:])
-    paths = report.write(done, Path(args.out), command.strip())
-    print(report.markdown(done, command.strip()).split("## All cells")[0])
+    cells = report.merge(kept, done)
+    paths = report.write(cells, out, commands)
+    print(report.markdown(cells, commands).split("## All cells")[0])
     print("wrote " + ", ".join(str(p) for p in paths))
 
 
@@ -169,7 +178,12 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--quick", action="store_true", help="small models, two presets")
     b.add_argument("--models", default=None, help="comma-separated, e.g. gpt,moe")
     b.add_argument("--presets", default=None, help="comma-separated, e.g. node-8,2nodes-2x8")
-    b.add_argument("--out", default="docs/benchmarks", help="folder for results.{md,json,png}")
+    b.add_argument("--methods", default=None, help="comma-separated, e.g. shardc,fsdp")
+    b.add_argument("--update", action="store_true",
+                   help="merge into the results already in --out (re-measured cells replace "
+                        "theirs)")
+    b.add_argument("--out", default=None, help="folder for results.{md,json,png} "
+                   "(default docs/benchmarks, or docs/benchmarks/quick with --quick)")
     b.add_argument("--no-check", action="store_true", help="skip the numerics check")
     b.add_argument("--time-limit", type=float, default=10.0)
     b.set_defaults(func=cmd_bench)

@@ -112,3 +112,32 @@ def test_small_batch_large_hidden_is_megatron():
     shapes = _all_reduce_shapes(hlo)
     assert "f32[32,256]" in shapes  # activations are all-reduced after row-split layers
     assert "f32[256,256]" not in shapes  # weight gradients are not
+
+
+def test_2d_mesh_is_data_parallel_on_the_slow_axis_and_megatron_on_the_fast_one():
+    """A (2, 2) mesh whose axis 0 is 10x slower. At batch 512 / hidden 256 the weights and the
+    activations are the same size, so the slow link carries what is smallest there (one
+    combined gradient all-reduce of the shards) and the fast link the per-layer activation
+    all-reduces of Megatron. (At batch 256 / hidden 32 the whole step is latency-bound and
+    the cheapest plan is data parallel on both axes: one combined all-reduce against twelve
+    activation all-reduces.)"""
+    from shardc.inspect.hlo import collectives
+
+    cfg = mlp.MLPConfig(batch=512, d_in=256, hidden=256, d_out=256, n_layers=6,
+                        learning_rate=1e-2)
+    step_fn, (state, data) = mlp.make_train_step(cfg)
+    mesh = jax.make_mesh((2, 2), ("slow", "fast"), axis_types=(AxisType.Auto,) * 2,
+                         devices=jax.devices()[:4])
+    cluster = Cluster(axis_bandwidth={"slow": 5e9, "fast": 50e9},
+                      axis_latency={"slow": 5e-6, "fast": 5e-6}, device_flops=2e11)
+    step = shardc.auto_shard(step_fn, mesh=mesh, cluster=cluster, time_limit=10.0)
+    plan = step.plan(state, data)
+    layout = {jax.tree_util.keystr(p): nd for (p, _), nd in
+              zip(jax.tree_util.tree_flatten_with_path((state, data))[0], plan.inputs)}
+    assert [str(k) for k in _kernel_layouts(layout)] == ["(B, S(1))", "(B, S(0))"] * 3
+    assert layout["[1]['x']"] == NdSbp((Split(0), B))  # batch split on the slow axis only
+    reduces = {c.axes for c in collectives(step.lower(state, data).compile(), mesh)
+               if c.kind == "all-reduce"}
+    assert ("fast",) in reduces  # Megatron's activation all-reduces
+    assert ("slow",) in reduces  # the gradients, reduced over the data-parallel axis
+    assert ("slow", "fast") not in reduces

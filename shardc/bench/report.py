@@ -37,11 +37,15 @@ def summary(cells: list[Cell]) -> list[dict]:
     return rows
 
 
-def markdown(cells: list[Cell], command: str, header: str = "") -> str:
-    lines = [f"# shardc bench\n\n{header}Command: `{command}`\n",
+def markdown(cells: list[Cell], commands: list[str], header: str = "") -> str:
+    made = "; then ".join(f"`{c}`" for c in commands)
+    lines = [f"# shardc bench\n\n{header}Made by: {made} (later commands re-measured the "
+             "cells they name)\n" if len(commands) > 1 else
+             f"# shardc bench\n\n{header}Command: {made}\n",
              "Step times are the compiled program priced on the preset's cluster model: "
              "collectives read from the compiled HLO (α-β per mesh axis), compute from "
-             "`cost_analysis()` FLOPs. Lower is better.\n",
+             "`cost_analysis()` FLOPs, and the host-to-device feed of the batch under the "
+             "compiled input shardings (PCIe). Lower is better.\n",
              "## Summary\n",
              "| model | preset | shardc ms | best expert | expert ms | shardc / expert | "
              "predicted vs compiled comm |",
@@ -60,8 +64,8 @@ def markdown(cells: list[Cell], command: str, header: str = "") -> str:
                      f"{len(ratios)} cells.\n")
     lines += ["## All cells\n",
               "| model | preset | method | plan s | predicted ms | compiled ms | comm ms | "
-              "compute ms | wire MiB | collectives | peak MiB | matched | error |",
-              "|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|---|"]
+              "compute ms | feed ms | wire MiB | collectives | peak MiB | matched | error |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---|"]
     for c in cells:
         colls = ", ".join(f"{k} {v}" for k, v in sorted(c.collectives.items())) or "-"
         wire = "-" if c.wire_bytes is None else f"{c.wire_bytes / 2**20:.1f}"
@@ -71,7 +75,8 @@ def markdown(cells: list[Cell], command: str, header: str = "") -> str:
         err = (c.error or "").splitlines()[0][:80] if c.error else ""
         lines.append(f"| {c.model} | {c.preset} | {c.method} | {plan} | {_ms(c.predicted_s)} | "
                      f"{_ms(c.compiled_s)} | {_ms(c.compiled_comm_s)} | "
-                     f"{_ms(c.compiled_compute_s)} | {wire} | {colls} | {mem} | {matched} | "
+                     f"{_ms(c.compiled_compute_s)} | {_ms(c.compiled_feed_s)} | {wire} | "
+                     f"{colls} | {mem} | {matched} | "
                      f"{err} |")
     return "\n".join(lines) + "\n"
 
@@ -102,11 +107,30 @@ def plot(cells: list[Cell], path: Path) -> None:
     plt.close(fig)
 
 
-def write(cells: list[Cell], out: Path, command: str, header: str = "") -> list[Path]:
+def load(out: Path) -> tuple[list[Cell], list[str]]:
+    """The cells and commands of an earlier ``results.json`` in ``out`` (none if none)."""
+    path = out / "results.json"
+    if not path.exists():
+        return [], []
+    data = json.loads(path.read_text())
+    return [Cell(**c) for c in data["cells"]], data.get("commands", [data.get("command")])
+
+
+def merge(old: list[Cell], new: list[Cell]) -> list[Cell]:
+    """``old`` with every cell that ``new`` measured again replaced, in ``old``'s order."""
+    key = lambda c: (c.model, c.preset, c.method)  # noqa: E731
+    fresh = {key(c): c for c in new}
+    out = [fresh.pop(key(c), c) for c in old]
+    return out + list(fresh.values())
+
+
+def write(cells: list[Cell], out: Path, commands: list[str], header: str = "",
+          plot_png: bool = True) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     md, js, png = out / "results.md", out / "results.json", out / "results.png"
-    md.write_text(markdown(cells, command, header))
-    js.write_text(json.dumps({"command": command, "cells": [c.to_json() for c in cells],
+    md.write_text(markdown(cells, commands, header))
+    js.write_text(json.dumps({"commands": commands, "cells": [c.to_json() for c in cells],
                               "summary": summary(cells)}, indent=1))
-    plot(cells, png)
+    if plot_png:
+        plot(cells, png)
     return [md, js, png]

@@ -106,6 +106,21 @@ def quotient(cg: CostGraph, cls: dict[int, int]) -> CostGraph:
     return q
 
 
+def restrict(cg: CostGraph, allowed: dict[int, list[int]]) -> CostGraph:
+    """``cg`` (a graph without followers, such as a quotient) with node ``i``'s choices cut
+    to ``allowed[i]`` (indices into ``cg.choices[i]``); a choice ``b`` of the result is
+    choice ``allowed[i][b]`` of ``cg``."""
+    assert not cg.follows, "restrict() works on graphs without followers"
+    r = CostGraph(cg.graph, cg.axis_sizes, cg.axis_names, cg.cluster)
+    r.refs, r.order, r.carried = cg.refs, cg.order, cg.carried
+    r.choices = [[ch[a] for a in allowed[i]] for i, ch in enumerate(cg.choices)]
+    r.cost = [c[allowed[i]] for i, c in enumerate(cg.cost)]
+    r.edges = [Edge(e.u, e.v, e.cost[np.ix_(allowed[e.u], allowed[e.v])], e.value, e.k)
+               for e in cg.edges]
+    r.memory = [{i: vec[allowed[i]] for i, vec in point.items()} for point in cg.memory]
+    return r
+
+
 def expand(cls: dict[int, int], x: dict[int, int]) -> dict[int, int]:
     """Choices of the live nodes from the choices of their classes."""
     return {i: x[c] for i, c in cls.items()}

@@ -20,7 +20,7 @@ from shardc.cost.combine import tail_values
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import NdSbp
 from shardc.solve import descent
-from shardc.solve.fold import expand, fold
+from shardc.solve.fold import expand, fold, members, restrict
 from shardc.solve.ilp import problem_size, solve_ilp
 from shardc.solve.problem import CostGraph, build, memory_point, memory_profile
 
@@ -31,6 +31,8 @@ TAIL_BLOCK_TERMS = 200  # model terms per block of the tail's update chains
 BLOCK_SHARE = 0.3  # share of time_limit the block refinement of a large graph may spend
 FOLD_SHARE = 0.5  # share of time_limit the ILP of a large graph's folded quotient may spend
 FLAT_SHARE = 0.6  # share of time_limit a multi-axis mesh spends on its flattened seed
+AXIS_SHARE = 0.5  # share of the rest a multi-axis mesh spends on axis-wise quotient ILPs
+AXIS_ROUNDS = 3  # sweeps over the mesh axes
 
 
 class MemoryBudgetError(ValueError):
@@ -46,20 +48,23 @@ class Solution:
 
 
 def solve(cg: CostGraph, *, memory_budget: float | None = None, time_limit: float = 10.0,
-          use_ilp: bool = True) -> Solution:
+          use_ilp: bool = True, blocks: bool = True) -> Solution:
+    """Plan ``cg``; ``blocks=False`` skips the block refinement of a large graph (for
+    seeds, which the caller refines anyway)."""
     t0 = time.perf_counter()
     n_all = len(cg.choices)
     cg.merge_followers()
     t1 = time.perf_counter()
     x = descent.solve(cg, memory_budget)
-    if len(cg.axis_sizes) > 1 and use_ilp and time_limit > 0:
+    if len(cg.axis_sizes) > 1 and use_ilp and time_limit > 0 and \
+            problem_size(cg) > ILP_FULL_TERMS:  # a small graph gets the whole ILP instead
         seed = flat_seed(cg, memory_budget, time_limit * FLAT_SHARE)
         x = _better(cg, x, seed, memory_budget)
         time_limit *= 1 - FLAT_SHARE
     t2 = time.perf_counter()
     status, ilp_time = "descent-only", 0.0
     for _ in range(MEMORY_ROUNDS):
-        x, status, t_ilp = _solve_once(cg, x, memory_budget, time_limit, use_ilp)
+        x, status, t_ilp = _solve_once(cg, x, memory_budget, time_limit, use_ilp, blocks)
         ilp_time += t_ilp
         if memory_budget is None:
             break
@@ -81,7 +86,8 @@ def solve(cg: CostGraph, *, memory_budget: float | None = None, time_limit: floa
     return Solution(cg.decode(x), status, descent.objective(cg, x), stats)
 
 
-def _solve_once(cg: CostGraph, x: dict[int, int], memory_budget, time_limit, use_ilp):
+def _solve_once(cg: CostGraph, x: dict[int, int], memory_budget, time_limit, use_ilp,
+                blocks: bool = True):
     """Improve the descent point ``x`` with the ILP; keep whichever is better and fits.
     A graph too large for one ILP is folded (:mod:`shardc.solve.fold`), its quotient solved,
     and the expanded plan refined block by block."""
@@ -89,9 +95,15 @@ def _solve_once(cg: CostGraph, x: dict[int, int], memory_budget, time_limit, use
         return x, "descent-only", 0.0
     if problem_size(cg) > ILP_FULL_TERMS:
         t0 = time.perf_counter()
-        x, folded = fold_refine(cg, x, memory_budget, time_limit * FOLD_SHARE)
-        x, status, _ = block_refine(cg, x, memory_budget, time_limit)
-        status = f"folded ({folded}) + {status}" if folded else status
+        folding = fold(cg)
+        x, folded = fold_refine(cg, x, memory_budget, time_limit * FOLD_SHARE, folding)
+        if len(cg.axis_sizes) > 1 and not folded:
+            x, folded = axis_refine(cg, x, memory_budget, time_limit * AXIS_SHARE, folding)
+        parts = [f"folded ({folded})"] if folded else []
+        if blocks:
+            x, refined, _ = block_refine(cg, x, memory_budget, time_limit)
+            parts.append(refined)
+        status = " + ".join(parts) or "descent-only"
         return x, status, time.perf_counter() - t0
     res = solve_ilp(cg, time_limit=time_limit, memory_budget=memory_budget, hint=x)
     if res.assignment is None:
@@ -222,12 +234,14 @@ def flat_seed(cg: CostGraph, memory_budget, time_limit: float) -> dict[int, int]
     return x
 
 
-def fold_refine(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: float
+def fold_refine(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: float,
+                folding: tuple[CostGraph, dict[int, int]] | None = None
                 ) -> tuple[dict[int, int], str]:
     """Solve the repeated-layer quotient of ``cg`` (descent, then the ILP for ``time_limit``
     seconds), expand it, refine it by descent on the full graph, and keep it if it beats
-    ``x``. Returns the plan and the quotient ILP's status ("" when nothing folds)."""
-    q, cls = fold(cg)
+    ``x``. Returns the plan and the quotient ILP's status ("" when nothing folds).
+    ``folding`` is ``fold(cg)`` when the caller has it."""
+    q, cls = folding or fold(cg)
     if len(q.choices) * 2 > len(cls):
         return x, ""  # less than 2 members per class on average: no repeated layers
     if problem_size(q) > ILP_FULL_TERMS:
@@ -238,6 +252,60 @@ def fold_refine(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: flo
         xq = _better(q, xq, res.assignment, memory_budget)
     y = descent.descend(cg, expand(cls, xq))
     return _better(cg, x, y, memory_budget), res.status.lower()
+
+
+def _without_axis(c, k: int):
+    """A choice's SBPs on every mesh axis but ``k``."""
+    if isinstance(c, NdSbp):
+        return c.sbps[:k] + c.sbps[k + 1:]
+    return tuple(nd.sbps[:k] + nd.sbps[k + 1:] for nd in (*c.ins, *c.outs))
+
+
+def axis_refine(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: float,
+                folding: tuple[CostGraph, dict[int, int]] | None = None
+                ) -> tuple[dict[int, int], str]:
+    """Coordinate descent over mesh axes on the repeated-layer quotient (AutoDDL's
+    per-axis search, made exact per step): hold every node's SBPs on all axes but one and
+    solve that axis exactly with the ILP, for each axis in turn. One axis's choice sets are
+    the size of a 1-D problem's, so each step is exact where the whole nd quotient is too
+    large for one ILP; a step moves a plan from, say, data parallel over both axes to data
+    parallel over the slow one with sharded state over the fast one (the gradient then
+    reduce-scatters on the fast link and all-reduces 1/n of it on the slow one)."""
+    t0 = time.perf_counter()
+    q, cls = folding or fold(cg)
+    if len(q.choices) * 2 > len(cls):
+        return x, ""
+    xq = {c: x[m[0]] for c, m in enumerate(members(cls))}
+    status = "optimal"
+    for _ in range(AXIS_ROUNDS):
+        moved = False
+        for k in reversed(range(len(cg.axis_sizes))):
+            left = time_limit - (time.perf_counter() - t0)
+            if left <= 0:
+                return _axis_result(cg, x, cls, xq, memory_budget, "time-limit")
+            allowed = {}
+            for i, ch in enumerate(q.choices):
+                keep = _without_axis(ch[xq[i]], k)
+                allowed[i] = [a for a, c in enumerate(ch) if _without_axis(c, k) == keep]
+            sub = restrict(q, allowed)
+            hint = {i: allowed[i].index(xq[i]) for i in allowed}
+            res = solve_ilp(sub, time_limit=left, memory_budget=memory_budget, hint=hint)
+            if res.assignment is None:
+                continue
+            if res.status != "OPTIMAL":
+                status = "time-limit"
+            y = {i: allowed[i][b] for i, b in res.assignment.items()}
+            if descent.objective(q, y) < descent.objective(q, xq) - 1e-12 and \
+                    _better(q, xq, y, memory_budget) is y:
+                xq, moved = y, True
+        if not moved:
+            break
+    return _axis_result(cg, x, cls, xq, memory_budget, status)
+
+
+def _axis_result(cg, x, cls, xq, memory_budget, status):
+    y = descent.descend(cg, expand(cls, xq))
+    return _better(cg, x, y, memory_budget), f"axes {status}"
 
 
 def block_refine(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: float):
