@@ -133,6 +133,7 @@ def cmd_bench(args) -> None:
     out = Path(args.out or ("docs/benchmarks/quick" if args.quick else "docs/benchmarks"))
     command = ("shardc bench " + " ".join(sys.argv[2:])).strip()
     kept, commands = report.load(out) if args.update else ([], [])
+    kept = [harness.add_missing_feed(c, which) for c in kept]
     commands = [*commands, command]
     done: list = []
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"

@@ -35,6 +35,8 @@ def test_feed_is_the_batch_shard_per_device():
                      np.prod(NamedSharding(mesh, s).shard_shape(x.shape))
                      for s, x in zip(specs, jax.tree.leaves(batch), strict=True))
         assert np.isclose(feeds[expert.name] * preset.cluster.host_bandwidth, expect)
+        assert np.isclose(feeds[expert.name],
+                          harness.spec_feed_seconds(zm, preset, expert, "tiny"))
     host = preset.cluster.host_bandwidth
     assert np.isclose(feeds["megatron-tp"], full / host)  # replicated batch: all of it
     assert np.isclose(feeds["data-parallel"], full / host / 8)  # split over 8 devices
