@@ -60,8 +60,10 @@ def cmd_demo(args) -> None:
     import shardc
     from models import gpt
 
-    cfg = gpt.GPTConfig(vocab=512, seq_len=64, d_model=128, n_heads=8, n_layers=args.layers,
-                        batch=16, learning_rate=1e-3)
+    # the smallest GPT whose plan shards on this cluster (a smaller one is cheapest run
+    # replicated: its collectives' latency exceeds the compute they would save)
+    cfg = gpt.GPTConfig(vocab=2048, seq_len=128, d_model=256, n_heads=8, n_layers=args.layers,
+                        batch=32, learning_rate=1e-3)
     print(f"shardc demo: GPT ({cfg.n_layers} layers, d={cfg.d_model}, heads={cfg.n_heads}, "
           f"seq={cfg.seq_len}, vocab={cfg.vocab}, batch={cfg.batch}) on 8 CPU devices, "
           "mesh node=2 x gpu=4")
@@ -72,7 +74,8 @@ def cmd_demo(args) -> None:
     t0 = time.perf_counter()
     plan = step.plan(state, batch)
     print(f"planned in {time.perf_counter() - t0:.2f} s\n")
-    print(plan.explain(max_rows=args.rows))
+    compiled = step.lower(state, batch).compile()
+    print(plan.explain(max_rows=args.rows, compiled=compiled, mesh=mesh))
     ref_step = jax.jit(step_fn)
     s_state, r_state = state, state
     print("\nstep   shardc loss   unsharded loss")

@@ -14,8 +14,10 @@ from shardc.cost.cluster import Cluster
 from shardc.ir.sbp import B, NdSbp, Split
 from shardc.ir.trace import trace
 from shardc.solve import descent
+from shardc.solve.fold import fold, restrict
 from shardc.solve.ilp import solve_ilp
 from shardc.solve.problem import build
+from shardc.solve.search import sub_mesh_seeds
 
 
 def _small_problem():
@@ -30,11 +32,10 @@ def _small_problem():
     return cg
 
 
-def test_ilp_optimum_equals_brute_force():
-    cg = _small_problem()
+def _brute_force(cg) -> float:
     live = cg.live
     sizes = [len(cg.choices[i]) for i in live]
-    assert 1000 < np.prod(sizes) <= 5_000_000
+    assert np.prod(sizes) <= 5_000_000
     axis = {node: k for k, node in enumerate(live)}
 
     def along(vec_or_mat, nodes):  # broadcast over the full choice grid
@@ -53,9 +54,48 @@ def test_ilp_optimum_equals_brute_force():
     best = float(grid.min())
     flat = np.unravel_index(int(grid.argmin()), grid.shape)
     assert descent.objective(cg, dict(zip(live, map(int, flat)))) == pytest.approx(best)
+    return best
+
+
+def test_ilp_optimum_equals_brute_force():
+    cg = _small_problem()
+    assert 1000 < np.prod([len(cg.choices[i]) for i in cg.live])
+    best = _brute_force(cg)
     res = solve_ilp(cg, time_limit=30)
     assert res.status == "OPTIMAL"
     assert descent.objective(cg, res.assignment) == pytest.approx(best, rel=1e-6, abs=1e-12)
+
+
+def test_ilp_with_single_choice_nodes_equals_brute_force():
+    """Nodes cut to one choice (as a per-axis restriction leaves many) are constants of the
+    ILP: their edges become costs of their neighbours, and the optimum is unchanged."""
+    cg = _small_problem()
+    q, cls = fold(cg)
+    worst = descent.solve(q)  # cut every other node to its descent choice
+    allowed = {i: ([worst[i]] if i % 2 else list(range(len(ch))))
+               for i, ch in enumerate(q.choices)}
+    sub = restrict(q, allowed)
+    assert any(len(ch) == 1 for ch in sub.choices) and any(len(ch) > 1 for ch in sub.choices)
+    best = _brute_force(sub)
+    res = solve_ilp(sub, time_limit=30)
+    assert res.status == "OPTIMAL" and set(res.assignment) == set(sub.live)
+    assert descent.objective(sub, res.assignment) == pytest.approx(best, rel=1e-6, abs=1e-12)
+
+
+def test_one_axis_seed_is_the_1d_plan_with_the_other_axes_idle():
+    """A seed of a (2, 4) mesh using only axis 1 is the plan of the 4-device 1-D problem,
+    lifted with B on axis 0: the same layouts and the same cost."""
+    cg2 = build(_small_problem().graph, (2, 4), ("node", "gpu"),
+                Cluster.multi_node("node", "gpu"))
+    cg2.merge_followers()
+    flat, x = sub_mesh_seeds(cg2, None, time_limit=5.0)  # node (InfiniBand) gets none
+    for i in cg2.live:
+        c = cg2.choices[i][x[i]]
+        nds = (c,) if isinstance(c, NdSbp) else (*c.ins, *c.outs)
+        assert all(nd.sbps[0] == B for nd in nds)
+    cg1 = build(cg2.graph, (4,), ("gpu",), Cluster.multi_node("node", "gpu"))
+    cg1.merge_followers()
+    assert descent.objective(cg2, x) == pytest.approx(_brute_force(cg1), rel=1e-6)
 
 
 def _mlp_plan(batch, hidden):

@@ -68,11 +68,18 @@ def _big_m_edge(m: cp_model.CpModel, cols: np.ndarray, X: list, Y: list):
 def solve_ilp(cg: CostGraph, *, time_limit: float = 10.0, memory_budget: float | None = None,
               hint: dict[int, int] | None = None, free: Sequence[int] | None = None,
               workers: int = WORKERS, log: bool = False) -> IlpResult:
-    """Solve for the live nodes in ``free`` (default: all), the others held at ``hint``."""
-    live = list(cg.live if free is None else free)
-    inside = set(live)
+    """Solve for the live nodes in ``free`` (default: all), the others held at ``hint``.
+    A node with one choice is a constant: its edges become costs of its neighbours."""
     if free is not None and hint is None:
         raise ValueError("solve_ilp(free=...) needs hint= for the nodes held fixed")
+    live = list(cg.live if free is None else free)
+    hinted = hint is not None
+    hint = dict(hint or {})
+    for i in live:
+        if len(cg.choices[i]) == 1:
+            hint[i] = 0
+    live = [i for i in live if len(cg.choices[i]) > 1]
+    inside = set(live)
     unary = {i: cg.cost[i].astype(float).copy() for i in live}
     merged: dict[tuple[int, int], np.ndarray] = {}
     for e in cg.edges:
@@ -125,7 +132,7 @@ def solve_ilp(cg: CostGraph, *, time_limit: float = 10.0, memory_budget: float |
                 terms.extend(int(vq[a] - low) * s[i][a] for a in range(len(vq)) if vq[a] != low)
             m.Add(sum(terms) + const <= int(memory_budget // kib))
     m.Minimize(sum(obj))
-    if hint:
+    if hinted:
         for i in live:
             for a, var in enumerate(s[i]):
                 m.AddHint(var, a == hint[i])
@@ -138,7 +145,7 @@ def solve_ilp(cg: CostGraph, *, time_limit: float = 10.0, memory_budget: float |
     name = solver.StatusName(status)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return IlpResult(None, name, solver.WallTime())
-    x = dict(hint or {})
+    x = dict(hint)
     x.update({i: next(a for a, var in enumerate(s[i]) if solver.BooleanValue(var))
               for i in live})
     return IlpResult(x, name, solver.WallTime())

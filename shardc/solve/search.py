@@ -18,7 +18,7 @@ import numpy as np
 from shardc.cost.cluster import Cluster
 from shardc.cost.combine import tail_values
 from shardc.ir.graph import Graph
-from shardc.ir.sbp import NdSbp
+from shardc.ir.sbp import B, NdSbp
 from shardc.solve import descent
 from shardc.solve.fold import expand, fold, members, restrict
 from shardc.solve.ilp import problem_size, solve_ilp
@@ -30,7 +30,7 @@ BLOCK_TERMS = 6_000  # model terms per block when refining a larger graph block 
 TAIL_BLOCK_TERMS = 200  # model terms per block of the tail's update chains
 BLOCK_SHARE = 0.3  # share of time_limit the block refinement of a large graph may spend
 FOLD_SHARE = 0.5  # share of time_limit the ILP of a large graph's folded quotient may spend
-FLAT_SHARE = 0.6  # share of time_limit a multi-axis mesh spends on its flattened seed
+FLAT_SHARE = 0.6  # share of time_limit a multi-axis mesh spends on its 1-D seeds
 AXIS_SHARE = 0.5  # share of the rest a multi-axis mesh spends on axis-wise quotient ILPs
 AXIS_ROUNDS = 3  # sweeps over the mesh axes
 
@@ -58,8 +58,8 @@ def solve(cg: CostGraph, *, memory_budget: float | None = None, time_limit: floa
     x = descent.solve(cg, memory_budget)
     if len(cg.axis_sizes) > 1 and use_ilp and time_limit > 0 and \
             problem_size(cg) > ILP_FULL_TERMS:  # a small graph gets the whole ILP instead
-        seed = flat_seed(cg, memory_budget, time_limit * FLAT_SHARE)
-        x = _better(cg, x, seed, memory_budget)
+        for seed in sub_mesh_seeds(cg, memory_budget, time_limit * FLAT_SHARE):
+            x = _better(cg, x, seed, memory_budget)
         time_limit *= 1 - FLAT_SHARE
     t2 = time.perf_counter()
     status, ilp_time = "descent-only", 0.0
@@ -89,8 +89,8 @@ def solve(cg: CostGraph, *, memory_budget: float | None = None, time_limit: floa
 def _solve_once(cg: CostGraph, x: dict[int, int], memory_budget, time_limit, use_ilp,
                 blocks: bool = True):
     """Improve the descent point ``x`` with the ILP; keep whichever is better and fits.
-    A graph too large for one ILP is folded (:mod:`shardc.solve.fold`), its quotient solved,
-    and the expanded plan refined block by block."""
+    A graph too large for one ILP is folded (:mod:`shardc.solve.fold`), its quotient solved
+    (on an nd mesh axis by axis), and the expanded plan refined block by block."""
     if not use_ilp or time_limit <= 0:
         return x, "descent-only", 0.0
     if problem_size(cg) > ILP_FULL_TERMS:
@@ -202,23 +202,42 @@ def _tail_blocks(cg: CostGraph) -> list[list[int]]:
     return _pack(cg, comps, TAIL_BLOCK_TERMS)
 
 
-def flat_seed(cg: CostGraph, memory_budget, time_limit: float) -> dict[int, int]:
-    """A plan of a multi-axis mesh seen as one axis of all its devices (priced at its
-    slowest link), mapped back: each 1-D ``S(d)`` / ``B`` / ``P`` becomes the same on every
-    mesh axis (a dim split over all of them, in mesh order). The 1-D problem is a fraction
-    of the size (its dots have a handful of strategies, not their square), so it is solved
-    well, and a data-parallel or FSDP plan over the whole mesh is one of its plans."""
-    n = math.prod(cg.axis_sizes)
+def sub_mesh_seeds(cg: CostGraph, memory_budget, time_limit: float) -> list[dict[int, int]]:
+    """Plans of a multi-axis mesh from 1-D problems: the whole mesh seen as one flat axis,
+    then each mesh axis alone with the others idle. The 1-D problems are a fraction of the
+    size (their dots have a handful of strategies, not their square), so each is solved
+    well; data parallel or FSDP over the whole mesh is a flat plan, and Megatron over the
+    fast axis (or any plan that leaves the slow axis idle) is a one-axis plan, which the
+    axis-wise refinement then extends over the other axes. Only axes faster than the
+    slowest get a seed of their own."""
     names = cg.axis_names
+    slow = (min(cg.cluster.bandwidth(a) for a in names),
+            -max(cg.cluster.latency(a) for a in names))
+    # an axis alone is worth a seed only when its link beats the slowest: otherwise the flat
+    # problem (more devices, priced at that same link) covers it
+    subsets = [tuple(range(len(names)))] + [
+        (k,) for k, a in enumerate(names)
+        if (cg.cluster.bandwidth(a), -cg.cluster.latency(a)) > slow]
+    return [axes_seed(cg, axes, memory_budget, time_limit / len(subsets)) for axes in subsets]
+
+
+def axes_seed(cg: CostGraph, axes: Sequence[int], memory_budget,
+              time_limit: float) -> dict[int, int]:
+    """The plan of the 1-D problem over the mesh axes ``axes`` taken as one axis (their
+    devices, priced at their slowest link), mapped back: each 1-D ``S(d)`` / ``B`` / ``P``
+    becomes the same on every axis in ``axes`` (a dim split over all of them, in mesh
+    order) and ``B`` on the others."""
+    n = math.prod(cg.axis_sizes[k] for k in axes)
+    names = [cg.axis_names[k] for k in axes]
     flat = dataclasses.replace(
         cg.cluster, axis_bandwidth={"flat": min(cg.cluster.bandwidth(a) for a in names)},
         axis_latency={"flat": max(cg.cluster.latency(a) for a in names)})
     one = build(cg.graph, (n,), ("flat",), flat, cg.ties)
     sol = solve(one, memory_budget=memory_budget, time_limit=time_limit)
-    k = len(cg.axis_sizes)
 
     def spread(nd: NdSbp) -> NdSbp:
-        return NdSbp(nd.sbps * k)
+        return NdSbp(tuple(nd.sbps[0] if k in axes else B
+                           for k in range(len(cg.axis_sizes))))
 
     index: dict[int, dict] = {}
     x = {}
@@ -271,18 +290,24 @@ def axis_refine(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: flo
     large for one ILP; a step moves a plan from, say, data parallel over both axes to data
     parallel over the slow one with sharded state over the fast one (the gradient then
     reduce-scatters on the fast link and all-reduces 1/n of it on the slow one)."""
-    t0 = time.perf_counter()
     q, cls = folding or fold(cg)
-    if len(q.choices) * 2 > len(cls):
-        return x, ""
     xq = {c: x[m[0]] for c, m in enumerate(members(cls))}
+    xq, status = _axis_sweeps(q, xq, memory_budget, time.perf_counter() + time_limit)
+    y = descent.descend(cg, expand(cls, xq))
+    return _better(cg, x, y, memory_budget), f"axes {status}"
+
+
+def _axis_sweeps(q: CostGraph, xq: dict[int, int], memory_budget, deadline: float
+                 ) -> tuple[dict[int, int], str]:
+    """:func:`axis_refine`'s sweeps over the mesh axes of ``q`` from ``xq``, until a sweep
+    moves nothing or ``deadline`` (a ``perf_counter`` time) passes."""
     status = "optimal"
     for _ in range(AXIS_ROUNDS):
         moved = False
-        for k in reversed(range(len(cg.axis_sizes))):
-            left = time_limit - (time.perf_counter() - t0)
+        for k in reversed(range(len(q.axis_sizes))):
+            left = deadline - time.perf_counter()
             if left <= 0:
-                return _axis_result(cg, x, cls, xq, memory_budget, "time-limit")
+                return xq, "time-limit"
             allowed = {}
             for i, ch in enumerate(q.choices):
                 keep = _without_axis(ch[xq[i]], k)
@@ -300,12 +325,7 @@ def axis_refine(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: flo
                 xq, moved = y, True
         if not moved:
             break
-    return _axis_result(cg, x, cls, xq, memory_budget, status)
-
-
-def _axis_result(cg, x, cls, xq, memory_budget, status):
-    y = descent.descend(cg, expand(cls, xq))
-    return _better(cg, x, y, memory_budget), f"axes {status}"
+    return xq, status
 
 
 def block_refine(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: float):
