@@ -76,10 +76,13 @@ def feed_seconds(compiled, batch, cluster) -> float:
     program's input shardings: each device receives its shard over ``host_bandwidth``. The
     same term shardc's cost model charges, so a plan that splits the batch and gathers it
     on device is compared with one that feeds it replicated on equal terms."""
-    shardings = jax.tree.leaves(compiled.input_shardings[0][1])
-    leaves = jax.tree.leaves(batch)
+    return _feed(jax.tree.leaves(compiled.input_shardings[0][1]), batch, cluster)
+
+
+def _feed(shardings, batch, cluster) -> float:
+    """Seconds to feed each device its shard of ``batch`` under ``shardings`` (flat)."""
     per_device = sum(math.prod(sh.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
-                     for sh, x in zip(shardings, leaves, strict=True))
+                     for sh, x in zip(shardings, jax.tree.leaves(batch), strict=True))
     return per_device / cluster.host_bandwidth
 
 
@@ -89,10 +92,7 @@ def spec_feed_seconds(zm: ZooModel, preset: Preset, expert: Expert, which: str) 
     mesh = make_mesh(preset)
     _, batch = zm.load().abstract_args(zm.config(which))
     specs = jax.tree.leaves(batch_specs(batch, mesh, expert))
-    per_device = sum(math.prod(NamedSharding(mesh, s).shard_shape(x.shape)) *
-                     np.dtype(x.dtype).itemsize
-                     for s, x in zip(specs, jax.tree.leaves(batch), strict=True))
-    return per_device / preset.cluster.host_bandwidth
+    return _feed([NamedSharding(mesh, s) for s in specs], batch, preset.cluster)
 
 
 def add_missing_feed(cell: Cell, which: str) -> Cell:
