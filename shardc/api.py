@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jax
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from shardc.cost.cluster import DEFAULT_CLUSTER, Cluster
+from shardc.ir.sbp import NdSbp, from_partition_spec
 from shardc.ir.trace import Traced, trace
 from shardc.lower.emit import jit_plan
 from shardc.plan import Plan, assemble, fingerprint
@@ -75,7 +76,7 @@ class AutoSharded:
     """The callable ``auto_shard`` returns. ``plan``/``lower`` accept ShapeDtypeStructs."""
 
     def __init__(self, fn: Callable, mesh: Mesh, cluster: Cluster | None, memory_budget,
-                 donate_argnums, static_argnums, time_limit: float):
+                 donate_argnums, static_argnums, time_limit: float, seeds=None):
         if not isinstance(mesh, Mesh):
             raise TypeError(f"auto_shard needs a jax.sharding.Mesh, got {type(mesh).__name__}; "
                             "make one with jax.make_mesh((2, 4), ('node', 'gpu'), "
@@ -88,6 +89,7 @@ class AutoSharded:
         self.static_argnums = tuple(sorted(_norm(static_argnums)))
         self.donate_argnums = tuple(_norm(donate_argnums))
         self.time_limit = time_limit
+        self.seeds = _named_seeds(seeds)
         self._cache: dict[Any, _Entry] = {}
         functools.update_wrapper(self, fn)
 
@@ -124,9 +126,11 @@ class AutoSharded:
         traced = trace(self._bound(static), *abstract)
         t1 = time.perf_counter()
         ties = tie_outputs(traced.in_tree, traced.out_tree, traced.graph)
+        seeds = {name: seed_layouts(name, spec, abstract, self.mesh.axis_names)
+                 for name, spec in self.seeds.items()}
         cg, sol = plan_graph(traced.graph, self.mesh.devices.shape, self.mesh.axis_names,
                              self.cluster, ties=ties, memory_budget=self.memory_budget,
-                             time_limit=self.time_limit)
+                             time_limit=self.time_limit, seeds=seeds)
         solver = {"status": sol.status, "objective": sol.objective, "trace_s": t1 - t0,
                   "plan_s": time.perf_counter() - t0, **sol.stats}
         plan = assemble(traced.graph, cg, sol.choice, ties, solver)
@@ -169,6 +173,49 @@ class AutoSharded:
         return self._jitted(args)(*dynamic)
 
 
+def _is_spec_leaf(x) -> bool:
+    return x is None or isinstance(x, (PartitionSpec, NamedSharding))
+
+
+def _named_seeds(seeds) -> dict[str, Any]:
+    """``seeds`` as ``{name: specs}``: a mapping is kept, a sequence is numbered."""
+    if seeds is None:
+        return {}
+    if isinstance(seeds, Mapping):
+        return dict(seeds)
+    if isinstance(seeds, (list, tuple)) and not isinstance(seeds, PartitionSpec):
+        return {f"seed {k}": s for k, s in enumerate(seeds)}
+    raise TypeError("seeds takes {name: specs} or a list of specs, where specs are "
+                    "PartitionSpecs (or NamedShardings) for the function's arguments, as "
+                    f"for jax.jit's in_shardings; got {type(seeds).__name__}")
+
+
+def seed_layouts(name: str, specs, abstract: tuple, axis_names) -> dict[int, NdSbp]:
+    """Graph-input layouts of a hand-written plan: ``specs`` holds a PartitionSpec (or
+    NamedSharding, or None: shardc's choice) for every dynamic argument, or for a prefix of
+    their pytree (one spec for a whole subtree), like ``jax.jit``'s ``in_shardings``."""
+    specs = tuple(specs) if isinstance(specs, list) else specs
+    if not isinstance(specs, tuple) or len(specs) != len(abstract):
+        raise ValueError(f"seed {name!r}: give one entry per dynamic argument "
+                         f"({len(abstract)}), as a tuple, like jax.jit's in_shardings")
+    try:
+        per_leaf = jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), specs,
+                                abstract, is_leaf=_is_spec_leaf)
+    except ValueError as exc:
+        raise ValueError(f"seed {name!r} does not match the arguments' pytree: {exc}") from exc
+    leaves = jax.tree.leaves(per_leaf, is_leaf=_is_spec_leaf)
+    out: dict[int, NdSbp] = {}
+    for k, (spec, x) in enumerate(zip(leaves, jax.tree.leaves(abstract), strict=True)):
+        if spec is None:
+            continue
+        spec = spec.spec if isinstance(spec, NamedSharding) else spec
+        try:
+            out[k] = from_partition_spec(spec, len(x.shape), tuple(axis_names))
+        except ValueError as exc:
+            raise ValueError(f"seed {name!r}, argument leaf {k} {x.shape}: {exc}") from exc
+    return out
+
+
 def _norm(x) -> tuple[int, ...]:
     if x is None:
         return ()
@@ -177,14 +224,17 @@ def _norm(x) -> tuple[int, ...]:
 
 def auto_shard(fn: Callable | None = None, *, mesh: Mesh, cluster: Cluster | None = None,
                memory_budget: float | None = None, donate_argnums=(), static_argnums=(),
-               time_limit: float = 10.0):
+               time_limit: float = 10.0, seeds=None):
     """Plan and run ``fn`` sharded over ``mesh``. Usable as ``@auto_shard(mesh=...)``.
 
     ``cluster`` prices the plan (default: every mesh axis an H100 NVLink link, see
     :class:`shardc.Cluster`); ``memory_budget`` caps per-device bytes; ``time_limit`` bounds
-    the ILP in seconds (its best incumbent is used, and the plan says so).
+    the ILP in seconds (its best incumbent is used, and the plan says so). ``seeds`` are
+    hand-written plans to start from, ``{name: in_shardings}`` (PartitionSpecs per dynamic
+    argument, as for ``jax.jit``): the plan's predicted cost is never above theirs, and
+    ``plan.explain()`` lists what each costs.
     """
     def wrap(f):
         return AutoSharded(f, mesh, cluster, memory_budget, donate_argnums, static_argnums,
-                           time_limit)
+                           time_limit, seeds)
     return wrap if fn is None else wrap(fn)

@@ -31,6 +31,11 @@ def explain_plan(plan, max_rows: int | None = 60, top: int = 10) -> str:
         f"input feed {fmt_time(p.feed_time)}; "
         f"peak memory {fmt_bytes(p.peak_memory)} per device",
     ]
+    seeds = plan.solver.get("seeds")
+    if seeds:
+        lines.append("seeds (hand-written plans, predicted): " + ", ".join(
+            f"{name} {fmt_time(t)}" for name, t in sorted(seeds.items(), key=lambda kv: kv[1]))
+            + f"; this plan {fmt_time(plan.solver.get('objective', p.step_time))}")
     ops = list(plan.ops)
     shown = ops
     if max_rows is not None and len(ops) > max_rows:

@@ -7,12 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as Ps
 
 import shardc
 from models import mlp
 from shardc.cost.cluster import Cluster
-from shardc.ir.sbp import B, NdSbp, Split
+from shardc.ir.sbp import B, NdSbp, P, Split
 from shardc.ir.trace import trace
+from shardc.plan import assemble
 from shardc.solve import descent
 from shardc.solve.fold import fold, restrict
 from shardc.solve.ilp import solve_ilp
@@ -181,3 +183,106 @@ def test_2d_mesh_is_data_parallel_on_the_slow_axis_and_megatron_on_the_fast_one(
     assert ("fast",) in reduces  # Megatron's activation all-reduces
     assert ("slow",) in reduces  # the gradients, reduced over the data-parallel axis
     assert ("slow", "fast") not in reduces
+
+
+_SLOW = Cluster(axis_bandwidth={"x": 50e9}, axis_latency={"x": 5e-6}, device_flops=2e11)
+
+
+@pytest.mark.parametrize("d_ff, parallel", [(1024, "expert"), (32, "data")])
+def test_moe_is_expert_parallel_when_experts_are_large_and_data_parallel_when_small(
+        d_ff, parallel):
+    """GShard MoE on 8 devices (CPU-like devices, 50 GB/s links, so compute and bytes both
+    count). With large experts (d_ff 1024, 4 MiB of expert weights) each device holds one
+    expert and the dispatched tokens move by all-to-all; with small ones (d_ff 32) the expert
+    weights are replicated, the tokens stay split by group, and the expert gradients are
+    all-reduced: data parallelism."""
+    from models import moe
+
+    cfg = moe.MoEConfig(d_model=64, d_ff=d_ff, n_experts=8, batch=64, seq_len=32)
+    step_fn, (state, batch) = moe.make_train_step(cfg)
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+    step = shardc.auto_shard(step_fn, mesh=mesh, cluster=_SLOW, time_limit=5.0)
+    plan = step.plan(state, batch)
+    layout = {jax.tree_util.keystr(p): nd for (p, _), nd in
+              zip(jax.tree_util.tree_flatten_with_path((state, batch))[0], plan.inputs)}
+    wi = [nd for k, nd in layout.items() if k.startswith("[0]['params']") and "'wi'" in k]
+    e, g, c = cfg.n_experts, cfg.batch, cfg.capacity
+    # the expert FFN: [E, G, C, d] x [E, d, ffn] -> [E, G, C, ffn], forward and backward
+    ffn = [o for o in plan.ops if o.prim == "dot_general"
+           and o.types.endswith(f"->f32[{e},{g},{c},{d_ff}]")]
+    assert len(ffn) == 2
+    kinds = plan.verify(step.lower(state, batch).compile(), mesh)
+    compiled = {r.kind: r for r in kinds.rows}
+    if parallel == "expert":
+        assert wi == [NdSbp((Split(0),))]
+        assert all(o.outs[0] == NdSbp((Split(0),)) for o in ffn)
+        assert compiled["all-to-all"].status == "matched"
+    else:
+        assert wi == [NdSbp((B,))]
+        assert all(o.outs[0] == NdSbp((Split(1),)) for o in ffn)
+        # the expert weights' gradients ([E, d, ffn] and [E, ffn, d]) are sums over the
+        # split groups: partial, then all-reduced (XLA combines them with the others)
+        grads = [o for o in plan.ops if o.prim == "dot_general" and o.types.split("->")[1]
+                 in (f"f32[{e},{cfg.d_model},{d_ff}]", f"f32[{e},{d_ff},{cfg.d_model}]")]
+        assert len(grads) == 2 and all(o.outs[0] == NdSbp((P,)) for o in grads)
+        assert compiled["all-reduce"].status == "matched"
+    assert not kinds.unplanned
+
+
+def _mlp_2x2():
+    cfg = mlp.MLPConfig(batch=64, d_in=64, hidden=64, d_out=64, n_layers=2)
+    step_fn, (state, data) = mlp.make_train_step(cfg)
+    mesh = jax.make_mesh((2, 2), ("a", "b"), axis_types=(AxisType.Auto,) * 2,
+                         devices=jax.devices()[:4])
+    return step_fn, state, data, mesh
+
+
+def test_seeds_bound_the_plan_and_are_reported():
+    """Hand-written plans given as seeds (in_shardings per argument, prefixes allowed): the
+    plan costs no more than any of them in the cost model, and explain() lists them."""
+    step_fn, state, data, mesh = _mlp_2x2()
+    seeds = {"data-parallel": (Ps(), Ps(("a", "b"))),
+             "replicated": (None, jax.tree.map(lambda _: Ps(), data))}
+    step = shardc.auto_shard(step_fn, mesh=mesh, cluster=_SLOW_2D, time_limit=0.0,
+                             seeds=seeds)
+    plan = step.plan(state, data)
+    costs = plan.solver["seeds"]
+    assert set(costs) == {"data-parallel", "replicated"}
+    assert plan.solver["objective"] <= min(costs.values()) + 1e-12
+    assert plan.predicted.step_time == pytest.approx(plan.solver["objective"], rel=1e-6)
+    assert "seeds (hand-written plans, predicted): " in plan.explain()
+
+
+_SLOW_2D = Cluster(axis_bandwidth={"a": 5e9, "b": 50e9}, axis_latency={"a": 5e-6, "b": 5e-6},
+                   device_flops=2e11)
+
+
+@pytest.mark.parametrize("seeds, message", [
+    ({"one": (Ps(),)}, "one entry per dynamic"),
+    ({"bad": (Ps(), Ps("z"))}, "seed 'bad'"),
+    ({"order": (Ps(), Ps(("b", "a")))}, "out of mesh order"),
+])
+def test_bad_seeds_name_the_seed_and_the_fix(seeds, message):
+    step_fn, state, data, mesh = _mlp_2x2()
+    step = shardc.auto_shard(step_fn, mesh=mesh, time_limit=0.0, seeds=seeds)
+    with pytest.raises(ValueError, match=message):
+        step.plan(state, data)
+
+
+def test_a_replicated_state_seed_all_reduces_its_gradients():
+    """From data-parallel inputs (state replicated, batch split), the completion decides the
+    optimizer update backwards from the replicated state it writes: each gradient is
+    all-reduced once, not reduce-scattered and re-gathered for the replicated update."""
+    step_fn, state, data, mesh = _mlp_2x2()
+    t = trace(step_fn, state, data)
+    ties = shardc.api.tie_outputs(t.in_tree, t.out_tree, t.graph)
+    cg = build(t.graph, (4,), ("x",), Cluster(), ties)
+    cg.merge_followers()
+    n_state = len(jax.tree.leaves(state))
+    layouts = {k: (NdSbp((B,)) if k < n_state else NdSbp((Split(0),)))
+               for k in range(len(t.graph.inputs))}
+    x = descent.from_inputs(cg, layouts)
+    plan = assemble(t.graph, cg, cg.decode(x), ties, {})
+    kinds = {c.split("@")[0] for r in plan.reshards for c in r.collectives}
+    assert "all-reduce" in kinds and "reduce-scatter" not in kinds, kinds
+    assert all(nd == NdSbp((B,)) for nd in plan.inputs[:n_state])  # ZeRO would split these

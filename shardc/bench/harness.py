@@ -18,7 +18,13 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 
 from shardc.api import auto_shard
-from shardc.bench.experts import Expert, batch_specs, compile_expert, experts_for
+from shardc.bench.experts import (
+    Expert,
+    batch_specs,
+    compile_expert,
+    experts_for,
+    state_specs,
+)
 from shardc.bench.zoo import PRESETS, ZOO, Preset, ZooModel
 from shardc.inspect import price
 
@@ -46,6 +52,8 @@ class Cell:
     peak_memory: float | None = None
     matched: bool | None = None
     error: str | None = None
+    seeds: dict = field(default_factory=dict)  # shardc: the experts' plans it started from
+
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -124,20 +132,31 @@ def run_shardc(zm: ZooModel, preset: Preset, which: str, check: bool,
     cell = Cell(zm.name, preset.name, "shardc")
     mod, mesh = zm.load(), make_mesh(preset)
     cfg = zm.config(which)
-    step = auto_shard(mod.build_step(cfg), mesh=mesh, cluster=preset.cluster,
-                      time_limit=time_limit)
     args = mod.abstract_args(cfg)
+    step = auto_shard(mod.build_step(cfg), mesh=mesh, cluster=preset.cluster,
+                      time_limit=time_limit, seeds=expert_seeds(zm, mesh, args))
     t0 = time.perf_counter()
     plan = step.plan(*args)
     cell.plan_s = time.perf_counter() - t0
     cell.predicted_s = plan.predicted.step_time
+    cell.seeds = dict(plan.solver.get("seeds", {}))
     cell.predicted_comm_s = plan.predicted.comm_time
     _fill_compiled(cell, step.lower(*args).compile(), mesh, preset.cluster, args[1])
     if check:
         tiny_fn, (state, batch) = mod.make_train_step(zm.config("tiny"))
-        tiny = auto_shard(tiny_fn, mesh=mesh, cluster=preset.cluster, time_limit=time_limit)
+        tiny = auto_shard(tiny_fn, mesh=mesh, cluster=preset.cluster, time_limit=time_limit,
+                          seeds=expert_seeds(zm, mesh, (state, batch)))
         cell.matched = _close(tiny(state, batch), jax.jit(tiny_fn)(state, batch), _tiny_lr(zm))
     return cell
+
+
+def expert_seeds(zm: ZooModel, mesh, args) -> dict:
+    """Every expert's in_shardings for this model and mesh, to seed shardc with: its plan
+    then costs no more than the best of them in shardc's own cost model."""
+    state, batch = args
+    return {e.name: (state_specs(state, mesh, e, zm.load().param_axes),
+                     batch_specs(batch, mesh, e))
+            for e in experts_for(mesh, moe=zm.moe)}
 
 
 def run_expert(zm: ZooModel, preset: Preset, expert: Expert, which: str, check: bool) -> Cell:

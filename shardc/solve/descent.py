@@ -13,10 +13,14 @@ References:
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import numpy as np
 
-from shardc.ir.graph import Value
-from shardc.solve.problem import CostGraph
+from shardc.cost.combine import TAIL_PRIMS, tail_values
+from shardc.ir.graph import Op, Value
+from shardc.ir.sbp import NdSbp
+from shardc.solve.problem import CostGraph, Settle
 
 
 def _adjacency(cg: CostGraph) -> dict[int, list]:
@@ -66,12 +70,13 @@ def memory(cg: CostGraph, x: dict[int, int]) -> float:
     return max((sum(float(vec[x[i]]) for i, vec in p.items()) for p in cg.memory), default=0.0)
 
 
-def greedy(cg: CostGraph, inputs: dict[int, int]) -> dict[int, int]:
+def greedy(cg: CostGraph, inputs: dict[int, int], first: Sequence[int] = ()) -> dict[int, int]:
     """Program-order greedy: graph inputs fixed, each op takes its cheapest choice given the
-    choices already made upstream (a data-parallel plan falls out of a split batch)."""
+    choices already made (a data-parallel plan falls out of a split batch). The nodes in
+    ``first`` decide before the rest, in the order given."""
     adj = _adjacency(cg)
     x = dict(inputs)
-    for i in cg.live:
+    for i in [*first, *cg.live]:
         if i in x:
             continue
         local = cg.cost[i].copy()
@@ -83,6 +88,44 @@ def greedy(cg: CostGraph, inputs: dict[int, int]) -> dict[int, int]:
     return x
 
 
+def tail_nodes(cg: CostGraph) -> list[int]:
+    """Live nodes of the step's tail (:func:`shardc.cost.combine.tail_values`: the optimizer
+    update and the settles of the gradients entering it) in reverse program order: from the
+    new state back to the gradients."""
+    tail = tail_values(cg.graph)
+    out = []
+    for i in reversed(cg.live):
+        ref = cg.refs[i]
+        if isinstance(ref, Settle):
+            vid = ref.value.id
+        elif isinstance(ref, Op) and ref.name in TAIL_PRIMS:
+            vid = ref.outputs[0].id
+        else:
+            continue
+        if vid in tail:
+            out.append(i)
+    return out
+
+
+def from_inputs(cg: CostGraph, layouts: Mapping[int, NdSbp]) -> dict[int, int] | None:
+    """The plan a hand-written one (``in_shardings``) leads to, what XLA's sharding
+    propagation does from pinned inputs and outputs: graph input ``k`` fixed to
+    ``layouts[k]``; the tail (the optimizer update) greedy backwards from the state it
+    writes, which is tied to the state it reads (so a replicated state's gradients are
+    all-reduced once, not reduce-scattered and re-gathered); every other node greedy in
+    program order; then coordinate descent. Inputs whose layout is not one of their choices
+    (uneven) are left to the greedy passes; None when no input could be fixed."""
+    inputs = {}
+    for k, nd in layouts.items():
+        node = cg.producer[cg.graph.inputs[k].id][0]
+        if cg.resolve(node)[0] != node or nd not in cg.choices[node]:
+            continue
+        inputs[node] = cg.choices[node].index(nd)
+    if not inputs:
+        return None
+    return descend(cg, greedy(cg, inputs, tail_nodes(cg)))
+
+
 def _split_most(cg: CostGraph, i: int) -> int:
     """The input layout with the least bytes per device (first such: lowest mesh axes)."""
     return int(np.argmin([nd.shard_fraction(cg.axis_sizes) for nd in cg.choices[i]]))
@@ -91,7 +134,8 @@ def _split_most(cg: CostGraph, i: int) -> int:
 def starts(cg: CostGraph) -> list[dict[int, int]]:
     """Start points: replicated, cheapest compute, and greedy passes from three input
     layouts: state replicated + batch split (data parallel), everything split (FSDP-like),
-    everything replicated."""
+    everything replicated; each in program order and with the tail first (see
+    :func:`from_inputs`)."""
     inputs = [i for i in cg.live if isinstance(cg.refs[i], Value)]
     carried = cg.carried
     dp = {i: (0 if i in carried else _split_most(cg, i)) for i in inputs}
@@ -99,7 +143,9 @@ def starts(cg: CostGraph) -> list[dict[int, int]]:
     rep = {i: 0 for i in inputs}
     replicated = {i: 0 for i in cg.live}
     cheapest = {i: int(np.argmin(cg.cost[i])) for i in cg.live}
-    return [replicated, cheapest, greedy(cg, dp), greedy(cg, fsdp), greedy(cg, rep)]
+    tail = tail_nodes(cg)
+    return [replicated, cheapest, *(greedy(cg, ins, first) for ins in (dp, fsdp, rep)
+                                    for first in ((), tail))]
 
 
 def solve(cg: CostGraph, memory_budget: float | None = None) -> dict[int, int]:

@@ -10,7 +10,7 @@ import dataclasses
 import math
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,19 +48,30 @@ class Solution:
 
 
 def solve(cg: CostGraph, *, memory_budget: float | None = None, time_limit: float = 10.0,
-          use_ilp: bool = True, blocks: bool = True) -> Solution:
+          use_ilp: bool = True, blocks: bool = True,
+          seeds: Mapping[str, Mapping[int, NdSbp]] | None = None) -> Solution:
     """Plan ``cg``; ``blocks=False`` skips the block refinement of a large graph (for
-    seeds, which the caller refines anyway)."""
+    seeds, which the caller refines anyway). ``seeds`` are hand-written plans, by name, as
+    layouts of graph inputs (:func:`shardc.solve.descent.from_inputs`): the plan costs no
+    more than any of them that fits the budget, and ``stats["seeds"]`` gives their costs."""
     t0 = time.perf_counter()
     n_all = len(cg.choices)
     cg.merge_followers()
     t1 = time.perf_counter()
     x = descent.solve(cg, memory_budget)
-    if len(cg.axis_sizes) > 1 and use_ilp and time_limit > 0 and \
-            problem_size(cg) > ILP_FULL_TERMS:  # a small graph gets the whole ILP instead
+    seed_plans = {}
+    for name, layouts in (seeds or {}).items():
+        y = descent.from_inputs(cg, layouts)
+        if y is not None:
+            seed_plans[name] = y
+            x = _better(cg, x, y, memory_budget)
+    if len(cg.axis_sizes) > 1 and use_ilp and time_limit > 0:
+        # the 1-D seeds may take FLAT_SHARE of the limit; what they leave goes to the ILP
+        # (a small graph's seeds are proved at once, and its whole ILP needs the time)
+        t_seeds = time.perf_counter()
         for seed in sub_mesh_seeds(cg, memory_budget, time_limit * FLAT_SHARE):
             x = _better(cg, x, seed, memory_budget)
-        time_limit *= 1 - FLAT_SHARE
+        time_limit -= time.perf_counter() - t_seeds
     t2 = time.perf_counter()
     status, ilp_time = "descent-only", 0.0
     for _ in range(MEMORY_ROUNDS):
@@ -74,6 +85,8 @@ def solve(cg: CostGraph, *, memory_budget: float | None = None, time_limit: floa
             break
         cg.memory.append(memory_point(cg, worst))  # a violated point: constrain it too
         x = descent.solve(cg, memory_budget)
+        for y in seed_plans.values():
+            x = _better(cg, x, y, memory_budget)
     peak = float(np.max(memory_profile(cg, cg.decode(x))))
     if memory_budget is not None and peak > memory_budget:
         raise MemoryBudgetError(
@@ -83,6 +96,8 @@ def solve(cg: CostGraph, *, memory_budget: float | None = None, time_limit: floa
         )
     stats = {"nodes": n_all, "live_nodes": len(cg.live), "edges": len(cg.edges),
              "merge_s": t1 - t0, "descent_s": t2 - t1, "ilp_s": ilp_time}
+    if seed_plans:
+        stats["seeds"] = {name: descent.objective(cg, y) for name, y in seed_plans.items()}
     return Solution(cg.decode(x), status, descent.objective(cg, x), stats)
 
 
@@ -355,10 +370,12 @@ def block_refine(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: fl
 def plan_graph(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str],
                cluster: Cluster, *, ties: Sequence[tuple[int, int]] = (),
                memory_budget: float | None = None, time_limit: float = 10.0,
-               use_ilp: bool = True) -> tuple[CostGraph, Solution]:
+               use_ilp: bool = True, seeds: Mapping[str, Mapping[int, NdSbp]] | None = None
+               ) -> tuple[CostGraph, Solution]:
     t0 = time.perf_counter()
     cg = build(graph, axis_sizes, axis_names, cluster, ties)
     build_s = time.perf_counter() - t0
-    sol = solve(cg, memory_budget=memory_budget, time_limit=time_limit, use_ilp=use_ilp)
+    sol = solve(cg, memory_budget=memory_budget, time_limit=time_limit, use_ilp=use_ilp,
+                seeds=seeds)
     sol.stats["build_s"] = build_s
     return cg, sol
