@@ -8,6 +8,7 @@ plan and the compiled executable.
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,7 +22,8 @@ from shardc.ir.sbp import NdSbp, from_partition_spec
 from shardc.ir.trace import Traced, trace
 from shardc.lower.emit import jit_plan
 from shardc.plan import Plan, assemble, fingerprint
-from shardc.solve.search import plan_graph
+from shardc.solve.search import MemoryBudgetError, plan_graph
+from shardc.views import View, views
 
 
 def auto_mesh(mesh: Mesh) -> Mesh:
@@ -76,7 +78,8 @@ class AutoSharded:
     """The callable ``auto_shard`` returns. ``plan``/``lower`` accept ShapeDtypeStructs."""
 
     def __init__(self, fn: Callable, mesh: Mesh, cluster: Cluster | None, memory_budget,
-                 donate_argnums, static_argnums, time_limit: float, seeds=None):
+                 donate_argnums, static_argnums, time_limit: float, seeds=None,
+                 mesh_search: bool = False):
         if not isinstance(mesh, Mesh):
             raise TypeError(f"auto_shard needs a jax.sharding.Mesh, got {type(mesh).__name__}; "
                             "make one with jax.make_mesh((2, 4), ('node', 'gpu'), "
@@ -90,6 +93,7 @@ class AutoSharded:
         self.donate_argnums = tuple(_norm(donate_argnums))
         self.time_limit = time_limit
         self.seeds = _named_seeds(seeds)
+        self.mesh_search = mesh_search
         self._cache: dict[Any, _Entry] = {}
         functools.update_wrapper(self, fn)
 
@@ -126,16 +130,39 @@ class AutoSharded:
         traced = trace(self._bound(static), *abstract)
         t1 = time.perf_counter()
         ties = tie_outputs(traced.in_tree, traced.out_tree, traced.graph)
-        seeds = {name: seed_layouts(name, spec, abstract, self.mesh.axis_names)
+        shape, names = self.mesh.devices.shape, tuple(self.mesh.axis_names)
+        seeds = {name: seed_layouts(name, spec, abstract, names)
                  for name, spec in self.seeds.items()}
-        cg, sol = plan_graph(traced.graph, self.mesh.devices.shape, self.mesh.axis_names,
-                             self.cluster, ties=ties, memory_budget=self.memory_budget,
-                             time_limit=self.time_limit, seeds=seeds)
-        solver = {"status": sol.status, "objective": sol.objective, "trace_s": t1 - t0,
-                  "plan_s": time.perf_counter() - t0, **sol.stats}
-        plan = assemble(traced.graph, cg, sol.choice, ties, solver)
-        entry = _Entry(traced, plan, ties)
-        return entry
+        candidates = views(shape, names, self.cluster) if self.mesh_search else \
+            [View(shape, names, self.cluster)]
+        best, tried, failure = None, [], None
+        for view in candidates:
+            t = time.perf_counter()
+            try:
+                cg, sol = plan_graph(traced.graph, view.shape, view.names, view.cluster,
+                                     ties=ties, memory_budget=self.memory_budget,
+                                     time_limit=self.time_limit,
+                                     seeds=seeds if view.names == names else None)
+            except MemoryBudgetError as exc:
+                if len(candidates) == 1:
+                    raise
+                failure = failure or exc
+                tried.append({"mesh": view.label, "predicted_s": None, "plan_s":
+                              time.perf_counter() - t, "error": str(exc)})
+                continue
+            solver = {"status": sol.status, "objective": sol.objective, "trace_s": t1 - t0,
+                      **sol.stats}
+            plan = assemble(traced.graph, cg, sol.choice, ties, solver)
+            tried.append({"mesh": view.label, "predicted_s": plan.predicted.step_time,
+                          "plan_s": time.perf_counter() - t})
+            if best is None or plan.predicted.step_time < best.predicted.step_time:
+                best = plan
+        if best is None:
+            raise failure
+        best.solver["plan_s"] = time.perf_counter() - t0
+        if self.mesh_search:
+            best.solver["mesh_search"] = tried
+        return _Entry(traced, best, ties)
 
     # ---- public surface ------------------------------------------------------------------------
     def plan(self, *args) -> Plan:
@@ -148,7 +175,9 @@ class AutoSharded:
         if plan.fingerprint != fingerprint(entry.traced.graph):
             raise ValueError("the plan was made for a different program (fingerprint "
                              f"{plan.fingerprint} != {fingerprint(entry.traced.graph)}); re-plan")
-        if plan.mesh_axes != tuple(zip(self.mesh.axis_names, self.mesh.devices.shape)):
+        if math.prod(plan.axis_sizes) != self.mesh.devices.size or (
+                not self.mesh_search and plan.mesh_axes != tuple(
+                    zip(self.mesh.axis_names, self.mesh.devices.shape))):
             raise ValueError(f"the plan is for mesh {plan.mesh_axes}, this function runs on "
                              f"{tuple(zip(self.mesh.axis_names, self.mesh.devices.shape))}")
         entry.plan, entry.jitted = plan, None
@@ -158,10 +187,16 @@ class AutoSharded:
         if entry.jitted is None:
             donate = tuple(sum(1 for j in range(i) if j not in self.static_argnums)
                            for i in self.donate_argnums if i not in self.static_argnums)
-            entry.jitted = jit_plan(entry.traced.graph, entry.plan, self.mesh,
+            entry.jitted = jit_plan(entry.traced.graph, entry.plan, self.mesh_for(entry.plan),
                                     entry.traced.in_tree, entry.traced.out_tree,
                                     donate_argnums=donate)
         return entry.jitted
+
+    def mesh_for(self, plan: Plan) -> Mesh:
+        """The mesh ``plan`` runs on: this function's mesh, or the view of its devices the
+        mesh search chose (``plan.mesh_axes``)."""
+        names, sizes = plan.axis_names, plan.axis_sizes
+        return View(sizes, names, plan.cluster).mesh(self.mesh)
 
     def lower(self, *args):
         """``jax.stages.Lowered`` of the planned program (ShapeDtypeStructs are fine)."""
@@ -224,7 +259,7 @@ def _norm(x) -> tuple[int, ...]:
 
 def auto_shard(fn: Callable | None = None, *, mesh: Mesh, cluster: Cluster | None = None,
                memory_budget: float | None = None, donate_argnums=(), static_argnums=(),
-               time_limit: float = 10.0, seeds=None):
+               time_limit: float = 10.0, seeds=None, mesh_search: bool = False):
     """Plan and run ``fn`` sharded over ``mesh``. Usable as ``@auto_shard(mesh=...)``.
 
     ``cluster`` prices the plan (default: every mesh axis an H100 NVLink link, see
@@ -232,9 +267,13 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh, cluster: Cluster | Non
     the ILP in seconds (its best incumbent is used, and the plan says so). ``seeds`` are
     hand-written plans to start from, ``{name: in_shardings}`` (PartitionSpecs per dynamic
     argument, as for ``jax.jit``): the plan's predicted cost is never above theirs, and
-    ``plan.explain()`` lists what each costs.
+    ``plan.explain()`` lists what each costs. ``mesh_search`` also plans the other logical
+    views of the mesh's devices (:func:`shardc.views.views`: for ``(node=2, gpu=8)`` also
+    ``(16,)``, ``(4, 4)`` and ``(8, 2)``, each axis priced at the links it crosses), runs
+    the cheapest, and records each view's predicted step in ``plan.solver["mesh_search"]``;
+    it multiplies planning time by the number of views (4 for 16 devices).
     """
     def wrap(f):
         return AutoSharded(f, mesh, cluster, memory_budget, donate_argnums, static_argnums,
-                           time_limit, seeds)
+                           time_limit, seeds, mesh_search)
     return wrap if fn is None else wrap(fn)

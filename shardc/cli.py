@@ -101,7 +101,8 @@ def cmd_plan(args) -> None:
     step_fn = module.build_step(cfg)
     cluster = (shardc.Cluster.multi_node(*names) if len(names) == 2
                else shardc.Cluster.nvlink_node(names))
-    step = shardc.auto_shard(step_fn, mesh=mesh, cluster=cluster, time_limit=args.time_limit)
+    step = shardc.auto_shard(step_fn, mesh=mesh, cluster=cluster, time_limit=args.time_limit,
+                             mesh_search=args.mesh_search)
     t0 = time.perf_counter()
     plan = step.plan(*module.abstract_args(cfg))
     print(f"planned in {time.perf_counter() - t0:.2f} s")
@@ -146,7 +147,7 @@ def cmd_bench(args) -> None:
         for zm, preset, method in todo:
             bar.update(task, description=f"{zm.name} {preset.name} {method}")
             cell = harness.run_cell(zm, preset, method, which, not args.no_check,
-                                    args.time_limit)
+                                    args.time_limit, not args.no_mesh_search)
             if cell.error:
                 bar.console.print(f"[red]{zm.name} {preset.name} {method}: "
                                   f"{cell.error.splitlines()[0]}")
@@ -177,6 +178,8 @@ def main(argv: list[str] | None = None) -> None:
     q.add_argument("--time-limit", type=float, default=10.0)
     q.add_argument("--rows", type=int, default=30)
     q.add_argument("--out", default=None, help="save the plan as JSON here")
+    q.add_argument("--mesh-search", action="store_true",
+                   help="also plan the other logical views of the devices (e.g. 16, 4x4)")
     q.set_defaults(func=cmd_plan)
     b = sub.add_parser("bench", help="shardc vs expert plans on the compiled programs")
     b.add_argument("--quick", action="store_true", help="small models, two presets")
@@ -189,6 +192,8 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--out", default=None, help="folder for results.{md,json,png} "
                    "(default docs/benchmarks, or docs/benchmarks/quick with --quick)")
     b.add_argument("--no-check", action="store_true", help="skip the numerics check")
+    b.add_argument("--no-mesh-search", action="store_true",
+                   help="plan shardc on the preset's mesh only")
     b.add_argument("--time-limit", type=float, default=10.0)
     b.set_defaults(func=cmd_bench)
     args = p.parse_args(argv)

@@ -31,6 +31,11 @@ def explain_plan(plan, max_rows: int | None = 60, top: int = 10) -> str:
         f"input feed {fmt_time(p.feed_time)}; "
         f"peak memory {fmt_bytes(p.peak_memory)} per device",
     ]
+    tried = plan.solver.get("mesh_search")
+    if tried:
+        lines.append("mesh search (predicted step per view of the devices): " + "; ".join(
+            f"{t['mesh']} " + (fmt_time(t["predicted_s"]) if t["predicted_s"] is not None
+                               else "over the memory budget") for t in tried))
     seeds = plan.solver.get("seeds")
     if seeds:
         lines.append("seeds (hand-written plans, predicted): " + ", ".join(

@@ -53,6 +53,8 @@ class Cell:
     matched: bool | None = None
     error: str | None = None
     seeds: dict = field(default_factory=dict)  # shardc: the experts' plans it started from
+    mesh: str | None = None  # the mesh it ran on (shardc: the view its mesh search chose)
+    unplanned_comm_s: float | None = None  # shardc: compiled time of collective kinds not planned
 
 
     def to_json(self) -> dict:
@@ -128,24 +130,30 @@ def _fill_compiled(cell: Cell, compiled, mesh, cluster, batch) -> None:
 
 
 def run_shardc(zm: ZooModel, preset: Preset, which: str, check: bool,
-               time_limit: float) -> Cell:
+               time_limit: float, mesh_search: bool = True) -> Cell:
     cell = Cell(zm.name, preset.name, "shardc")
     mod, mesh = zm.load(), make_mesh(preset)
     cfg = zm.config(which)
     args = mod.abstract_args(cfg)
     step = auto_shard(mod.build_step(cfg), mesh=mesh, cluster=preset.cluster,
-                      time_limit=time_limit, seeds=expert_seeds(zm, mesh, args))
+                      time_limit=time_limit, seeds=expert_seeds(zm, mesh, args),
+                      mesh_search=mesh_search)
     t0 = time.perf_counter()
     plan = step.plan(*args)
     cell.plan_s = time.perf_counter() - t0
     cell.predicted_s = plan.predicted.step_time
-    cell.seeds = dict(plan.solver.get("seeds", {}))
     cell.predicted_comm_s = plan.predicted.comm_time
-    _fill_compiled(cell, step.lower(*args).compile(), mesh, preset.cluster, args[1])
+    cell.seeds = dict(plan.solver.get("seeds", {}))
+    view = step.mesh_for(plan)
+    cell.mesh = " x ".join(f"{n}={s}" for n, s in plan.mesh_axes)
+    compiled = step.lower(*args).compile()
+    _fill_compiled(cell, compiled, view, plan.cluster, args[1])
+    cell.unplanned_comm_s = sum(r.compiled_time for r in plan.verify(compiled, view).unplanned)
     if check:
         tiny_fn, (state, batch) = mod.make_train_step(zm.config("tiny"))
         tiny = auto_shard(tiny_fn, mesh=mesh, cluster=preset.cluster, time_limit=time_limit,
-                          seeds=expert_seeds(zm, mesh, (state, batch)))
+                          seeds=expert_seeds(zm, mesh, (state, batch)),
+                          mesh_search=mesh_search)
         cell.matched = _close(tiny(state, batch), jax.jit(tiny_fn)(state, batch), _tiny_lr(zm))
     return cell
 
@@ -162,6 +170,7 @@ def expert_seeds(zm: ZooModel, mesh, args) -> dict:
 def run_expert(zm: ZooModel, preset: Preset, expert: Expert, which: str, check: bool) -> Cell:
     cell = Cell(zm.name, preset.name, expert.name)
     mod, mesh = zm.load(), make_mesh(preset)
+    cell.mesh = " x ".join(f"{n}={s}" for n, s in zip(preset.axis_names, preset.mesh_shape))
     cfg = zm.config(which)
     args = mod.abstract_args(cfg)
     _, lowered = compile_expert(mod.build_step(cfg), *args, mesh, expert, mod.param_axes)
@@ -195,10 +204,10 @@ def _abstract_mesh(preset: Preset):
 
 
 def run_cell(zm: ZooModel, preset: Preset, method: str, which: str, check: bool,
-             time_limit: float) -> Cell:
+             time_limit: float, mesh_search: bool = True) -> Cell:
     try:
         if method == "shardc":
-            return run_shardc(zm, preset, which, check, time_limit)
+            return run_shardc(zm, preset, which, check, time_limit, mesh_search)
         mesh = make_mesh(preset)
         expert = next(e for e in experts_for(mesh, moe=zm.moe) if e.name == method)
         return run_expert(zm, preset, expert, which, check)

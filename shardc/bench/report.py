@@ -26,13 +26,16 @@ def summary(cells: list[Cell]) -> list[dict]:
         experts = [c for c in cs if c.method != "shardc" and c.compiled_s]
         best = min(experts, key=lambda c: c.compiled_s, default=None)
         row = {"model": model, "preset": preset, "shardc_s": ours and ours.compiled_s,
+               "shardc_mesh": ours and ours.mesh,
                "best_expert": best and best.method, "best_expert_s": best and best.compiled_s,
-               "ratio": None, "comm_error": None}
+               "ratio": None, "comm_error": None, "unplanned_share": None}
         if ours and best:
             row["ratio"] = ours.compiled_s / best.compiled_s
         if ours and ours.compiled_comm_s:
             err = ours.predicted_comm_s - ours.compiled_comm_s
             row["comm_error"] = err / ours.compiled_comm_s
+            if ours.unplanned_comm_s is not None:
+                row["unplanned_share"] = ours.unplanned_comm_s / ours.compiled_comm_s
         rows.append(row)
     return rows
 
@@ -45,19 +48,25 @@ def markdown(cells: list[Cell], commands: list[str], header: str = "") -> str:
              "Step times are the compiled program priced on the preset's cluster model: "
              "collectives read from the compiled HLO (α-β per mesh axis), compute from "
              "`cost_analysis()` FLOPs, and the host-to-device feed of the batch under the "
-             "compiled input shardings (PCIe). Lower is better.\n",
+             "compiled input shardings (PCIe). Lower is better. shardc is seeded with the "
+             "experts' in_shardings and searches the logical views of the preset's devices "
+             "(`mesh_search`); *shardc mesh* is the view it chose, *unplanned comm* the "
+             "share of its compiled communication time in collective kinds it did not "
+             "plan.\n",
              "## Summary\n",
-             "| model | preset | shardc ms | best expert | expert ms | shardc / expert | "
-             "predicted vs compiled comm |",
-             "|---|---|---:|---|---:|---:|---:|"]
+             "| model | preset | shardc ms | shardc mesh | best expert | expert ms | "
+             "shardc / expert | predicted vs compiled comm | unplanned comm |",
+             "|---|---|---:|---|---|---:|---:|---:|---:|"]
     ratios = []
     for r in summary(cells):
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
         if r["ratio"]:
             ratios.append(r["ratio"])
         err = "-" if r["comm_error"] is None else f"{r['comm_error'] * 100:+.1f}%"
+        share = "-" if r["unplanned_share"] is None else f"{r['unplanned_share'] * 100:.1f}%"
         lines.append(f"| {r['model']} | {r['preset']} | {_ms(r['shardc_s'])} | "
-                     f"{r['best_expert'] or '-'} | {_ms(r['best_expert_s'])} | {ratio} | {err} |")
+                     f"{r['shardc_mesh'] or '-'} | {r['best_expert'] or '-'} | "
+                     f"{_ms(r['best_expert_s'])} | {ratio} | {err} | {share} |")
     if ratios:
         gmean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
         lines.append(f"\nGeometric mean shardc / best expert: **{gmean:.3f}** over "

@@ -1,0 +1,110 @@
+"""Logical views of a physical mesh, for the mesh-shape search.
+
+Two nodes of 8 GPUs, given as the mesh ``(node=2, gpu=8)``, can also run as ``(16,)``,
+``(4, 4)`` or ``(8, 2)``: the same devices in the same order, cut into other axes (AutoDDL's
+parallel schemes; Alpa's logical meshes of a device cluster). A logical axis takes its
+devices from consecutive physical axes in row-major order, whole or in part; it runs at the
+slowest link it crosses (an axis of 4 spanning 2 nodes x 2 GPUs is an InfiniBand axis) with
+the largest latency. :func:`views` lists the physical mesh and every 1-D and 2-D cut of it;
+the planner prices each and keeps the cheapest (``auto_shard(..., mesh_search=True)``).
+
+References:
+  AutoDDL (Chen et al., 2023) §4: the device mesh as a tunable scheme per parallel dim.
+  Alpa (Zheng et al., OSDI'22) §5: logical mesh shapes of a physical cluster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from shardc.cost.cluster import Cluster
+
+
+@dataclass(frozen=True)
+class View:
+    """A logical mesh over the physical devices: its shape, axis names, and the cluster
+    with each logical axis priced at the links it crosses."""
+
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+    cluster: Cluster
+
+    @property
+    def label(self) -> str:
+        return " x ".join(f"{n}={s}" for n, s in zip(self.names, self.shape))
+
+    def mesh(self, physical: Mesh) -> Mesh:
+        """This view of ``physical``'s devices (same order), every axis Auto."""
+        if tuple(physical.axis_names) == self.names and physical.devices.shape == self.shape:
+            return physical
+        return Mesh(np.asarray(physical.devices).reshape(self.shape), self.names,
+                    axis_types=(AxisType.Auto,) * len(self.shape))
+
+
+def _cut(shape: Sequence[int], logical: Sequence[int]) -> list[list[tuple[int, int]]] | None:
+    """Which physical axes (index, devices taken) each logical axis covers, taking devices
+    in row-major order; None when a logical axis would cut a physical one unevenly."""
+    left = list(shape)
+    k, out = 0, []
+    for m in logical:
+        parts = []
+        while m > 1:
+            while k < len(left) and left[k] == 1:
+                k += 1
+            if k == len(left):
+                return None
+            take = math.gcd(m, left[k])
+            if take == 1:
+                return None
+            if take < m and take < left[k]:
+                return None  # would need part of this axis and part of the next
+            parts.append((k, take))
+            left[k] //= take
+            m //= take
+        out.append(parts)
+    return out
+
+
+def _name(physical_names: Sequence[str], shape: Sequence[int],
+          parts: Sequence[tuple[int, int]]) -> str:
+    return "_".join(physical_names[k] if take == shape[k] else f"{physical_names[k]}{take}"
+                    for k, take in parts)
+
+
+def _factorizations(n: int, max_axes: int) -> list[tuple[int, ...]]:
+    out = [(n,)]
+    if max_axes >= 2:
+        out += [(a, n // a) for a in range(2, n) if n % a == 0]
+    return out
+
+
+def views(shape: Sequence[int], names: Sequence[str], cluster: Cluster,
+          max_axes: int = 2) -> list[View]:
+    """The physical mesh first, then every 1-D and 2-D logical cut of it (each axis at least
+    2 devices) that cuts the physical axes evenly."""
+    shape, names = tuple(shape), tuple(names)
+    out = [View(shape, names, cluster)]
+    for logical in _factorizations(math.prod(shape), max_axes):
+        if logical == shape:
+            continue
+        cut = _cut(shape, logical)
+        if cut is None:
+            continue
+        lnames = tuple(_name(names, shape, parts) for parts in cut)
+        if len(set(lnames)) != len(lnames):
+            continue
+        bw = {ln: min(cluster.bandwidth(names[k]) for k, _ in parts)
+              for ln, parts in zip(lnames, cut)}
+        lat = {ln: max(cluster.latency(names[k]) for k, _ in parts)
+               for ln, parts in zip(lnames, cut)}
+        view = dataclasses.replace(cluster, axis_bandwidth=bw, axis_latency=lat)
+        out.append(View(logical, lnames, view))
+    return out
+
+
