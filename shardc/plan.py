@@ -1,7 +1,10 @@
 """A placement plan: every value's NdSbp, every op's strategy, and what it should cost.
 
 The predicted figures are recomputed from the final choices (not read off the solver), so
-they hold for plans loaded from JSON too. ``explain()`` prints the per-op table.
+they hold for plans loaded from JSON too, and they count what the solver's pairwise
+objective cannot: a value converted the same way for several consumers pays once (XLA CSEs
+the collectives), so a plan's predicted step may be below its solver objective.
+``explain()`` prints the per-op table.
 """
 
 from __future__ import annotations
@@ -191,11 +194,18 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
     ops, reshards = [], []
     comm = wire = compute = 0.0
 
+    done: set = set()
+
     def record(value, consumer, src, dst) -> float:
+        """Price converting ``value`` from ``src`` to ``dst`` for ``consumer``. The same
+        conversion of the same value for another consumer is free: XLA's CSE merges the
+        identical collectives (a parameter stored sharded and gathered for the forward and
+        the backward dot compiles to one all-gather)."""
         nonlocal comm, wire
         conv = conversion(src, dst, sizes, names, cluster)
-        if not conv.collectives:
+        if not conv.collectives or (value.id, src, dst) in done:
             return 0.0
+        done.add((value.id, src, dst))
         t = conv.time(value.nbytes, scale.get(value.id, 1.0))
         comm += t
         wire += conv.wire_bytes(value.nbytes)

@@ -249,7 +249,7 @@ def test_seeds_bound_the_plan_and_are_reported():
     costs = plan.solver["seeds"]
     assert set(costs) == {"data-parallel", "replicated"}
     assert plan.solver["objective"] <= min(costs.values()) + 1e-12
-    assert plan.predicted.step_time == pytest.approx(plan.solver["objective"], rel=1e-6)
+    assert plan.predicted.step_time <= plan.solver["objective"] * (1 + 1e-6)
     assert "seeds (hand-written plans, predicted): " in plan.explain()
 
 
