@@ -213,16 +213,16 @@ def _is_spec_leaf(x) -> bool:
 
 
 def _named_seeds(seeds) -> dict[str, Any]:
-    """``seeds`` as ``{name: specs}``: a mapping is kept, a sequence is numbered."""
+    """``seeds`` as ``{name: in_shardings}`` (a mapping only: one seed is itself a tuple of
+    per-argument specs, so a bare sequence would be ambiguous)."""
     if seeds is None:
         return {}
     if isinstance(seeds, Mapping):
         return dict(seeds)
-    if isinstance(seeds, (list, tuple)) and not isinstance(seeds, PartitionSpec):
-        return {f"seed {k}": s for k, s in enumerate(seeds)}
-    raise TypeError("seeds takes {name: specs} or a list of specs, where specs are "
-                    "PartitionSpecs (or NamedShardings) for the function's arguments, as "
-                    f"for jax.jit's in_shardings; got {type(seeds).__name__}")
+    raise TypeError("seeds takes {name: in_shardings}, where in_shardings holds a "
+                    "PartitionSpec (or NamedSharding) per dynamic argument, as for jax.jit; "
+                    f"got {type(seeds).__name__}. Example: seeds={{'fsdp': (state_specs, "
+                    "P('data'))}}")
 
 
 def seed_layouts(name: str, specs, abstract: tuple, axis_names) -> dict[int, NdSbp]:

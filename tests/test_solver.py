@@ -264,6 +264,8 @@ _SLOW_2D = Cluster(axis_bandwidth={"a": 5e9, "b": 50e9}, axis_latency={"a": 5e-6
 ])
 def test_bad_seeds_name_the_seed_and_the_fix(seeds, message):
     step_fn, state, data, mesh = _mlp_2x2()
+    with pytest.raises(TypeError, match="seeds takes"):
+        shardc.auto_shard(step_fn, mesh=mesh, seeds=[(Ps(), Ps())])
     step = shardc.auto_shard(step_fn, mesh=mesh, time_limit=0.0, seeds=seeds)
     with pytest.raises(ValueError, match=message):
         step.plan(state, data)

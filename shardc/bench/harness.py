@@ -56,7 +56,6 @@ class Cell:
     mesh: str | None = None  # the mesh it ran on (shardc: the view its mesh search chose)
     unplanned_comm_s: float | None = None  # shardc: compiled time of collective kinds not planned
 
-
     def to_json(self) -> dict:
         return asdict(self)
 

@@ -67,11 +67,13 @@ def solve(cg: CostGraph, *, memory_budget: float | None = None, time_limit: floa
             x = _better(cg, x, y, memory_budget)
     if len(cg.axis_sizes) > 1 and use_ilp and time_limit > 0:
         # the 1-D seeds may take FLAT_SHARE of the limit; what they leave goes to the ILP
-        # (a small graph's seeds are proved at once, and its whole ILP needs the time)
+        # (a small graph's seeds are proved at once, and its whole ILP needs the time), which
+        # keeps its own share when a large graph's seeds overrun theirs
         t_seeds = time.perf_counter()
         for seed in sub_mesh_seeds(cg, memory_budget, time_limit * FLAT_SHARE):
             x = _better(cg, x, seed, memory_budget)
-        time_limit -= time.perf_counter() - t_seeds
+        time_limit = max(time_limit - (time.perf_counter() - t_seeds),
+                         time_limit * (1 - FLAT_SHARE))
     t2 = time.perf_counter()
     status, ilp_time = "descent-only", 0.0
     for _ in range(MEMORY_ROUNDS):
