@@ -102,8 +102,15 @@ def plot(cells: list[Cell], path: Path) -> None:
             groups[(c.model, c.preset)].append(c)
     if not groups:
         return
-    fig, axes = plt.subplots(1, len(groups), figsize=(3.2 * len(groups), 3.6), squeeze=False)
-    for ax, ((model, preset), cs) in zip(axes[0], groups.items(), strict=True):
+    models = list(dict.fromkeys(m for m, _ in groups))
+    presets = list(dict.fromkeys(p for _, p in groups))
+    fig, axes = plt.subplots(len(models), len(presets), squeeze=False,
+                             figsize=(3.2 * len(presets), 3.0 * len(models)))
+    for ax in axes.flat:
+        ax.set_visible(False)
+    for (model, preset), cs in groups.items():
+        ax = axes[models.index(model)][presets.index(preset)]
+        ax.set_visible(True)
         names = [c.method for c in cs]
         vals = [c.compiled_s * 1e3 for c in cs]
         colors = ["tab:red" if n == "shardc" else "tab:gray" for n in names]
