@@ -165,12 +165,34 @@ def test_conv_flops_and_strategies():
     x, w = f32(4, 8, 8, 6), f32(3, 3, 6, 10)
     op, _ = op_inputs(lambda x, w: _conv(x, w, "NHWC", (2, 2), "SAME"), x, w,
                       name="conv_general_dilated")
-    assert op_flops(op) == 2 * (4 * 4 * 4 * 10) * (3 * 3 * 6)
+    # 4x4 outputs per image, 11 of the 12 (position, tap) pairs per dim read real input
+    # (SAME at stride 2 pads one column on the high side)
+    assert op_flops(op) == 2 * (4 * 10) * (11 * 11) * 6
     names = {st.name for st in strategies(op, (2, 2))}
     assert "S(0),B->S(0) | B,S(3)->S(3)" in names
     assert not any("P" in part.split("->")[0] for n in names for part in n.split(" | "))
     assert all(st.flops == op_flops(op) / 4 for st in strategies(op, (2, 2))
                if "B,B->B" not in st.name)
+
+
+@pytest.mark.parametrize("stride, padding", [((1, 1), "SAME"), ((2, 2), "SAME"),
+                                             ((2, 2), "VALID"), ((1, 1), ((2, 0), (0, 1)))])
+def test_conv_flops_count_real_taps_as_xla_does(stride, padding):
+    """Every conv of a strided / padded conv and its two gradients (the input gradient has
+    lhs_dilation, the kernel gradient rhs_dilation) costs what XLA's cost_analysis says:
+    taps that read padding or dilation holes are not work."""
+    from shardc.inspect.hlo import compiled_flops
+
+    x, w = f32(2, 9, 9, 4), f32(3, 3, 4, 6)
+    loss = lambda x, w: jnp.sum(_conv(x, w, "NHWC", stride, padding) ** 2)  # noqa: E731
+    graph = trace(jax.grad(loss, argnums=(0, 1)), x, w).graph
+    convs = [op for op in graph.ops if op.name == "conv_general_dilated"]
+    assert len(convs) == 3
+    for op in convs:
+        avals = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in op.inputs]
+        compiled = jax.jit(lambda *xs, op=op: op.prim.bind(*xs, **op.params)).lower(
+            *avals).compile()
+        assert op_flops(op) == pytest.approx(compiled_flops(compiled), rel=1e-9), op.params
 
 
 # ---- control flow ------------------------------------------------------------------------

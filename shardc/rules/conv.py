@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from shardc.ir.graph import Op
 from shardc.ir.sbp import B, P, Split
 from shardc.rules.registry import Signature, register
@@ -50,13 +52,41 @@ def conv_specs(op: Op) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...
     return tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec)
 
 
+TAP_COUNT_LIMIT = 1 << 22  # output positions x kernel taps per spatial dim counted exactly
+
+
+def _taps(size: int, window: int, out: int, stride: int, lhs_dil: int, rhs_dil: int,
+          pad_lo: int) -> int:
+    """(output position, kernel tap) pairs of one spatial dim that read a real input
+    element, not padding or a hole of ``lhs_dilation`` (the input gradient of a strided conv
+    dilates its input: three in four taps of a stride-2 2-D conv read zeros)."""
+    if out * window > TAP_COUNT_LIMIT:
+        return out * window
+    pos = (np.arange(out)[:, None] * stride + np.arange(window)[None, :] * rhs_dil - pad_lo)
+    real = (pos >= 0) & (pos <= (size - 1) * lhs_dil) & (pos % lhs_dil == 0)
+    return int(real.sum())
+
+
 def conv_flops(op: Op) -> float:
-    """2 * |out| * (kernel window * input features per group); the rhs in_feature dim is
-    already ``lhs features / feature_group_count``."""
-    _, rhs_spec, _ = conv_specs(op)
-    rhs = op.inputs[1]
-    window = math.prod(rhs.shape[d] for d in rhs_spec[2:])
-    return 2.0 * op.outputs[0].size * window * rhs.shape[rhs_spec[1]]
+    """2 multiply-adds per (output element, kernel tap, input feature per group) whose tap
+    reads a real input element: taps on padding or on ``lhs_dilation`` holes are not work
+    (XLA's ``cost_analysis`` counts the same way; the rhs in_feature dim is already ``lhs
+    features / feature_group_count``)."""
+    lhs_spec, rhs_spec, out_spec = conv_specs(op)
+    lhs, rhs = op.inputs[:2]
+    out = op.outputs[0]
+    p = op.params
+    n = len(lhs_spec) - 2
+    strides = tuple(p.get("window_strides") or (1,) * n)
+    lhs_dil = tuple(p.get("lhs_dilation") or (1,) * n)
+    rhs_dil = tuple(p.get("rhs_dilation") or (1,) * n)
+    padding = tuple(p.get("padding") or ((0, 0),) * n)
+    spatial_out = math.prod(out.shape[d] for d in out_spec[2:])
+    taps = math.prod(
+        _taps(lhs.shape[lhs_spec[2 + i]], rhs.shape[rhs_spec[2 + i]], out.shape[out_spec[2 + i]],
+              strides[i], lhs_dil[i], rhs_dil[i], padding[i][0])
+        for i in range(n))
+    return 2.0 * (out.size // max(spatial_out, 1)) * taps * rhs.shape[rhs_spec[1]]
 
 
 @register("conv_general_dilated", flops=conv_flops)
