@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from shardc.views import mesh_label
+
 
 def fmt_time(t: float) -> str:
     if t >= 1:
@@ -22,7 +24,7 @@ def fmt_bytes(b: float) -> str:
 
 def explain_plan(plan, max_rows: int | None = 60, top: int = 10) -> str:
     p = plan.predicted
-    mesh = " x ".join(f"{n}={s}" for n, s in plan.mesh_axes)
+    mesh = mesh_label(plan.mesh_axes)
     lines = [
         f"shardc plan on mesh ({mesh}); solver: {plan.solver.get('status', '?')}"
         f" in {plan.solver.get('plan_s', 0.0):.2f} s",

@@ -17,13 +17,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from shardc.cost.cluster import Cluster
+
+
+def mesh_label(axes: Iterable[tuple[str, int]]) -> str:
+    """``(("node", 2), ("gpu", 8))`` -> ``"node=2 x gpu=8"``: how plans, reports and the
+    bench name a mesh."""
+    return " x ".join(f"{n}={s}" for n, s in axes)
 
 
 @dataclass(frozen=True)
@@ -37,7 +43,7 @@ class View:
 
     @property
     def label(self) -> str:
-        return " x ".join(f"{n}={s}" for n, s in zip(self.names, self.shape))
+        return mesh_label(zip(self.names, self.shape))
 
     def mesh(self, physical: Mesh) -> Mesh:
         """This view of ``physical``'s devices (same order), every axis Auto."""

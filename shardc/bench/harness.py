@@ -27,6 +27,7 @@ from shardc.bench.experts import (
 )
 from shardc.bench.zoo import PRESETS, ZOO, Preset, ZooModel
 from shardc.inspect import price
+from shardc.views import mesh_label
 
 RTOL, ATOL = 1e-4, 1e-5
 ADAM_SLACK = 0.05
@@ -144,7 +145,7 @@ def run_shardc(zm: ZooModel, preset: Preset, which: str, check: bool,
     cell.predicted_comm_s = plan.predicted.comm_time
     cell.seeds = dict(plan.solver.get("seeds", {}))
     view = step.mesh_for(plan)
-    cell.mesh = " x ".join(f"{n}={s}" for n, s in plan.mesh_axes)
+    cell.mesh = mesh_label(plan.mesh_axes)
     compiled = step.lower(*args).compile()
     _fill_compiled(cell, compiled, view, plan.cluster, args[1])
     cell.unplanned_comm_s = sum(r.compiled_time for r in plan.verify(compiled, view).unplanned)
@@ -169,7 +170,7 @@ def expert_seeds(zm: ZooModel, mesh, args) -> dict:
 def run_expert(zm: ZooModel, preset: Preset, expert: Expert, which: str, check: bool) -> Cell:
     cell = Cell(zm.name, preset.name, expert.name)
     mod, mesh = zm.load(), make_mesh(preset)
-    cell.mesh = " x ".join(f"{n}={s}" for n, s in zip(preset.axis_names, preset.mesh_shape))
+    cell.mesh = mesh_label(zip(preset.axis_names, preset.mesh_shape))
     cfg = zm.config(which)
     args = mod.abstract_args(cfg)
     _, lowered = compile_expert(mod.build_step(cfg), *args, mesh, expert, mod.param_axes)
