@@ -5,8 +5,12 @@ from shardc.rules import conv as conv
 from shardc.rules import dot as dot  # noqa: F401  (registration)
 from shardc.rules import elementwise as elementwise
 from shardc.rules import indexing as indexing
+from shardc.rules import misc as misc
+from shardc.rules import random as random
 from shardc.rules import reduce as reduce
 from shardc.rules import shape as shape
+from shardc.rules import sort as sort
+from shardc.rules import window as window
 from shardc.rules.registry import (
     Signature as Signature,
 )

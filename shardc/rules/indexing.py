@@ -1,4 +1,4 @@
-"""Indexing rules: gather, scatter-add, dynamic_slice, dynamic_update_slice, iota.
+"""Indexing rules: gather, scatter-add, scatter, dynamic_slice, dynamic_update_slice, iota.
 
 ``gather`` (OneFlow ``gather_op.cpp``, generalised to XLA's dimension numbers): an operand
 dim taken whole and not indexed may be split, giving a split offset dim of the output
@@ -11,6 +11,19 @@ dim taken whole and not indexed may be split, giving a split offset dim of the o
 dims split with the operand's dims -> S; the updates' scatter dims split with the indices'
 batch dims -> P, which needs the operand (the initial buffer) partial too, (P,S,S)->P;
 batching pairs split all three -> S; and (P,B,P)->P since it is linear in operand+updates.
+``scatter-sub`` has the same algebra (``operand - updates``), so the same signatures.
+
+``scatter`` (``x.at[i].set(v)``, and the id scatter of its gradient) keeps the splits that
+do not cut the index space: an operand dim no index selects, taken whole by the updates'
+window, splits with that window dim, (S,B,S)->S; a batching pair splits all three, (S,S,S)->S
+(XLA's SPMD partitioner: ``spmd/gather_scatter_handler.cc`` partitions a scatter along
+passthrough window dims and along batching dims). No partial: overwriting is not linear
+(``set(a + b, i, v) != set(a, i, v) + set(b, i, v)``), and the indices' scatter dims cannot
+split either (each device would keep the operand's old values where another device's
+updates land). ``scatter-mul`` / ``scatter-min`` / ``scatter-max`` combine the operand
+element with the updates landing on it, position by position, so the same splits are exact;
+they get no partial either (a product is linear in the operand alone, but shardc does not
+use it; min/max are not sums).
 
 The index operand of gather/scatter uses jax's convention: the index vector dim is the last.
 """
@@ -61,8 +74,10 @@ def gather_rule(op: Op) -> list[Signature]:
     return sigs
 
 
-@register("scatter-add", "scatter_add")
-def scatter_add_rule(op: Op) -> list[Signature]:
+def scatter_signatures(op: Op, linear: bool) -> list[Signature]:
+    """Window and batching-pair splits of any scatter; with ``linear`` (a scatter that adds
+    its updates) also the partial signatures of the indices' scatter dims and of the
+    updates."""
     operand, indices, updates = op.inputs[:3]
     extra = (B,) * (len(op.inputs) - 3)
     dn = op.params["dimension_numbers"]
@@ -80,10 +95,22 @@ def scatter_add_rule(op: Op) -> list[Signature]:
             d = paired[i]
             sigs.append(Signature((Split(d), Split(i), Split(scatter_pos[i])) + extra,
                                   (Split(d),)))
-        else:
+        elif linear:
             sigs.append(Signature((P, Split(i), Split(scatter_pos[i])) + extra, (P,)))
-    sigs.append(Signature((P, B, P) + extra, (P,)))
+    if linear:
+        sigs.append(Signature((P, B, P) + extra, (P,)))
     return sigs
+
+
+@register("scatter-add", "scatter_add", "scatter-sub", "scatter_sub")
+def scatter_add_rule(op: Op) -> list[Signature]:
+    return scatter_signatures(op, linear=True)
+
+
+@register("scatter", "scatter-mul", "scatter_mul", "scatter-min", "scatter_min",
+          "scatter-max", "scatter_max")
+def scatter_rule(op: Op) -> list[Signature]:
+    return scatter_signatures(op, linear=False)
 
 
 @register("dynamic_slice")

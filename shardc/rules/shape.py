@@ -1,5 +1,5 @@
 """Shape and data-movement rules: broadcast, reshape, transpose, squeeze, slice, split,
-concatenate, pad, rev.
+concatenate, stack, unstack, tile, pad, rev.
 
 These ops move data without arithmetic, so a split carries through a dim that maps one to
 one (and is not cut, padded or reversed), and they are linear, so P->P (OneFlow's
@@ -9,8 +9,24 @@ group of dims whose products match). ``broadcast_in_dim`` may also turn B into S
 it creates: each device materialises only its slice. Extra operands that carry dynamic
 shapes are broadcast. Partial values are only formed for numbers (not bool, not PRNG keys).
 
+``stack`` / ``unstack`` / ``tile`` are primitives of their own in jax >= 0.10 (``jnp.stack``,
+the gradient of a stack, ``jnp.tile``), not ``broadcast_in_dim`` + ``concatenate``; jax lowers
+them to exactly that (``lax._stack_lower``: expand each operand, concatenate along the new
+axis; ``lax._tile_lower``: reshape to ``(1, d)`` pairs, broadcast to ``(reps, d)``, merge), so
+they inherit the ``concatenate`` / ``broadcast_in_dim`` signatures:
+
+* ``stack(xs, axis)``: every operand ``S(d)`` -> ``S(d')``, ``d'`` the dim's position in the
+  output (``d`` below ``axis``, else ``d + 1``); ``(P, ..., P) -> P``;
+* ``unstack(x, axis)``: ``S(d)`` -> every output ``S(d')`` (``d != axis``; ``d'`` is ``d``
+  below ``axis``, else ``d - 1``); ``P -> P`` for every output;
+* ``tile(x, reps)``: ``S(d) -> S(d)`` where ``reps[d] == 1`` (a repeated dim cut into chunks
+  interleaves them: ``[x0 x1 x0 x1]``, not ``[x0 x0 x1 x1]``); ``B -> S(d)`` where
+  ``reps[d] > 1`` (each device materialises its slice of the copies, as ``broadcast_in_dim``
+  does on a dim it creates); ``P -> P``.
+
 References:
-  OneFlow ``user/ops/reshape_user_op_util.cpp``, ``broadcast_like_op.cpp``, ``pad_op.cpp``.
+  OneFlow ``user/ops/reshape_user_op_util.cpp``, ``broadcast_like_op.cpp``, ``pad_op.cpp``,
+  ``concat_op.cpp``, ``stack_op.cpp``; jax ``_src/lax/lax.py`` (``stack_p``, ``tile_p``).
 """
 
 from __future__ import annotations
@@ -133,6 +149,30 @@ def concatenate_rule(op: Op) -> list[Signature]:
     if _linear_ok(op):
         sigs.append(Signature((P,) * n, (P,)))
     return sigs
+
+
+@register("stack")
+def stack_rule(op: Op) -> list[Signature]:
+    n, axis = len(op.inputs), op.params["axis"]
+    sigs = [Signature((Split(d),) * n, (Split(d if d < axis else d + 1),))
+            for d in range(op.inputs[0].ndim)]
+    if _linear_ok(op):
+        sigs.append(Signature((P,) * n, (P,)))
+    return sigs
+
+
+@register("unstack")
+def unstack_rule(op: Op) -> list[Signature]:
+    axis = op.params["axis"]
+    return [_sig(op, Split(d), Split(d if d < axis else d - 1))
+            for d in range(op.inputs[0].ndim) if d != axis] + _partial(op)
+
+
+@register("tile")
+def tile_rule(op: Op) -> list[Signature]:
+    reps = op.params["reps"]
+    sigs = [_sig(op, Split(d) if r == 1 else B, Split(d)) for d, r in enumerate(reps)]
+    return sigs + _partial(op)
 
 
 def is_known_zero(v: Value, depth: int = 8) -> bool:
