@@ -1,29 +1,46 @@
-"""``@shardc.auto_shard``: trace, plan, lower and run a JAX function on a mesh.
+"""``@shardc.auto_shard``: trace, plan, lower and run a JAX function on a mesh, as a drop-in
+for ``jax.jit``.
 
-Plans are cached per abstract signature (tree structure, shapes and dtypes of the dynamic
-arguments, values of the static ones), so a second call with the same shapes re-uses the
-plan and the compiled executable.
+The function is called like ``jax.jit(fn)``: positional and keyword arguments, static ones
+by position (negative too) or name, donated ones, weak-typed Python scalars. Tracing,
+planning and compiling are cached per abstract signature (the tree of the dynamic
+arguments, each leaf's shape, dtype and weak type, the static values, and the input layouts
+the plan must keep), so a second call with the same shapes re-uses the plan and the
+executable. A saved plan (``use_plan``) skips the solver: tracing and compiling only.
+
+Arguments already placed elsewhere than the plan wants are moved (one transfer each,
+reported once), or, with ``keep_input_shardings=True`` (or ``in_shardings=``), kept: the
+plan is made around them. A ``with_sharding_constraint`` the user wrote is a fixed layout
+of the plan. On a mesh with Explicit axes, results come back typed on that mesh.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from shardc.calling import Call, Convention, abstract_leaf, misplaced, place, placement
 from shardc.cost.cluster import DEFAULT_CLUSTER, Cluster
-from shardc.ir.sbp import NdSbp, from_partition_spec
+from shardc.ir.sbp import NdSbp, from_partition_spec, to_partition_spec
 from shardc.ir.trace import Traced, trace
-from shardc.lower.emit import jit_plan
+from shardc.lower.emit import explicit_axes, jit_plan
 from shardc.plan import Plan, assemble, fingerprint
-from shardc.solve.search import MemoryBudgetError, plan_graph
-from shardc.views import View, views
+from shardc.rules.registry import has_rule, is_pinned, warn_missing
+from shardc.solve.problem import NOTHING_FIXED, Fixed
+from shardc.solve.search import MemoryBudgetError, SolveOptions, plan_graph
+from shardc.views import View, mesh_label, views
+
+__all__ = ["AutoSharded", "Options", "auto_shard"]
+
+log = logging.getLogger("shardc")
 
 
 def auto_mesh(mesh: Mesh) -> Mesh:
@@ -34,20 +51,34 @@ def auto_mesh(mesh: Mesh) -> Mesh:
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim)
 
 
-def _abstract(x):
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return x
-    if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype)
-    return jax.ShapeDtypeStruct((), jax.numpy.result_type(x))
+@dataclass(frozen=True)
+class Options:
+    """Everything ``auto_shard`` is asked for besides the function and its mesh (see
+    :func:`auto_shard` for each field)."""
+
+    cluster: Cluster = DEFAULT_CLUSTER
+    memory_budget: float | None = None
+    time_limit: float = 10.0
+    seeds: Mapping[str, Any] = field(default_factory=dict)
+    mesh_search: bool = False
+    in_shardings: Any = None
+    keep_input_shardings: bool | None = None  # None: True on a mesh with Explicit axes
+
+    def __post_init__(self):
+        if self.memory_budget is not None and not self.memory_budget > 0:
+            raise ValueError(f"memory_budget must be a positive number of bytes per device, "
+                             f"got {self.memory_budget!r}")
+        if not self.time_limit >= 0:
+            raise ValueError(f"time_limit must be seconds >= 0, got {self.time_limit!r}")
 
 
-def tie_outputs(in_tree, out_tree, graph=None) -> list[tuple[int, int]]:
+def tie_outputs(arg_trees, out_tree, graph=None) -> list[tuple[int, int]]:
     """(flat output, flat input) pairs of a step whose output is, or holds, a pytree shaped
     like one of its arguments (``(state, batch) -> (new_state, loss)``): the new state should
-    be laid out as the state it replaces. With ``graph``, only leaves of equal shape and dtype
-    are tied."""
-    ins = in_tree.children()
+    be laid out as the state it replaces. ``arg_trees`` has one treedef per dynamic
+    argument, in flattening order. With ``graph``, only leaves of equal shape and dtype are
+    tied."""
+    ins = list(arg_trees)
     outs = [out_tree] if out_tree in ins or not out_tree.children() else out_tree.children()
     in_off = [0]
     for t in ins:
@@ -66,146 +97,259 @@ def tie_outputs(in_tree, out_tree, graph=None) -> list[tuple[int, int]]:
     return ties
 
 
-@dataclass
-class _Entry:
+@dataclass(frozen=True)
+class _Traced:
+    """A traced signature: the program, its ties, and the layouts it must keep."""
+
     traced: Traced
-    plan: Plan
-    ties: list
-    jitted: Callable | None = None
+    ties: tuple[tuple[int, int], ...]
+    fixed: Fixed
 
 
 class AutoSharded:
-    """The callable ``auto_shard`` returns. ``plan``/``lower`` accept ShapeDtypeStructs."""
+    """The callable ``auto_shard`` returns: call it like ``jax.jit(fn)``; ``plan`` /
+    ``lower`` / ``use_plan`` take the same arguments (arrays or ``ShapeDtypeStruct``s)."""
 
-    def __init__(self, fn: Callable, mesh: Mesh, cluster: Cluster | None, memory_budget,
-                 donate_argnums, static_argnums, time_limit: float, seeds=None,
-                 mesh_search: bool = False):
-        if not isinstance(mesh, Mesh):
+    def __init__(self, fn: Callable, mesh: Mesh, options: Options, convention: Convention):
+        if isinstance(mesh, jax.sharding.AbstractMesh) or not isinstance(mesh, Mesh):
             raise TypeError(f"auto_shard needs a jax.sharding.Mesh, got {type(mesh).__name__}; "
-                            "make one with jax.make_mesh((2, 4), ('node', 'gpu'), "
-                            "axis_types=(AxisType.Auto,) * 2)")
+                            "make one with jax.make_mesh((2, 4), ('node', 'gpu'))")
         self.fn = fn
+        self.user_mesh = mesh
         self.mesh = auto_mesh(mesh)
-        self.cluster = cluster if cluster is not None else DEFAULT_CLUSTER
-        self.cluster.check_axes(self.mesh.axis_names)
-        self.memory_budget = memory_budget
-        self.static_argnums = tuple(sorted(_norm(static_argnums)))
-        self.donate_argnums = tuple(_norm(donate_argnums))
-        self.time_limit = time_limit
-        self.seeds = _named_seeds(seeds)
-        self.mesh_search = mesh_search
-        self._cache: dict[Any, _Entry] = {}
+        self.options = options
+        self.convention = convention
+        #: keep placed arguments where they are: asked for, or implied by Explicit axes
+        #: (an argument's sharding is then part of its type, the user's own choice)
+        self.keep = options.keep_input_shardings if options.keep_input_shardings is not None \
+            else bool(explicit_axes(mesh))
+        options.cluster.check_axes(self.mesh.axis_names)
+        self._traces: dict[Any, _Traced] = {}
+        self._plans: dict[Any, Plan] = {}
+        self._execs: dict[Any, Callable] = {}
+        self._moved: set = set()
         functools.update_wrapper(self, fn)
 
-    # ---- the plan cache ------------------------------------------------------------------------
-    def _split(self, args: Sequence) -> tuple[tuple, tuple]:
-        for i in self.static_argnums:
-            if i >= len(args):
-                raise TypeError(f"static_argnums names argument {i} but only {len(args)} given")
-        static = tuple(args[i] for i in self.static_argnums)
-        dynamic = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
-        return static, dynamic
+    # ---- tracing and planning, cached per abstract signature ---------------------------------
+    def _key(self, call: Call) -> tuple:
+        avals = tuple((a.shape, str(a.dtype), a.weak_type) for a in map(abstract_leaf, call.leaves))
+        kept = tuple(sorted(self._kept_layouts(call).items())) if self.keep else ()
+        return call.tree, avals, call.statics, kept
 
-    def _entry(self, args: Sequence) -> _Entry:
-        static, dynamic = self._split(args)
-        abstract = jax.tree.map(_abstract, dynamic)
-        leaves, tree = jax.tree.flatten(abstract)
-        key = (tree, tuple((x.shape, str(x.dtype)) for x in leaves), static)
-        entry = self._cache.get(key)
-        if entry is None:
-            entry = self._plan(static, abstract)
-            self._cache[key] = entry
-        return entry
+    def _kept_layouts(self, call: Call) -> dict[int, NdSbp]:
+        """The layouts of placed arguments the plan must keep (``keep_input_shardings``)."""
+        names = tuple(self.mesh.axis_names)
+        out = {}
+        for k, x in enumerate(call.leaves):
+            sh = placement(x)
+            if isinstance(sh, NamedSharding) and tuple(sh.mesh.axis_names) == names \
+                    and sh.mesh.shape_tuple == self.mesh.shape_tuple:
+                out[k] = from_partition_spec(sh.spec, len(x.shape), names)
+        return out
 
-    def _bound(self, static: tuple) -> Callable:
-        def bound(*dynamic):
-            full, d, s = [], iter(dynamic), iter(static)
-            for i in range(len(dynamic) + len(static)):
-                full.append(next(s) if i in self.static_argnums else next(d))
-            return self.fn(*full)
-        return bound
+    def _fixed(self, call: Call) -> Fixed:
+        """The inputs the plan keeps (``in_shardings``, kept placements) and, on a mesh with
+        Explicit axes, the outputs' layouts their types get under ``jax.jit``."""
+        inputs = {}
+        if self.options.in_shardings is not None:
+            dyn_args, _ = call.unflatten(call.leaves)
+            inputs.update(seed_layouts("in_shardings", self.options.in_shardings,
+                                       jax.tree.map(abstract_leaf, dyn_args),
+                                       self.mesh.axis_names))
+        if self.keep:
+            inputs.update(self._kept_layouts(call))
+        return Fixed(inputs, self._typed_outputs(call))
 
-    def _plan(self, static: tuple, abstract: tuple) -> _Entry:
-        t0 = time.perf_counter()
-        traced = trace(self._bound(static), *abstract)
-        t1 = time.perf_counter()
-        ties = tie_outputs(traced.in_tree, traced.out_tree, traced.graph)
+    def _typed_outputs(self, call: Call) -> dict[int, NdSbp]:
+        """On a mesh with Explicit axes, arguments typed with shardings of it give the
+        results types too (``jax.eval_shape``, as ``jax.jit`` infers them): results are
+        placed so, and combine with the user's arrays as ``jax.jit``'s would."""
+        names = tuple(self.mesh.axis_names)
+        typed = [isinstance(sh := placement(x), NamedSharding) and
+                 tuple(sh.mesh.axis_names) == names for x in call.leaves]
+        if not explicit_axes(self.user_mesh) or not any(typed):
+            return {}
+        with jax.sharding.use_abstract_mesh(self.user_mesh.abstract_mesh):
+            outs = jax.eval_shape(call.function(self.fn), *call.leaves)
+        fixed = {}
+        for j, o in enumerate(jax.tree.leaves(outs)):
+            sh = getattr(o, "sharding", None)
+            if isinstance(sh, NamedSharding) and tuple(sh.mesh.axis_names) == names:
+                fixed[j] = from_partition_spec(sh.spec, len(o.shape), names)
+        return fixed
+
+    def _traced(self, call: Call) -> tuple[Any, _Traced]:
+        key = self._key(call)
+        hit = self._traces.get(key)
+        if hit is None:
+            t0 = time.perf_counter()
+            traced = trace(call.function(self.fn), *map(abstract_leaf, call.leaves))
+            ties = tie_outputs(call.arg_trees(), traced.out_tree, traced.graph)
+            hit = _Traced(traced, tuple(ties), self._fixed(call))
+            self._traces[key] = hit
+            log.debug("shardc: traced %s in %.2f s", getattr(self.fn, "__name__", "fn"),
+                      time.perf_counter() - t0)
+        return key, hit
+
+    def _plan(self, call: Call) -> tuple[Any, _Traced, Plan]:
+        key, tr = self._traced(call)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._compatible(key, tr.fixed) or self._solve(tr, call)
+            self._plans[key] = plan
+        return key, tr, plan
+
+    def _compatible(self, key, fixed: Fixed) -> Plan | None:
+        """A plan made for the same shapes that already has the layouts ``fixed`` asks for:
+        the results of a step fed back in as its next arguments (kept, on a mesh with
+        Explicit axes) need no second solve."""
+        if not fixed:
+            return None
+        for k, plan in self._plans.items():
+            if k[:3] == key[:3] and \
+                    all(plan.inputs[i] == nd for i, nd in fixed.inputs.items()) and \
+                    all(plan.outputs[j] == nd for j, nd in fixed.outputs.items()):
+                return plan
+        return None
+
+    def _solve(self, tr: _Traced, call: Call) -> Plan:
+        graph = tr.traced.graph
+        warn_missing([op.name for op in graph.ops if not has_rule(op.name)])
+        opts = self.options
         shape, names = self.mesh.devices.shape, tuple(self.mesh.axis_names)
-        seeds = {name: seed_layouts(name, spec, abstract, names)
-                 for name, spec in self.seeds.items()}
-        candidates = views(shape, names, self.cluster) if self.mesh_search else \
-            [View(shape, names, self.cluster)]
+        pinned = bool(tr.fixed) or any(is_pinned(op) for op in graph.ops)
+        physical = View(shape, names, opts.cluster)
+        candidates = views(shape, names, opts.cluster) if opts.mesh_search and not pinned \
+            else [physical]
+        dyn_args, _ = call.unflatten(call.leaves)
+        abstract = jax.tree.map(abstract_leaf, dyn_args)
+        seeds = {name: seed_layouts(f"seed {name!r}", spec, abstract, names)
+                 for name, spec in opts.seeds.items()}
+        t0 = time.perf_counter()
         best, tried, failure = None, [], None
         for view in candidates:
             t = time.perf_counter()
+            is_physical = view.names == names
+            sopts = SolveOptions(opts.memory_budget, opts.time_limit,
+                                 seeds=seeds if is_physical else {})
             try:
-                cg, sol = plan_graph(traced.graph, view.shape, view.names, view.cluster,
-                                     ties=ties, memory_budget=self.memory_budget,
-                                     time_limit=self.time_limit,
-                                     seeds=seeds if view.names == names else None)
+                cg, sol = plan_graph(graph, view.shape, view.names, view.cluster, sopts,
+                                     ties=tr.ties, fixed=tr.fixed if is_physical else NOTHING_FIXED)
             except MemoryBudgetError as exc:
                 if len(candidates) == 1:
                     raise
-                failure = failure or exc
-                tried.append({"mesh": view.label, "predicted_s": None, "plan_s":
-                              time.perf_counter() - t, "error": str(exc)})
+                failure = exc if failure is None or exc.needed < failure.needed else failure
+                tried.append({"mesh": view.label, "predicted_s": None,
+                              "plan_s": time.perf_counter() - t, "error": str(exc)})
                 continue
-            solver = {"status": sol.status, "objective": sol.objective, "trace_s": t1 - t0,
-                      **sol.stats}
-            plan = assemble(traced.graph, cg, sol.choice, ties, solver)
+            solver = {"status": sol.status, "objective": sol.objective, **sol.stats}
+            plan = assemble(graph, cg, sol.choice, tr.ties, solver)
             tried.append({"mesh": view.label, "predicted_s": plan.predicted.step_time,
                           "plan_s": time.perf_counter() - t})
             if best is None or plan.predicted.step_time < best.predicted.step_time:
                 best = plan
         if best is None:
-            raise failure
+            raise MemoryBudgetError(failure.budget, failure.needed)
         best.solver["plan_s"] = time.perf_counter() - t0
-        if self.mesh_search:
+        if opts.mesh_search:
             best.solver["mesh_search"] = tried
-        return _Entry(traced, best, ties)
+            if pinned:
+                best.solver["mesh_search_note"] = (
+                    "only the given mesh was planned: the program fixes layouts on its axes")
+        return best
 
-    # ---- public surface ------------------------------------------------------------------------
-    def plan(self, *args) -> Plan:
-        """The plan for these arguments (arrays or ShapeDtypeStructs); nothing is executed."""
-        return self._entry(args).plan
-
-    def use_plan(self, plan: Plan, *args) -> None:
-        """Adopt a saved plan (``Plan.from_json``) for these argument shapes."""
-        entry = self._entry(args)
-        if plan.fingerprint != fingerprint(entry.traced.graph):
-            raise ValueError("the plan was made for a different program (fingerprint "
-                             f"{plan.fingerprint} != {fingerprint(entry.traced.graph)}); re-plan")
-        if math.prod(plan.axis_sizes) != self.mesh.devices.size or (
-                not self.mesh_search and plan.mesh_axes != tuple(
-                    zip(self.mesh.axis_names, self.mesh.devices.shape))):
-            raise ValueError(f"the plan is for mesh {plan.mesh_axes}, this function runs on "
-                             f"{tuple(zip(self.mesh.axis_names, self.mesh.devices.shape))}")
-        entry.plan, entry.jitted = plan, None
-
-    def _jitted(self, args: Sequence) -> Callable:
-        entry = self._entry(args)
-        if entry.jitted is None:
-            donate = tuple(sum(1 for j in range(i) if j not in self.static_argnums)
-                           for i in self.donate_argnums if i not in self.static_argnums)
-            entry.jitted = jit_plan(entry.traced.graph, entry.plan, self.mesh_for(entry.plan),
-                                    entry.traced.in_tree, entry.traced.out_tree,
-                                    donate_argnums=donate)
-        return entry.jitted
-
+    # ---- execution -------------------------------------------------------------------------
     def mesh_for(self, plan: Plan) -> Mesh:
-        """The mesh ``plan`` runs on: this function's mesh, or the view of its devices the
-        mesh search chose (``plan.mesh_axes``)."""
-        names, sizes = plan.axis_names, plan.axis_sizes
-        return View(sizes, names, plan.cluster).mesh(self.mesh)
+        """The mesh ``plan`` runs on: this function's mesh (its Auto version), or the view of
+        its devices the mesh search chose (``plan.mesh_axes``)."""
+        return View(plan.axis_sizes, plan.axis_names, plan.cluster).mesh(self.mesh)
 
-    def lower(self, *args):
-        """``jax.stages.Lowered`` of the planned program (ShapeDtypeStructs are fine)."""
-        _, dynamic = self._split(args)
-        return self._jitted(args).lower(*dynamic)
+    def _out_mesh(self, plan: Plan) -> Mesh:
+        """Where results are placed: the user's mesh (with its axis types) unless the plan
+        runs on another view of its devices."""
+        same = plan.mesh_axes == tuple(zip(self.mesh.axis_names, self.mesh.devices.shape))
+        return self.user_mesh if same else self.mesh_for(plan)
 
-    def __call__(self, *args):
-        _, dynamic = self._split(args)
-        return self._jitted(args)(*dynamic)
+    def _in_shardings(self, tr: _Traced, plan: Plan) -> list[NamedSharding]:
+        mesh = self._out_mesh(plan)
+        return [NamedSharding(mesh, to_partition_spec(nd, v.ndim, mesh.axis_names))
+                for nd, v in zip(plan.inputs, tr.traced.graph.inputs)]
+
+    def _exec(self, call: Call) -> tuple[Callable, list[NamedSharding], Any]:
+        key, tr, plan = self._plan(call)
+        jitted = self._execs.get(key)
+        if jitted is None:
+            jitted = jit_plan(tr.traced, plan, self.mesh_for(plan), self._out_mesh(plan),
+                              call.tree, tr.traced.out_tree,
+                              donate_argnums=call.donate_argnums,
+                              donate_argnames=call.donate_argnames)
+            self._execs[key] = jitted
+        return jitted, self._in_shardings(tr, plan), key
+
+    def _report_moves(self, call: Call, shardings: list[NamedSharding], key) -> None:
+        """Log, once per argument and signature, a placed argument the plan moves."""
+        fresh = [k for k in misplaced(call.leaves, shardings) if (key, k) not in self._moved]
+        if not fresh:
+            return
+        paths = call.leaf_names()
+        for k in fresh:
+            self._moved.add((key, k))
+            have = placement(call.leaves[k])
+            log.warning("shardc: argument %s is placed as %s; the plan wants %s, so it is "
+                        "moved there (keep_input_shardings=True plans around the placement "
+                        "instead)", paths[k], getattr(have, "spec", have), shardings[k].spec)
+
+    # ---- public surface ---------------------------------------------------------------------
+    def plan(self, *args, **kwargs) -> Plan:
+        """The plan for these arguments (arrays or ShapeDtypeStructs); nothing is executed."""
+        call = self.convention.split(args, kwargs)
+        key, tr, plan = self._plan(call)
+        self._report_moves(call, self._in_shardings(tr, plan), key)
+        return plan
+
+    def use_plan(self, plan: Plan, *args, **kwargs) -> None:
+        """Adopt a saved plan (``Plan.from_json``) for these arguments: later calls trace
+        and compile, but do not solve. A plan made for another program or mesh is refused."""
+        call = self.convention.split(args, kwargs)
+        key, tr = self._traced(call)
+        want = fingerprint(tr.traced.graph)
+        if plan.fingerprint != want:
+            raise ValueError(f"the plan was made for a different program (fingerprint "
+                             f"{plan.fingerprint}, this one is {want}): the primitives, their "
+                             "params or the dataflow differ; plan it again with step.plan(...)")
+        here = tuple(zip(self.mesh.axis_names, self.mesh.devices.shape))
+        # with mesh search, a plan for any view of the same devices runs on that view
+        ok = plan.mesh_axes == here or (self.options.mesh_search and
+                                        math.prod(plan.axis_sizes) == self.mesh.devices.size)
+        if not ok:
+            raise ValueError(f"the plan is for mesh {mesh_label(plan.mesh_axes)}, this "
+                             f"function runs on {mesh_label(here)}")
+        missing = [op for op in tr.traced.graph.ops if op.id not in {o.id for o in plan.ops}]
+        if missing:
+            raise ValueError(f"the plan has no strategy for {missing[0]} (and "
+                             f"{len(missing) - 1} more): it was edited or is damaged; plan "
+                             "again")
+        self._plans[key] = plan
+        self._execs.pop(key, None)
+
+    def lower(self, *args, **kwargs):
+        """``jax.stages.Lowered`` of the planned program (ShapeDtypeStructs are fine); its
+        compiled form is called with the dynamic arguments, as ``jax.jit``'s is."""
+        call = self.convention.split(args, kwargs)
+        jitted, shardings, key = self._exec(call)
+        self._report_moves(call, shardings, key)
+        leaves = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type, sharding=s)
+                  if hasattr(x, "shape") else x
+                  for x, a, s in zip(call.leaves, map(abstract_leaf, call.leaves), shardings)]
+        dyn_args, dyn_kwargs = call.unflatten(leaves)
+        return jitted.lower(*dyn_args, **dyn_kwargs)
+
+    def __call__(self, *args, **kwargs):
+        call = self.convention.split(args, kwargs)
+        jitted, shardings, key = self._exec(call)
+        self._report_moves(call, shardings, key)
+        dyn_args, dyn_kwargs = call.unflatten(place(call.leaves, shardings))
+        return jitted(*dyn_args, **dyn_kwargs)
 
 
 def _is_spec_leaf(x) -> bool:
@@ -225,19 +369,20 @@ def _named_seeds(seeds) -> dict[str, Any]:
                     "P('data'))}}")
 
 
-def seed_layouts(name: str, specs, abstract: tuple, axis_names) -> dict[int, NdSbp]:
+def seed_layouts(what: str, specs, abstract: tuple, axis_names) -> dict[int, NdSbp]:
     """Graph-input layouts of a hand-written plan: ``specs`` holds a PartitionSpec (or
-    NamedSharding, or None: shardc's choice) for every dynamic argument, or for a prefix of
-    their pytree (one spec for a whole subtree), like ``jax.jit``'s ``in_shardings``."""
+    NamedSharding, or None: shardc's choice) for every dynamic positional argument, or for
+    a prefix of their pytree (one spec for a whole subtree), like ``jax.jit``'s
+    ``in_shardings``. Keyword arguments' leaves (after the positional ones) are left free."""
     specs = tuple(specs) if isinstance(specs, list) else specs
     if not isinstance(specs, tuple) or len(specs) != len(abstract):
-        raise ValueError(f"seed {name!r}: give one entry per dynamic argument "
+        raise ValueError(f"{what}: give one entry per dynamic positional argument "
                          f"({len(abstract)}), as a tuple, like jax.jit's in_shardings")
     try:
         per_leaf = jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), specs,
                                 abstract, is_leaf=_is_spec_leaf)
     except ValueError as exc:
-        raise ValueError(f"seed {name!r} does not match the arguments' pytree: {exc}") from exc
+        raise ValueError(f"{what} does not match the arguments' pytree: {exc}") from exc
     leaves = jax.tree.leaves(per_leaf, is_leaf=_is_spec_leaf)
     out: dict[int, NdSbp] = {}
     for k, (spec, x) in enumerate(zip(leaves, jax.tree.leaves(abstract), strict=True)):
@@ -247,20 +392,17 @@ def seed_layouts(name: str, specs, abstract: tuple, axis_names) -> dict[int, NdS
         try:
             out[k] = from_partition_spec(spec, len(x.shape), tuple(axis_names))
         except ValueError as exc:
-            raise ValueError(f"seed {name!r}, argument leaf {k} {x.shape}: {exc}") from exc
+            raise ValueError(f"{what}, argument leaf {k} {x.shape}: {exc}") from exc
     return out
 
 
-def _norm(x) -> tuple[int, ...]:
-    if x is None:
-        return ()
-    return (x,) if isinstance(x, int) else tuple(x)
-
-
 def auto_shard(fn: Callable | None = None, *, mesh: Mesh, cluster: Cluster | None = None,
-               memory_budget: float | None = None, donate_argnums=(), static_argnums=(),
-               time_limit: float = 10.0, seeds=None, mesh_search: bool = False):
-    """Plan and run ``fn`` sharded over ``mesh``. Usable as ``@auto_shard(mesh=...)``.
+               memory_budget: float | None = None, time_limit: float = 10.0, seeds=None,
+               mesh_search: bool = False, in_shardings=None, keep_input_shardings: bool = False,
+               static_argnums=None, static_argnames=None, donate_argnums=None,
+               donate_argnames=None):
+    """Plan and run ``fn`` sharded over ``mesh``, called like ``jax.jit(fn)``. Usable as
+    ``@auto_shard(mesh=...)``.
 
     ``cluster`` prices the plan (default: every mesh axis an H100 NVLink link, see
     :class:`shardc.Cluster`); ``memory_budget`` caps per-device bytes; ``time_limit`` bounds
@@ -272,8 +414,23 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh, cluster: Cluster | Non
     ``(16,)``, ``(4, 4)`` and ``(8, 2)``, each axis priced at the links it crosses), runs
     the cheapest, and records each view's predicted step in ``plan.solver["mesh_search"]``;
     it multiplies planning time by the number of views (4 for 16 devices).
+
+    ``in_shardings`` (as for ``jax.jit``: a PartitionSpec or None per dynamic positional
+    argument, or per subtree) fixes those inputs' layouts; ``keep_input_shardings=True``
+    fixes every argument that arrives placed on this mesh (a committed array, or a
+    ``ShapeDtypeStruct`` with a sharding) to its placement; it is the default on a mesh
+    with Explicit axes, where a placement is part of the argument's type (and results get
+    the types ``jax.jit`` would give them). Otherwise a placed argument is moved to the
+    plan's layout (logged once). ``static_argnums`` / ``static_argnames`` /
+    ``donate_argnums`` / ``donate_argnames`` mean what they mean for ``jax.jit``.
     """
+    options = Options(cluster if cluster is not None else DEFAULT_CLUSTER, memory_budget,
+                      time_limit, _named_seeds(seeds), mesh_search, in_shardings,
+                      keep_input_shardings)
+
     def wrap(f):
-        return AutoSharded(f, mesh, cluster, memory_budget, donate_argnums, static_argnums,
-                           time_limit, seeds, mesh_search)
+        return AutoSharded(f, mesh, options, Convention.of(
+            f, static_argnums=static_argnums, static_argnames=static_argnames,
+            donate_argnums=donate_argnums, donate_argnames=donate_argnames))
+
     return wrap if fn is None else wrap(fn)

@@ -23,6 +23,40 @@ def _force_cpu_devices(n: int) -> None:
     jax.config.update("jax_num_cpu_devices", n)
 
 
+def mesh_shape(text: str) -> tuple[int, ...]:
+    """``--mesh``: ``8``, ``2x4``, ``2x2x2`` (an argparse type: a bad value is one line)."""
+    try:
+        shape = tuple(int(s) for s in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if not shape or any(s < 1 for s in shape):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a mesh shape; write sizes joined "
+                                         "by x, e.g. 8 or 2x4")
+    return shape
+
+
+def axis_names(text: str) -> tuple[str, ...]:
+    """``--axes``: comma-separated, distinct, non-empty names."""
+    names = tuple(n.strip() for n in text.split(","))
+    if not all(names) or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{text!r}: give distinct axis names separated by "
+                                         "commas, e.g. node,gpu")
+    return names
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            v = None
+        if v is None or not v > 0:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a positive {kind.__name__}")
+        return v
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
 def _mesh(shape: tuple[int, ...], names: tuple[str, ...]):
     import jax
     from jax.sharding import AxisType
@@ -92,10 +126,12 @@ def cmd_plan(args) -> None:
     _force_cpu_devices(args.devices)
     import shardc
 
-    shape = tuple(int(s) for s in args.mesh.split("x"))
+    shape = args.mesh
     default = ("node", "gpu")[-len(shape):] if len(shape) <= 2 else tuple(
         f"a{i}" for i in range(len(shape)))
-    names = tuple(args.axes.split(",")) if args.axes else default
+    names = args.axes or default
+    if len(names) != len(shape):
+        sys.exit(f"shardc plan: --axes names {len(names)} axes but --mesh has {len(shape)}")
     mesh = _mesh(shape, names)
     module, cfg = _model(args.model, args.layers, args.tiny)
     step_fn = module.build_step(cfg)
@@ -165,18 +201,20 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="shardc", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="plan and run a GPT train step on 8 simulated devices")
-    d.add_argument("--layers", type=int, default=2)
-    d.add_argument("--rows", type=int, default=25, help="op rows shown in the plan table")
+    d.add_argument("--layers", type=_positive(int), default=2)
+    d.add_argument("--rows", type=_positive(int), default=25,
+                   help="op rows shown in the plan table")
     d.set_defaults(func=cmd_demo)
     q = sub.add_parser("plan", help="plan a zoo model from abstract shapes")
     q.add_argument("model", choices=["gpt", "mlp"])
-    q.add_argument("--mesh", default="2x4", help="mesh shape, e.g. 8 or 2x4")
-    q.add_argument("--axes", default=None, help="comma-separated axis names")
-    q.add_argument("--devices", type=int, default=8)
-    q.add_argument("--layers", type=int, default=None)
+    q.add_argument("--mesh", type=mesh_shape, default=(2, 4),
+                   help="mesh shape, e.g. 8 or 2x4")
+    q.add_argument("--axes", type=axis_names, default=None, help="comma-separated axis names")
+    q.add_argument("--devices", type=_positive(int), default=8)
+    q.add_argument("--layers", type=_positive(int), default=None)
     q.add_argument("--tiny", action="store_true")
-    q.add_argument("--time-limit", type=float, default=10.0)
-    q.add_argument("--rows", type=int, default=30)
+    q.add_argument("--time-limit", type=_positive(float), default=10.0)
+    q.add_argument("--rows", type=_positive(int), default=30)
     q.add_argument("--out", default=None, help="save the plan as JSON here")
     q.add_argument("--mesh-search", action="store_true",
                    help="also plan the other logical views of the devices (e.g. 16, 4x4)")
@@ -194,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--no-check", action="store_true", help="skip the numerics check")
     b.add_argument("--no-mesh-search", action="store_true",
                    help="plan shardc on the preset's mesh only")
-    b.add_argument("--time-limit", type=float, default=10.0)
+    b.add_argument("--time-limit", type=_positive(float), default=10.0)
     b.set_defaults(func=cmd_bench)
     args = p.parse_args(argv)
     args.func(args)

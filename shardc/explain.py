@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 from shardc.views import mesh_label
@@ -15,11 +16,33 @@ def fmt_time(t: float) -> str:
     return f"{t * 1e6:.1f} us"
 
 
-def fmt_bytes(b: float) -> str:
+def fmt_bytes(b: float, up: bool = False) -> str:
+    """``b`` bytes in the largest binary unit it fills, to 2 decimals; ``up`` rounds up (a
+    budget printed this way is never below ``b``)."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if b >= size:
-            return f"{b / size:.2f} {unit}"
-    return f"{b:.0f} B"
+            v = math.ceil(b / size * 100) / 100 if up else b / size
+            return f"{v:.2f} {unit}"
+    return f"{math.ceil(b) if up else b:.0f} B"
+
+
+def _coverage(ops) -> list[str]:
+    """A line naming the primitives that ran replicated for lack of a rule, with their
+    share of the step's compute (nothing when every primitive has one)."""
+    from shardc.rules.registry import has_rule
+
+    missing = Counter()
+    spent: Counter = Counter()
+    for o in ops:
+        if not has_rule(o.prim):
+            missing[o.prim] += 1
+            spent[o.prim] += o.compute_time
+    if not missing:
+        return []
+    total = sum(o.compute_time for o in ops) or 1.0
+    return ["ran replicated, no sharding rule: " + ", ".join(
+        f"{p} ({n} op{'s' * (n > 1)}, {100 * spent[p] / total:.1f}% of compute)"
+        for p, n in sorted(missing.items()))]
 
 
 def explain_plan(plan, max_rows: int | None = 60, top: int = 10) -> str:
@@ -44,6 +67,7 @@ def explain_plan(plan, max_rows: int | None = 60, top: int = 10) -> str:
             f"{name} {fmt_time(t)}" for name, t in sorted(seeds.items(), key=lambda kv: kv[1]))
             + f"; this plan {fmt_time(plan.solver.get('objective', p.step_time))}")
     ops = list(plan.ops)
+    lines += _coverage(ops)
     shown = ops
     if max_rows is not None and len(ops) > max_rows:
         keep = sorted(ops, key=lambda o: -(o.compute_time + o.comm_time))[:max_rows]

@@ -9,8 +9,10 @@ the collectives), so a plan's predicted step may be below its solver objective.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -66,12 +68,32 @@ class Reshard:
     collective_bytes: tuple[float, ...] = ()  # wire bytes per device of each collective
 
 
+def _stable(params: dict) -> str:
+    """``params`` as text that is the same in every process: no memory addresses."""
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(sorted(params.items(), key=lambda kv: kv[0])))
+
+
 def fingerprint(graph: Graph) -> str:
+    """A digest of the program a plan is for: the inputs' types, and per op its primitive,
+    params, which values it reads (numbered in definition order; constants by type, and
+    by value when scalar) and its outputs' types."""
     h = hashlib.sha1()
+    number: dict[int, int] = {}
+
+    def ref(v) -> str:
+        if v.is_const:
+            return f"const {v!r}:{v.type_str()}" if v.ndim == 0 else f"const {v.type_str()}"
+        return f"%{number[v.id]}"
+
     for v in graph.inputs:
-        h.update(v.type_str().encode())
+        number[v.id] = len(number)
+        h.update(f"in {v.type_str()};".encode())
     for op in graph.ops:
-        h.update(f"{op.name}:{','.join(v.type_str() for v in op.outputs)};".encode())
+        h.update(f"{op.name}{_stable(op.params)}({','.join(map(ref, op.inputs))})".encode())
+        for v in op.outputs:
+            number[v.id] = len(number)
+            h.update(f"->{v.type_str()}".encode())
+    h.update(f"out ({','.join(map(ref, graph.outputs))})".encode())
     return h.hexdigest()[:16]
 
 
@@ -156,29 +178,86 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        d = json.loads(text)
+        """Read a plan saved with :meth:`to_json`; a damaged file raises
+        :class:`PlanFormatError` naming the field that is missing or wrong."""
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanFormatError(f"not valid JSON ({exc.msg} at line {exc.lineno}, column "
+                                  f"{exc.colno}); was the file truncated or edited?") from exc
+        if not isinstance(d, dict):
+            raise PlanFormatError(f"expected a JSON object, got {type(d).__name__}")
         if d.get("version") != 1:
-            raise ValueError(f"unknown plan version {d.get('version')!r}; expected 1")
-        nd = NdSbp.from_json
-        return cls(
-            mesh_axes=tuple((n, int(s)) for n, s in d["mesh_axes"]),
-            cluster=Cluster.from_json(d["cluster"]),
-            inputs=tuple(nd(x) for x in d["inputs"]),
-            outputs=tuple(nd(x) for x in d["outputs"]),
-            values={int(k): nd(v) for k, v in d["values"].items()},
-            settled={int(k): nd(v) for k, v in d.get("settled", {}).items()},
-            ops=tuple(OpPlan(**{**o, "ins": tuple(nd(x) for x in o["ins"]),
-                                "outs": tuple(nd(x) for x in o["outs"])}) for o in d["ops"]),
-            reshards=tuple(Reshard(**{**r, "src": nd(r["src"]), "dst": nd(r["dst"]),
-                                      "collectives": tuple(r["collectives"]),
-                                      "collective_bytes": tuple(r["collective_bytes"])})
-                           for r in d["reshards"]),
-            predicted=Predicted(**d["predicted"]),
-            solver=d["solver"],
-            fingerprint=d["fingerprint"],
-            input_ranks=tuple(d["input_ranks"]),
-            output_ranks=tuple(d["output_ranks"]),
-        )
+            raise PlanFormatError(f"unknown plan version {d.get('version')!r}; expected 1")
+        missing = [k for k in _FIELDS if k not in d]
+        if missing:
+            raise PlanFormatError(f"missing field(s) {missing}")
+        with _field("mesh_axes"):
+            mesh_axes = tuple((str(n), int(s)) for n, s in d["mesh_axes"])
+        n_axes = len(mesh_axes)
+
+        def nd(x) -> NdSbp:
+            out = NdSbp.from_json(x)
+            if len(out) != n_axes:
+                raise ValueError(f"{x} has {len(out)} mesh axes, the plan's mesh {n_axes}")
+            return out
+
+        with _field("cluster"):
+            cluster = Cluster.from_json(d["cluster"])
+        with _field("inputs"):
+            inputs = tuple(nd(x) for x in d["inputs"])
+        with _field("outputs"):
+            outputs = tuple(nd(x) for x in d["outputs"])
+        with _field("values"):
+            values = {int(k): nd(v) for k, v in d["values"].items()}
+        with _field("settled"):
+            settled = {int(k): nd(v) for k, v in d.get("settled", {}).items()}
+        ops = []
+        for i, o in enumerate(d["ops"]):
+            with _field(f"ops[{i}]"):
+                ops.append(OpPlan(**{**o, "ins": tuple(nd(x) for x in o["ins"]),
+                                     "outs": tuple(nd(x) for x in o["outs"])}))
+        reshards = []
+        for i, r in enumerate(d["reshards"]):
+            with _field(f"reshards[{i}]"):
+                reshards.append(Reshard(**{**r, "src": nd(r["src"]), "dst": nd(r["dst"]),
+                                           "collectives": tuple(r["collectives"]),
+                                           "collective_bytes": tuple(r["collective_bytes"])}))
+        with _field("predicted"):
+            predicted = Predicted(**d["predicted"])
+        with _field("input_ranks / output_ranks"):
+            input_ranks = tuple(int(r) for r in d["input_ranks"])
+            output_ranks = tuple(int(r) for r in d["output_ranks"])
+            if len(input_ranks) != len(inputs) or len(output_ranks) != len(outputs):
+                raise ValueError("one rank per input and per output")
+        return cls(mesh_axes=mesh_axes, cluster=cluster, inputs=inputs, outputs=outputs,
+                   values=values, settled=settled, ops=tuple(ops), reshards=tuple(reshards),
+                   predicted=predicted, solver=dict(d["solver"]),
+                   fingerprint=str(d["fingerprint"]), input_ranks=input_ranks,
+                   output_ranks=output_ranks)
+
+
+class PlanFormatError(ValueError):
+    """A plan file that cannot be read; the message names the field."""
+
+    def __init__(self, what: str):
+        super().__init__(f"cannot read the plan: {what}. Plan again and save it with "
+                         "plan.to_json()")
+
+
+_FIELDS = ("mesh_axes", "cluster", "inputs", "outputs", "input_ranks", "output_ranks",
+           "values", "ops", "reshards", "predicted", "solver", "fingerprint")
+
+
+@contextlib.contextmanager
+def _field(name: str):
+    """Turn what goes wrong reading field ``name`` into a :class:`PlanFormatError`."""
+    try:
+        yield
+    except KeyError as exc:
+        raise PlanFormatError(f"field {name} has no {exc.args[0]!r}") from exc
+    except (TypeError, ValueError, AttributeError, IndexError) as exc:
+        raise PlanFormatError(f"field {name} is malformed: {exc}") from exc
 
 
 def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[tuple[int, int]],
@@ -249,7 +328,10 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
             src = values[v.id]  # the state passed through unchanged
         else:
             src = read(v)
-        dst = values[graph.inputs[tied[j]].id] if j in tied else unreduced(src)
+        if j in cg.fixed.outputs:
+            dst = cg.fixed.outputs[j]
+        else:
+            dst = values[graph.inputs[tied[j]].id] if j in tied else unreduced(src)
         if not v.is_const:
             record(v, -1 - j, src, dst)
         outputs.append(dst)

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from shardc.ir.graph import Graph, Op
+from shardc.ir.prims import BINARY, UNARY
 from shardc.ir.sbp import B, NdSbp, P, Partial, Sbp, Split
 from shardc.ir.trace import trace
 from shardc.rules import Signature, signatures, strategies
-from shardc.rules.elementwise import BINARY, UNARY
 
 S = Split
 RNG = np.random.default_rng(0)

@@ -277,7 +277,7 @@ def test_a_replicated_state_seed_all_reduces_its_gradients():
     all-reduced once, not reduce-scattered and re-gathered for the replicated update."""
     step_fn, state, data, mesh = _mlp_2x2()
     t = trace(step_fn, state, data)
-    ties = shardc.api.tie_outputs(t.in_tree, t.out_tree, t.graph)
+    ties = shardc.api.tie_outputs(t.in_tree.children(), t.out_tree, t.graph)
     cg = build(t.graph, (4,), ("x",), Cluster(), ties)
     cg.merge_followers()
     n_state = len(jax.tree.leaves(state))

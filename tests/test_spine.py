@@ -85,7 +85,7 @@ def test_decorator_form_static_and_donate():
     x = jax.numpy.ones((16, 8))
     np.testing.assert_allclose(np.asarray(scale(x, 3.0)), 4.0)
     np.testing.assert_allclose(np.asarray(scale(jax.numpy.ones((16, 8)), 2.0)), 3.0)
-    assert len(scale._cache) == 2  # one plan per static value
+    assert len(scale._plans) == 2  # one plan per static value
 
 
 def test_bad_mesh_and_cluster_errors():
@@ -115,15 +115,15 @@ def test_unknown_primitive_runs_replicated_with_one_warning():
     mesh = make_mesh((8,), ("x",))
 
     def f(x):
-        y = jax.lax.sort(x, dimension=0)  # sort has no rule
-        return jax.lax.sort(y * 2.0, dimension=0) + 1.0
+        y = jax.lax.linalg.cholesky(x @ x.T + 8.0 * jax.numpy.eye(16))  # no rule
+        return jax.lax.linalg.cholesky(y @ y.T + 1.0 * jax.numpy.eye(16)) + 1.0
 
     step = shardc.auto_shard(f, mesh=mesh)
-    x = jax.numpy.arange(64.0).reshape(16, 4)[::-1]
-    with pytest.warns(UserWarning, match="no sharding rule for primitive 'sort'") as rec:
+    x = jax.numpy.arange(64.0).reshape(16, 4)[::-1] / 64
+    with pytest.warns(UserWarning, match="no sharding rule for primitive 'cholesky'") as rec:
         out = step(x)
-    assert sum("sort" in str(w.message) for w in rec) == 1
-    np.testing.assert_allclose(np.asarray(out), np.asarray(f(x)))
+    assert sum("cholesky" in str(w.message) for w in rec) == 1
+    np.testing.assert_allclose(np.asarray(out), np.asarray(f(x)), rtol=1e-5)
 
 
 def test_new_state_is_tied_to_the_state_it_replaces():
@@ -133,8 +133,8 @@ def test_new_state_is_tied_to_the_state_it_replaces():
     st = {"a": jax.numpy.ones(3), "b": jax.numpy.ones((2, 2))}
     x = jax.numpy.ones(4)
     t = trace(lambda s, x: ({"a": s["a"] + 1, "b": s["b"] * x.sum()}, x.sum()), st, x)
-    assert tie_outputs(t.in_tree, t.out_tree, t.graph) == [(0, 0), (1, 1)]
+    assert tie_outputs(t.in_tree.children(), t.out_tree, t.graph) == [(0, 0), (1, 1)]
     t = trace(lambda s, x: {"a": s["a"] + 1, "b": s["b"]}, st, x)  # the state alone
-    assert tie_outputs(t.in_tree, t.out_tree, t.graph) == [(0, 0), (1, 1)]
+    assert tie_outputs(t.in_tree.children(), t.out_tree, t.graph) == [(0, 0), (1, 1)]
     t = trace(lambda s, x: {"a": s["a"][:2], "b": s["b"]}, st, x)  # a leaf changed shape
-    assert tie_outputs(t.in_tree, t.out_tree, t.graph) == [(1, 1)]
+    assert tie_outputs(t.in_tree.children(), t.out_tree, t.graph) == [(1, 1)]

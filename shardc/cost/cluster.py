@@ -18,6 +18,8 @@ References:
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -56,9 +58,22 @@ class Cluster:
     def __post_init__(self):
         for name in ("axis_bandwidth", "axis_latency"):
             object.__setattr__(self, name, dict(sorted(dict(getattr(self, name)).items())))
-        for k, v in {**self.axis_bandwidth, "device_flops": self.device_flops}.items():
-            if not v > 0:
-                raise ValueError(f"Cluster: {k} must be positive, got {v!r}")
+        positive = {**{f"axis_bandwidth[{a!r}]": v for a, v in self.axis_bandwidth.items()},
+                    "default_bandwidth": self.default_bandwidth,
+                    "device_flops": self.device_flops, "device_memory": self.device_memory,
+                    "host_bandwidth": self.host_bandwidth}
+        for k, v in positive.items():
+            if not _number(v) or not v > 0:
+                raise ValueError(f"Cluster: {k} must be positive (a number of bytes/s, FLOP/s "
+                                 f"or bytes), got {v!r}")
+        latencies = {**{f"axis_latency[{a!r}]": v for a, v in self.axis_latency.items()},
+                     "default_latency": self.default_latency}
+        for k, v in latencies.items():
+            if not _number(v) or not v >= 0:
+                raise ValueError(f"Cluster: {k} must be seconds >= 0, got {v!r}")
+        if not _number(self.utilization) or not 0 < self.utilization <= 1:
+            raise ValueError(f"Cluster: utilization is the share of device_flops that kernels "
+                             f"reach, in (0, 1]; got {self.utilization!r} (0.5 is typical)")
 
     def __hash__(self):
         return hash(self.key())
@@ -111,6 +126,10 @@ class Cluster:
     def tpu_v4(cls, axis_names: Sequence[str] = ("x", "y")) -> Cluster:
         return cls({a: TPU_V4_ICI_BW for a in axis_names}, {a: 1e-6 for a in axis_names},
                    device_flops=TPU_V4_FLOPS, device_memory=TPU_V4_MEMORY)
+
+
+def _number(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
 
 
 DEFAULT_CLUSTER = Cluster()

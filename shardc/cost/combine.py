@@ -21,16 +21,10 @@ References:
 from __future__ import annotations
 
 from shardc.ir.graph import Graph
+from shardc.ir.prims import facts
 
 #: collective kinds whose independent instances XLA merges into one (see the module doc)
 COMBINED_KINDS = frozenset({"all-reduce", "reduce-scatter"})
-
-#: primitives that do no cross-element work: a collective before them could be after them
-TAIL_PRIMS = set(
-    "add sub mul div neg max min pow sqrt rsqrt abs sign exp log integer_pow square select_n "
-    "convert_element_type broadcast_in_dim reshape transpose squeeze expand_dims copy copy_p "
-    "eq ne lt le gt ge and or not is_finite add_any tanh logistic clamp".split()
-)
 
 
 def tail_values(graph: Graph) -> set[int]:
@@ -43,7 +37,7 @@ def tail_values(graph: Graph) -> set[int]:
         users = consumers.get(v.id, [])
         if not users:
             return v.id in outputs
-        return all(u.name in TAIL_PRIMS and all(o.id in tail for o in u.outputs)
+        return all(facts(u.name).tail and all(o.id in tail for o in u.outputs)
                    for u, _ in users)
 
     for op in reversed(graph.ops):
@@ -58,7 +52,7 @@ def alpha_scales(graph: Graph) -> dict[int, float]:
     Tail values share one latency among the ``K`` places a collective enters the tail: the
     tail values made by non-tail ops (a data-parallel step's gradients and loss)."""
     tail = tail_values(graph)
-    entries = [v.id for op in graph.ops if op.name not in TAIL_PRIMS
+    entries = [v.id for op in graph.ops if not facts(op.name).tail
                for v in op.outputs if v.id in tail]
     k = max(len(entries), 1)
     return {vid: 1.0 / k for vid in tail}

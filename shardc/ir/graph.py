@@ -58,17 +58,20 @@ class Value:
 
 
 class Op:
-    """One primitive application. ``params`` are the jaxpr eqn's params, untouched."""
+    """One primitive application. ``params`` are the jaxpr eqn's params, untouched;
+    ``effects`` its equation's side effects (a callback, a print): an op with effects runs
+    even when nothing reads its outputs, and may have none."""
 
-    __slots__ = ("id", "prim", "params", "inputs", "outputs")
+    __slots__ = ("id", "prim", "params", "inputs", "outputs", "effects")
 
     def __init__(self, id: int, prim: Any, params: dict, inputs: Sequence[Value],
-                 outputs: Sequence[Value]):
+                 outputs: Sequence[Value], effects: frozenset = frozenset()):
         self.id = id
         self.prim = prim
         self.params = params
         self.inputs = list(inputs)
         self.outputs = list(outputs)
+        self.effects = frozenset(effects)
 
     @property
     def name(self) -> str:
@@ -134,7 +137,8 @@ def format_graph(graph: Graph, annotate: dict[int, str] | None = None) -> str:
     for op in graph.ops:
         outs = " ".join(decl(v) for v in op.outputs)
         ins = " ".join(repr(v) for v in op.inputs)
-        lines.append(f"    {outs} = {op.name}{_format_params(op.params)} {ins}")
+        lhs = f"{outs} = " if outs else ""
+        lines.append(f"    {lhs}{op.name}{_format_params(op.params)} {ins}")
     lines.append("  in (" + ", ".join(repr(v) for v in graph.outputs) + ") }")
     return "\n".join(lines)
 
@@ -166,8 +170,8 @@ def check_graph(graph: Graph) -> None:
             if v.producer is not op:
                 raise GraphError(f"{v!r} is an output of {op} but names {v.producer} as producer")
             defined.add(v.id)
-        if not op.outputs:
-            raise GraphError(f"{op} has no outputs")
+        if not op.outputs and not op.effects:
+            raise GraphError(f"{op} has no outputs and no effects: nothing can observe it")
     for v in graph.outputs:
         if not v.is_const and v.id not in defined:
             raise GraphError(f"graph output {v!r} is never defined")

@@ -1,92 +1,212 @@
-"""Plan → executable: NamedShardings for inputs/outputs, and the graph re-evaluated with
-``with_sharding_constraint`` on every planned, non-partial value, under ``jax.jit``.
+"""Plan → executable: the user's own jaxpr, re-bound equation by equation with the plan's
+layouts, under ``jax.jit``.
 
+What runs is the jaxpr ``fn`` traced to, not a replay of the planner's flat graph: every
+equation is bound again with its own primitive and params (``get_bind_params``, as JAX's
+``eval_jaxpr`` does), in program order, so effects keep their order and count. A call the
+planner saw inlined (a :class:`~shardc.ir.trace.Region`: remat with its policy,
+``custom_jvp_call`` / ``custom_vjp_call`` with their rules, an inner ``jit``) stays a call:
+its body jaxpr is rewritten by tracing this same interpreter over it, with the plan's
+constraints inside, and the call is bound with the new body. So the program differentiates,
+vmaps and recomputes exactly like ``jax.jit(fn)``.
+
+The plan's layouts become ``with_sharding_constraint`` on every planned, non-partial value.
 Partial values have no spelling on Auto mesh axes, so they are left unconstrained: XLA
 places the reduction where the next constrained value needs it. Where an op wants an input
 in another layout than its producer made, the input is constrained to the wanted layout too,
-so the resharding happens where the plan put it.
+each step of the planned conversion pinned, so the resharding happens where the plan put it.
+A user's own ``with_sharding_constraint`` is a fixed layout of the plan (``rules/fixed.py``)
+and is emitted as the plan's constraint.
+
+On a mesh with Explicit axes the program runs inside ``jax.sharding.auto_axes`` (constraints
+need Auto axes) and its results come back typed on the user's mesh.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding
+from jax.extend import core as jcore
+from jax.extend import source_info_util
+from jax.sharding import AxisType, Mesh, NamedSharding
 
 from shardc.cost.comm import conversion
-from shardc.ir.graph import Graph
+from shardc.ir.prims import facts
 from shardc.ir.sbp import NdSbp, to_partition_spec
+from shardc.ir.trace import Region, Traced
 
 
-def _sharding(mesh: Mesh, nd: NdSbp, ndim: int) -> NamedSharding:
+def sharding(mesh: Mesh, nd: NdSbp, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, to_partition_spec(nd, ndim, mesh.axis_names))
 
 
-def evaluator(graph: Graph, plan, mesh: Mesh) -> Callable[..., list]:
-    """A function of the flat inputs that evaluates ``graph`` with the plan's constraints."""
-    by_op = {o.id: o for o in plan.ops}
+def _bind(eqn, args: Sequence, params: dict | None = None) -> list:
+    """Bind ``eqn``'s primitive on ``args`` as ``jax.core.eval_jaxpr`` does (its source
+    info and context kept, but the mesh context of the lowering, which runs on Auto axes),
+    with ``params`` in place of the equation's own if given."""
+    bind_params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    mesh = jax.sharding.get_abstract_mesh()  # the lowering's, not the one traced under
+    with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
+          eqn.ctx.manager, jax.sharding.use_abstract_mesh(mesh)):
+        outs = eqn.primitive.bind(*args, **bind_params)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
 
-    def constrain(x, nd: NdSbp | None):
+
+def constant_values(graph) -> set[int]:
+    """Ids of values computed from constants only (a ``1/N`` broadcast, an ``iota``): XLA
+    folds them and makes them in whatever layout their users need, so the lowering leaves
+    them unconstrained (a constraint there would block the folding)."""
+    out: set[int] = set()
+    for op in graph.ops:
+        if not op.effects and all(v.is_const or v.id in out for v in op.inputs):
+            out.update(v.id for v in op.outputs)
+    return out
+
+
+class _Lowering:
+    """The interpreter: a plan, the Auto mesh it runs on, its ops by id, and the values
+    left unconstrained (:func:`constant_values`)."""
+
+    __slots__ = ("plan", "mesh", "by_op", "free")
+
+    def __init__(self, plan, mesh: Mesh, graph):
+        self.plan = plan
+        self.mesh = mesh
+        self.by_op = {o.id: o for o in plan.ops}
+        self.free = constant_values(graph)
+
+    def constrain(self, x, nd: NdSbp | None):
         if nd is None or nd.has_partial or not hasattr(x, "shape"):
             return x
-        return jax.lax.with_sharding_constraint(x, _sharding(mesh, nd, x.ndim))
+        return jax.lax.with_sharding_constraint(x, sharding(self.mesh, nd, x.ndim))
 
-    def convert(x, src: NdSbp | None, dst: NdSbp):
+    def convert(self, x, src: NdSbp | None, dst: NdSbp):
         """Pin each layout of the planned conversion in turn (:mod:`shardc.cost.comm`), so
         XLA runs the collectives the plan priced, one mesh axis at a time."""
         if src is None or src == dst:
             return x
+        plan = self.plan
         for nd in conversion(src, dst, plan.axis_sizes, plan.axis_names, plan.cluster).layouts:
-            x = constrain(x, nd)
-        return constrain(x, dst)
+            x = self.constrain(x, nd)
+        return self.constrain(x, dst)
 
-    def settle(v, x):
+    def settle(self, vid: int, x):
         """Convert a value used more than once to the layout its uses read, once."""
-        nd = plan.settled.get(v.id)
-        return x if nd is None else convert(x, plan.values.get(v.id), nd)
+        nd = self.plan.settled.get(vid)
+        return x if nd is None else self.convert(x, self.plan.values.get(vid), nd)
+
+    def op(self, eqn, op, args: list) -> list:
+        planned = self.by_op.get(op.id)
+        if planned is None or op.outputs and all(v.id in self.free for v in op.outputs):
+            return _bind(eqn, args)  # dead in the planner's graph, or a constant
+        args = [x if v.is_const or v.id in self.free
+                else self.convert(x, self.plan.read_as(v.id), planned.ins[k])
+                for k, (v, x) in enumerate(zip(op.inputs, args))]
+        if facts(op.name).fixed and op.name == "sharding_constraint":
+            outs = args  # the user's layout is the plan's: constrained just below
+        else:
+            outs = _bind(eqn, args)
+        return [self.settle(v.id, self.constrain(x, nd))
+                for v, x, nd in zip(op.outputs, outs, planned.outs)]
+
+    def call(self, eqn, region: Region, args: list) -> list:
+        """Bind a call with its body rewritten: this interpreter traced over the body."""
+        key = facts(eqn.primitive.name).call
+        sub = eqn.params[key]
+        consts = tuple(sub.consts) if hasattr(sub, "consts") else ()
+        body = jax.make_jaxpr(lambda *xs: self.region(region, consts, xs))(
+            *(v.aval for v in region.jaxpr.invars))
+        if hasattr(sub, "consts"):
+            new = body
+        else:  # an open jaxpr (remat): the body is traced over its invars and closes over none
+            assert not body.consts, f"{eqn.primitive.name}: rewritten body closes over consts"
+            new = body.jaxpr
+        return _bind(eqn, args, {**eqn.params, key: new})
+
+    def region(self, region: Region, consts: Sequence, args: Sequence) -> list:
+        env: dict = {}
+        jaxpr = region.jaxpr
+        env.update(zip(jaxpr.constvars, consts))
+        env.update(zip(jaxpr.invars, args))
+
+        def read(atom):
+            return atom.val if isinstance(atom, jcore.Literal) else env[atom]
+
+        for eqn, step in zip(jaxpr.eqns, region.steps):
+            ins = [read(a) for a in eqn.invars]
+            outs = self.call(eqn, step, ins) if isinstance(step, Region) else \
+                self.op(eqn, step, ins)
+            for var, x in zip(eqn.outvars, outs):
+                if not isinstance(var, jcore.DropVar):
+                    env[var] = x
+        return [read(a) for a in jaxpr.outvars]
+
+
+def evaluator(traced: Traced, plan, mesh: Mesh) -> Callable[..., list]:
+    """A function of the flat inputs that runs ``traced``'s program with the plan's layouts
+    on ``mesh`` (Auto axes) and returns the flat outputs in the plan's output layouts."""
+    graph = traced.graph
+    low = _Lowering(plan, mesh, graph)
 
     def run(*flat):
-        raw = {v.id: x for v, x in zip(graph.inputs, flat)}
-        env: dict[int, Any] = {v.id: settle(v, x) for v, x in zip(graph.inputs, flat)}
-        for op in graph.ops:
-            planned = by_op[op.id]
-            args = []
-            for k, v in enumerate(op.inputs):
-                if v.is_const:
-                    args.append(v.const)
-                    continue
-                args.append(convert(env[v.id], plan.read_as(v.id), planned.ins[k]))
-            outs = op.prim.bind(*args, **op.params)
-            if not op.prim.multiple_results:
-                outs = [outs]
-            for v, x, nd in zip(op.outputs, outs, planned.outs):
-                env[v.id] = settle(v, constrain(x, nd))
-        outs = []
-        for v, nd in zip(graph.outputs, plan.outputs):
-            if v.is_const:
-                outs.append(v.const)
-            elif v.id in raw and nd == plan.values[v.id]:
-                outs.append(raw[v.id])  # an input passed through in its own layout
+        # pin the inputs: a no-op for arguments already placed, the input layout when this
+        # runs inside another transformation (jax.grad / jax.vmap / jax.jit of the step)
+        ins = [low.settle(v.id, low.constrain(x, nd))
+               for v, x, nd in zip(graph.inputs, flat, plan.inputs)]
+        outs = low.region(traced.region, traced.consts, ins)
+        result = []
+        for v, x, nd in zip(graph.outputs, outs, plan.outputs):
+            if v.is_const or not hasattr(x, "shape"):
+                result.append(x)
             else:
-                outs.append(convert(env[v.id], plan.read_as(v.id), nd))
-        return outs
+                result.append(low.convert(x, plan.read_as(v.id), nd))
+        return result
 
     return run
 
 
-def jit_plan(graph: Graph, plan, mesh: Mesh, in_tree, out_tree, *,
-             donate_argnums: tuple[int, ...] = ()) -> Callable:
-    """``jax.jit`` of the constrained evaluator, taking and returning the user's pytrees."""
-    run = evaluator(graph, plan, mesh)
-    in_sh = [_sharding(mesh, nd, v.ndim) for nd, v in zip(plan.inputs, graph.inputs)]
-    out_sh = [_sharding(mesh, nd, v.ndim) for nd, v in zip(plan.outputs, graph.outputs)]
+def _under(fn: Callable, mesh: Mesh) -> Callable:
+    """``fn`` traced with ``mesh`` (Auto axes) as the context mesh, whatever mesh the caller
+    set (``jax.set_mesh`` of an Explicit mesh, say)."""
 
-    def tree_fn(*args):
-        return jax.tree.unflatten(out_tree, run(*jax.tree.leaves(args)))
+    def wrapped(*args):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args)
 
-    in_tree_sh = jax.tree.unflatten(in_tree, in_sh)
-    return jax.jit(tree_fn, in_shardings=tuple(in_tree_sh),
-                   out_shardings=jax.tree.unflatten(out_tree, out_sh),
-                   donate_argnums=donate_argnums)
+    return wrapped
+
+
+def explicit_axes(mesh: Mesh) -> tuple[str, ...]:
+    types = getattr(mesh, "axis_types", None) or ()
+    return tuple(n for n, t in zip(mesh.axis_names, types) if t == AxisType.Explicit)
+
+
+def jit_plan(traced: Traced, plan, run_mesh: Mesh, out_mesh: Mesh, in_tree, out_tree, *,
+             donate_argnums: tuple[int, ...] = (), donate_argnames: tuple[str, ...] = ()
+             ) -> Callable:
+    """``jax.jit`` of the planned program, called like ``fn`` with its dynamic arguments
+    (positional and keyword) and returning ``fn``'s output pytree. ``run_mesh`` is the Auto
+    mesh the constraints name; ``out_mesh`` the mesh the outputs are placed on (the user's,
+    which may have Explicit axes: then the program runs inside ``auto_axes``)."""
+    run = evaluator(traced, plan, run_mesh)
+    ranks = [v.ndim for v in traced.graph.outputs]
+    out_specs = [to_partition_spec(nd, r, out_mesh.axis_names)
+                 for nd, r in zip(plan.outputs, ranks)]
+    explicit = explicit_axes(out_mesh)
+    if explicit:
+        run = jax.sharding.auto_axes(run, axes=explicit, out_sharding=out_specs)
+    else:
+        run = _under(run, run_mesh)
+
+    def tree_fn(*args: Any, **kwargs: Any):
+        leaves, tree = jax.tree.flatten((args, kwargs))
+        if tree != in_tree:
+            raise TypeError(f"auto_shard: arguments {tree} do not match the planned {in_tree}")
+        return jax.tree.unflatten(out_tree, run(*leaves))
+
+    out_sh = jax.tree.unflatten(out_tree, [NamedSharding(out_mesh, s) for s in out_specs])
+    return jax.jit(tree_fn, out_shardings=out_sh, donate_argnums=donate_argnums,
+                   donate_argnames=donate_argnames)

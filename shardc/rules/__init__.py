@@ -1,9 +1,11 @@
 """Strategy rules, one file per family; importing this package registers them all."""
 
+from shardc.rules import callback as callback
 from shardc.rules import control as control
 from shardc.rules import conv as conv
 from shardc.rules import dot as dot  # noqa: F401  (registration)
 from shardc.rules import elementwise as elementwise
+from shardc.rules import fixed as fixed
 from shardc.rules import indexing as indexing
 from shardc.rules import misc as misc
 from shardc.rules import random as random

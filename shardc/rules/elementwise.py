@@ -13,21 +13,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from shardc.ir.graph import Op
+from shardc.ir.prims import BINARY, UNARY, facts
 from shardc.ir.sbp import B, P, Split
 from shardc.rules.registry import Signature, register
-
-UNARY = (
-    "neg exp exp2 log log1p expm1 tanh logistic sin cos tan asin acos atan sinh cosh asinh "
-    "acosh atanh sqrt rsqrt cbrt abs sign floor ceil round is_finite not erf erfc erf_inv "
-    "integer_pow square lgamma digamma population_count clz imag real conj copy copy_p "
-    "reduce_precision convert_element_type stop_gradient"
-).split()
-LINEAR_UNARY = {"neg", "copy", "copy_p", "reduce_precision", "real", "imag", "conj",
-                "stop_gradient", "convert_element_type"}
-BINARY = (
-    "add sub mul div rem pow max min atan2 nextafter and or xor eq ne lt le gt ge "
-    "shift_left shift_right_logical shift_right_arithmetic add_any select_n clamp"
-).split()
 
 
 def _floating(dtype) -> bool:
@@ -58,7 +46,7 @@ def _partial_signatures(op: Op) -> list[Signature]:
         return []
     name, n = op.name, len(op.inputs)
     full = [v.ndim == op.outputs[0].ndim for v in op.inputs]  # broadcasting is linear
-    if name in LINEAR_UNARY and n == 1:
+    if facts(name).linear and n == 1:
         return [Signature((P,), (P,))]
     if name in ("add", "sub", "add_any") and all(full):
         return [Signature((P, P), (P,))]

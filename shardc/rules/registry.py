@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from shardc.ir.graph import Op
+from shardc.ir.prims import facts
 from shardc.ir.sbp import B, Broadcast, NdSbp, Partial, Sbp
 
 
@@ -58,17 +59,22 @@ class Strategy:
 
 RuleFn = Callable[[Op], Sequence[Signature]]
 FlopsFn = Callable[[Op], float]
+#: a layout the user fixed: (op, mesh axis names) -> the op's nd (ins, outs) placements
+FixedFn = Callable[[Op, Sequence[str]], Sequence[tuple[tuple[NdSbp, ...], tuple[NdSbp, ...]]]]
 
 _RULES: dict[str, RuleFn] = {}
 _FLOPS: dict[str, FlopsFn] = {}
+_FIXED: dict[str, FixedFn] = {}
 
 
-def register(*names: str, flops: FlopsFn | None = None):
-    """Decorator: ``@register("add", "sub")`` makes the function the rule of those primitives."""
+class LayoutError(ValueError):
+    """A layout the user fixed cannot be placed on the mesh being planned."""
 
-    def wrap(fn: RuleFn) -> RuleFn:
+
+def _registrar(table: dict, names: Sequence[str], flops: FlopsFn | None):
+    def wrap(fn):
         for n in names:
-            _RULES[n] = fn
+            table[n] = fn
             if flops is not None:
                 _FLOPS[n] = flops
         return fn
@@ -76,8 +82,25 @@ def register(*names: str, flops: FlopsFn | None = None):
     return wrap
 
 
+def register(*names: str, flops: FlopsFn | None = None):
+    """Decorator: ``@register("add", "sub")`` makes the function the rule of those primitives."""
+    return _registrar(_RULES, names, flops)
+
+
+def register_fixed(*names: str, flops: FlopsFn | None = None):
+    """Decorator: the function gives the nd placements a user fixed for these primitives
+    (``with_sharding_constraint``, ``shard_map`` regions), which the planner keeps as they
+    are. It raises :class:`LayoutError` when the mesh cannot express them."""
+    return _registrar(_FIXED, names, flops)
+
+
 def has_rule(name: str) -> bool:
-    return name in _RULES
+    return name in _RULES or name in _FIXED
+
+
+def is_pinned(op: Op) -> bool:
+    """The op carries a layout the user fixed (planned as it is)."""
+    return op.name in _FIXED
 
 
 def registered() -> list[str]:
@@ -98,12 +121,12 @@ def replicated_signature(op: Op) -> Signature:
 
 
 def warn_missing(names: Sequence[str]) -> None:
-    """One warning per primitive that has no rule (called once per planning run)."""
+    """One warning per primitive that has no rule (called once per plan)."""
     for name in sorted(set(names)):
         warnings.warn(
             f"shardc has no sharding rule for primitive {name!r}; it runs replicated. "
             f"Register one with @shardc.register({name!r}).",
-            stacklevel=3,
+            stacklevel=4,
         )
 
 
@@ -127,28 +150,30 @@ def signatures(op: Op) -> list[Signature]:
     return out
 
 
-#: ops that may pass a partial value through (P -> P): pure layout changes, which move the
-#: same bytes whether XLA reduces before or after them
-PARTIAL_PASS_THROUGH = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "copy",
-                                  "copy_p", "rev"})
-
-
-def strategies(op: Op, axis_sizes: Sequence[int], consume_partial: bool = False
-               ) -> list[Strategy]:
+def strategies(op: Op, axis_sizes: Sequence[int], axis_names: Sequence[str] | None = None,
+               consume_partial: bool = False) -> list[Strategy]:
     """nd strategies of ``op`` on a mesh with ``axis_sizes``: product of 1-D signatures,
     keeping only even splits. Constant inputs are never partial.
 
+    An op carrying a layout the user fixed (:func:`register_fixed`) has exactly that
+    placement when ``axis_names`` are given (:class:`LayoutError` if the mesh cannot
+    express it); without names (a 1-D problem over a merged axis, solved only to seed the
+    real one) it is planned by its rule like any other op.
+
     ``consume_partial=False`` drops signatures that take a partial input, except the P -> P
-    of :data:`PARTIAL_PASS_THROUGH` ops: lowering on Auto mesh axes cannot keep a value
-    unreduced across ops (XLA reduces a partial result before its next use; an add of two
-    partials becomes two all-reduces), so a plan must not count on it. Ops may still
-    *produce* partial values."""
+    of ops that pass partial values through (:attr:`shardc.ir.prims.Prim.passes_partial`):
+    lowering on Auto mesh axes cannot keep a value unreduced across ops (XLA reduces a
+    partial result before its next use; an add of two partials becomes two all-reduces), so
+    a plan must not count on it. Ops may still *produce* partial values."""
+    total = op_flops(op)
+    if axis_names is not None and op.name in _FIXED:
+        return [Strategy(tuple(ins), tuple(outs), total)
+                for ins, outs in _FIXED[op.name](op, axis_names)]
     sigs = signatures(op)
     if not consume_partial:
-        keep = op.name in PARTIAL_PASS_THROUGH
+        keep = facts(op.name).passes_partial
         sigs = [s for s in sigs if not any(isinstance(x, Partial) for x in s.ins)
                 or (keep and all(isinstance(x, Partial) for x in (*s.ins[:1], *s.outs)))]
-    total = op_flops(op)
     result: list[Strategy] = []
     seen = set()
     for combo in itertools.product(sigs, repeat=len(axis_sizes)):

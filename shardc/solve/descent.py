@@ -17,8 +17,9 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from shardc.cost.combine import TAIL_PRIMS, tail_values
+from shardc.cost.combine import tail_values
 from shardc.ir.graph import Op, Value
+from shardc.ir.prims import facts
 from shardc.ir.sbp import NdSbp
 from shardc.solve.problem import CostGraph, Settle
 
@@ -98,7 +99,7 @@ def tail_nodes(cg: CostGraph) -> list[int]:
         ref = cg.refs[i]
         if isinstance(ref, Settle):
             vid = ref.value.id
-        elif isinstance(ref, Op) and ref.name in TAIL_PRIMS:
+        elif isinstance(ref, Op) and facts(ref.name).tail:
             vid = ref.outputs[0].id
         else:
             continue
@@ -146,6 +147,19 @@ def starts(cg: CostGraph) -> list[dict[int, int]]:
     tail = tail_nodes(cg)
     return [replicated, cheapest, *(greedy(cg, ins, first) for ins in (dp, fsdp, rep)
                                     for first in ((), tail))]
+
+
+#: seconds a byte per device weighs in :func:`lean`: far above any step time a byte could
+#: save, so memory decides and time only breaks ties
+LEAN_WEIGHT = 1.0
+
+
+def lean(cg: CostGraph) -> dict[int, int]:
+    """The leanest plan descent finds: every input split as far as it goes, the rest
+    greedy (tail first), then descent on bytes at the sampled memory points with time only
+    breaking ties. Deterministic, so the budget it meets holds when asked for again."""
+    inputs = {i: _split_most(cg, i) for i in cg.live if isinstance(cg.refs[i], Value)}
+    return descend(cg, greedy(cg, inputs, tail_nodes(cg)), LEAN_WEIGHT)
 
 
 def solve(cg: CostGraph, memory_budget: float | None = None) -> dict[int, int]:

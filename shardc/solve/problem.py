@@ -21,7 +21,8 @@ References:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,14 +31,11 @@ from shardc.cost.cluster import Cluster
 from shardc.cost.combine import alpha_scales
 from shardc.cost.comm import Conversion, conversion
 from shardc.ir.graph import Graph, Op, Value
+from shardc.ir.prims import facts
 from shardc.ir.sbp import B, Broadcast, NdSbp, Partial, Split
-from shardc.rules.elementwise import BINARY, UNARY
-from shardc.rules.registry import has_rule, strategies, warn_missing
+from shardc.rules.registry import strategies
 
 MEMORY_POINTS = 4  # program points sampled for the memory constraint (Alpa samples too)
-#: ops that may follow one operand when their inputs come from several nodes: the output
-#: layout of an elementwise op is one of its operands' (the others convert to it)
-FOLLOW_ANY_OPERAND = frozenset(UNARY) | frozenset(BINARY)
 
 
 @dataclass
@@ -63,6 +61,22 @@ class Settle:
     value: Value
 
 
+@dataclass(frozen=True)
+class Fixed:
+    """Layouts a plan must keep, by graph input and output index: placed arguments the user
+    asked to keep, and results whose type fixes their layout (Explicit mesh axes)."""
+
+    inputs: Mapping[int, NdSbp] = field(default_factory=dict)
+    outputs: Mapping[int, NdSbp] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.inputs or self.outputs)
+
+
+#: the default: nothing pinned
+NOTHING_FIXED = Fixed()
+
+
 @dataclass
 class CostGraph:
     graph: Graph
@@ -82,6 +96,7 @@ class CostGraph:
     settle: dict = field(default_factory=dict)  # value id -> its Settle node
     order: list = field(default_factory=list)  # every node, producers before their uses
     ties: list = field(default_factory=list)  # (output index, input index) pairs
+    fixed: Fixed = NOTHING_FIXED
 
     # ---- construction ---------------------------------------------------------------------
     def out_sbp(self, node: int, slot: int, choice: int) -> NdSbp:
@@ -147,6 +162,16 @@ class CostGraph:
             ok &= si[:, None] == di[None, :]
         return ok
 
+    def _generates(self, v: int, ins: list[Edge]) -> bool:
+        """``v`` makes far more data than it reads from the node it would follow (random
+        bits from a key, a bias broadcast over the batch): at least a device count's worth
+        more. Following would fix its output to its tiny operand's layout (replicated), so
+        the whole chain it starts runs replicated and is sliced where it meets split data;
+        as a node of its own, its output takes the layout its consumers want, each device
+        making its own slice."""
+        made = sum(o.nbytes for o in self.refs[v].outputs)
+        return made >= math.prod(self.axis_sizes) * sum(e.value.nbytes for e in ins) > 0
+
     def merge_followers(self) -> None:
         ins_of: dict[int, list[Edge]] = {}
         outs_of: dict[int, list[Edge]] = {}
@@ -158,16 +183,21 @@ class CostGraph:
             if not ins or not isinstance(self.refs[v], Op):
                 continue
             if len({e.u for e in ins}) > 1:
-                if self.refs[v].name not in FOLLOW_ANY_OPERAND:
+                if not facts(self.refs[v].name).elementwise:
                     continue
-                # an elementwise op of several producers follows its largest operand; the
-                # others' edges are re-pointed to that operand's node (Alpa / XLA "follow")
-                lead = max(ins, key=lambda e: (e.value.nbytes, -e.k))
+                # an elementwise op of several producers follows its largest operand (its
+                # output layout is one of its operands'), one computed from the inputs
+                # before a constant broadcast to the same size (the 1/N of a mean: following
+                # it would replicate the loss's backward); the others' edges are re-pointed
+                # to that operand's node (Alpa / XLA "follow")
+                lead = max(ins, key=lambda e: (e.value.nbytes, bool(ins_of.get(e.u)), -e.k))
                 u = lead.u
                 others = [e for e in ins if e.u != u]
                 ins = [e for e in ins if e.u == u]
             else:
                 u, others = ins[0].u, []
+            if self._generates(v, ins):
+                continue  # its own layout is a decision: see _generates
             local = self.cost[v][None, :] + sum(e.cost for e in ins)  # [|Su|, |Sv|]
             # follow: take the operand's layout as it is (no conversion, not even a free
             # slice) and split nothing the operand does not (a broadcast_in_dim B -> S(d)
@@ -279,21 +309,30 @@ def _unreduce(nd: NdSbp) -> NdSbp:
 
 
 def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cluster: Cluster,
-          ties: Sequence[tuple[int, int]] = ()) -> CostGraph:
+          ties: Sequence[tuple[int, int]] = (), *, fixed: Fixed = NOTHING_FIXED,
+          pin: bool = True) -> CostGraph:
     """Build the cost graph. ``ties`` pairs (output index, input index) whose layouts should
-    agree (a train step's new state feeds the next step's state)."""
+    agree (a train step's new state feeds the next step's state). ``fixed`` pins graph
+    inputs and outputs to one layout each. ``pin=False`` plans ops that carry a layout the
+    user fixed by their rules instead, and pins nothing (a 1-D problem over merged axes,
+    which cannot name the user's axes, solved only to seed the real one)."""
+    fixed = fixed if pin else NOTHING_FIXED
     axis_sizes, axis_names = tuple(axis_sizes), tuple(axis_names)
     cg = CostGraph(graph, axis_sizes, axis_names, cluster)
     rate = cluster.device_flops * cluster.utilization
     carried = {i for _, i in ties}
     cg.carried = carried
     cg.ties = list(ties)
+    cg.fixed = fixed
     layouts: dict = {}
     for k, v in enumerate(graph.inputs):
         cg.producer[v.id] = (len(cg.choices), 0)
-        if v.shape not in layouts:
-            layouts[v.shape] = input_choices(v, axis_sizes)
-        cg.choices.append(layouts[v.shape])
+        if k in fixed.inputs:
+            cg.choices.append([fixed.inputs[k]])
+        else:
+            if v.shape not in layouts:
+                layouts[v.shape] = input_choices(v, axis_sizes)
+            cg.choices.append(layouts[v.shape])
         cg.refs.append(v)
         cg.cost.append(np.array([feed_time(v, nd, axis_sizes, cluster, k in carried)
                                  for nd in cg.choices[-1]]))
@@ -310,7 +349,6 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
         return mat
 
     scale = alpha_scales(graph)
-    warn_missing([op.name for op in graph.ops if not has_rule(op.name)])
     uses: dict[int, int] = {}
     for val in [v for op in graph.ops for v in op.inputs] + list(graph.outputs):
         if not val.is_const:
@@ -328,7 +366,7 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
         key = _op_key(op)
         strats = cache.get(key) if key is not None else None
         if strats is None:
-            strats = strategies(op, axis_sizes)
+            strats = strategies(op, axis_sizes, axis_names if pin else None)
             if key is not None:
                 cache[key] = strats
         cg.choices.append(strats)
@@ -368,7 +406,10 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
             continue
         u, slot = source(val)
         src = cg.out_sbps(u, slot)
-        if j in tied:
+        if j in fixed.outputs:  # converted to the layout its type fixes
+            fix = cg.reshard_matrix(src, [fixed.outputs[j]], val.nbytes, scale.get(val.id, 1.0))
+            cg.cost[u] = cg.cost[u] + fix[:, 0]
+        elif j in tied:
             t = tied[j]
             if t != u and (val.id not in cg.settle or cg.producer[val.id][0] != t):
                 cg.edges.append(Edge(u, t, cg.reshard_matrix(

@@ -17,12 +17,20 @@ import numpy as np
 
 from shardc.cost.cluster import Cluster
 from shardc.cost.combine import tail_values
+from shardc.explain import fmt_bytes
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp
 from shardc.solve import descent
 from shardc.solve.fold import expand, fold, members, restrict
 from shardc.solve.ilp import problem_size, solve_ilp
-from shardc.solve.problem import CostGraph, build, memory_point, memory_profile
+from shardc.solve.problem import (
+    NOTHING_FIXED,
+    CostGraph,
+    Fixed,
+    build,
+    memory_point,
+    memory_profile,
+)
 
 MEMORY_ROUNDS = 6  # re-solves adding the worst violated program point
 ILP_FULL_TERMS = 40_000  # model terms up to which one ILP covers the whole graph
@@ -36,7 +44,26 @@ AXIS_ROUNDS = 3  # sweeps over the mesh axes
 
 
 class MemoryBudgetError(ValueError):
-    pass
+    """No plan fits ``memory_budget``; ``needed`` is the smallest budget (bytes per device)
+    for which one was found: planning again with it succeeds."""
+
+    def __init__(self, budget: float, needed: int):
+        self.budget, self.needed = budget, needed
+        super().__init__(
+            f"no plan fits memory_budget={fmt_bytes(budget)} per device; the leanest plan "
+            f"found needs {fmt_bytes(needed, up=True)} (memory_budget={needed}). Raise the "
+            "budget to that, use more devices, or shrink the batch.")
+
+
+@dataclass(frozen=True)
+class SolveOptions:
+    """What the solver is asked for: a per-device byte budget, seconds of search, whether
+    to run the ILP, and hand-written plans to start from (by name: graph-input layouts)."""
+
+    memory_budget: float | None = None
+    time_limit: float = 10.0
+    use_ilp: bool = True
+    seeds: Mapping[str, Mapping[int, NdSbp]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -47,24 +74,32 @@ class Solution:
     stats: dict = field(default_factory=dict)
 
 
-def solve(cg: CostGraph, *, memory_budget: float | None = None, time_limit: float = 10.0,
-          use_ilp: bool = True, blocks: bool = True,
-          seeds: Mapping[str, Mapping[int, NdSbp]] | None = None) -> Solution:
+def solve(cg: CostGraph, options: SolveOptions = SolveOptions(), *,
+          blocks: bool = True) -> Solution:
     """Plan ``cg``; ``blocks=False`` skips the block refinement of a large graph (for
-    seeds, which the caller refines anyway). ``seeds`` are hand-written plans, by name, as
-    layouts of graph inputs (:func:`shardc.solve.descent.from_inputs`): the plan costs no
-    more than any of them that fits the budget, and ``stats["seeds"]`` gives their costs."""
+    seeds, which the caller refines anyway). ``options.seeds`` are hand-written plans, by
+    name, as layouts of graph inputs (:func:`shardc.solve.descent.from_inputs`): the plan
+    costs no more than any of them that fits the budget, and ``stats["seeds"]`` gives their
+    costs. With a memory budget the leanest plan descent finds (:func:`descent.lean`,
+    deterministic) is a candidate too, so the budget a :class:`MemoryBudgetError` names
+    is met when asked for."""
+    memory_budget, time_limit = options.memory_budget, options.time_limit
+    use_ilp = options.use_ilp
     t0 = time.perf_counter()
     n_all = len(cg.choices)
     cg.merge_followers()
     t1 = time.perf_counter()
     x = descent.solve(cg, memory_budget)
     seed_plans = {}
-    for name, layouts in (seeds or {}).items():
+    for name, layouts in options.seeds.items():
         y = descent.from_inputs(cg, layouts)
         if y is not None:
             seed_plans[name] = y
-            x = _better(cg, x, y, memory_budget)
+    starts = list(seed_plans.values())
+    if memory_budget is not None:
+        starts.append(descent.lean(cg))
+    for y in starts:
+        x = _better(cg, x, y, memory_budget)
     if len(cg.axis_sizes) > 1 and use_ilp and time_limit > 0:
         # the 1-D seeds may take FLAT_SHARE of the limit; what they leave goes to the ILP
         # (a small graph's seeds are proved at once, and its whole ILP needs the time), which
@@ -79,28 +114,31 @@ def solve(cg: CostGraph, *, memory_budget: float | None = None, time_limit: floa
     for _ in range(MEMORY_ROUNDS):
         x, status, t_ilp = _solve_once(cg, x, memory_budget, time_limit, use_ilp, blocks)
         ilp_time += t_ilp
-        if memory_budget is None:
+        if memory_budget is None or _peak(cg, x) <= memory_budget:
             break
         profile = memory_profile(cg, cg.decode(x))
-        worst = int(np.argmax(profile))
-        if profile[worst] <= memory_budget:
-            break
-        cg.memory.append(memory_point(cg, worst))  # a violated point: constrain it too
+        cg.memory.append(memory_point(cg, int(np.argmax(profile))))  # constrain it too
         x = descent.solve(cg, memory_budget)
-        for y in seed_plans.values():
+        for y in starts:
             x = _better(cg, x, y, memory_budget)
-    peak = float(np.max(memory_profile(cg, cg.decode(x))))
-    if memory_budget is not None and peak > memory_budget:
-        raise MemoryBudgetError(
-            f"no plan fits memory_budget={memory_budget / 2**30:.4f} GiB per device: the "
-            f"smallest found needs {peak / 2**30:.4f} GiB. Raise the budget, use more "
-            "devices, or shrink the batch."
-        )
+    if memory_budget is not None and _peak(cg, x) > memory_budget:
+        # the sampled points let through a plan the exact profile rejects: keep the cheapest
+        # start that fits exactly (the lean plan fits any budget an error ever named)
+        fits = [y for y in starts if _peak(cg, y) <= memory_budget]
+        if not fits:
+            needed = min(_peak(cg, y) for y in (x, *starts))
+            raise MemoryBudgetError(memory_budget, math.ceil(needed))
+        x = min(fits, key=lambda y: descent.objective(cg, y))
     stats = {"nodes": n_all, "live_nodes": len(cg.live), "edges": len(cg.edges),
              "merge_s": t1 - t0, "descent_s": t2 - t1, "ilp_s": ilp_time}
     if seed_plans:
         stats["seeds"] = {name: descent.objective(cg, y) for name, y in seed_plans.items()}
     return Solution(cg.decode(x), status, descent.objective(cg, x), stats)
+
+
+def _peak(cg: CostGraph, x: dict[int, int]) -> float:
+    """Exact per-device peak bytes of the plan ``x`` (every program point)."""
+    return float(np.max(memory_profile(cg, cg.decode(x))))
 
 
 def _solve_once(cg: CostGraph, x: dict[int, int], memory_budget, time_limit, use_ilp,
@@ -249,8 +287,8 @@ def axes_seed(cg: CostGraph, axes: Sequence[int], memory_budget,
     flat = dataclasses.replace(
         cg.cluster, axis_bandwidth={"flat": min(cg.cluster.bandwidth(a) for a in names)},
         axis_latency={"flat": max(cg.cluster.latency(a) for a in names)})
-    one = build(cg.graph, (n,), ("flat",), flat, cg.ties)
-    sol = solve(one, memory_budget=memory_budget, time_limit=time_limit)
+    one = build(cg.graph, (n,), ("flat",), flat, cg.ties, pin=False)
+    sol = solve(one, SolveOptions(memory_budget, time_limit))
 
     def spread(nd: NdSbp) -> NdSbp:
         return NdSbp(tuple(nd.sbps[0] if k in axes else B
@@ -266,7 +304,8 @@ def axes_seed(cg: CostGraph, axes: Sequence[int], memory_budget,
         c = one.choices[i][sol.choice[i]]
         key = spread(c) if isinstance(c, NdSbp) else (tuple(map(spread, c.ins)),
                                                       tuple(map(spread, c.outs)))
-        x[i] = index[id(choices)][key]
+        # a node pinned to a layout the 1-D problem could not name keeps its own (first)
+        x[i] = index[id(choices)].get(key, 0)
     return x
 
 
@@ -370,14 +409,14 @@ def block_refine(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: fl
 
 
 def plan_graph(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str],
-               cluster: Cluster, *, ties: Sequence[tuple[int, int]] = (),
-               memory_budget: float | None = None, time_limit: float = 10.0,
-               use_ilp: bool = True, seeds: Mapping[str, Mapping[int, NdSbp]] | None = None
-               ) -> tuple[CostGraph, Solution]:
+               cluster: Cluster, options: SolveOptions = SolveOptions(), *,
+               ties: Sequence[tuple[int, int]] = (),
+               fixed: Fixed = NOTHING_FIXED) -> tuple[CostGraph, Solution]:
+    """Build the cost graph of ``graph`` on the mesh and solve it. ``fixed`` pins graph
+    inputs and outputs to the layouts given."""
     t0 = time.perf_counter()
-    cg = build(graph, axis_sizes, axis_names, cluster, ties)
+    cg = build(graph, axis_sizes, axis_names, cluster, ties, fixed=fixed)
     build_s = time.perf_counter() - t0
-    sol = solve(cg, memory_budget=memory_budget, time_limit=time_limit, use_ilp=use_ilp,
-                seeds=seeds)
+    sol = solve(cg, options)
     sol.stats["build_s"] = build_s
     return cg, sol

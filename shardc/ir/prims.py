@@ -1,0 +1,89 @@
+"""What shardc knows about JAX primitives, in one table keyed by primitive name.
+
+Each layer reads its facts from here instead of keeping a list of its own: the trace (which
+primitives are calls whose body it inlines for planning, and which param holds the body),
+the rules (elementwise families, which ops pass a partial value through, which pin a
+layout the user chose), the cost model (which ops do no cross-element work, so a collective
+before them could as well run after them) and the lowering.
+
+A primitive missing from the table has the defaults: an ordinary op, planned by its rule.
+Whether an op has side effects is not a fact of its name: the trace reads it off each
+equation (``eqn.effects``), so a loop or branch holding a callback counts too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Prim:
+    """Facts about one primitive (every field defaults to "an ordinary op")."""
+
+    #: the param holding the body of a call-like primitive: the planner sees the body
+    #: inlined, the lowering keeps the call (remat policy, custom derivative rules, the
+    #: inner jit) and places the plan's constraints inside that body
+    call: str | None = None
+    #: elementwise: its output layout is one of its operands' (the solver lets it follow any
+    #: operand); the rules in ``rules/elementwise.py`` are registered for these
+    elementwise: bool = False
+    #: a linear elementwise op: P -> P is exact
+    linear: bool = False
+    #: a pure layout change that may pass a partial value through (P -> P) even where plans
+    #: do not consume partial values: it moves the same bytes before or after the reduction
+    passes_partial: bool = False
+    #: no cross-element work: a collective on its input could as well run on its output
+    #: (the optimizer tail of a train step is made of these; see ``cost/combine.py``)
+    tail: bool = False
+    #: pins a layout the user wrote (``with_sharding_constraint``, a ``shard_map`` region):
+    #: planned with exactly that layout (``rules/fixed.py``)
+    fixed: bool = False
+
+
+DEFAULT = Prim()
+
+UNARY = (
+    "neg exp exp2 log log1p expm1 tanh logistic sin cos tan asin acos atan sinh cosh asinh "
+    "acosh atanh sqrt rsqrt cbrt abs sign floor ceil round is_finite not erf erfc erf_inv "
+    "integer_pow square lgamma digamma population_count clz imag real conj copy copy_p "
+    "reduce_precision convert_element_type stop_gradient"
+).split()
+BINARY = (
+    "add sub mul div rem pow max min atan2 nextafter and or xor eq ne lt le gt ge "
+    "shift_left shift_right_logical shift_right_arithmetic add_any select_n clamp"
+).split()
+LINEAR_UNARY = ("neg copy copy_p reduce_precision real imag conj stop_gradient "
+                "convert_element_type").split()
+#: elementwise and layout ops with no cross-element work (see :attr:`Prim.tail`)
+TAIL = (
+    "add sub mul div neg max min pow sqrt rsqrt abs sign exp log integer_pow square select_n "
+    "convert_element_type broadcast_in_dim reshape transpose squeeze expand_dims copy copy_p "
+    "eq ne lt le gt ge and or not is_finite add_any tanh logistic clamp name "
+    "optimization_barrier"
+).split()
+PASSES_PARTIAL = ("transpose reshape squeeze expand_dims copy copy_p rev name "
+                  "optimization_barrier").split()
+#: call-like primitives and the param holding their body
+CALLS = {
+    "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr",
+    "remat2": "jaxpr",
+}
+FIXED = ("sharding_constraint", "shard_map")
+
+
+def _table() -> dict[str, Prim]:
+    names = {*UNARY, *BINARY, *TAIL, *PASSES_PARTIAL, *CALLS, *FIXED}
+    return {n: Prim(call=CALLS.get(n), elementwise=n in UNARY or n in BINARY,
+                    linear=n in LINEAR_UNARY, passes_partial=n in PASSES_PARTIAL,
+                    tail=n in TAIL, fixed=n in FIXED)
+            for n in sorted(names)}
+
+
+PRIMS: dict[str, Prim] = _table()
+
+
+def facts(name: str) -> Prim:
+    """The facts of primitive ``name`` (:data:`DEFAULT` for one the table does not list)."""
+    return PRIMS.get(name, DEFAULT)

@@ -1,0 +1,421 @@
+"""auto_shard as a drop-in for jax.jit: each row of the drop-in issue's table, written as a
+user writes it, compared with ``jax.jit(fn)`` (values, gradients, dtypes, output sharding
+types, recomputation in the compiled HLO)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as Ps
+
+import shardc
+from shardc.plan import PlanFormatError
+
+AUTO = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
+EXPLICIT = jax.make_mesh((2, 4), ("node", "gpu"))  # jax.make_mesh's default: Explicit axes
+W = jnp.asarray(np.random.default_rng(0).normal(size=(8, 8)), jnp.float32)
+X = jnp.asarray(np.random.default_rng(1).normal(size=(16, 8)), jnp.float32)
+
+
+def shard(fn, **kw):
+    return shardc.auto_shard(fn, mesh=kw.pop("mesh", AUTO), time_limit=kw.pop("time_limit", 2.0),
+                             **kw)
+
+
+def close(a, b, tol=1e-5):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert np.asarray(x).dtype == np.asarray(y).dtype
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
+                                   rtol=tol, atol=tol)
+
+
+# ---- custom derivative rules survive -----------------------------------------------------
+
+@jax.custom_vjp
+def clip_gradient(x):
+    return x
+
+
+clip_gradient.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -0.01, 0.01),))
+
+
+@jax.custom_vjp
+def straight_through_round(x):
+    return jnp.round(x)
+
+
+straight_through_round.defvjp(lambda x: (jnp.round(x), None), lambda _, g: (g,))
+
+
+@jax.custom_jvp
+def scaled_sin(x):
+    return jnp.sin(x)
+
+
+@scaled_sin.defjvp
+def _scaled_sin_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    return scaled_sin(x), 100.0 * t
+
+
+@pytest.mark.parametrize("rule, plain", [(clip_gradient, lambda x: x),
+                                         (straight_through_round, jnp.round),
+                                         (scaled_sin, jnp.sin)])
+def test_grad_of_auto_shard_keeps_custom_derivative_rules(rule, plain):
+    def f(w, x):
+        return jnp.sum(rule(x @ w) ** 2)
+
+    got = jax.grad(shard(f))(W, X)
+    close(got, jax.grad(jax.jit(f))(W, X))
+    inlined = jax.grad(lambda w, x: jnp.sum(plain(x @ w) ** 2))(W, X)  # the rule dropped
+    assert float(jnp.max(jnp.abs(got - inlined))) > 1e-2
+
+
+def test_grad_inside_the_step_keeps_custom_vjp():
+    def step(w, x):
+        g = jax.grad(lambda w: jnp.sum(clip_gradient(x @ w) ** 2))(w)
+        return w - g, g
+
+    close(shard(step)(W, X), jax.jit(step)(W, X))
+    # the clipped gradient is tiny; the inlined identity would give ~|2 x@w x|, far larger
+    assert float(jnp.max(jnp.abs(shard(step)(W, X)[1]))) <= 16 * 0.01 + 1e-6
+
+
+# ---- remat keeps its recomputation -------------------------------------------------------
+
+def _count(text: str, op: str) -> int:
+    return len(re.findall(rf"= \S+ {op}\(", text))
+
+
+def _remat_step(w, x):
+    layer = jax.checkpoint(lambda h, w: jnp.tanh(h @ w),
+                           policy=jax.checkpoint_policies.nothing_saveable)
+
+    def loss(w):
+        h = x
+        for _ in range(4):
+            h = layer(h, w)
+        return jnp.sum(h)
+
+    return jax.grad(loss)(w)
+
+
+def test_remat_recomputation_is_kept_in_the_compiled_program():
+    got = shard(_remat_step).lower(W, X).compile().as_text()
+    want = jax.jit(_remat_step).lower(W, X).compile().as_text()
+    assert _count(want, "tanh") > 4  # remat recomputes the forward tanh in the backward
+    assert _count(got, "tanh") == _count(want, "tanh")
+    close(shard(_remat_step)(W, X), jax.jit(_remat_step)(W, X))
+
+
+def test_remat_step_temp_memory_matches_jit_with_the_same_shardings():
+    """A train step with per-layer jax.checkpoint (residual MLP blocks, Adam): shardc's
+    program needs (within 5%) the temporary memory of jax.jit given the same input and
+    output shardings. The batch is pinned split so both compile the data-parallel program."""
+    import optax
+
+    rng = np.random.default_rng(2)
+    params = [{"w1": jnp.asarray(rng.normal(size=(128, 512)) / 11, jnp.float32),
+               "w2": jnp.asarray(rng.normal(size=(512, 128)) / 23, jnp.float32)}
+              for _ in range(3)]
+    opt = optax.adam(1e-3)
+    state = {"params": params, "opt": opt.init(params)}
+    x = jnp.asarray(rng.normal(size=(2048, 128)), jnp.float32)
+
+    def step(state, x):
+        block = jax.checkpoint(lambda h, p: h + jax.nn.gelu(h @ p["w1"]) @ p["w2"])
+
+        def loss(params):
+            h = x
+            for p in params:
+                h = block(h, p)
+            return jnp.mean(h ** 2)
+
+        value, grads = jax.value_and_grad(loss)(state["params"])
+        updates, opt_state = opt.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt_state}, value
+
+    s = shard(step, in_shardings=(Ps(), Ps(("node", "gpu"))))
+    plan = s.plan(state, x)
+    mesh = s.mesh_for(plan)
+    ins = tuple(jax.tree.unflatten(jax.tree.structure(a), [NamedSharding(mesh, p) for p in ps])
+                for a, ps in ((state, plan.input_specs()[:-1]), (x, plan.input_specs()[-1:])))
+    outs = jax.tree.unflatten(jax.tree.structure((state, 0.0)),
+                              [NamedSharding(mesh, p) for p in plan.output_specs()])
+    got = s.lower(state, x).compile()
+    want = jax.jit(step, in_shardings=ins, out_shardings=outs).lower(state, x).compile()
+    assert _count(got.as_text(), "tanh") == _count(want.as_text(), "tanh")  # gelu's, recomputed
+    ratio = got.memory_analysis().temp_size_in_bytes / want.memory_analysis().temp_size_in_bytes
+    assert ratio <= 1.05, ratio
+
+
+# ---- transformations of an auto_shard function -------------------------------------------
+
+def test_vmap_jit_and_grad_of_auto_shard_match_jax_jit():
+    def f(w, x):
+        return jnp.tanh(x @ w)
+
+    s = shard(f)
+    xs = jnp.stack([X, 2 * X])
+    close(jax.vmap(s, in_axes=(None, 0))(W, xs), jax.vmap(f, in_axes=(None, 0))(W, xs))
+    close(jax.jit(lambda w, x: s(w, x) * 2)(W, X), jax.jit(lambda w, x: f(w, x) * 2)(W, X))
+    close(jax.grad(lambda w: jnp.sum(s(w, X)))(W), jax.grad(lambda w: jnp.sum(f(w, X)))(W))
+
+
+# ---- calling convention ------------------------------------------------------------------
+
+def test_keyword_arguments_and_defaults():
+    def f(w, x, scale=1.0):
+        return (x @ w) * scale
+
+    s = shard(f)
+    close(s(W, X, scale=2.0), jax.jit(f)(W, X, scale=2.0))
+    close(s(w=W, x=X), jax.jit(f)(w=W, x=X))
+    close(s(W, x=X), jax.jit(f)(W, x=X))
+
+
+def test_static_arguments_by_negative_index_and_by_name():
+    def f(x, act):
+        return act(x)
+
+    by_index = shard(f, static_argnums=-1)
+    close(by_index(X, jax.nn.relu), jax.nn.relu(X))
+    close(by_index(X, jnp.tanh), jnp.tanh(X))
+    by_name = shard(f, static_argnames="act")
+    close(by_name(X, act=jax.nn.relu), jax.nn.relu(X))
+    close(by_name(X, jax.nn.relu), jax.nn.relu(X))  # inferred from the signature, like jit
+    with pytest.raises(TypeError, match="hashable"):
+        shard(lambda x, n: x * len(n), static_argnums=1)(X, [1, 2])
+
+
+def test_donated_arguments_by_index_and_name():
+    def f(w, x):
+        return w + 1.0, x @ w
+
+    for kw in ({"donate_argnums": 0}, {"donate_argnames": "w"}):
+        got = shard(f, **kw)(jnp.array(W), X)
+        close(got, jax.jit(f)(W, X))
+    with pytest.raises(ValueError, match="both static and donated"):
+        shard(f, static_argnums=0, donate_argnums=0)
+
+
+def test_python_scalars_are_weakly_typed_as_under_jit():
+    def f(x, c):
+        return x.astype(jnp.bfloat16) * c
+
+    got = shard(f)(X, 2.0)
+    want = jax.jit(f)(X, 2.0)
+    assert got.dtype == want.dtype == jnp.bfloat16
+    close(got, want)
+
+
+# ---- placed inputs -----------------------------------------------------------------------
+
+def test_placed_inputs_are_moved_once_with_one_log_line(caplog):
+    s = shard(lambda w, x: x @ w)
+    placed = [jax.device_put(X, NamedSharding(AUTO, Ps(None, "gpu"))),
+              jax.device_put(X, jax.devices()[3]),
+              jax.device_put(X, NamedSharding(EXPLICIT, Ps("node")))]
+    with caplog.at_level(logging.WARNING, logger="shardc"):
+        for x in placed:
+            close(s(W, x), X @ W)
+        s(W, placed[0])
+    moved = [r for r in caplog.records if "is placed as" in r.message]
+    assert len(moved) == 1 and "args[1]" in moved[0].message  # the same argument: once
+
+
+def test_kept_input_shardings_fix_the_plan():
+    x = jax.device_put(X, NamedSharding(AUTO, Ps(None, "gpu")))
+    s = shard(lambda w, x: jnp.tanh(x @ w), keep_input_shardings=True)
+    assert s.plan(W, x).input_specs()[1] == Ps(None, "gpu")
+    close(s(W, x), jnp.tanh(X @ W))
+    fixed = shard(lambda w, x: jnp.tanh(x @ w), in_shardings=(Ps("gpu"), None))
+    assert fixed.plan(W, X).input_specs()[0] == Ps("gpu")
+
+
+def test_shape_dtype_struct_shardings_count_like_placed_arguments(caplog):
+    sds = jax.ShapeDtypeStruct(X.shape, X.dtype, sharding=NamedSharding(AUTO, Ps(None, "gpu")))
+    kept = shard(lambda w, x: jnp.tanh(x @ w), keep_input_shardings=True)
+    assert kept.plan(W, sds).input_specs()[1] == Ps(None, "gpu")
+    with caplog.at_level(logging.WARNING, logger="shardc"):
+        lowered = shard(lambda w, x: jnp.tanh(x @ w)).lower(W, sds)
+    plan_spec = lowered.compile().input_shardings[0][1].spec
+    if plan_spec != Ps(None, "gpu"):
+        assert any("is placed as" in r.message for r in caplog.records)
+
+
+# ---- Explicit meshes ---------------------------------------------------------------------
+
+def test_explicit_mesh_outputs_are_typed_on_the_users_mesh():
+    def f(x):
+        return jnp.tanh(x) * 2.0
+
+    xe = jax.device_put(X, NamedSharding(EXPLICIT, Ps("node")))
+    got, want = shard(f, mesh=EXPLICIT)(xe), jax.jit(f)(xe)
+    assert jax.typeof(got).sharding == jax.typeof(want).sharding  # as jax.jit types it
+    close(got + xe, want + xe)  # combines with the user's own arrays
+    replicated = jax.device_put(X, NamedSharding(EXPLICIT, Ps()))
+    with jax.set_mesh(EXPLICIT):
+        inside = shard(f, mesh=EXPLICIT)(X)  # a plain argument: the plan picks the layout
+        close(inside + replicated, f(X) + X)
+    assert jax.typeof(inside).sharding.mesh.axis_types == EXPLICIT.axis_types
+
+
+def test_explicit_mesh_results_fed_back_reuse_the_plan():
+    def step(w, x):
+        return w - 0.1 * jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+
+    s = shard(step, mesh=EXPLICIT)
+    w1 = s(W, X)  # plain arguments: planned freely, results typed on the mesh
+    w2 = s(w1, X)  # w1 keeps its placement (its type); the plan already has it
+    assert len({id(p) for p in s._plans.values()}) == 1
+    close(w2, jax.jit(step)(jax.jit(step)(W, X), X))
+    assert jax.typeof(w2).sharding == jax.typeof(w1).sharding
+
+
+def test_auto_mesh_step_runs_inside_an_explicit_set_mesh():
+    with jax.set_mesh(EXPLICIT):
+        close(shard(lambda x: jnp.tanh(x) * 2.0)(X), jnp.tanh(X) * 2.0)
+
+
+# ---- the user's own constraints ----------------------------------------------------------
+
+def test_user_sharding_constraints_are_fixed_layouts(recwarn):
+    def f(x, w):
+        y = jax.lax.with_sharding_constraint(x @ w, NamedSharding(AUTO, Ps(None, "gpu")))
+        return jnp.tanh(y)
+
+    s = shard(f)
+    out = s(X, W)
+    assert not [w for w in recwarn if "no sharding rule" in str(w.message)]
+    plan = s.plan(X, W)
+    pinned = [o for o in plan.ops if o.prim == "sharding_constraint"]
+    assert [str(o.outs[0]) for o in pinned] == ["(B, S(1))"]
+    assert out.sharding.spec == Ps(None, "gpu")  # the constrained layout flows to the output
+    close(out, jnp.tanh(X @ W))
+
+
+def test_unconstrained_dims_stay_free():
+    def f(x):
+        return jax.lax.with_sharding_constraint(
+            x * 2, NamedSharding(AUTO, Ps(Ps.UNCONSTRAINED, "gpu")))
+
+    plan = shard(f).plan(X)
+    o = next(o for o in plan.ops if o.prim == "sharding_constraint")
+    assert str(o.outs[0]).endswith("S(1))")  # gpu on dim 1; node is the solver's choice
+
+
+def test_flax_partitioning_annotations_as_fixed_layouts_or_seeds():
+    from flax import nnx
+
+    with jax.set_mesh(AUTO):  # flax places annotated variables when they are made
+        model = nnx.Linear(8, 16, rngs=nnx.Rngs(0),
+                           kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(),
+                                                             (None, "gpu")))
+    graphdef, params = nnx.split(model, nnx.Param)
+    specs = nnx.get_partition_spec(params)
+
+    def forward(params, x):
+        return nnx.merge(graphdef, params)(x)
+
+    fixed = shard(forward, in_shardings=(specs, None))
+    plan = fixed.plan(params, X)
+    leaves = jax.tree.leaves(params)
+    kernel = [k for k, v in enumerate(leaves) if v.ndim == 2][0]
+    assert plan.input_specs()[kernel] == Ps(None, "gpu")
+    close(fixed(params, X), forward(params, X))
+    seeded = shard(forward, seeds={"flax": (specs, None)})
+    assert "flax" in seeded.plan(params, X).solver["seeds"]
+
+
+# ---- saved plans -------------------------------------------------------------------------
+
+def test_a_saved_plan_runs_without_the_solver(monkeypatch):
+    def f(w, x):
+        return jnp.tanh(x @ w) @ w.T
+
+    text = shard(f).plan(W, X).to_json()
+    import shardc.api
+
+    def no_solver(*a, **k):
+        raise AssertionError("the solver ran for a saved plan")
+
+    monkeypatch.setattr(shardc.api, "plan_graph", no_solver)
+    s = shard(f)
+    s.use_plan(shardc.Plan.from_json(text), W, X)
+    close(s(W, X), f(W, X))
+
+
+def test_a_plan_for_another_program_is_refused():
+    plan = shard(lambda w, x: jnp.tanh(x @ w)).plan(W, X)
+    with pytest.raises(ValueError, match="different program"):
+        shard(lambda w, x: jnp.sin(x @ w)).use_plan(plan, W, X)
+    with pytest.raises(ValueError, match="different program"):  # same ops, other params
+        shard(lambda w, x: jnp.tanh(x @ w.T)).use_plan(plan, W, X)
+
+
+@pytest.mark.parametrize("damage, field", [
+    (lambda t: t[: len(t) // 2], "not valid JSON"),
+    (lambda t: json.dumps({k: v for k, v in json.loads(t).items() if k != "ops"}), "'ops'"),
+    (lambda t: json.dumps({**json.loads(t), "inputs": [["B"]] * 2}), "inputs"),
+    (lambda t: json.dumps({**json.loads(t), "ops": [{"id": 0}]}), r"ops\[0\]"),
+])
+def test_a_damaged_plan_file_names_the_field(damage, field):
+    text = shard(lambda w, x: x @ w).plan(W, X).to_json()
+    with pytest.raises(PlanFormatError, match=field):
+        shardc.Plan.from_json(damage(text))
+
+
+# ---- errors that name the fix ------------------------------------------------------------
+
+@pytest.mark.parametrize("kw, field", [
+    ({"axis_latency": {"gpu": -1e-6}}, "axis_latency"),
+    ({"axis_bandwidth": {"gpu": 0.0}}, "axis_bandwidth"),
+    ({"utilization": 0}, "utilization"),
+    ({"utilization": 1.5}, "utilization"),
+    ({"host_bandwidth": 0}, "host_bandwidth"),
+    ({"device_memory": -1}, "device_memory"),
+    ({"device_flops": float("nan")}, "device_flops"),
+])
+def test_cluster_rejects_figures_that_make_no_sense(kw, field):
+    with pytest.raises(ValueError, match=field):
+        shardc.Cluster(**kw)
+
+
+def test_a_too_small_memory_budget_names_one_that_works():
+    def f(w, x):
+        return jnp.tanh(x @ w) @ w.T
+
+    with pytest.raises(shardc.MemoryBudgetError, match=r"needs [\d.]+ (B|KiB)") as info:
+        shard(f, memory_budget=100).plan(W, X)
+    needed = info.value.needed
+    plan = shard(f, memory_budget=needed).plan(W, X)
+    assert plan.predicted.peak_memory <= needed
+
+
+def test_one_warning_per_missing_rule_per_plan():
+    def f(x):
+        y = jax.lax.linalg.cholesky(x.T @ x + 16.0 * jnp.eye(8))
+        return jax.lax.linalg.cholesky(y @ y.T + jnp.eye(8)).sum() + x
+
+    with pytest.warns(UserWarning) as rec:
+        shard(f).plan(X)
+    assert sum("'cholesky'" in str(w.message) for w in rec) == 1
+
+
+def test_cli_reports_bad_arguments_in_one_line(capsys):
+    from shardc.cli import main
+
+    for argv in (["plan", "gpt", "--mesh", "2xfour"], ["plan", "gpt", "--axes", "a,a"],
+                 ["demo", "--layers", "-1"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert "Traceback" not in "".join(err) and err[-1].startswith("shardc")
