@@ -16,6 +16,7 @@ of the plan. On a mesh with Explicit axes, results come back typed on that mesh.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -250,13 +251,13 @@ class AutoSharded:
                 best = plan
         if best is None:
             raise MemoryBudgetError(failure.budget, failure.needed)
-        best.solver["plan_s"] = time.perf_counter() - t0
+        solver = {**best.solver, "plan_s": time.perf_counter() - t0}
         if opts.mesh_search:
-            best.solver["mesh_search"] = tried
+            solver["mesh_search"] = tried
             if pinned:
-                best.solver["mesh_search_note"] = (
+                solver["mesh_search_note"] = (
                     "only the given mesh was planned: the program fixes layouts on its axes")
-        return best
+        return dataclasses.replace(best, solver=solver)
 
     # ---- execution -------------------------------------------------------------------------
     def mesh_for(self, plan: Plan) -> Mesh:
@@ -324,7 +325,8 @@ class AutoSharded:
         if not ok:
             raise ValueError(f"the plan is for mesh {mesh_label(plan.mesh_axes)}, this "
                              f"function runs on {mesh_label(here)}")
-        missing = [op for op in tr.traced.graph.ops if op.id not in {o.id for o in plan.ops}]
+        planned = {o.id for o in plan.ops}
+        missing = [op for op in tr.traced.graph.ops if op.id not in planned]
         if missing:
             raise ValueError(f"the plan has no strategy for {missing[0]} (and "
                              f"{len(missing) - 1} more): it was edited or is damaged; plan "

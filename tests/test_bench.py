@@ -52,6 +52,7 @@ def test_cells_run_match_and_merge(tmp_path):
         assert cell.compiled_s == cell.compiled_comm_s + cell.compiled_compute_s + \
             cell.compiled_feed_s
     assert ours.plan_s > 0 and ours.predicted_s > 0
+    assert ours.saved_plan_s > 0 and ours.jit_s > 0  # a saved plan compiled, and jax.jit
     report.write([ours, dp], tmp_path, ["shardc bench --models mlp"], plot_png=False)
     again = harness.run_cell(zm, preset, "data-parallel", "tiny", check=False, time_limit=5.0)
     old, commands = report.load(tmp_path)

@@ -302,6 +302,18 @@ def test_user_sharding_constraints_are_fixed_layouts(recwarn):
     close(out, jnp.tanh(X @ W))
 
 
+def test_reshard_on_an_explicit_mesh_is_a_fixed_layout():
+    def f(x, w):
+        return jnp.tanh(jax.sharding.reshard(x @ w, Ps(None, "gpu")))
+
+    with jax.set_mesh(EXPLICIT):
+        s = shard(f, mesh=EXPLICIT)
+        got, want = s(X, W), jax.jit(f)(X, W)
+    close(got, want)
+    assert jax.typeof(got).sharding == jax.typeof(want).sharding
+    assert [str(o.outs[0]) for o in s.plan(X, W).ops if o.prim == "reshard"] == ["(B, S(1))"]
+
+
 def test_unconstrained_dims_stay_free():
     def f(x):
         return jax.lax.with_sharding_constraint(

@@ -27,6 +27,7 @@ from shardc.bench.experts import (
 )
 from shardc.bench.zoo import PRESETS, ZOO, Preset, ZooModel
 from shardc.inspect import price
+from shardc.plan import Plan
 from shardc.views import mesh_label
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -56,6 +57,8 @@ class Cell:
     seeds: dict = field(default_factory=dict)  # shardc: the experts' plans it started from
     mesh: str | None = None  # the mesh it ran on (shardc: the view its mesh search chose)
     unplanned_comm_s: float | None = None  # shardc: compiled time of collective kinds not planned
+    saved_plan_s: float | None = None  # shardc: use_plan of the saved plan + lower + compile
+    jit_s: float | None = None  # shardc: trace + jax.jit lower + compile with its shardings
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -146,7 +149,14 @@ def run_shardc(zm: ZooModel, preset: Preset, which: str, check: bool,
     cell.seeds = dict(plan.solver.get("seeds", {}))
     view = step.mesh_for(plan)
     cell.mesh = mesh_label(plan.mesh_axes)
-    compiled = step.lower(*args).compile()
+    # what runs is compiled from the saved plan, timed against jax.jit of the same program
+    fn = mod.build_step(cfg)
+    t0 = time.perf_counter()
+    again = auto_shard(fn, mesh=mesh, cluster=preset.cluster, mesh_search=mesh_search)
+    again.use_plan(Plan.from_json(plan.to_json()), *args)
+    compiled = again.lower(*args).compile()
+    cell.saved_plan_s = time.perf_counter() - t0
+    cell.jit_s = jit_seconds(fn, args, plan, view)
     _fill_compiled(cell, compiled, view, plan.cluster, args[1])
     cell.unplanned_comm_s = sum(r.compiled_time for r in plan.verify(compiled, view).unplanned)
     if check:
@@ -156,6 +166,23 @@ def run_shardc(zm: ZooModel, preset: Preset, which: str, check: bool,
                           mesh_search=mesh_search)
         cell.matched = _close(tiny(state, batch), jax.jit(tiny_fn)(state, batch), _tiny_lr(zm))
     return cell
+
+
+def jit_seconds(fn, args, plan: Plan, mesh) -> float:
+    """Wall time of tracing ``fn`` once and ``jax.jit``-compiling it with ``plan``'s input
+    and output shardings: what running a saved plan is measured against (shardc traces
+    once more, to check the plan fits the program)."""
+    tree = jax.tree.structure(args)
+
+    def flat(*leaves):
+        return jax.tree.leaves(fn(*jax.tree.unflatten(tree, leaves)))
+
+    t0 = time.perf_counter()
+    jax.make_jaxpr(fn)(*args)
+    jitted = jax.jit(flat, in_shardings=[NamedSharding(mesh, p) for p in plan.input_specs()],
+                     out_shardings=[NamedSharding(mesh, p) for p in plan.output_specs()])
+    jitted.lower(*jax.tree.leaves(args)).compile()
+    return time.perf_counter() - t0
 
 
 def expert_seeds(zm: ZooModel, mesh, args) -> dict:

@@ -28,9 +28,12 @@ def summary(cells: list[Cell]) -> list[dict]:
         row = {"model": model, "preset": preset, "shardc_s": ours and ours.compiled_s,
                "shardc_mesh": ours and ours.mesh,
                "best_expert": best and best.method, "best_expert_s": best and best.compiled_s,
-               "ratio": None, "comm_error": None, "unplanned_share": None}
+               "ratio": None, "comm_error": None, "unplanned_share": None,
+               "saved_plan_ratio": None}
         if ours and best:
             row["ratio"] = ours.compiled_s / best.compiled_s
+        if ours and ours.saved_plan_s and ours.jit_s:
+            row["saved_plan_ratio"] = ours.saved_plan_s / ours.jit_s
         if ours and ours.compiled_comm_s:
             err = ours.predicted_comm_s - ours.compiled_comm_s
             row["comm_error"] = err / ours.compiled_comm_s
@@ -52,11 +55,13 @@ def markdown(cells: list[Cell], commands: list[str], header: str = "") -> str:
              "experts' in_shardings and searches the logical views of the preset's devices "
              "(`mesh_search`); *shardc mesh* is the view it chose, *unplanned comm* the "
              "share of its compiled communication time in collective kinds it did not "
-             "plan.\n",
+             "plan; *saved plan* the wall time of running a saved plan (`use_plan`, lower, "
+             "compile: no solver) over tracing once plus `jax.jit` lowering and compiling "
+             "the same program with the plan's shardings.\n",
              "## Summary\n",
              "| model | preset | shardc ms | shardc mesh | best expert | expert ms | "
-             "shardc / expert | predicted vs compiled comm | unplanned comm |",
-             "|---|---|---:|---|---|---:|---:|---:|---:|"]
+             "shardc / expert | predicted vs compiled comm | unplanned comm | saved plan |",
+             "|---|---|---:|---|---|---:|---:|---:|---:|---:|"]
     ratios = []
     for r in summary(cells):
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
@@ -64,9 +69,10 @@ def markdown(cells: list[Cell], commands: list[str], header: str = "") -> str:
             ratios.append(r["ratio"])
         err = "-" if r["comm_error"] is None else f"{r['comm_error'] * 100:+.1f}%"
         share = "-" if r["unplanned_share"] is None else f"{r['unplanned_share'] * 100:.1f}%"
+        saved = "-" if r["saved_plan_ratio"] is None else f"{r['saved_plan_ratio']:.2f}x"
         lines.append(f"| {r['model']} | {r['preset']} | {_ms(r['shardc_s'])} | "
                      f"{r['shardc_mesh'] or '-'} | {r['best_expert'] or '-'} | "
-                     f"{_ms(r['best_expert_s'])} | {ratio} | {err} | {share} |")
+                     f"{_ms(r['best_expert_s'])} | {ratio} | {err} | {share} | {saved} |")
     if ratios:
         gmean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
         lines.append(f"\nGeometric mean shardc / best expert: **{gmean:.3f}** over "

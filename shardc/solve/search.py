@@ -418,5 +418,4 @@ def plan_graph(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str
     cg = build(graph, axis_sizes, axis_names, cluster, ties, fixed=fixed)
     build_s = time.perf_counter() - t0
     sol = solve(cg, options)
-    sol.stats["build_s"] = build_s
-    return cg, sol
+    return cg, dataclasses.replace(sol, stats={**sol.stats, "build_s": build_s})
