@@ -347,6 +347,32 @@ def test_flax_partitioning_annotations_as_fixed_layouts_or_seeds():
     assert "flax" in seeded.plan(params, X).solver["seeds"]
 
 
+def test_linen_logical_constraints_and_partitioning():
+    import flax.linen as nn
+
+    rules = (("batch", "node"), ("embed", None), ("mlp", "gpu"))
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(32, kernel_init=nn.with_logical_partitioning(
+                nn.initializers.lecun_normal(), ("embed", "mlp")))(x)
+            h = nn.with_logical_constraint(h, ("batch", "mlp"))
+            return nn.Dense(8)(nn.relu(h))
+
+    model = Block()
+    with jax.set_mesh(AUTO), nn.logical_axis_rules(rules):
+        variables = model.init(jax.random.key(0), X)
+        specs = nn.logical_to_mesh(nn.get_partition_spec(variables))
+        step = shard(lambda v, x: model.apply(v, x), in_shardings=(specs, None))
+        close(step(variables, X), model.apply(variables, X))
+        plan = step.plan(variables, X)
+    pinned = [str(o.outs[0]) for o in plan.ops if o.prim == "sharding_constraint"]
+    assert "(S(0), S(1))" in pinned  # ("batch", "mlp") under the rules
+    kernel = next(k for k, x in enumerate(jax.tree.leaves(variables)) if x.shape == (8, 32))
+    assert plan.input_specs()[kernel] == Ps(None, "gpu")
+
+
 # ---- saved plans -------------------------------------------------------------------------
 
 def test_a_saved_plan_runs_without_the_solver(monkeypatch):

@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 
 from models import gpt, mlp, moe, vit, wrn
 from models.logical import axis_rules
+from shardc.bench.zoo import ZOO
 
 N_STEPS = 3
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
@@ -191,3 +192,18 @@ def test_top2_gating_respects_capacity_and_matches_top_k() -> None:
     want = np.zeros_like(gates)
     np.put_along_axis(want, idx, top / top.sum(-1, keepdims=True), axis=-1)
     np.testing.assert_allclose(combine.sum(-1), want, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_every_primitive_of_the_zoo_has_a_rule(name):
+    """The zoo and the bench plan with no 'no sharding rule' warning: every primitive of
+    each model's train step, tiny and bench sized, has a rule."""
+    from shardc.ir.trace import trace
+    from shardc.rules.registry import has_rule
+
+    zm = ZOO[name]
+    mod = zm.load()
+    for which in ("tiny", "bench"):
+        cfg = zm.config(which)
+        graph = trace(mod.build_step(cfg), *mod.abstract_args(cfg)).graph
+        assert sorted({op.name for op in graph.ops if not has_rule(op.name)}) == []
