@@ -14,6 +14,11 @@ from typing import Any
 
 import numpy as np
 
+#: jaxpr-style short names of dtypes
+_SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64",
+          "int32": "i32", "int64": "i64", "uint32": "u32", "uint8": "u8", "int8": "i8",
+          "bool": "bool"}
+
 
 class Value:
     """An SSA value. ``const`` holds the data of literals and closed-over constants."""
@@ -46,10 +51,7 @@ class Value:
 
     def type_str(self) -> str:
         name = getattr(self.dtype, "name", str(self.dtype))
-        short = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64",
-                 "int32": "i32", "int64": "i64", "uint32": "u32", "uint8": "u8", "int8": "i8",
-                 "bool": "bool"}.get(name, name)
-        return f"{short}[{','.join(map(str, self.shape))}]"
+        return f"{_SHORT.get(name, name)}[{','.join(map(str, self.shape))}]"
 
     def __repr__(self) -> str:
         if self.is_const and np.ndim(self.const) == 0:

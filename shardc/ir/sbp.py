@@ -15,6 +15,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Union
@@ -113,7 +114,13 @@ class NdSbp:
 
     @classmethod
     def from_json(cls, items: Sequence[str]) -> NdSbp:
-        return cls(tuple(parse_sbp(t) for t in items))
+        return _parse_nd(tuple(items))
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_nd(items: tuple[str, ...]) -> NdSbp:
+    """A plan file holds a few distinct layouts many times over: parse each once."""
+    return NdSbp(tuple(parse_sbp(t) for t in items))
 
 
 def replicated(n_axes: int) -> NdSbp:

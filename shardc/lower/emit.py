@@ -34,7 +34,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 
 from shardc.cost.comm import conversion
 from shardc.ir.prims import facts
-from shardc.ir.sbp import NdSbp, to_partition_spec
+from shardc.ir.sbp import NdSbp, Split, to_partition_spec
 from shardc.ir.trace import Region, Traced
 
 
@@ -66,6 +66,13 @@ def constant_values(graph) -> set[int]:
     return out
 
 
+#: ops whose rules split an output only along a mesh axis that splits an operand (a dot's
+#: batch and free dims, a reduction's kept dims): with no partial value in or out, the
+#: partitioner derives their output layout from their operands'
+_SPLITS_FROM_OPERANDS = frozenset({"dot_general", "reduce_sum", "reduce_max", "reduce_min",
+                                   "argmax", "argmin"})
+
+
 def _read_as_made(graph, plan, by_op) -> set[int]:
     """Ids of values that every use (ops and graph outputs) reads in the layout they are
     made in: no settling, no conversion."""
@@ -86,7 +93,7 @@ class _Lowering:
     """The interpreter: a plan, the Auto mesh it runs on, its ops by id, and the values
     left unconstrained (:func:`constant_values`)."""
 
-    __slots__ = ("plan", "mesh", "by_op", "free", "read_whole")
+    __slots__ = ("plan", "mesh", "by_op", "free", "read_whole", "shardings")
 
     def __init__(self, plan, mesh: Mesh, graph):
         self.plan = plan
@@ -94,11 +101,16 @@ class _Lowering:
         self.by_op = {o.id: o for o in plan.ops}
         self.free = constant_values(graph)
         self.read_whole = _read_as_made(graph, plan, self.by_op)
+        self.shardings: dict = {}  # (NdSbp, rank) -> NamedSharding, made once
 
     def constrain(self, x, nd: NdSbp | None):
         if nd is None or nd.has_partial or not hasattr(x, "shape"):
             return x
-        return jax.lax.with_sharding_constraint(x, sharding(self.mesh, nd, x.ndim))
+        key = (nd, x.ndim)
+        sh = self.shardings.get(key)
+        if sh is None:
+            sh = self.shardings[key] = sharding(self.mesh, nd, x.ndim)
+        return jax.lax.with_sharding_constraint(x, sh)
 
     def convert(self, x, src: NdSbp | None, dst: NdSbp):
         """Pin each layout of the planned conversion in turn (:mod:`shardc.cost.comm`), so
@@ -132,20 +144,33 @@ class _Lowering:
                 for v, x, nd in zip(op.outputs, outs, planned.outs)]
 
     def _follows(self, op, planned) -> bool:
-        """An elementwise op whose operands (constants aside) all have its shape and were
-        read in its output's layout, and whose output every use reads as it is made: that
-        layout propagates to its output, no constraint needed (a constraint per value made
-        a GPT's program half again as large and a third slower to compile). A value
-        converted later keeps its constraint: unpinned, the partitioner may move the
-        conversion upstream (seven extra all-gathers in the MLP on two nodes)."""
-        if not facts(op.name).elementwise:
+        """The partitioner gives this op's output its planned layout on its own, so the
+        lowering need not pin it (a constraint per value made a GPT's program half again as
+        large and a third slower to compile): an elementwise op whose operands of its shape
+        were read in its output's layout, a layout op (reshape, transpose, broadcast) whose
+        output splits exactly the mesh axes its operand splits, or a dot or reduction whose
+        output splits only axes an operand splits. Only for a value
+        every use reads as it is made: one converted later keeps its constraint, or the
+        partitioner may move the conversion upstream (seven extra all-gathers in the MLP on
+        two nodes)."""
+        if len(op.outputs) != 1 or op.outputs[0].id not in self.read_whole:
             return False
         out, nd = op.outputs[0], planned.outs[0]
-        if out.id not in self.read_whole:
-            return False  # converted later: pin where the conversion starts
         read = [(v, planned.ins[k]) for k, v in enumerate(op.inputs)
                 if not (v.is_const or v.id in self.free)]
-        return bool(read) and all(v.shape == out.shape and s == nd for v, s in read)
+        if not read or nd.has_partial or any(s.has_partial for _, s in read):
+            return False
+        if facts(op.name).elementwise:
+            same = [s for v, s in read if v.shape == out.shape]
+            return bool(same) and all(s == nd for s in same)
+        if facts(op.name).passes_partial or op.name == "broadcast_in_dim":
+            src = planned.ins[0]
+            return all(isinstance(a, Split) == isinstance(b, Split)
+                       for a, b in zip(src.sbps, nd.sbps))
+        if op.name in _SPLITS_FROM_OPERANDS:  # every output split comes from an operand's
+            return all(any(isinstance(s.sbps[a], Split) for _, s in read)
+                       for a, b in enumerate(nd.sbps) if isinstance(b, Split))
+        return False
 
     def call(self, eqn, region: Region, args: list) -> list:
         """Bind a call with its body rewritten: this interpreter traced over the body."""
