@@ -23,7 +23,7 @@ from shardc.cost.combine import alpha_scales
 from shardc.cost.comm import conversion
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Partial, to_partition_spec
-from shardc.solve.problem import CostGraph, feed_time
+from shardc.solve.problem import CostGraph, carry_exit, feed_time, loop_ties, reads
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,8 @@ def fingerprint(graph: Graph) -> str:
         number[v.id] = len(number)
         h.update(f"in {v.type_str()};".encode())
     for op in graph.ops:
-        h.update(f"{op.name}{_stable(op.params)}({','.join(map(ref, op.inputs))})".encode())
+        h.update(f"{op.name}x{op.weight}{_stable(op.params)}"
+                 f"({','.join(map(ref, op.inputs))})".encode())
         for v in op.outputs:
             number[v.id] = len(number)
             h.update(f"->{v.type_str()}".encode())
@@ -275,30 +276,34 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
 
     done: set = set()
 
-    def record(value, consumer, src, dst) -> float:
-        """Price converting ``value`` from ``src`` to ``dst`` for ``consumer``. The same
-        conversion of the same value for another consumer is free: XLA's CSE merges the
-        identical collectives (a parameter stored sharded and gathered for the forward and
-        the backward dot compiles to one all-gather)."""
+    def record(value, consumer, src, dst, times: int = 1) -> float:
+        """Price converting ``value`` from ``src`` to ``dst`` for ``consumer``, ``times``
+        per call (every iteration of a loop body). The same conversion of the same value
+        for another consumer is free: XLA's CSE merges the identical collectives (a
+        parameter stored sharded and gathered for the forward and the backward dot
+        compiles to one all-gather)."""
         nonlocal comm, wire
         conv = conversion(src, dst, sizes, names, cluster)
         if not conv.collectives or (value.id, src, dst) in done:
             return 0.0
         done.add((value.id, src, dst))
-        t = conv.time(value.nbytes, scale.get(value.id, 1.0))
+        t = conv.time(value.nbytes, scale.get(value.id, 1.0)) * times
         comm += t
-        wire += conv.wire_bytes(value.nbytes)
-        reshards.append(Reshard(value.id, consumer, src, dst, t, conv.wire_bytes(value.nbytes),
+        wire += conv.wire_bytes(value.nbytes) * times
+        reshards.append(Reshard(value.id, consumer, src, dst, t,
+                                conv.wire_bytes(value.nbytes) * times,
                                 tuple(f"{c.kind}@{'+'.join(names[a] for a in c.axes)}"
                                       for c in conv.collectives),
-                                tuple(c.bytes_factor * value.nbytes for c in conv.collectives)))
+                                tuple(c.bytes_factor * value.nbytes * times
+                                      for c in conv.collectives)))
         return t
 
     settled = {vid: cg.choices[w][choice[w]] for vid, w in cg.settle.items()}
+    runs = {v.id: op.weight for op in graph.ops for v in op.outputs}  # per call
 
     def settle(v) -> None:
         if v.id in settled:
-            record(v, None, values[v.id], settled[v.id])
+            record(v, None, values[v.id], settled[v.id], runs.get(v.id, 1))
 
     def read(v) -> NdSbp:
         return settled.get(v.id, values[v.id])
@@ -308,17 +313,20 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
     for j, op in enumerate(graph.ops):
         strat = cg.choices[n_in + j][choice[n_in + j]]
         op_comm = 0.0
-        for k, v in enumerate(op.inputs):
+        for k, v in reads(op):
             if not v.is_const:
-                op_comm += record(v, op.id, read(v), strat.ins[k])
+                op_comm += record(v, op.id, values[v.id] if carry_exit(op) else read(v),
+                                  strat.ins[k], max(runs.get(v.id, 1), op.weight))
         for v, nd in zip(op.outputs, strat.outs):
             values[v.id] = nd
             settle(v)
         types = (",".join(v.type_str() for v in op.inputs) + "->" +
                  ",".join(v.type_str() for v in op.outputs))
-        ops.append(OpPlan(op.id, op.name, types, strat.ins, strat.outs, strat.flops / rate,
-                          op_comm))
-        compute += strat.flops / rate
+        ops.append(OpPlan(op.id, op.name, types, strat.ins, strat.outs,
+                          strat.flops / rate * op.weight, op_comm))
+        compute += strat.flops / rate * op.weight
+    for enter, v in loop_ties(graph):  # a scan's carry back to its carried layout
+        record(v, enter.id, read(v), values[enter.outputs[0].id], runs.get(v.id, 1))
     tied = dict(ties)
     outputs = []
     for j, v in enumerate(graph.outputs):

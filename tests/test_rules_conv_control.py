@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.sharding import AxisType
 from test_rules_families import (
     check_signature_numerically,
     evaluate,
@@ -27,6 +28,7 @@ from test_rules_families import (
     sig,
 )
 
+import shardc
 from shardc.ir.sbp import B, P, Split
 from shardc.ir.trace import trace
 from shardc.rules import Signature, op_flops, signatures, strategies
@@ -253,90 +255,77 @@ def rnn(h0, xs, w, u):
     return lax.scan(body, h0, xs)
 
 
-def test_batch_parallel_rnn_scan():
-    # consts w, u; carry h (batch 4, hidden 6); xs (time 5, batch 4, features 3)
-    sigs = check_control(rnn, f32(4, 6), f32(5, 4, 3), f32(6, 6), f32(3, 6), name="scan")
-    batch = sig([B, B, S(0), S(1)], [S(0), S(1), S(1)])
-    assert batch in sigs
-    # the hidden dim is contracted every step: no split of it, no split of time
-    assert len(sigs) == 2 and sigs[0] == sig([B] * 4, [B] * 3)
+def cumulative(h0, xs):
+    def body(h, x):
+        h = jnp.cumsum(h * x, axis=0)  # mixes the batch (dim 0)
+        return h, h[0]
+    return lax.scan(body, h0, xs)
 
 
-def test_scan_refuses_to_split_a_dim_the_body_mixes():
-    def cumulative(h0, xs):
-        def body(h, x):
-            h = jnp.cumsum(h * x, axis=0)  # mixes the batch (dim 0)
-            return h, h[0]
-        return lax.scan(body, h0, xs)
-
-    sigs = check_control(cumulative, f32(4, 6), f32(5, 4, 6), name="scan")
-    assert all(s.ins[0] != S(0) for s in sigs)
-    # dim 1 is never mixed (cumsum runs along 0, h[0] keeps it): that split is exact
-    assert sig([S(1), S(2)], [S(1), S(1)]) in sigs
+def scalar_carry_reversed(h0, xs, bias):
+    def body(carry, x):
+        t, h = carry
+        h = h * 0.5 + x + bias + t  # bias (6,) is broadcast into (8, 6) in the body
+        return (t + 1.0, h), h.max(-1)
+    return lax.scan(body, (jnp.float32(0.0), h0), xs, reverse=True)
 
 
-def test_scan_with_a_scalar_carry_and_broadcast_consts():
-    def fn(h0, xs, bias):
-        def body(carry, x):
-            t, h = carry
-            h = h * 0.5 + x + bias + t  # bias (6,) is broadcast into (4, 6) in the body
-            return (t + 1.0, h), h.max(-1)
-        return lax.scan(body, (jnp.float32(0.0), h0), xs, reverse=True)
-
-    sigs = check_control(fn, f32(4, 6), f32(3, 4, 6), f32(6), name="scan")
-    op, _, _ = control_op(fn, f32(4, 6), f32(3, 4, 6), f32(6), name="scan")
-    nc = op.params["num_consts"]
-    assert sig([B] * nc + [B, S(0), S(1)], [B, S(0), S(1)]) in sigs  # counter replicated
-    assert not any(s.ins[nc + 1] == S(1) for s in sigs)  # max over the hidden dim
+def nested(h0, xs):
+    def step(h, x):  # x: (2, batch, 6): an inner scan over its leading axis
+        h, _ = lax.scan(lambda c, y: (jnp.tanh(c + y), None), h, x)
+        return h, h * 2.0
+    return lax.scan(step, h0, xs)
 
 
-def test_nested_scan_is_batch_parallel_through_the_inner_body():
-    def fn(h0, xs):
-        def step(h, x):  # x: (2, batch, 6): an inner scan over its leading axis
-            h, _ = lax.scan(lambda c, y: (jnp.tanh(c + y), None), h, x)
-            return h, h * 2.0
-        return lax.scan(step, h0, xs)
-
-    sigs = check_control(fn, f32(4, 6), f32(3, 2, 4, 6), name="scan")
-    assert {sig([S(0), S(2)], [S(0), S(1)]), sig([S(1), S(3)], [S(1), S(2)])} <= set(sigs)
+def masked(h0, xs, mask, bias):
+    return lax.scan(lambda h, x: (h * mask + x * bias.sum(), None), h0, xs)
 
 
-def test_scan_splits_a_const_the_body_only_uses_split():
-    # mask (4, 6) is a scan const; the body only multiplies it into the split carry, so each
-    # device needs only its rows of it. bias is used whole by a replicated op: it stays B.
-    def fn(h0, xs, mask, bias):
-        return lax.scan(lambda h, x: (h * mask + x * bias.sum(), None), h0, xs)
-
-    sigs = check_control(fn, f32(4, 6), f32(3, 4, 6), f32(4, 6), f32(6), name="scan")
-    op, _, _ = control_op(fn, f32(4, 6), f32(3, 4, 6), f32(4, 6), f32(6), name="scan")
-    mask = next(k for k, v in enumerate(op.inputs) if v.shape == (4, 6) and k < 2)
-    ins = [B, B, S(0), S(1)]
-    ins[mask] = S(0)
-    assert sig(ins, [S(0)]) in sigs
-    assert all(s.ins[1 - mask] == B for s in sigs)
+SCANS = {
+    "rnn": (rnn, (f32(8, 6), f32(5, 8, 3), f32(6, 6), f32(3, 6))),
+    "cumulative": (cumulative, (f32(8, 6), f32(5, 8, 6))),
+    "scalar carry, reversed": (scalar_carry_reversed, (f32(8, 6), f32(3, 8, 6), f32(6))),
+    "nested": (nested, (f32(8, 6), f32(3, 2, 8, 6))),
+    "masked": (masked, (f32(8, 6), f32(3, 8, 6), f32(8, 6), f32(6))),
+}
 
 
-def test_backward_rnn_scan_offers_no_split_that_leaves_the_work_replicated():
-    def model(h0, xs, w, u):
-        h, (s, ys) = rnn(h0, xs, w, u)
-        return h.sum() + s.sum() + ys.sum()
+def test_scan_enter_and_exit_shift_the_scanned_axis():
+    """xs enter the body one slice per iteration (outer dim d + 1 is the body's d; the
+    scanned axis is never split), ys leave stacked; consts and carries pass as they are."""
+    graph = trace(rnn, *SCANS["rnn"][1]).graph
+    kinds = {}
+    for op in graph.ops:
+        if op.name in ("scan_enter", "scan_exit"):
+            kinds.setdefault((op.name, op.params["kind"]), signatures(op))
+    xs = kinds["scan_enter", "xs"]
+    assert sig([S(1)], [S(0)]) in xs and not any(s.ins[0] == S(0) for s in xs)
+    assert sig([S(0)], [S(1)]) in kinds["scan_exit", "ys"]
+    assert sig([S(0)], [S(0)]) in kinds["scan_enter", "carry"]
+    assert sig([S(0)], [S(0)]) in kinds["scan_exit", "carry"]
 
-    args = f32(8, 6), f32(5, 8, 3), f32(6, 6), f32(3, 6)
-    graph = trace(jax.grad(model, argnums=(0, 2, 3)), *args).graph
-    forward, backward = [op for op in graph.ops if op.name == "scan"]
-    assert any(s.ins[2:4] == (S(0), S(1)) for s in signatures(forward))
-    # batch split: the weight gradients sum over the batch (partial carries: not offered);
-    # splitting only the (6, 6) accumulator is exact but leaves the dots replicated
-    assert [s.divides_work for s in signatures(backward)] == [False]
+
+def test_nested_scan_bodies_weigh_the_product_of_trip_counts():
+    graph = trace(nested, *SCANS["nested"][1]).graph
+    assert {op.weight for op in graph.ops if op.name == "tanh"} == {3 * 2}
+    assert {op.weight for op in graph.ops if op.name == "mul"} == {3}
 
 
-def test_scan_flops_count_every_iteration():
-    op, _, _ = control_op(rnn, f32(4, 6), f32(5, 4, 3), f32(6, 6), f32(3, 6), name="scan")
-    from shardc.rules.control import body_graph
+@pytest.mark.parametrize("name", list(SCANS))
+def test_scans_planned_on_a_mesh_match_jit(name):
+    """Each scan, and its gradient (the transposed scan), planned op by op on (2, 4) and
+    run: the values jax.jit gives."""
+    fn, args = SCANS[name]
 
-    body = sum(op_flops(o) for o in body_graph(op.params["jaxpr"]).ops)
-    assert body >= 2 * 4 * 6 * 6 + 2 * 4 * 3 * 6
-    assert op_flops(op) == 5 * body
+    def loss(*args):
+        return sum(jnp.sum(jnp.sin(y)) for y in jax.tree.leaves(fn(*args)))
+
+    mesh = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
+    for f in (fn, jax.grad(loss, argnums=tuple(range(len(args))))):
+        got = shardc.auto_shard(f, mesh=mesh, time_limit=1.0)(*args)
+        want = jax.jit(f)(*args)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
 def test_while_loop_splits_the_batch_only_with_a_replicated_predicate():
@@ -369,14 +358,3 @@ def test_cond_keeps_the_index_broadcast():
     assert sig([B, S(1), S(1)], [S(1), S(0)]) in sigs
     assert all(s.ins[0] == B for s in sigs)
     assert not any(s.ins[2] == S(0) for s in sigs)  # y.sum(0) reduces the split
-
-
-def test_scan_inside_a_traced_model_gets_strategies():
-    def model(h0, xs, w, u):
-        h, (s, ys) = rnn(h0, xs, w, u)
-        return h.sum() + s.sum() + ys.sum()
-
-    graph = trace(model, f32(8, 6), f32(5, 8, 3), f32(6, 6), f32(3, 6)).graph
-    (op,) = [o for o in graph.ops if o.name == "scan"]
-    names = {st.name for st in strategies(op, (2, 4))}
-    assert "B,B,S(0),S(1)->S(0),S(1),S(1) | B,B,S(0),S(1)->S(0),S(1),S(1)" in names

@@ -50,9 +50,16 @@ def alpha_scales(graph: Graph) -> dict[int, float]:
     """value id -> the share of a collective's latency it pays.
 
     Tail values share one latency among the ``K`` places a collective enters the tail: the
-    tail values made by non-tail ops (a data-parallel step's gradients and loss)."""
+    tail values made by non-tail ops (a data-parallel step's gradients and loss). A scan
+    body's tail (the per-layer gradients of a scanned model, on their way out as ys)
+    combines within an iteration only: its values share among the entries made as often
+    as they are (``Op.weight``, standing for the loop they are in)."""
     tail = tail_values(graph)
-    entries = [v.id for op in graph.ops if not facts(op.name).tail
-               for v in op.outputs if v.id in tail]
-    k = max(len(entries), 1)
-    return {vid: 1.0 / k for vid in tail}
+    runs = {v.id: op.weight for op in graph.ops for v in op.outputs}
+    entries: dict[int, int] = {}
+    for op in graph.ops:
+        if not facts(op.name).tail:
+            for v in op.outputs:
+                if v.id in tail:
+                    entries[op.weight] = entries.get(op.weight, 0) + 1
+    return {vid: 1.0 / max(entries.get(runs.get(vid, 1), 1), 1) for vid in tail}

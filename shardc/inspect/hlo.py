@@ -50,8 +50,8 @@ what the planner predicts for ``P → S``. (``shard_map``'s ``psum_scatter`` doe
 Async forms ``<kind>-start`` count as their kind, ``-done`` (and ``-update``) never count;
 a generic ``async-start`` is not a collective itself, the op in the async computation it
 wraps is, so each collective counts once. A collective in a while body counts once per text
-occurrence; its :attr:`HloCollective.computation` names the body, and
-:func:`loop_trip_counts` gives XLA's known trip counts to weight it by.
+occurrence; its :attr:`HloCollective.computation` names the body, and :func:`price` weights
+its time and bytes by how often that runs (:func:`shardc.inspect.loops.multiplicity`).
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ from shardc.inspect.hlotext import (
     shape_bytes,
     shape_tree,
 )
+from shardc.inspect.loops import loop_extra_flops, multiplicity, trip_count
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -112,8 +113,10 @@ class HloCollective:
 class CompiledCost:
     """A compiled program priced on a cluster.
 
-    ``times`` are the α-β seconds of ``collectives``, index by index; ``comm_time`` is their
-    sum (no overlap). ``flops`` are per device from ``compiled.cost_analysis()``;
+    ``times`` are the α-β seconds of ``collectives``, index by index, each times ``runs``
+    (how often its computation runs per call: the trip counts of the loops around it);
+    ``comm_time`` is their sum (no overlap). ``flops`` are per device from
+    ``compiled.cost_analysis()`` with loop bodies by trip count;
     ``peak_memory`` is ``temp + argument + output - alias`` bytes from
     ``compiled.memory_analysis()`` (generated code and host-side sizes excluded), None when
     the backend gives no memory analysis.
@@ -127,6 +130,7 @@ class CompiledCost:
     collectives: tuple[HloCollective, ...]
     counts: dict[str, int] = field(default_factory=dict)
     times: tuple[float, ...] = ()
+    runs: tuple[int, ...] = ()
 
     @property
     def time(self) -> float:
@@ -268,18 +272,18 @@ def collectives(compiled_or_hlo_text: Any, mesh: Mesh) -> list[HloCollective]:
 
 
 _WHILE_BODY = re.compile(r"body=%?([^\s,}]+)")
-_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 
 
 def loop_trip_counts(compiled_or_hlo_text: Any) -> dict[str, int]:
     """While-body computation name -> XLA's known trip count (per entry into the loop;
-    multiply through enclosing loops yourself). Loops without a known count are absent."""
+    :func:`shardc.inspect.loops.multiplicity` multiplies through enclosing loops). Loops
+    without a known count are absent."""
     counts: dict[str, int] = {}
     for comp in parse_module(_hlo_text(compiled_or_hlo_text)).values():
         for instr in comp.instructions.values():
-            body, trip = _WHILE_BODY.search(instr.attrs), _TRIP.search(instr.attrs)
-            if instr.opcode == "while" and body and trip:
-                counts[body.group(1)] = int(trip.group(1))
+            body, trip = _WHILE_BODY.search(instr.attrs), trip_count(instr)
+            if body and trip is not None:
+                counts[body.group(1)] = trip
     return counts
 
 
@@ -303,7 +307,12 @@ def collective_seconds(c: HloCollective, mesh: Mesh, cluster: Cluster) -> float:
 
 def compiled_flops(compiled: Any) -> float:
     """Per-device FLOPs from ``compiled.cost_analysis()`` (a dict, or a list of dicts that
-    are summed); 0.0 when the backend reports none."""
+    are summed; 0.0 when the backend reports none), with the later iterations of loops it
+    counts once added (:func:`shardc.inspect.flops.loop_extra_flops`)."""
+    return _analysed_flops(compiled) + loop_extra_flops(compiled.as_text())
+
+
+def _analysed_flops(compiled: Any) -> float:
     analysis = compiled.cost_analysis()
     if analysis is None:
         return 0.0
@@ -329,18 +338,21 @@ def compiled_peak_memory(compiled: Any) -> float | None:
 
 def price(compiled: Any, mesh: Mesh, cluster: Cluster) -> CompiledCost:
     """Price a ``jax`` Compiled on ``cluster``: each collective with
-    :func:`~shardc.cost.comm.collective_time`, compute as
-    ``flops / (device_flops * utilization)``."""
+    :func:`~shardc.cost.comm.collective_time`, times the runs of the loop bodies around it;
+    compute as ``flops / (device_flops * utilization)``, loop bodies by trip count."""
     found = tuple(collectives(compiled, mesh))
-    times = tuple(collective_seconds(c, mesh, cluster) for c in found)
+    every = multiplicity(compiled.as_text())
+    runs = tuple(every.get(c.computation, 1) for c in found)
+    times = tuple(collective_seconds(c, mesh, cluster) * n for c, n in zip(found, runs))
     flops = compiled_flops(compiled)
     return CompiledCost(
         comm_time=sum(times),
         compute_time=flops / (cluster.device_flops * cluster.utilization),
-        wire_bytes=sum(c.wire_bytes for c in found),
+        wire_bytes=sum(c.wire_bytes * n for c, n in zip(found, runs)),
         flops=flops,
         peak_memory=compiled_peak_memory(compiled),
         collectives=found,
         counts=dict(Counter(c.kind for c in found)),
         times=times,
+        runs=runs,
     )

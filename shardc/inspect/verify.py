@@ -1,7 +1,8 @@
 """Predicted vs compiled: does XLA emit the collectives the plan chose?
 
 Collectives are compared per kind (all-reduce, all-gather, reduce-scatter, all-to-all,
-collective-permute): count, wire bytes per device, and α-β time on the plan's cluster. XLA
+collective-permute): count (each op once), wire bytes per device and α-β time on the plan's
+cluster (inside a loop body, times its trips). XLA
 combines independent collectives into tuple ones, so counts may differ where bytes agree;
 bytes and time are the measures. A kind only in the HLO is *unplanned*, only in the plan is
 *missing*.
@@ -85,9 +86,9 @@ def verify(plan, compiled, mesh: Mesh | None = None) -> Verification:
     comp_n: dict[str, int] = defaultdict(int)
     comp_b: dict[str, float] = defaultdict(float)
     comp_t: dict[str, float] = defaultdict(float)
-    for c, t in zip(cost.collectives, cost.times, strict=True):
+    for c, t, n in zip(cost.collectives, cost.times, cost.runs, strict=True):
         comp_n[c.kind] += 1
-        comp_b[c.kind] += c.wire_bytes
+        comp_b[c.kind] += c.wire_bytes * n
         comp_t[c.kind] += t
     rows = tuple(KindRow(k, planned_n[k], planned_b[k], comp_n[k], comp_b[k], comp_t[k])
                  for k in KINDS if planned_n[k] or comp_n[k])

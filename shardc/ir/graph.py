@@ -62,18 +62,20 @@ class Value:
 class Op:
     """One primitive application. ``params`` are the jaxpr eqn's params, untouched;
     ``effects`` its equation's side effects (a callback, a print): an op with effects runs
-    even when nothing reads its outputs, and may have none."""
+    even when nothing reads its outputs, and may have none. ``weight`` is how many times it
+    runs per call: 1, or a loop body's trip count (times its enclosing loops')."""
 
-    __slots__ = ("id", "prim", "params", "inputs", "outputs", "effects")
+    __slots__ = ("id", "prim", "params", "inputs", "outputs", "effects", "weight")
 
     def __init__(self, id: int, prim: Any, params: dict, inputs: Sequence[Value],
-                 outputs: Sequence[Value], effects: frozenset = frozenset()):
+                 outputs: Sequence[Value], effects: frozenset = frozenset(), weight: int = 1):
         self.id = id
         self.prim = prim
         self.params = params
         self.inputs = list(inputs)
         self.outputs = list(outputs)
         self.effects = frozenset(effects)
+        self.weight = weight
 
     @property
     def name(self) -> str:
@@ -140,7 +142,8 @@ def format_graph(graph: Graph, annotate: dict[int, str] | None = None) -> str:
         outs = " ".join(decl(v) for v in op.outputs)
         ins = " ".join(repr(v) for v in op.inputs)
         lhs = f"{outs} = " if outs else ""
-        lines.append(f"    {lhs}{op.name}{_format_params(op.params)} {ins}")
+        times = f" x{op.weight}" if op.weight != 1 else ""
+        lines.append(f"    {lhs}{op.name}{_format_params(op.params)} {ins}{times}")
     lines.append("  in (" + ", ".join(repr(v) for v in graph.outputs) + ") }")
     return "\n".join(lines)
 
@@ -174,6 +177,8 @@ def check_graph(graph: Graph) -> None:
             defined.add(v.id)
         if not op.outputs and not op.effects:
             raise GraphError(f"{op} has no outputs and no effects: nothing can observe it")
+        if op.weight < 0:
+            raise GraphError(f"{op} runs {op.weight} times per call; a weight is >= 0")
     for v in graph.outputs:
         if not v.is_const and v.id not in defined:
             raise GraphError(f"graph output {v!r} is never defined")

@@ -59,7 +59,7 @@ TAIL = (
     "add sub mul div neg max min pow sqrt rsqrt abs sign exp log integer_pow square select_n "
     "convert_element_type broadcast_in_dim reshape transpose squeeze expand_dims copy copy_p "
     "eq ne lt le gt ge and or not is_finite add_any tanh logistic clamp name "
-    "optimization_barrier"
+    "optimization_barrier scan_exit pad"
 ).split()
 PASSES_PARTIAL = ("transpose reshape squeeze expand_dims copy copy_p rev name "
                   "optimization_barrier").split()

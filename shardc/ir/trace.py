@@ -4,14 +4,17 @@ the graph back to the jaxpr it came from.
 ``make_jaxpr`` gives nested jaxprs. For *planning*, call-like primitives (``jit``/``pjit``,
 ``closed_call``, ``custom_jvp_call``, ``custom_vjp_call``, ``checkpoint``/remat; the
 ``call`` facts of :mod:`shardc.ir.prims`) are inlined, so every op the planner sees is a
-real computation; loops (``scan``, ``while``) and ``cond`` stay single ops holding their
-sub-jaxpr. Dead ops are removed, except ops with side effects (callbacks, prints) and what
+real computation. A ``scan``'s body is inlined too, once, its ops weighted by the trip
+count (``Op.weight``) and framed by ``scan_enter`` / ``scan_exit`` ops, so the body is
+planned op by op like straight code; ``while`` and ``cond`` stay single ops holding their
+sub-jaxprs. Dead ops are removed, except ops with side effects (callbacks, prints) and what
 they read.
 
 For *running*, nothing is inlined: the :class:`Region` of a jaxpr lists, per equation, the
-graph :class:`Op` it became or, for a call, the Region of its body, so the lowering can
-rewrite the user's own jaxpr (the remat policy, the custom derivative rules and the inner
-jits kept) with the plan's layouts placed inside the bodies.
+graph :class:`Op` it became, the Region of a call's body, or the :class:`Loop` of a scan,
+so the lowering can rewrite the user's own jaxpr (the remat policy, the custom derivative
+rules, the inner jits and the loops kept) with the plan's layouts placed inside the
+bodies.
 """
 
 from __future__ import annotations
@@ -30,25 +33,18 @@ from shardc.ir.prims import facts
 
 class Region:
     """One jaxpr as the trace walked it: ``steps[i]`` is what ``jaxpr.eqns[i]`` became, the
-    planner's :class:`Op` or, for a call the planner saw inlined, the Region of its body.
-    Ops of a Region may be dead in the graph (no plan entry): they run unconstrained."""
+    planner's :class:`Op`, the Region of a call's body the planner saw inlined, or a
+    :class:`Loop` (a scan). Ops of a Region may be dead in the graph (no plan entry): they
+    run unconstrained."""
 
     __slots__ = ("jaxpr", "steps")
 
-    def __init__(self, jaxpr, steps: Sequence[Op | Region]):
+    def __init__(self, jaxpr, steps: Sequence):
         self.jaxpr = jaxpr
         self.steps = tuple(steps)
         if len(self.steps) != len(jaxpr.eqns):
             raise ValueError(f"Region: {len(self.steps)} steps for {len(jaxpr.eqns)} "
                              "equations; the trace must record one per equation")
-
-    def ops(self):
-        """Every Op of the region and its nested call bodies, in program order."""
-        for step in self.steps:
-            if isinstance(step, Region):
-                yield from step.ops()
-            else:
-                yield step
 
 
 @dataclass(frozen=True)
@@ -70,6 +66,25 @@ def call_body(eqn) -> tuple[Any, tuple]:
     return (sub.jaxpr, tuple(sub.consts)) if hasattr(sub, "consts") else (sub, ())
 
 
+#: pseudo-primitives the trace puts around a scan body the planner sees inline: never bound
+#: (the lowering rebuilds the scan), planned by the rules in ``rules/control.py``
+SCAN_ENTER = jcore.Primitive("scan_enter")
+SCAN_EXIT = jcore.Primitive("scan_exit")
+
+
+class Loop:
+    """A ``scan`` equation as the trace walked it: one ``scan_enter`` op per body input
+    (its const, carry or xs operand), the Region of its body, one ``scan_exit`` op per
+    result (carry or ys)."""
+
+    __slots__ = ("enters", "body", "exits")
+
+    def __init__(self, enters: Sequence[Op], body: Region, exits: Sequence[Op]):
+        self.enters = tuple(enters)
+        self.body = body
+        self.exits = tuple(exits)
+
+
 class _Builder:
     def __init__(self):
         self.ids = itertools.count()
@@ -88,24 +103,34 @@ class _Builder:
             return self.const(atom.val, atom.aval)
         return env[atom]
 
-    def emit(self, jaxpr, consts, invals: list[Value]) -> tuple[list[Value], Region]:
+    def op(self, prim, params: dict, ins: list[Value], avals, weight: int,
+           effects=frozenset()) -> Op:
+        op = Op(len(self.ops), prim, params, ins, [], effects=effects, weight=weight)
+        op.outputs = [self.value(a, producer=op) for a in avals]
+        self.ops.append(op)
+        return op
+
+    def emit(self, jaxpr, consts, invals: list[Value], weight: int = 1
+             ) -> tuple[list[Value], Region]:
         env: dict = {}
         for var, c in zip(jaxpr.constvars, consts):
             env[var] = self.const(c)
         for var, v in zip(jaxpr.invars, invals):
             env[var] = v
-        steps: list[Op | Region] = []
+        steps: list[Op | Region | Loop] = []
         for eqn in jaxpr.eqns:
             ins = [self.read(env, a) for a in eqn.invars]
             body, body_consts = call_body(eqn)
             if body is not None:
-                outs, region = self.emit(body, body_consts, ins[len(ins) - len(body.invars):])
+                outs, region = self.emit(body, body_consts, ins[len(ins) - len(body.invars):],
+                                         weight)
                 steps.append(region)
+            elif eqn.primitive.name == "scan":
+                outs, loop = self.scan(eqn, ins, weight)
+                steps.append(loop)
             else:
-                op = Op(len(self.ops), eqn.primitive, dict(eqn.params), ins, [],
-                        effects=eqn.effects)
-                op.outputs = [self.value(v.aval, producer=op) for v in eqn.outvars]
-                self.ops.append(op)
+                op = self.op(eqn.primitive, dict(eqn.params), ins,
+                             [v.aval for v in eqn.outvars], weight, eqn.effects)
                 steps.append(op)
                 outs = op.outputs
             for var, v in zip(eqn.outvars, outs):
@@ -113,16 +138,45 @@ class _Builder:
                     env[var] = v
         return [self.read(env, a) for a in jaxpr.outvars], Region(jaxpr, steps)
 
+    def scan(self, eqn, ins: list[Value], weight: int) -> tuple[list[Value], Loop]:
+        """A scan's body inline, run ``length`` times: ``scan_enter`` ops give the body its
+        inputs (a carry's enter ``tie``s it to the carry the body returns), ``scan_exit``
+        ops give the results (a carry's is the loop-carried value, ``enter``; ys stack the
+        body's per-iteration values)."""
+        p = eqn.params
+        closed, nc, nk, length = p["jaxpr"], p["num_consts"], p["num_carry"], p["length"]
+        kinds = ["const"] * nc + ["carry"] * nk + ["xs"] * (len(ins) - nc - nk)
+        enters = [self.op(SCAN_ENTER, {"kind": kind, "length": length}, [outer],
+                          [var.aval], weight)
+                  for kind, outer, var in zip(kinds, ins, closed.jaxpr.invars)]
+        outs, body = self.emit(closed.jaxpr, closed.consts, [e.outputs[0] for e in enters],
+                               weight * length)
+        for k in range(nk):  # the value the next iteration reads as this carry
+            enters[nc + k].params["tie"] = outs[k]
+        exits = [self.op(SCAN_EXIT, {"kind": "carry", "enter": enters[nc + j].outputs[0]}
+                         if j < nk else {"kind": "ys", "length": length}, [v], [var.aval],
+                         weight)
+                 for j, (v, var) in enumerate(zip(outs, eqn.outvars))]
+        return [e.outputs[0] for e in exits], Loop(enters, body, exits)
+
 
 def eliminate_dead_ops(graph: Graph) -> Graph:
     """Drop ops nothing observes: kept are the ops an output depends on, the ops with side
-    effects, and what those read."""
+    effects, and what those read; a live scan carry keeps what the body returns for it
+    (its ``tie``), to a fixed point."""
     live = {v.id for v in graph.outputs}
-    kept: list[Op] = []
-    for op in reversed(graph.ops):
-        if op.effects or any(v.id in live for v in op.outputs):
-            kept.append(op)
-            live.update(v.id for v in op.inputs)
+    while True:
+        kept: list[Op] = []
+        before = len(live)
+        for op in reversed(graph.ops):
+            if op.effects or any(v.id in live for v in op.outputs):
+                kept.append(op)
+                live.update(v.id for v in op.inputs)
+                tie = op.params.get("tie") if op.prim is SCAN_ENTER else None
+                if tie is not None:
+                    live.add(tie.id)
+        if len(live) == before:
+            break
     kept.reverse()
     return Graph(graph.inputs, graph.outputs, kept)
 

@@ -35,7 +35,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from shardc.cost.comm import conversion
 from shardc.ir.prims import facts
 from shardc.ir.sbp import NdSbp, Split, to_partition_spec
-from shardc.ir.trace import Region, Traced
+from shardc.ir.trace import Loop, Region, Traced
+from shardc.solve.problem import carry_exit, loop_ties, reads
 
 
 def sharding(mesh: Mesh, nd: NdSbp, ndim: int) -> NamedSharding:
@@ -75,13 +76,14 @@ _SPLITS_FROM_OPERANDS = frozenset({"dot_general", "reduce_sum", "reduce_max", "r
 
 def _read_as_made(graph, plan, by_op) -> set[int]:
     """Ids of values that every use (ops and graph outputs) reads in the layout they are
-    made in: no settling, no conversion."""
+    made in: no settling, no conversion (a scan body's carry results are converted back to
+    the carried layout every iteration)."""
     made = plan.values
-    bad = set(plan.settled)
+    bad = set(plan.settled) | {v.id for _, v in loop_ties(graph)}
     for op in graph.ops:
         planned = by_op.get(op.id)
         for k, v in enumerate(op.inputs):
-            if planned is None or planned.ins[k] != made.get(v.id):
+            if planned is None or carry_exit(op) or planned.ins[k] != made.get(v.id):
                 bad.add(v.id)
     for v, nd in zip(graph.outputs, plan.outputs):
         if nd != made.get(v.id):
@@ -186,6 +188,44 @@ class _Lowering:
             new = body.jaxpr
         return _bind(eqn, args, {**eqn.params, key: new})
 
+    def _pass(self, op, x, into: bool):
+        """``x`` through a ``scan_enter`` / ``scan_exit`` op: converted to the layout the op
+        reads (``into``), or pinned to the one it makes (and settled)."""
+        planned = self.by_op.get(op.id)
+        if planned is None:
+            return x
+        if into:
+            v = reads(op)[0][1]
+            src = self.plan.values.get(v.id) if carry_exit(op) else self.plan.read_as(v.id)
+            return x if v.is_const or v.id in self.free else \
+                self.convert(x, src, planned.ins[0])
+        return self.settle(op.outputs[0].id, self.constrain(x, planned.outs[0]))
+
+    def loop(self, eqn, loop: Loop, args: list) -> list:
+        """Bind a scan with its body rewritten: operands converted to the layouts the body
+        reads them in, before the loop; inside, the body's ops as planned, each carry
+        converted back to its carried layout and each ys to its stacked one every
+        iteration; the results pinned after the loop."""
+        p = eqn.params
+        nc, nk = p["num_consts"], p["num_carry"]
+        carried = loop.enters[nc:nc + nk]
+
+        def body(*xs):
+            ins = [self._pass(e, x, into=False) for e, x in zip(loop.enters, xs)]
+            outs = self.region(loop.body, p["jaxpr"].consts, ins)
+            back = [self.convert(x, self.plan.read_as(e.params["tie"].id),
+                                 self.by_op[e.id].outs[0])
+                    if e.id in self.by_op and not e.params["tie"].is_const else x
+                    for e, x in zip(carried, outs[:nk])]
+            return back + [self._pass(e, x, into=True)
+                           for e, x in zip(loop.exits[nk:], outs[nk:])]
+
+        closed = jax.make_jaxpr(body)(*(v.aval for v in loop.body.jaxpr.invars))
+        args = [self._pass(e, x, into=True) for e, x in zip(loop.enters, args)]
+        outs = _bind(eqn, args, {**p, "jaxpr": closed})
+        return [self._pass(e, self._pass(e, x, into=True) if j < nk else x, into=False)
+                for j, (e, x) in enumerate(zip(loop.exits, outs))]
+
     def region(self, region: Region, consts: Sequence, args: Sequence) -> list:
         env: dict = {}
         jaxpr = region.jaxpr
@@ -197,8 +237,12 @@ class _Lowering:
 
         for eqn, step in zip(jaxpr.eqns, region.steps):
             ins = [read(a) for a in eqn.invars]
-            outs = self.call(eqn, step, ins) if isinstance(step, Region) else \
-                self.op(eqn, step, ins)
+            if isinstance(step, Region):
+                outs = self.call(eqn, step, ins)
+            elif isinstance(step, Loop):
+                outs = self.loop(eqn, step, ins)
+            else:
+                outs = self.op(eqn, step, ins)
             for var, x in zip(eqn.outvars, outs):
                 if not isinstance(var, jcore.DropVar):
                     env[var] = x

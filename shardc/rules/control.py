@@ -1,4 +1,10 @@
-"""Control flow: batch-parallel ``scan``, ``while`` and ``cond``.
+"""Control flow: batch-parallel ``while`` and ``cond``, and the edges of a ``scan`` body.
+
+A ``scan``'s body is planned op by op like straight code (the trace inlines it, weighted by
+its trip count); only its ``scan_enter`` / ``scan_exit`` ops have rules here: a const or
+carry enters as it is, an xs slice per iteration (outer dim ``d + 1`` is the body's ``d``),
+ys leave stacked (body dim ``d`` is the outer ``d + 1``), and the scanned axis is never
+split. A ``while`` loop and a ``cond`` stay one op each, with signatures from their bodies:
 
 A loop or branch is one op holding sub-jaxprs, so its signatures come from its body: a split
 placement of the loop's inputs is exact when the body, run per device on the local pieces,
@@ -24,25 +30,22 @@ strategy's FLOPs are the op's divided by the split.
 
 Signatures offered (per mesh axis, besides the all-broadcast one):
 
-* ``scan`` (inputs ``consts, carries, xs``; outputs ``carries, ys``): for every body dim
-  ``d`` and batch size ``b`` seen there, carries split on ``d`` and xs / ys on ``d + 1`` (the
-  scanned axis comes first). Carries are iterated to a fixed point: a carry's placement at
-  the start of an iteration must be the one the body gives it at the end (a carry the body
-  makes replicated becomes ``B``, one it makes split becomes split).
-* ``while`` (inputs ``cond_consts, body_consts, carries``): the same on the carries, and the
+* ``while`` (inputs ``cond_consts, body_consts, carries``): for every body dim ``d`` and
+  batch size ``b`` seen there, carries split on ``d``, iterated to a fixed point (a carry's
+  placement at the start of an iteration must be the one the body gives it at the end: a
+  carry the body makes replicated becomes ``B``, one it makes split becomes split), and the
   predicate computed by ``cond_jaxpr`` must come out replicated, so every device runs the
   same number of iterations.
 * ``cond`` (inputs ``index, operands``): the index broadcast, operands split; every branch
   must give the same placement of every output (a replicated result of one branch is sliced
   when another branch splits it).
 
-Not offered: splits of the scanned axis (iterations depend on each other), and partial
-inputs, outputs or carries. A partial carry (a gradient accumulated over a split batch in
-the backward scan) is exact algebra, but lowering on Auto mesh axes cannot keep a loop carry
-unreduced, so XLA would all-reduce it every iteration.
+Not offered: partial inputs, outputs or carries. A partial carry is exact algebra, but
+lowering on Auto mesh axes cannot keep a loop carry unreduced, so XLA would all-reduce it
+every iteration.
 
-FLOPs: a scan costs ``length`` times its body; a while loop one iteration of body and
-predicate (the trip count is unknown until it runs); a cond its costliest branch.
+FLOPs: a while loop one iteration of body and predicate (the trip count is unknown until it
+runs); a cond its costliest branch.
 
 References:
   OneFlow nd-SBP propagation (``sbp_infer_util.cpp``) applied to the body graph; XLA SPMD
@@ -156,41 +159,37 @@ def propagate(graph: Graph, in_sbps: Sequence[Sbp], size: int) -> Flow | None:
     return Flow([get(v) for v in graph.outputs], uses, replicated, total)
 
 
-def _promote(sbps: Sequence[Sbp], uses: Sequence[set[Sbp]], keep: range) -> list[Sbp]:
-    """A replicated input (outside ``keep``) that every use slices the same way is placed
-    split that way: each device only needs its own chunk."""
+def _promote(sbps: Sequence[Sbp], uses: Sequence[set[Sbp]]) -> list[Sbp]:
+    """A replicated input that every use slices the same way is placed split that way:
+    each device only needs its own chunk."""
     out = list(sbps)
     for k, (s, u) in enumerate(zip(sbps, uses)):
-        if s == B and k not in keep and len(u) == 1 and isinstance(next(iter(u)), Split):
+        if s == B and len(u) == 1 and isinstance(next(iter(u)), Split):
             out[k] = next(iter(u))
     return out
 
 
-def _seeds(values: Sequence[Value], offset: int) -> list[tuple[int, int]]:
-    """(body dim, batch size) pairs to try: every dim of every value (after ``offset``
-    leading dims), sizes > 1."""
+def _seeds(values: Sequence[Value]) -> list[tuple[int, int]]:
+    """(dim, batch size) pairs to try: every dim of every value, sizes > 1."""
     seen: list[tuple[int, int]] = []
     for v in values:
-        for d in range(offset, v.ndim):
-            key = (d - offset, v.shape[d])
+        for d in range(v.ndim):
+            key = (d, v.shape[d])
             if v.shape[d] > 1 and key not in seen:
                 seen.append(key)
     return seen
 
 
-def _seed(v: Value, d: int, size: int, offset: int = 0) -> Sbp:
-    return Split(d) if v.ndim > d + offset and v.shape[d + offset] == size else B
+def _seed(v: Value, d: int, size: int) -> Sbp:
+    return Split(d) if v.ndim > d and v.shape[d] == size else B
 
 
-def _shift(s: Sbp, k: int = 1) -> Sbp:
-    return Split(s.dim + k) if isinstance(s, Split) else s
-
-
-def _loop_carries(body: Graph, n_consts: int, carries: list[Sbp], rest: list[Sbp],
-                  size: int, n_carry: int) -> tuple[list[Sbp], Flow] | None:
+def _loop_carries(body: Graph, n_consts: int, carries: list[Sbp], size: int
+                  ) -> tuple[list[Sbp], Flow] | None:
     """Iterate the carries' placement to a fixed point; (carries, the body's flow)."""
+    n_carry = len(carries)
     for _ in range(2 * n_carry + 2):
-        flow = propagate(body, [B] * n_consts + carries + rest, size)
+        flow = propagate(body, [B] * n_consts + carries, size)
         if flow is None:
             return None
         if flow.outs[:n_carry] == carries:
@@ -203,34 +202,30 @@ def _has_split(sig: Signature) -> bool:
     return any(isinstance(s, Split) for s in (*sig.ins, *sig.outs))
 
 
-# ---- scan --------------------------------------------------------------------------------
+# ---- scan: the body is planned op by op -------------------------------------------------
 
-def scan_flops(op: Op) -> float:
-    body = body_graph(op.params["jaxpr"])
-    return float(op.params["length"]) * sum(op_flops(o) for o in body.ops)
+def _no_flops(op: Op) -> float:
+    return 0.0
 
 
-@register("scan", flops=scan_flops)
-def scan_rule(op: Op) -> list[Signature]:
-    nc, nk = op.params["num_consts"], op.params["num_carry"]
-    body = body_graph(op.params["jaxpr"])
-    carries, xs = op.inputs[nc:nc + nk], op.inputs[nc + nk:]
-    sigs = []
-    for d, size in _seeds(carries, 0) + _seeds(xs, 1):
-        k0 = [_seed(v, d, size) for v in carries]
-        x0 = [_seed(v, d, size, offset=1) for v in xs]
-        found = _loop_carries(body, nc, k0, x0, size, nk)
-        if found is None:
-            continue
-        k, flow = found
-        if not flow.divides_work:
-            continue
-        ins = _promote([B] * nc + k + x0, flow.uses, keep=range(nc, nc + nk))
-        sig = Signature(tuple(ins[:nc + nk]) + tuple(_shift(s) for s in ins[nc + nk:]),
-                        tuple(k) + tuple(_shift(s) for s in flow.outs[nk:]))
-        if _has_split(sig) and sig not in sigs:
-            sigs.append(sig)
-    return sigs
+def _shift(op: Op) -> int:
+    """1 where the outer value has the scanned axis in front (xs in, ys out), else 0."""
+    return 1 if op.params["kind"] in ("xs", "ys") else 0
+
+
+@register("scan_enter", flops=_no_flops)
+def scan_enter_rule(op: Op) -> list[Signature]:
+    """An operand entering a scan body: a const or carry as it is, an xs per iteration
+    (outer dim ``d + 1`` is the body's dim ``d``; the scanned axis is never split)."""
+    k = _shift(op)
+    return [Signature((Split(d + k),), (Split(d),)) for d in range(op.outputs[0].ndim)]
+
+
+@register("scan_exit", flops=_no_flops)
+def scan_exit_rule(op: Op) -> list[Signature]:
+    """A scan result: a carry as it leaves the loop, ys stacked from the body's values."""
+    k = _shift(op)
+    return [Signature((Split(d),), (Split(d + k),)) for d in range(op.inputs[0].ndim)]
 
 
 # ---- while -------------------------------------------------------------------------------
@@ -246,10 +241,9 @@ def while_rule(op: Op) -> list[Signature]:
     body = body_graph(op.params["body_jaxpr"])
     cond = body_graph(op.params["cond_jaxpr"])
     carries = op.inputs[cn + bn:]
-    nk = len(carries)
     sigs = []
-    for d, size in _seeds(carries, 0):
-        found = _loop_carries(body, bn, [_seed(v, d, size) for v in carries], [], size, nk)
+    for d, size in _seeds(carries):
+        found = _loop_carries(body, bn, [_seed(v, d, size) for v in carries], size)
         if found is None:
             continue
         k, flow = found
@@ -258,8 +252,8 @@ def while_rule(op: Op) -> list[Signature]:
             continue  # the trip count would depend on the device's slice
         if test.replicated + flow.replicated > MAX_REPLICATED_SHARE * (test.total + flow.total):
             continue
-        cconsts = _promote([B] * cn, test.uses[:cn], keep=range(0))
-        bconsts = _promote([B] * bn, flow.uses[:bn], keep=range(0))
+        cconsts = _promote([B] * cn, test.uses[:cn])
+        bconsts = _promote([B] * bn, flow.uses[:bn])
         sig = Signature(tuple(cconsts + bconsts + k), tuple(k))
         if _has_split(sig) and sig not in sigs:
             sigs.append(sig)
@@ -285,7 +279,7 @@ def cond_rule(op: Op) -> list[Signature]:
     branches = [body_graph(br) for br in op.params["branches"]]
     operands = op.inputs[1:]
     sigs = []
-    for d, size in _seeds(operands, 0):
+    for d, size in _seeds(operands):
         ins = [_seed(v, d, size) for v in operands]
         outs: list[Sbp | None] | None = None
         uses: list[set[Sbp]] = [set() for _ in operands]
@@ -301,7 +295,7 @@ def cond_rule(op: Op) -> list[Signature]:
                 break
         if outs is None:
             continue
-        sig = Signature((B, *_promote(ins, uses, keep=range(0))), tuple(outs))
+        sig = Signature((B, *_promote(ins, uses)), tuple(outs))
         if _has_split(sig) and sig not in sigs:
             sigs.append(sig)
     return sigs

@@ -85,8 +85,29 @@ def greedy(cg: CostGraph, inputs: dict[int, int], first: Sequence[int] = ()) -> 
             other = e.v if is_u else e.u
             if other in x:
                 local += e.cost[:, x[other]] if is_u else e.cost[x[other], :]
-        x[i] = int(np.argmin(local))
+        # and what its uses will pay for it (a slice of a replicated weight split for
+        # free is gathered again by the dot that reads it)
+        x[i] = int(np.argmin(local + _uses_cost(cg, adj, x, i)))
     return x
+
+
+def _uses_cost(cg: CostGraph, adj: Mapping[int, list], x: Mapping[int, int], i: int,
+               through_settle: bool = True) -> np.ndarray:
+    """Per choice of node ``i``: its undecided uses at their cheapest, each given the
+    edge from ``i`` and its other inputs decided in ``x`` (a use that is a shared value's
+    settle, with that value's own uses, once)."""
+    total = np.zeros(len(cg.choices[i]))
+    for e, is_u in adj[i]:
+        if not is_u or e.v in x or e.v == i:
+            continue
+        own = cg.cost[e.v].copy()
+        for f, f_is_u in adj[e.v]:
+            if not f_is_u and f.u != i and f.u in x:
+                own += f.cost[x[f.u], :]
+        if through_settle and isinstance(cg.refs[e.v], Settle):
+            own += _uses_cost(cg, adj, x, e.v, through_settle=False)
+        total += (e.cost + own[None, :]).min(axis=1)
+    return total
 
 
 def tail_nodes(cg: CostGraph) -> list[int]:
@@ -127,9 +148,44 @@ def from_inputs(cg: CostGraph, layouts: Mapping[int, NdSbp]) -> dict[int, int] |
     return descend(cg, greedy(cg, inputs, tail_nodes(cg)))
 
 
-def _split_most(cg: CostGraph, i: int) -> int:
-    """The input layout with the least bytes per device (first such: lowest mesh axes)."""
-    return int(np.argmin([nd.shard_fraction(cg.axis_sizes) for nd in cg.choices[i]]))
+def _split_most(cg: CostGraph, i: int, reach) -> int:
+    """The input layout with the least bytes per device; among several, the one its uses
+    take most cheaply (``reach``, :func:`_reach`: a stacked micro-batch array is split on
+    its batch dim, which the loop reads, not on the dim the loop steps over), then the first
+    (lowest mesh axes)."""
+    frac = np.array([nd.shard_fraction(cg.axis_sizes) for nd in cg.choices[i]])
+    least = np.flatnonzero(frac <= frac.min() * (1 + 1e-9))
+    if len(least) == 1:
+        return int(least[0])
+    return int(least[np.argmin(reach(i, REACH_DEPTH)[least])])
+
+
+#: edges :func:`_split_most` looks ahead from a graph input
+REACH_DEPTH = 3
+
+
+def _reach(cg: CostGraph):
+    """``reach(i, d)[a]``: what node ``i`` in choice ``a`` costs its uses, ``d`` edges ahead:
+    per out-edge, the consumer's cheapest choice given ``a`` (its own cost, the edge's, and
+    its own uses' ``d - 1`` ahead). Memoised per (node, depth)."""
+    outs: dict[int, list] = {i: [] for i in cg.live}
+    for e in cg.edges:
+        outs[e.u].append(e)
+    memo: dict[tuple[int, int], np.ndarray] = {}
+
+    def reach(i: int, depth: int) -> np.ndarray:
+        if depth <= 0:
+            return np.zeros(len(cg.choices[i]))
+        key = (i, depth)
+        if key not in memo:
+            total = np.zeros(len(cg.choices[i]))
+            for e in outs[i]:
+                ahead = cg.cost[e.v] + (reach(e.v, depth - 1) if depth > 1 else 0.0)
+                total += (e.cost + ahead[None, :]).min(axis=1)
+            memo[key] = total
+        return memo[key]
+
+    return reach
 
 
 def starts(cg: CostGraph) -> list[dict[int, int]]:
@@ -139,8 +195,10 @@ def starts(cg: CostGraph) -> list[dict[int, int]]:
     :func:`from_inputs`)."""
     inputs = [i for i in cg.live if isinstance(cg.refs[i], Value)]
     carried = cg.carried
-    dp = {i: (0 if i in carried else _split_most(cg, i)) for i in inputs}
-    fsdp = {i: _split_most(cg, i) for i in inputs}
+    reach = _reach(cg)
+    split = {i: _split_most(cg, i, reach) for i in inputs}
+    dp = {i: (0 if i in carried else split[i]) for i in inputs}
+    fsdp = split
     rep = {i: 0 for i in inputs}
     replicated = {i: 0 for i in cg.live}
     cheapest = {i: int(np.argmin(cg.cost[i])) for i in cg.live}
@@ -158,7 +216,8 @@ def lean(cg: CostGraph) -> dict[int, int]:
     """The leanest plan descent finds: every input split as far as it goes, the rest
     greedy (tail first), then descent on bytes at the sampled memory points with time only
     breaking ties. Deterministic, so the budget it meets holds when asked for again."""
-    inputs = {i: _split_most(cg, i) for i in cg.live if isinstance(cg.refs[i], Value)}
+    reach = _reach(cg)
+    inputs = {i: _split_most(cg, i, reach) for i in cg.live if isinstance(cg.refs[i], Value)}
     return descend(cg, greedy(cg, inputs, tail_nodes(cg)), LEAN_WEIGHT)
 
 

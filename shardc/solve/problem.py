@@ -33,6 +33,7 @@ from shardc.cost.comm import Conversion, conversion
 from shardc.ir.graph import Graph, Op, Value
 from shardc.ir.prims import facts
 from shardc.ir.sbp import B, Broadcast, NdSbp, Partial, Split
+from shardc.ir.trace import SCAN_ENTER, SCAN_EXIT
 from shardc.rules.registry import strategies
 
 MEMORY_POINTS = 4  # program points sampled for the memory constraint (Alpa samples too)
@@ -349,8 +350,10 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
         return mat
 
     scale = alpha_scales(graph)
+    ties_in = loop_ties(graph)
     uses: dict[int, int] = {}
-    for val in [v for op in graph.ops for v in op.inputs] + list(graph.outputs):
+    read = [v for op in graph.ops for _, v in reads(op)] + [v for _, v in ties_in]
+    for val in read + list(graph.outputs):
         if not val.is_const:
             uses[val.id] = uses.get(val.id, 0) + 1
     shared = [v for v in graph.values() if uses.get(v.id, 0) > 1]
@@ -360,6 +363,20 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
     def source(val: Value) -> tuple[int, int]:
         """(node, slot) its uses read ``val`` from: its settle node, else its producer."""
         return (cg.settle[val.id], 0) if val.id in cg.settle else cg.producer[val.id]
+
+    runs = {v.id: op.weight for op in graph.ops for v in op.outputs}  # made per call
+
+    def edge(u: int, slot: int, val: Value, v: int, k: int, dst, dst_owner, times: int
+             ) -> Edge:
+        """The edge reading ``val`` from ``(u, slot)`` into node ``v``'s slot ``k``, its
+        conversion run ``times`` per call."""
+        if u >= first_settle:
+            owner = src = _settle_choices(val, axis_sizes, layouts)
+        else:
+            owner, src = cg.choices[u], cg.out_sbps(u, slot)
+        mat = edge_matrix(owner, slot, src, dst_owner, k, dst, val.nbytes,
+                          scale.get(val.id, 1.0))
+        return Edge(u, v, mat * times, val, k, (u, slot))
 
     for op in graph.ops:
         node = len(cg.choices)
@@ -371,22 +388,15 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
                 cache[key] = strats
         cg.choices.append(strats)
         cg.refs.append(op)
-        cg.cost.append(np.array([s.flops / rate for s in strats]))
+        cg.cost.append(np.array([s.flops / rate * op.weight for s in strats]))
         for slot, out in enumerate(op.outputs):
             cg.producer[out.id] = (node, slot)
-        for k, val in enumerate(op.inputs):
-            if val.is_const:
-                continue
-            u, slot = source(val)
-            dst = [s.ins[k] for s in strats]
-            if u >= first_settle:
-                owner = _settle_choices(val, axis_sizes, layouts)
-                src = owner
-            else:
-                owner, src = cg.choices[u], cg.out_sbps(u, slot)
-            mat = edge_matrix(owner, slot, src, strats, k, dst, val.nbytes,
-                              scale.get(val.id, 1.0))
-            cg.edges.append(Edge(u, node, mat, val, k, (u, slot)))
+        for k, val in reads(op):
+            if not val.is_const:  # converted as often as the more frequent end runs (inside
+                # a loop body: every iteration)
+                u, slot = cg.producer[val.id] if carry_exit(op) else source(val)
+                cg.edges.append(edge(u, slot, val, node, k, [s.ins[k] for s in strats], strats,
+                                     max(runs.get(val.id, 1), op.weight)))
     for val in shared:
         w = len(cg.choices)
         u, slot = cg.producer[val.id]
@@ -394,8 +404,13 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
         cg.refs.append(Settle(val))
         cg.cost.append(np.zeros(len(cg.choices[w])))
         cg.edges.append(Edge(u, w, cg.reshard_matrix(cg.out_sbps(u, slot), cg.choices[w],
-                                                     val.nbytes, scale.get(val.id, 1.0)),
-                             val, 0, (u, slot)))
+                                                     val.nbytes, scale.get(val.id, 1.0))
+                             * runs.get(val.id, 1), val, 0, (u, slot)))
+    for enter, val in ties_in:  # the body's carry, converted back every iteration
+        u, slot = source(val)
+        v = cg.producer[enter.outputs[0].id][0]
+        cg.edges.append(edge(u, slot, val, v, -1, [s.outs[0] for s in cg.choices[v]],
+                             cg.choices[v], runs.get(val.id, 1)))
     after = {cg.producer[val.id][0]: [] for val in shared}
     for val in shared:
         after[cg.producer[val.id][0]].append(cg.settle[val.id])
@@ -421,6 +436,32 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
             cg.cost[u] = cg.cost[u] + np.diag(fix)
     cg.memory = _memory_points(cg)
     return cg
+
+
+def carry_exit(op: Op) -> bool:
+    """``op`` is a scan's carry result: it reads the loop-carried value (its
+    ``scan_enter``'s output) as the loop keeps it, made, not settled for the body's uses."""
+    return op.prim is SCAN_EXIT and op.params["kind"] == "carry"
+
+
+def reads(op: Op) -> list[tuple[int, Value]]:
+    """(input slot, value) pairs the cost graph prices for ``op``: its inputs, except that a
+    scan's carry result is read from the loop-carried value (:func:`carry_exit`), not from
+    the body's last value."""
+    if carry_exit(op):
+        return [(0, op.params["enter"])]
+    return list(enumerate(op.inputs))
+
+
+def loop_ties(graph: Graph) -> list[tuple[Op, Value]]:
+    """(carry's ``scan_enter``, the value the body returns for it): converted to the
+    carried layout at the end of every iteration."""
+    out = []
+    for op in graph.ops:
+        tie = op.params.get("tie") if op.prim is SCAN_ENTER else None
+        if tie is not None and not tie.is_const and tie is not op.outputs[0]:
+            out.append((op, tie))
+    return out
 
 
 def _settle_choices(v: Value, axis_sizes: Sequence[int], layouts: dict) -> list[NdSbp]:
