@@ -34,6 +34,7 @@ from shardc.ir.sbp import NdSbp, from_partition_spec, to_partition_spec
 from shardc.ir.trace import Traced, trace
 from shardc.lower.emit import explicit_axes, jit_plan
 from shardc.plan import Plan, assemble, fingerprint
+from shardc.plan_cache import PlanCache
 from shardc.rules.registry import has_rule, is_pinned, warn_missing
 from shardc.solve.problem import NOTHING_FIXED, Fixed
 from shardc.solve.search import MemoryBudgetError, SolveOptions, plan_graph
@@ -64,6 +65,7 @@ class Options:
     mesh_search: bool = False
     in_shardings: Any = None
     keep_input_shardings: bool | None = None  # None: True on a mesh with Explicit axes
+    cache_dir: str | None = None  # None: $SHARDC_CACHE_DIR if set, else no disk cache
 
     def __post_init__(self):
         if self.memory_budget is not None and not self.memory_budget > 0:
@@ -196,9 +198,22 @@ class AutoSharded:
         key, tr = self._traced(call)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._compatible(key, tr.fixed) or self._solve(tr, call)
+            plan = self._compatible(key, tr.fixed) or self._cached_or_solved(tr, call)
             self._plans[key] = plan
         return key, tr, plan
+
+    def _cached_or_solved(self, tr: _Traced, call: Call) -> Plan:
+        """The plan from the disk cache (``cache_dir``), else solved and stored there."""
+        store = PlanCache.at(self.options.cache_dir)
+        if store is None:
+            return self._solve(tr, call)
+        key = store.key(tr.traced.graph, self.mesh, self.options, tr.ties, tr.fixed,
+                        call.unflatten(call.leaves)[0])
+        plan = store.load(key, tr.traced.graph)
+        if plan is None:
+            plan = self._solve(tr, call)
+            store.save(key, plan)
+        return plan
 
     def _compatible(self, key, fixed: Fixed) -> Plan | None:
         """A plan made for the same shapes that already has the layouts ``fixed`` asks for:
@@ -402,13 +417,14 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh, cluster: Cluster | Non
                memory_budget: float | None = None, time_limit: float = 10.0, seeds=None,
                mesh_search: bool = False, in_shardings=None, keep_input_shardings: bool = False,
                static_argnums=None, static_argnames=None, donate_argnums=None,
-               donate_argnames=None):
+               donate_argnames=None, cache_dir: str | None = None):
     """Plan and run ``fn`` sharded over ``mesh``, called like ``jax.jit(fn)``. Usable as
     ``@auto_shard(mesh=...)``.
 
     ``cluster`` prices the plan (default: every mesh axis an H100 NVLink link, see
     :class:`shardc.Cluster`); ``memory_budget`` caps per-device bytes; ``time_limit`` bounds
-    the ILP in seconds (its best incumbent is used, and the plan says so). ``seeds`` are
+    the ILP's work in CP-SAT's deterministic seconds (its best incumbent is used, and the
+    plan says so; the same on every machine and under any load). ``seeds`` are
     hand-written plans to start from, ``{name: in_shardings}`` (PartitionSpecs per dynamic
     argument, as for ``jax.jit``): the plan's predicted cost is never above theirs, and
     ``plan.explain()`` lists what each costs. ``mesh_search`` also plans the other logical
@@ -425,10 +441,16 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh, cluster: Cluster | Non
     the types ``jax.jit`` would give them). Otherwise a placed argument is moved to the
     plan's layout (logged once). ``static_argnums`` / ``static_argnames`` /
     ``donate_argnums`` / ``donate_argnames`` mean what they mean for ``jax.jit``.
+
+    ``cache_dir`` (else ``$SHARDC_CACHE_DIR``) keeps plans on disk keyed by the program,
+    its argument types, the mesh, the cluster, these options and the shardc version
+    (:mod:`shardc.plan_cache`): another process planning the same program loads the plan
+    instead of solving. Plans are deterministic (the solver's ``time_limit`` is counted in
+    CP-SAT's deterministic time, not wall time), so the loaded plan is the one it would make.
     """
     options = Options(cluster if cluster is not None else DEFAULT_CLUSTER, memory_budget,
                       time_limit, _named_seeds(seeds), mesh_search, in_shardings,
-                      keep_input_shardings)
+                      keep_input_shardings, cache_dir)
 
     def wrap(f):
         return AutoSharded(f, mesh, options, Convention.of(

@@ -31,11 +31,17 @@ TIGHT_PAIRS = 144  # edges with at most this many (row, column) groups get pair 
 WORKERS = 8
 
 
+#: a wall-clock guard far above any deterministic budget: it only stops a solver that hangs
+#: (a plan cut by it would depend on the machine's load; none has been seen)
+WALL_GUARD = 20.0
+
+
 @dataclass(frozen=True)
 class IlpResult:
     assignment: dict[int, int] | None
     status: str  # OPTIMAL | FEASIBLE | INFEASIBLE | UNKNOWN
     wall_time: float
+    work: float  # CP-SAT's deterministic time spent (its budgets are counted in it)
 
 
 def _groups(mat: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
@@ -137,18 +143,23 @@ def solve_ilp(cg: CostGraph, *, time_limit: float = 10.0, memory_budget: float |
             for a, var in enumerate(s[i]):
                 m.AddHint(var, a == hint[i])
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = float(time_limit)
+    # deterministic: the workers' searches interleaved in fixed batches, the budget counted
+    # in CP-SAT's deterministic time, so the plan does not depend on the machine's load
+    solver.parameters.max_deterministic_time = float(time_limit)
+    solver.parameters.max_time_in_seconds = WALL_GUARD * float(time_limit) + 1.0
+    solver.parameters.interleave_search = workers > 1
     solver.parameters.num_workers = workers
     solver.parameters.random_seed = 0
     solver.parameters.log_search_progress = log
     status = solver.Solve(m)
     name = solver.StatusName(status)
+    work = solver.deterministic_time
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return IlpResult(None, name, solver.WallTime())
+        return IlpResult(None, name, solver.WallTime(), work)
     x = dict(hint)
     x.update({i: next(a for a, var in enumerate(s[i]) if solver.BooleanValue(var))
               for i in live})
-    return IlpResult(x, name, solver.WallTime())
+    return IlpResult(x, name, solver.WallTime(), work)
 
 
 def problem_size(cg: CostGraph, free: Sequence[int] | None = None) -> int:

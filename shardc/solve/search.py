@@ -89,6 +89,7 @@ def solve(cg: CostGraph, options: SolveOptions = SolveOptions(), *,
     n_all = len(cg.choices)
     cg.merge_followers()
     t1 = time.perf_counter()
+    work = 0.0  # CP-SAT deterministic time: the budget is counted in it, never in wall time
     x = descent.solve(cg, memory_budget)
     seed_plans = {}
     for name, layouts in options.seeds.items():
@@ -104,16 +105,17 @@ def solve(cg: CostGraph, options: SolveOptions = SolveOptions(), *,
         # the 1-D seeds may take FLAT_SHARE of the limit; what they leave goes to the ILP
         # (a small graph's seeds are proved at once, and its whole ILP needs the time), which
         # keeps its own share when a large graph's seeds overrun theirs
-        t_seeds = time.perf_counter()
-        for seed in sub_mesh_seeds(cg, memory_budget, time_limit * FLAT_SHARE):
+        seeds, spent = sub_mesh_seeds(cg, memory_budget, time_limit * FLAT_SHARE)
+        work += spent
+        for seed in seeds:
             x = _better(cg, x, seed, memory_budget)
-        time_limit = max(time_limit - (time.perf_counter() - t_seeds),
-                         time_limit * (1 - FLAT_SHARE))
+        time_limit = max(time_limit - spent, time_limit * (1 - FLAT_SHARE))
     t2 = time.perf_counter()
     status, ilp_time = "descent-only", 0.0
     for _ in range(MEMORY_ROUNDS):
-        x, status, t_ilp = _solve_once(cg, x, memory_budget, time_limit, use_ilp, blocks)
+        x, status, t_ilp, w = _solve_once(cg, x, memory_budget, time_limit, use_ilp, blocks)
         ilp_time += t_ilp
+        work += w
         if memory_budget is None or _peak(cg, x) <= memory_budget:
             break
         profile = memory_profile(cg, cg.decode(x))
@@ -130,7 +132,7 @@ def solve(cg: CostGraph, options: SolveOptions = SolveOptions(), *,
             raise MemoryBudgetError(memory_budget, math.ceil(needed))
         x = min(fits, key=lambda y: descent.objective(cg, y))
     stats = {"nodes": n_all, "live_nodes": len(cg.live), "edges": len(cg.edges),
-             "merge_s": t1 - t0, "descent_s": t2 - t1, "ilp_s": ilp_time}
+             "merge_s": t1 - t0, "descent_s": t2 - t1, "ilp_s": ilp_time, "work": work}
     if seed_plans:
         stats["seeds"] = {name: descent.objective(cg, y) for name, y in seed_plans.items()}
     return Solution(cg.decode(x), status, descent.objective(cg, x), stats)
@@ -147,25 +149,27 @@ def _solve_once(cg: CostGraph, x: dict[int, int], memory_budget, time_limit, use
     A graph too large for one ILP is folded (:mod:`shardc.solve.fold`), its quotient solved
     (on an nd mesh axis by axis), and the expanded plan refined block by block."""
     if not use_ilp or time_limit <= 0:
-        return x, "descent-only", 0.0
+        return x, "descent-only", 0.0, 0.0
     if problem_size(cg) > ILP_FULL_TERMS:
         t0 = time.perf_counter()
         folding = fold(cg)
-        x, folded = fold_refine(cg, x, memory_budget, time_limit * FOLD_SHARE, folding)
+        x, folded, work = fold_refine(cg, x, memory_budget, time_limit * FOLD_SHARE, folding)
         if len(cg.axis_sizes) > 1 and not folded:
-            x, folded = axis_refine(cg, x, memory_budget, time_limit * AXIS_SHARE, folding)
+            x, folded, w = axis_refine(cg, x, memory_budget, time_limit * AXIS_SHARE, folding)
+            work += w
         parts = [f"folded ({folded})"] if folded else []
         if blocks:
-            x, refined, _ = block_refine(cg, x, memory_budget, time_limit)
+            x, refined, w = block_refine(cg, x, memory_budget, time_limit)
+            work += w
             parts.append(refined)
         status = " + ".join(parts) or "descent-only"
-        return x, status, time.perf_counter() - t0
+        return x, status, time.perf_counter() - t0, work
     res = solve_ilp(cg, time_limit=time_limit, memory_budget=memory_budget, hint=x)
     if res.assignment is None:
         return x, ("infeasible-ilp" if res.status == "INFEASIBLE" else "descent-only"), \
-            res.wall_time
+            res.wall_time, res.work
     return _better(cg, x, res.assignment, memory_budget), \
-        ("optimal" if res.status == "OPTIMAL" else "time-limit"), res.wall_time
+        ("optimal" if res.status == "OPTIMAL" else "time-limit"), res.wall_time, res.work
 
 
 def _better(cg: CostGraph, x: dict[int, int], y: dict[int, int], memory_budget) -> dict:
@@ -257,14 +261,15 @@ def _tail_blocks(cg: CostGraph) -> list[list[int]]:
     return _pack(cg, comps, TAIL_BLOCK_TERMS)
 
 
-def sub_mesh_seeds(cg: CostGraph, memory_budget, time_limit: float) -> list[dict[int, int]]:
+def sub_mesh_seeds(cg: CostGraph, memory_budget, time_limit: float
+                   ) -> tuple[list[dict[int, int]], float]:
     """Plans of a multi-axis mesh from 1-D problems: the whole mesh seen as one flat axis,
     then each mesh axis alone with the others idle. The 1-D problems are a fraction of the
     size (their dots have a handful of strategies, not their square), so each is solved
     well; data parallel or FSDP over the whole mesh is a flat plan, and Megatron over the
     fast axis (or any plan that leaves the slow axis idle) is a one-axis plan, which the
     axis-wise refinement then extends over the other axes. Only axes faster than the
-    slowest get a seed of their own."""
+    slowest get a seed of their own. Returns the seeds and the solver work they took."""
     names = cg.axis_names
     slow = (min(cg.cluster.bandwidth(a) for a in names),
             -max(cg.cluster.latency(a) for a in names))
@@ -273,15 +278,16 @@ def sub_mesh_seeds(cg: CostGraph, memory_budget, time_limit: float) -> list[dict
     subsets = [tuple(range(len(names)))] + [
         (k,) for k, a in enumerate(names)
         if (cg.cluster.bandwidth(a), -cg.cluster.latency(a)) > slow]
-    return [axes_seed(cg, axes, memory_budget, time_limit / len(subsets)) for axes in subsets]
+    seeds = [axes_seed(cg, axes, memory_budget, time_limit / len(subsets)) for axes in subsets]
+    return [x for x, _ in seeds], sum(w for _, w in seeds)
 
 
 def axes_seed(cg: CostGraph, axes: Sequence[int], memory_budget,
-              time_limit: float) -> dict[int, int]:
+              time_limit: float) -> tuple[dict[int, int], float]:
     """The plan of the 1-D problem over the mesh axes ``axes`` taken as one axis (their
     devices, priced at their slowest link), mapped back: each 1-D ``S(d)`` / ``B`` / ``P``
     becomes the same on every axis in ``axes`` (a dim split over all of them, in mesh
-    order) and ``B`` on the others."""
+    order) and ``B`` on the others; with the solver work it took."""
     n = math.prod(cg.axis_sizes[k] for k in axes)
     names = [cg.axis_names[k] for k in axes]
     flat = dataclasses.replace(
@@ -306,27 +312,28 @@ def axes_seed(cg: CostGraph, axes: Sequence[int], memory_budget,
                                                       tuple(map(spread, c.outs)))
         # a node pinned to a layout the 1-D problem could not name keeps its own (first)
         x[i] = index[id(choices)].get(key, 0)
-    return x
+    return x, sol.stats["work"]
 
 
 def fold_refine(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: float,
                 folding: tuple[CostGraph, dict[int, int]] | None = None
-                ) -> tuple[dict[int, int], str]:
+                ) -> tuple[dict[int, int], str, float]:
     """Solve the repeated-layer quotient of ``cg`` (descent, then the ILP for ``time_limit``
     seconds), expand it, refine it by descent on the full graph, and keep it if it beats
-    ``x``. Returns the plan and the quotient ILP's status ("" when nothing folds).
+    ``x``. Returns the plan, the quotient ILP's status ("" when nothing folds) and the
+    solver work.
     ``folding`` is ``fold(cg)`` when the caller has it."""
     q, cls = folding or fold(cg)
     if len(q.choices) * 2 > len(cls):
-        return x, ""  # less than 2 members per class on average: no repeated layers
+        return x, "", 0.0  # less than 2 members per class on average: no repeated layers
     if problem_size(q) > ILP_FULL_TERMS:
-        return x, ""  # still too large for one ILP (a 2-D mesh squares the choices)
+        return x, "", 0.0  # still too large for one ILP (a 2-D mesh squares the choices)
     xq = descent.solve(q, memory_budget)
     res = solve_ilp(q, time_limit=time_limit, memory_budget=memory_budget, hint=xq)
     if res.assignment is not None:
         xq = _better(q, xq, res.assignment, memory_budget)
     y = descent.descend(cg, expand(cls, xq))
-    return _better(cg, x, y, memory_budget), res.status.lower()
+    return _better(cg, x, y, memory_budget), res.status.lower(), res.work
 
 
 def _without_axis(c, k: int):
@@ -338,7 +345,7 @@ def _without_axis(c, k: int):
 
 def axis_refine(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: float,
                 folding: tuple[CostGraph, dict[int, int]] | None = None
-                ) -> tuple[dict[int, int], str]:
+                ) -> tuple[dict[int, int], str, float]:
     """Coordinate descent over mesh axes on the repeated-layer quotient (AutoDDL's
     per-axis search, made exact per step): hold every node's SBPs on all axes but one and
     solve that axis exactly with the ILP, for each axis in turn. One axis's choice sets are
@@ -348,22 +355,22 @@ def axis_refine(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: flo
     reduce-scatters on the fast link and all-reduces 1/n of it on the slow one)."""
     q, cls = folding or fold(cg)
     xq = {c: x[m[0]] for c, m in enumerate(members(cls))}
-    xq, status = _axis_sweeps(q, xq, memory_budget, time.perf_counter() + time_limit)
+    xq, status, work = _axis_sweeps(q, xq, memory_budget, time_limit)
     y = descent.descend(cg, expand(cls, xq))
-    return _better(cg, x, y, memory_budget), f"axes {status}"
+    return _better(cg, x, y, memory_budget), f"axes {status}", work
 
 
-def _axis_sweeps(q: CostGraph, xq: dict[int, int], memory_budget, deadline: float
-                 ) -> tuple[dict[int, int], str]:
+def _axis_sweeps(q: CostGraph, xq: dict[int, int], memory_budget, budget: float
+                 ) -> tuple[dict[int, int], str, float]:
     """:func:`axis_refine`'s sweeps over the mesh axes of ``q`` from ``xq``, until a sweep
-    moves nothing or ``deadline`` (a ``perf_counter`` time) passes."""
-    status = "optimal"
+    moves nothing or the solver work reaches ``budget``."""
+    status, work = "optimal", 0.0
     for _ in range(AXIS_ROUNDS):
         moved = False
         for k in reversed(range(len(q.axis_sizes))):
-            left = deadline - time.perf_counter()
+            left = budget - work
             if left <= 0:
-                return xq, "time-limit"
+                return xq, "time-limit", work
             allowed = {}
             for i, ch in enumerate(q.choices):
                 keep = _without_axis(ch[xq[i]], k)
@@ -371,6 +378,7 @@ def _axis_sweeps(q: CostGraph, xq: dict[int, int], memory_budget, deadline: floa
             sub = restrict(q, allowed)
             hint = {i: allowed[i].index(xq[i]) for i in allowed}
             res = solve_ilp(sub, time_limit=left, memory_budget=memory_budget, hint=hint)
+            work += res.work
             if res.assignment is None:
                 continue
             if res.status != "OPTIMAL":
@@ -381,7 +389,7 @@ def _axis_sweeps(q: CostGraph, xq: dict[int, int], memory_budget, deadline: floa
                 xq, moved = y, True
         if not moved:
             break
-    return xq, status
+    return xq, status, work
 
 
 def block_refine(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: float):
@@ -389,23 +397,24 @@ def block_refine(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: fl
     consecutive nodes (the tail's update chains with their state, program order, then
     breadth-first order so a layer's forward and backward meet), and each block is re-solved
     exactly with everything else held fixed. Spends at most ``BLOCK_SHARE`` of
-    ``time_limit``; stops after a pass that finds nothing."""
-    t0 = time.perf_counter()
-    budget = time_limit * BLOCK_SHARE
+    ``time_limit`` (in solver work); stops after a pass that finds nothing. Returns the
+    plan, its status and the work spent."""
+    budget, work = time_limit * BLOCK_SHARE, 0.0
     tail = _tail_blocks(cg)
     for blocks in (tail, _blocks(cg, cg.live), _blocks(cg, _bfs_order(cg))):
         before = descent.objective(cg, x)
         for block in blocks:
-            left = budget - (time.perf_counter() - t0)
+            left = budget - work
             if left <= 0:
-                return x, "blocks", time.perf_counter() - t0
+                return x, "blocks", work
             res = solve_ilp(cg, time_limit=min(left, 1.0), memory_budget=memory_budget,
                             hint=x, free=block)
+            work += res.work
             if res.assignment is not None:
                 x = _better(cg, x, res.assignment, memory_budget)
         if descent.objective(cg, x) >= before - 1e-12 and blocks is not tail:
             break
-    return x, "blocks", time.perf_counter() - t0
+    return x, "blocks", work
 
 
 def plan_graph(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str],

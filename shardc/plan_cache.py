@@ -1,0 +1,115 @@
+"""Plans cached on disk, so a second process planning the same program loads the plan.
+
+A plan is stored as its JSON (:meth:`shardc.plan.Plan.to_json`) under a key that covers
+everything the solver's answer depends on: the program (:func:`shardc.plan.fingerprint`:
+primitives, params, dataflow) and its argument types, the mesh's shape and axis names, the
+cluster, the planning options (budget, time limit, seeds, mesh search), the layouts the
+program must keep (ties, fixed inputs and outputs) and the shardc version. Plans are
+deterministic (the solver's budget is counted in CP-SAT's deterministic time), so a cached
+plan is the plan this process would make. Files are written atomically (a temporary file
+renamed into place), so processes sharing a directory never read half a plan; a file that
+does not parse or belongs to another program is re-planned and overwritten (logged).
+
+The directory is ``auto_shard(..., cache_dir=...)``, else ``$SHARDC_CACHE_DIR``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from shardc.ir.graph import Graph
+from shardc.plan import Plan, PlanFormatError, fingerprint
+
+__all__ = ["CACHE_ENV", "PlanCache"]
+
+#: the environment variable naming the cache directory when ``cache_dir`` is not given
+CACHE_ENV = "SHARDC_CACHE_DIR"
+
+log = logging.getLogger("shardc")
+
+
+class PlanCache:
+    """A directory of plans keyed by :meth:`key`."""
+
+    __slots__ = ("root",)
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+
+    @classmethod
+    def at(cls, cache_dir: str | os.PathLike | None) -> PlanCache | None:
+        """The cache at ``cache_dir``, else at ``$SHARDC_CACHE_DIR``; None when neither."""
+        where = cache_dir if cache_dir is not None else os.environ.get(CACHE_ENV) or None
+        return None if where is None else cls(where)
+
+    def key(self, graph: Graph, mesh: jax.sharding.Mesh, options: Any, ties, fixed,
+            dyn_args) -> str:
+        """A digest of what the plan depends on (see the module doc)."""
+        from shardc import __version__
+        from shardc.api import seed_layouts  # the seeds as layouts, as the solver sees them
+
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), dyn_args)
+        seeds = {name: sorted((k, str(nd)) for k, nd in
+                              seed_layouts(f"seed {name!r}", spec, abstract,
+                                           mesh.axis_names).items())
+                 for name, spec in sorted(options.seeds.items())}
+        parts = {
+            "shardc": __version__,
+            "program": fingerprint(graph),
+            "inputs": [[list(v.shape), str(v.dtype)] for v in graph.inputs],
+            "mesh": [list(mesh.devices.shape), list(mesh.axis_names)],
+            "cluster": options.cluster.to_json(),
+            "memory_budget": options.memory_budget,
+            "time_limit": options.time_limit,
+            "mesh_search": options.mesh_search,
+            "seeds": seeds,
+            "ties": [list(t) for t in ties],
+            "fixed": [sorted((k, str(nd)) for k, nd in fixed.inputs.items()),
+                      sorted((k, str(nd)) for k, nd in fixed.outputs.items())],
+        }
+        text = json.dumps(parts, sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def path(self, key: str) -> Path:
+        return self.root / f"{key}.json"
+
+    def load(self, key: str, graph: Graph) -> Plan | None:
+        """The plan stored under ``key`` for ``graph``; None when there is none usable."""
+        path = self.path(key)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            return None
+        try:
+            plan = Plan.from_json(text)
+        except PlanFormatError as exc:
+            log.warning("shardc: ignoring the damaged cached plan %s (%s); planning again",
+                        path, exc)
+            return None
+        if plan.fingerprint != fingerprint(graph):
+            log.warning("shardc: the cached plan %s was made for another program; planning "
+                        "again", path)
+            return None
+        log.info("shardc: loaded the plan from %s", path)
+        return dataclasses.replace(plan, solver={**plan.solver, "cached": str(path)})
+
+    def save(self, key: str, plan: Plan) -> None:
+        """Store ``plan`` under ``key`` atomically (a failure to write is logged, not
+        raised: the plan is in hand)."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".plan-", suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                f.write(plan.to_json())
+            os.replace(tmp, self.path(key))
+        except OSError as exc:
+            log.warning("shardc: could not cache the plan in %s: %s", self.root, exc)
