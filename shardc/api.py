@@ -415,7 +415,8 @@ def seed_layouts(what: str, specs, abstract: tuple, axis_names) -> dict[int, NdS
 
 def auto_shard(fn: Callable | None = None, *, mesh: Mesh, cluster: Cluster | None = None,
                memory_budget: float | None = None, time_limit: float = 10.0, seeds=None,
-               mesh_search: bool = False, in_shardings=None, keep_input_shardings: bool = False,
+               mesh_search: bool = False, in_shardings=None,
+               keep_input_shardings: bool | None = None,
                static_argnums=None, static_argnames=None, donate_argnums=None,
                donate_argnames=None, cache_dir: str | None = None):
     """Plan and run ``fn`` sharded over ``mesh``, called like ``jax.jit(fn)``. Usable as

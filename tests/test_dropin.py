@@ -268,6 +268,16 @@ def test_explicit_mesh_outputs_are_typed_on_the_users_mesh():
     assert jax.typeof(inside).sharding.mesh.axis_types == EXPLICIT.axis_types
 
 
+def test_explicit_mesh_keeps_placed_arguments_by_default():
+    """On an Explicit mesh a placement is the argument's type: the plan keeps it unless the
+    user says keep_input_shardings=False."""
+    xe = jax.device_put(X, NamedSharding(EXPLICIT, Ps(None, "gpu")))
+    kept = shard(lambda x: jnp.tanh(x) * 2.0, mesh=EXPLICIT).plan(xe)
+    assert str(kept.inputs[0]) == "(B, S(1))"
+    free = shard(lambda x: jnp.tanh(x) * 2.0, mesh=EXPLICIT, keep_input_shardings=False)
+    assert free.keep is False
+
+
 def test_explicit_mesh_results_fed_back_reuse_the_plan():
     def step(w, x):
         return w - 0.1 * jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
