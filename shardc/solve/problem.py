@@ -267,6 +267,69 @@ class CostGraph:
         self.edges = [e for es in outs_of.values() for e in es]
 
 
+class CostGraphError(ValueError):
+    """A cost graph breaks one of the invariants :func:`check_cost_graph` names."""
+
+
+def check_cost_graph(cg: CostGraph) -> None:
+    """Verify what the solvers assume of ``cg``; raise :class:`CostGraphError` naming the
+    broken invariant. Run after building and after every pass that transforms a cost graph
+    (follow-merging, folding into a quotient, restricting choices):
+
+    * every node has a ref, a non-empty choice list and one finite, non-negative cost per
+      choice;
+    * ``order`` lists every node once; a follower follows a live node through a choice map
+      map with one entry per leader choice, each one of the follower's own choices;
+    * every edge joins two distinct live nodes with a ``[|S_u|, |S_v|]`` finite,
+      non-negative cost matrix;
+    * every memory point holds live nodes only, one byte count per choice.
+    """
+    n = len(cg.choices)
+    if len(cg.refs) != n or len(cg.cost) != n:
+        raise CostGraphError(f"{n} choice lists but {len(cg.refs)} refs and {len(cg.cost)} "
+                             "cost vectors: every node needs one of each")
+    for i in range(n):
+        if not cg.choices[i]:
+            raise CostGraphError(f"node {i} ({cg.refs[i]}) has no choices")
+        c = np.asarray(cg.cost[i])
+        if c.shape != (len(cg.choices[i]),):
+            raise CostGraphError(f"node {i} ({cg.refs[i]}): cost vector of shape {c.shape} "
+                                 f"for {len(cg.choices[i])} choices")
+        if not np.all(np.isfinite(c)) or np.any(c < 0):
+            raise CostGraphError(f"node {i} ({cg.refs[i]}): costs must be finite and >= 0")
+    if sorted(cg.order) != list(range(n)):
+        raise CostGraphError(f"order must list each of the {n} nodes once, got "
+                             f"{len(cg.order)} entries ({len(set(cg.order))} distinct)")
+    for v, (u, f) in cg.follows.items():
+        if not (0 <= u < n) or u == v:
+            raise CostGraphError(f"node {v} follows {u}, which is not another node")
+        if len(f) != len(cg.choices[u]) or np.any(f < 0) or np.any(f >= len(cg.choices[v])):
+            raise CostGraphError(f"node {v} follows {u} with a choice map of length {len(f)} "
+                                 f"into {len(cg.choices[v])} choices; it must map each of "
+                                 f"{u}'s {len(cg.choices[u])} choices to one of {v}'s")
+    live = set(cg.live)
+    for k, e in enumerate(cg.edges):
+        if e.u not in live or e.v not in live:
+            raise CostGraphError(f"edge {k} ({e.u} -> {e.v}, value {e.value}) touches a node "
+                                 "that follows another: re-point it to the leader")
+        if e.u == e.v:
+            raise CostGraphError(f"edge {k} is a self-loop on node {e.u}: fold its diagonal "
+                                 "into the node's cost")
+        want = (len(cg.choices[e.u]), len(cg.choices[e.v]))
+        if e.cost.shape != want:
+            raise CostGraphError(f"edge {k} ({e.u} -> {e.v}): cost matrix {e.cost.shape}, "
+                                 f"expected {want}")
+        if not np.all(np.isfinite(e.cost)) or np.any(e.cost < 0):
+            raise CostGraphError(f"edge {k} ({e.u} -> {e.v}): costs must be finite and >= 0")
+    for t, point in enumerate(cg.memory):
+        for i, vec in point.items():
+            if i not in live:
+                raise CostGraphError(f"memory point {t} counts node {i}, which is not live")
+            if np.shape(vec) != (len(cg.choices[i]),):
+                raise CostGraphError(f"memory point {t}, node {i}: {np.shape(vec)} byte "
+                                     f"counts for {len(cg.choices[i])} choices")
+
+
 def _fresh_splits(strategies: Sequence, followed: Sequence[int]) -> np.ndarray:
     """Per strategy: True when some output is split along a mesh axis on which every
     ``followed`` input is broadcast (the op would cut a replicated value on its own)."""
