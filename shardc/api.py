@@ -258,7 +258,7 @@ class AutoSharded:
                 tried.append({"mesh": view.label, "predicted_s": None,
                               "plan_s": time.perf_counter() - t, "error": str(exc)})
                 continue
-            solver = {"status": sol.status, "objective": sol.objective, **sol.stats}
+            solver = {"status": sol.status.value, "objective": sol.objective, **sol.stats}
             plan = assemble(graph, cg, sol.choice, tr.ties, solver)
             tried.append({"mesh": view.label, "predicted_s": plan.predicted.step_time,
                           "plan_s": time.perf_counter() - t})

@@ -50,7 +50,8 @@ def explain_plan(plan, max_rows: int | None = 60, top: int = 10) -> str:
     mesh = mesh_label(plan.mesh_axes)
     lines = [
         f"shardc plan on mesh ({mesh}); solver: {plan.solver.get('status', '?')}"
-        f" in {plan.solver.get('plan_s', 0.0):.2f} s",
+        + (f" ({plan.solver['stages']})" if plan.solver.get("stages") else "")
+        + f" in {plan.solver.get('plan_s', 0.0):.2f} s",
         f"predicted step: {fmt_time(p.step_time)} = compute {fmt_time(p.compute_time)} + "
         f"comm {fmt_time(p.comm_time)} ({fmt_bytes(p.comm_bytes)} on the wire per device) + "
         f"input feed {fmt_time(p.feed_time)}; "

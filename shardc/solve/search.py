@@ -7,6 +7,7 @@ worse. A time-limited ILP returns its best incumbent and the plan says so.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import time
 from collections import deque
@@ -66,12 +67,22 @@ class SolveOptions:
     seeds: Mapping[str, Mapping[int, NdSbp]] = field(default_factory=dict)
 
 
+class Status(enum.StrEnum):
+    """How a plan was settled (a ``str``: it is stored as its value in plan files)."""
+
+    OPTIMAL = "optimal"  # one ILP over the whole cost graph proved its optimum
+    TIME_LIMIT = "time-limit"  # that ILP's best incumbent when its budget ran out
+    REFINED = "refined"  # too large for one ILP: the descent plan refined by smaller ILPs
+    DESCENT_ONLY = "descent-only"  # no ILP ran or none found a plan: coordinate descent's
+    INFEASIBLE = "infeasible-ilp"  # the ILP proved the memory budget cannot be met
+
+
 @dataclass(frozen=True)
 class Solution:
     choice: list[int]  # per cost-graph node
-    status: str  # optimal | time-limit | blocks | descent-only | infeasible-ilp
+    status: Status
     objective: float  # seconds, the cost graph's objective
-    stats: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)  # "stages" says what refined a REFINED plan
 
 
 def solve(cg: CostGraph, options: SolveOptions = SolveOptions(), *,
@@ -111,9 +122,10 @@ def solve(cg: CostGraph, options: SolveOptions = SolveOptions(), *,
             x = _better(cg, x, seed, memory_budget)
         time_limit = max(time_limit - spent, time_limit * (1 - FLAT_SHARE))
     t2 = time.perf_counter()
-    status, ilp_time = "descent-only", 0.0
+    status, stages, ilp_time = Status.DESCENT_ONLY, "", 0.0
     for _ in range(MEMORY_ROUNDS):
-        x, status, t_ilp, w = _solve_once(cg, x, memory_budget, time_limit, use_ilp, blocks)
+        x, status, stages, t_ilp, w = _solve_once(cg, x, memory_budget, time_limit, use_ilp,
+                                                  blocks)
         ilp_time += t_ilp
         work += w
         if memory_budget is None or _peak(cg, x) <= memory_budget:
@@ -133,6 +145,8 @@ def solve(cg: CostGraph, options: SolveOptions = SolveOptions(), *,
         x = min(fits, key=lambda y: descent.objective(cg, y))
     stats = {"nodes": n_all, "live_nodes": len(cg.live), "edges": len(cg.edges),
              "merge_s": t1 - t0, "descent_s": t2 - t1, "ilp_s": ilp_time, "work": work}
+    if stages:
+        stats["stages"] = stages
     if seed_plans:
         stats["seeds"] = {name: descent.objective(cg, y) for name, y in seed_plans.items()}
     return Solution(cg.decode(x), status, descent.objective(cg, x), stats)
@@ -149,7 +163,7 @@ def _solve_once(cg: CostGraph, x: dict[int, int], memory_budget, time_limit, use
     A graph too large for one ILP is folded (:mod:`shardc.solve.fold`), its quotient solved
     (on an nd mesh axis by axis), and the expanded plan refined block by block."""
     if not use_ilp or time_limit <= 0:
-        return x, "descent-only", 0.0, 0.0
+        return x, Status.DESCENT_ONLY, "", 0.0, 0.0
     if problem_size(cg) > ILP_FULL_TERMS:
         t0 = time.perf_counter()
         folding = fold(cg)
@@ -162,14 +176,16 @@ def _solve_once(cg: CostGraph, x: dict[int, int], memory_budget, time_limit, use
             x, refined, w = block_refine(cg, x, memory_budget, time_limit)
             work += w
             parts.append(refined)
-        status = " + ".join(parts) or "descent-only"
-        return x, status, time.perf_counter() - t0, work
+        stages = " + ".join(parts)
+        return x, (Status.REFINED if stages else Status.DESCENT_ONLY), stages, \
+            time.perf_counter() - t0, work
     res = solve_ilp(cg, time_limit=time_limit, memory_budget=memory_budget, hint=x)
     if res.assignment is None:
-        return x, ("infeasible-ilp" if res.status == "INFEASIBLE" else "descent-only"), \
-            res.wall_time, res.work
+        return x, (Status.INFEASIBLE if res.status == "INFEASIBLE" else Status.DESCENT_ONLY), \
+            "", res.wall_time, res.work
     return _better(cg, x, res.assignment, memory_budget), \
-        ("optimal" if res.status == "OPTIMAL" else "time-limit"), res.wall_time, res.work
+        (Status.OPTIMAL if res.status == "OPTIMAL" else Status.TIME_LIMIT), "", \
+        res.wall_time, res.work
 
 
 def _better(cg: CostGraph, x: dict[int, int], y: dict[int, int], memory_budget) -> dict:
