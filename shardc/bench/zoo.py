@@ -75,4 +75,5 @@ ZOO = {
     "moe": ZooModel("moe", "models.moe", "tiny", "realistic", "tiny", moe=True),
     "wrn": ZooModel("wrn", "models.wrn", "tiny", "realistic", "tiny"),
     "vit": ZooModel("vit", "models.vit", "tiny", "realistic", "tiny"),
+    "llama": ZooModel("llama", "models.llama", "tiny", "realistic", "realistic(n_layers=2)"),
 }
