@@ -73,7 +73,8 @@ def memory(cg: CostGraph, x: dict[int, int]) -> float:
 
 def greedy(cg: CostGraph, inputs: dict[int, int], first: Sequence[int] = ()) -> dict[int, int]:
     """Program-order greedy: graph inputs fixed, each op takes its cheapest choice given the
-    choices already made (a data-parallel plan falls out of a split batch). The nodes in
+    choices already made and what its undecided uses will pay for it, one use ahead
+    (:func:`_uses_cost`; a data-parallel plan falls out of a split batch). The nodes in
     ``first`` decide before the rest, in the order given."""
     adj = _adjacency(cg)
     x = dict(inputs)
