@@ -202,8 +202,9 @@ def test_gradient_accumulation_is_data_parallel():
     assert plan.predicted.step_time > 0
 
 
+@pytest.mark.parametrize("mesh_name", list(MESHES))
 @pytest.mark.parametrize("kind", ["nnx", "linen"])
-def test_flax_scanned_layers_match_the_unsharded_run(kind):
+def test_flax_scanned_layers_match_the_unsharded_run(kind, mesh_name):
     from flax import linen as nn
     from flax import nnx
 
@@ -248,7 +249,7 @@ def test_flax_scanned_layers_match_the_unsharded_run(kind):
     def step(params, x):
         return jax.grad(lambda p: jnp.sum(forward(p, x) ** 2))(params)
 
-    got = shardc.auto_shard(step, mesh=mesh("2x4"), time_limit=2.0)(params, x)
+    got = shardc.auto_shard(step, mesh=mesh(mesh_name), time_limit=2.0)(params, x)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(jax.jit(step)(params, x)),
                     strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
