@@ -25,9 +25,12 @@ from shardc.solve.problem import CostGraph
 
 SCALE_RANGE = 1e8  # the largest cost becomes this many integer units
 TIGHT_PAIRS = 144  # edges with at most this many (row, column) groups get pair variables
-#: CP-SAT's portfolio (LP, max-LP, core-based, LNS workers): on the folded GPT-2 quotient
-#: 8 workers prove the optimum in ~2 s on a 2-core machine where 2 workers do not in 20 s
-#: and a single worker in 60 s (the core-based worker closes the gap)
+#: CP-SAT's portfolio (LP, max-LP, core-based, LNS workers), interleaved in fixed batches
+#: (deterministic for any count). Chosen when the portfolio ran free: on the folded GPT-2
+#: quotient 8 workers proved the optimum in ~2 s on a 2-core machine where 2 did not in 20 s.
+#: Interleaved, on the 2x2 MLP sanity plan at 10 deterministic seconds, 1/2/4/8/16 workers
+#: end at 3.131/3.204/3.225/3.225/3.225 ms predicted (optimum 3.126): the count is worth
+#: re-measuring with the planning-speed work.
 WORKERS = 8
 
 
