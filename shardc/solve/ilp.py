@@ -150,7 +150,7 @@ def solve_ilp(cg: CostGraph, *, time_limit: float = 10.0, memory_budget: float |
     # in CP-SAT's deterministic time, so the plan does not depend on the machine's load
     solver.parameters.max_deterministic_time = float(time_limit)
     solver.parameters.max_time_in_seconds = WALL_GUARD * float(time_limit) + 1.0
-    solver.parameters.interleave_search = workers > 1
+    solver.parameters.interleave_search = True
     solver.parameters.num_workers = workers
     solver.parameters.random_seed = 0
     solver.parameters.log_search_progress = log
