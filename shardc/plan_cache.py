@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 
+from shardc.calling import abstract_leaf
 from shardc.ir.graph import Graph
 from shardc.plan import Plan, PlanFormatError, fingerprint
 
@@ -57,7 +58,7 @@ class PlanCache:
         from shardc import __version__
         from shardc.api import seed_layouts  # the seeds as layouts, as the solver sees them
 
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), dyn_args)
+        abstract = jax.tree.map(abstract_leaf, dyn_args)
         seeds = {name: sorted((k, str(nd)) for k, nd in
                               seed_layouts(f"seed {name!r}", spec, abstract,
                                            mesh.axis_names).items())

@@ -151,3 +151,16 @@ def test_the_key_covers_the_options_and_the_mesh(tmp_path):
     flat = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
     shardc.auto_shard(step, mesh=flat, time_limit=1.0, cache_dir=str(cache)).plan(*args)
     assert len(list(cache.iterdir())) == 5
+
+
+def test_python_scalar_arguments_are_cached_too(tmp_path):
+    """A weak-typed Python scalar among the arguments (a learning rate) keys like jax.jit."""
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+    x = jnp.ones((64, 32), jnp.float32)
+    cache = tmp_path / "plans"
+    for _ in range(2):
+        s = shardc.auto_shard(lambda x, lr: jnp.tanh(x) * lr, mesh=mesh, time_limit=0.5,
+                              cache_dir=str(cache))
+        np.testing.assert_allclose(np.asarray(s(x, 0.5)), np.tanh(np.ones((64, 32))) * 0.5,
+                                   rtol=1e-6)
+    assert len(list(cache.iterdir())) == 1
