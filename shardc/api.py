@@ -204,16 +204,26 @@ class AutoSharded:
 
     def _cached_or_solved(self, tr: _Traced, call: Call) -> Plan:
         """The plan from the disk cache (``cache_dir``), else solved and stored there."""
+        seeds = self._seed_layouts(call)
         store = PlanCache.at(self.options.cache_dir)
         if store is None:
-            return self._solve(tr, call)
-        key = store.key(tr.traced.graph, self.mesh, self.options, tr.ties, tr.fixed,
-                        call.unflatten(call.leaves)[0])
-        plan = store.load(key, tr.traced.graph)
+            return self._solve(tr, seeds)
+        program = fingerprint(tr.traced.graph)
+        key = store.key(program, tr.traced.graph.inputs, self.mesh, self.options, seeds,
+                        tr.ties, tr.fixed)
+        plan = store.load(key, program)
         if plan is None:
-            plan = self._solve(tr, call)
+            plan = self._solve(tr, seeds)
             store.save(key, plan)
         return plan
+
+    def _seed_layouts(self, call: Call) -> dict[str, dict[int, NdSbp]]:
+        """The ``seeds`` option as graph-input layouts, by seed name."""
+        dyn_args, _ = call.unflatten(call.leaves)
+        abstract = jax.tree.map(abstract_leaf, dyn_args)
+        names = tuple(self.mesh.axis_names)
+        return {name: seed_layouts(f"seed {name!r}", spec, abstract, names)
+                for name, spec in self.options.seeds.items()}
 
     def _compatible(self, key, fixed: Fixed) -> Plan | None:
         """A plan made for the same shapes that already has the layouts ``fixed`` asks for:
@@ -228,7 +238,7 @@ class AutoSharded:
                 return plan
         return None
 
-    def _solve(self, tr: _Traced, call: Call) -> Plan:
+    def _solve(self, tr: _Traced, seeds: dict[str, dict[int, NdSbp]]) -> Plan:
         graph = tr.traced.graph
         warn_missing([op.name for op in graph.ops if not has_rule(op.name)])
         opts = self.options
@@ -237,10 +247,6 @@ class AutoSharded:
         physical = View(shape, names, opts.cluster)
         candidates = views(shape, names, opts.cluster) if opts.mesh_search and not pinned \
             else [physical]
-        dyn_args, _ = call.unflatten(call.leaves)
-        abstract = jax.tree.map(abstract_leaf, dyn_args)
-        seeds = {name: seed_layouts(f"seed {name!r}", spec, abstract, names)
-                 for name, spec in opts.seeds.items()}
         t0 = time.perf_counter()
         best, tried, failure = None, [], None
         for view in candidates:

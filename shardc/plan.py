@@ -23,7 +23,14 @@ from shardc.cost.combine import alpha_scales
 from shardc.cost.comm import conversion
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Partial, to_partition_spec
-from shardc.solve.problem import CostGraph, carry_exit, feed_time, loop_ties, reads
+from shardc.solve.problem import (
+    CostGraph,
+    carry_exit,
+    feed_time,
+    loop_ties,
+    read_runs,
+    reads,
+)
 
 
 @dataclass(frozen=True)
@@ -299,7 +306,7 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
         return t
 
     settled = {vid: cg.choices[w][choice[w]] for vid, w in cg.settle.items()}
-    runs = {v.id: op.weight for op in graph.ops for v in op.outputs}  # per call
+    runs = graph.runs()
 
     def settle(v) -> None:
         if v.id in settled:
@@ -316,7 +323,7 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
         for k, v in reads(op):
             if not v.is_const:
                 op_comm += record(v, op.id, values[v.id] if carry_exit(op) else read(v),
-                                  strat.ins[k], max(runs.get(v.id, 1), op.weight))
+                                  strat.ins[k], read_runs(runs, v, op))
         for v, nd in zip(op.outputs, strat.outs):
             values[v.id] = nd
             settle(v)

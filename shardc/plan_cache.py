@@ -21,14 +21,15 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 
-from shardc.calling import abstract_leaf
-from shardc.ir.graph import Graph
-from shardc.plan import Plan, PlanFormatError, fingerprint
+from shardc.ir.graph import Value
+from shardc.ir.sbp import NdSbp
+from shardc.plan import Plan, PlanFormatError
 
 __all__ = ["CACHE_ENV", "PlanCache"]
 
@@ -52,27 +53,24 @@ class PlanCache:
         where = cache_dir if cache_dir is not None else os.environ.get(CACHE_ENV) or None
         return None if where is None else cls(where)
 
-    def key(self, graph: Graph, mesh: jax.sharding.Mesh, options: Any, ties, fixed,
-            dyn_args) -> str:
-        """A digest of what the plan depends on (see the module doc)."""
+    def key(self, program: str, inputs: Sequence[Value], mesh: jax.sharding.Mesh,
+            options: Any, seeds: Mapping[str, Mapping[int, NdSbp]], ties, fixed) -> str:
+        """A digest of what the plan depends on (see the module doc): ``program`` is the
+        graph's :func:`~shardc.plan.fingerprint`, ``inputs`` its inputs, ``seeds`` the
+        seed layouts by name, as the solver gets them."""
         from shardc import __version__
-        from shardc.api import seed_layouts  # the seeds as layouts, as the solver sees them
 
-        abstract = jax.tree.map(abstract_leaf, dyn_args)
-        seeds = {name: sorted((k, str(nd)) for k, nd in
-                              seed_layouts(f"seed {name!r}", spec, abstract,
-                                           mesh.axis_names).items())
-                 for name, spec in sorted(options.seeds.items())}
         parts = {
             "shardc": __version__,
-            "program": fingerprint(graph),
-            "inputs": [[list(v.shape), str(v.dtype)] for v in graph.inputs],
+            "program": program,
+            "inputs": [[list(v.shape), str(v.dtype)] for v in inputs],
             "mesh": [list(mesh.devices.shape), list(mesh.axis_names)],
             "cluster": options.cluster.to_json(),
             "memory_budget": options.memory_budget,
             "time_limit": options.time_limit,
             "mesh_search": options.mesh_search,
-            "seeds": seeds,
+            "seeds": {name: sorted((k, str(nd)) for k, nd in layouts.items())
+                      for name, layouts in sorted(seeds.items())},
             "ties": [list(t) for t in ties],
             "fixed": [sorted((k, str(nd)) for k, nd in fixed.inputs.items()),
                       sorted((k, str(nd)) for k, nd in fixed.outputs.items())],
@@ -83,8 +81,9 @@ class PlanCache:
     def path(self, key: str) -> Path:
         return self.root / f"{key}.json"
 
-    def load(self, key: str, graph: Graph) -> Plan | None:
-        """The plan stored under ``key`` for ``graph``; None when there is none usable."""
+    def load(self, key: str, program: str) -> Plan | None:
+        """The plan stored under ``key`` for the program with fingerprint ``program``; None
+        when there is none usable."""
         path = self.path(key)
         try:
             text = path.read_text()
@@ -96,7 +95,7 @@ class PlanCache:
             log.warning("shardc: ignoring the damaged cached plan %s (%s); planning again",
                         path, exc)
             return None
-        if plan.fingerprint != fingerprint(graph):
+        if plan.fingerprint != program:
             log.warning("shardc: the cached plan %s was made for another program; planning "
                         "again", path)
             return None

@@ -55,7 +55,7 @@ def alpha_scales(graph: Graph) -> dict[int, float]:
     combines within an iteration only: its values share among the entries made as often
     as they are (``Op.weight``, standing for the loop they are in)."""
     tail = tail_values(graph)
-    runs = {v.id: op.weight for op in graph.ops for v in op.outputs}
+    runs = graph.runs()
     entries: dict[int, int] = {}
     for op in graph.ops:
         if not facts(op.name).tail:

@@ -75,7 +75,7 @@ from shardc.inspect.hlotext import (
     shape_bytes,
     shape_tree,
 )
-from shardc.inspect.loops import loop_extra_flops, multiplicity, trip_count
+from shardc.inspect.loops import loop_extra_flops, multiplicity
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -271,22 +271,6 @@ def collectives(compiled_or_hlo_text: Any, mesh: Mesh) -> list[HloCollective]:
     return found
 
 
-_WHILE_BODY = re.compile(r"body=%?([^\s,}]+)")
-
-
-def loop_trip_counts(compiled_or_hlo_text: Any) -> dict[str, int]:
-    """While-body computation name -> XLA's known trip count (per entry into the loop;
-    :func:`shardc.inspect.loops.multiplicity` multiplies through enclosing loops). Loops
-    without a known count are absent."""
-    counts: dict[str, int] = {}
-    for comp in parse_module(_hlo_text(compiled_or_hlo_text)).values():
-        for instr in comp.instructions.values():
-            body, trip = _WHILE_BODY.search(instr.attrs), trip_count(instr)
-            if body and trip is not None:
-                counts[body.group(1)] = trip
-    return counts
-
-
 # ---- pricing ---------------------------------------------------------------------------------
 
 
@@ -308,7 +292,7 @@ def collective_seconds(c: HloCollective, mesh: Mesh, cluster: Cluster) -> float:
 def compiled_flops(compiled: Any) -> float:
     """Per-device FLOPs from ``compiled.cost_analysis()`` (a dict, or a list of dicts that
     are summed; 0.0 when the backend reports none), with the later iterations of loops it
-    counts once added (:func:`shardc.inspect.flops.loop_extra_flops`)."""
+    counts once added (:func:`shardc.inspect.loops.loop_extra_flops`)."""
     return _analysed_flops(compiled) + loop_extra_flops(compiled.as_text())
 
 
@@ -340,11 +324,12 @@ def price(compiled: Any, mesh: Mesh, cluster: Cluster) -> CompiledCost:
     """Price a ``jax`` Compiled on ``cluster``: each collective with
     :func:`~shardc.cost.comm.collective_time`, times the runs of the loop bodies around it;
     compute as ``flops / (device_flops * utilization)``, loop bodies by trip count."""
-    found = tuple(collectives(compiled, mesh))
-    every = multiplicity(compiled.as_text())
+    text = _hlo_text(compiled)  # printed once, parsed once (parse_module keeps the last few)
+    found = tuple(collectives(text, mesh))
+    every = multiplicity(text)
     runs = tuple(every.get(c.computation, 1) for c in found)
     times = tuple(collective_seconds(c, mesh, cluster) * n for c, n in zip(found, runs))
-    flops = compiled_flops(compiled)
+    flops = _analysed_flops(compiled) + loop_extra_flops(text)
     return CompiledCost(
         comm_time=sum(times),
         compute_time=flops / (cluster.device_flops * cluster.utilization),

@@ -8,6 +8,7 @@ name, result shape text, opcode, operand names, and the attribute text after the
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -100,7 +101,10 @@ def _parse_instruction(line: str) -> Instruction | None:
                         rest[close + 1:])
 
 
+@functools.lru_cache(maxsize=4)
 def parse_module(text: str) -> dict[str, Computation]:
+    """Computations of an HLO module's text, by name. Cached (pricing a program reads its
+    collectives, loops and FLOPs from one parse): the result is shared, read it only."""
     comps: dict[str, Computation] = {}
     current: Computation | None = None
     for line in text.splitlines():

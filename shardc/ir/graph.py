@@ -108,6 +108,11 @@ class Graph:
                 users.setdefault(v.id, []).append((op, k))
         return users
 
+    def runs(self) -> dict[int, int]:
+        """value id -> how many times it is made per call (its producer's ``weight``: a loop
+        body's values once per iteration); graph inputs and constants are absent (once)."""
+        return {v.id: op.weight for op in self.ops for v in op.outputs}
+
     def values(self) -> Iterable[Value]:
         yield from self.inputs
         for op in self.ops:

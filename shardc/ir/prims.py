@@ -38,6 +38,10 @@ class Prim:
     #: pins a layout the user wrote (``with_sharding_constraint``, a ``shard_map`` region):
     #: planned with exactly that layout (``rules/fixed.py``)
     fixed: bool = False
+    #: its rule splits an output only along a mesh axis that splits an operand (a dot's batch
+    #: and free dims, a reduction's kept dims): with no partial value in or out, XLA's
+    #: partitioner derives the output layout from the operands' (``lower/emit.py``)
+    splits_from_operands: bool = False
 
 
 DEFAULT = Prim()
@@ -71,13 +75,15 @@ CALLS = {
     "remat2": "jaxpr",
 }
 FIXED = ("sharding_constraint", "shard_map")
+SPLITS_FROM_OPERANDS = "dot_general reduce_sum reduce_max reduce_min argmax argmin".split()
 
 
 def _table() -> dict[str, Prim]:
-    names = {*UNARY, *BINARY, *TAIL, *PASSES_PARTIAL, *CALLS, *FIXED}
+    names = {*UNARY, *BINARY, *TAIL, *PASSES_PARTIAL, *CALLS, *FIXED, *SPLITS_FROM_OPERANDS}
     return {n: Prim(call=CALLS.get(n), elementwise=n in UNARY or n in BINARY,
                     linear=n in LINEAR_UNARY, passes_partial=n in PASSES_PARTIAL,
-                    tail=n in TAIL, fixed=n in FIXED)
+                    tail=n in TAIL, fixed=n in FIXED,
+                    splits_from_operands=n in SPLITS_FROM_OPERANDS)
             for n in sorted(names)}
 
 
@@ -87,3 +93,15 @@ PRIMS: dict[str, Prim] = _table()
 def facts(name: str) -> Prim:
     """The facts of primitive ``name`` (:data:`DEFAULT` for one the table does not list)."""
     return PRIMS.get(name, DEFAULT)
+
+
+def passes_partial(op) -> bool:
+    """``op`` passes a partial value through (P -> P) as a layout change does: a primitive
+    whose fact says so, or a sum over dims of size 1 only (jax's transpose of a broadcast
+    that added them), which is a reshape."""
+    if facts(op.name).passes_partial:
+        return True
+    if op.name != "reduce_sum":
+        return False
+    shape = op.inputs[0].shape
+    return all(shape[a % len(shape)] == 1 for a in op.params["axes"])

@@ -67,13 +67,6 @@ def constant_values(graph) -> set[int]:
     return out
 
 
-#: ops whose rules split an output only along a mesh axis that splits an operand (a dot's
-#: batch and free dims, a reduction's kept dims): with no partial value in or out, the
-#: partitioner derives their output layout from their operands'
-_SPLITS_FROM_OPERANDS = frozenset({"dot_general", "reduce_sum", "reduce_max", "reduce_min",
-                                   "argmax", "argmin"})
-
-
 def _read_as_made(graph, plan, by_op) -> set[int]:
     """Ids of values that every use (ops and graph outputs) reads in the layout they are
     made in: no settling, no conversion (a scan body's carry results are converted back to
@@ -169,7 +162,7 @@ class _Lowering:
             src = planned.ins[0]
             return all(isinstance(a, Split) == isinstance(b, Split)
                        for a, b in zip(src.sbps, nd.sbps))
-        if op.name in _SPLITS_FROM_OPERANDS:  # every output split comes from an operand's
+        if facts(op.name).splits_from_operands:  # every output split is an operand's
             return all(any(isinstance(s.sbps[a], Split) for _, s in read)
                        for a, b in enumerate(nd.sbps) if isinstance(b, Split))
         return False

@@ -4,13 +4,14 @@ A ``scan``'s body is planned op by op like straight code (the trace inlines it, 
 its trip count); only its ``scan_enter`` / ``scan_exit`` ops have rules here: a const or
 carry enters as it is, an xs slice per iteration (outer dim ``d + 1`` is the body's ``d``),
 ys leave stacked (body dim ``d`` is the outer ``d + 1``), and the scanned axis is never
-split. A ``while`` loop and a ``cond`` stay one op each, with signatures from their bodies:
+split.
 
-A loop or branch is one op holding sub-jaxprs, so its signatures come from its body: a split
-placement of the loop's inputs is exact when the body, run per device on the local pieces,
-computes the local pieces of the outputs. That holds when every op of the body has an exact
-signature (one the registry lists) for the placements flowing into it. :func:`propagate`
-checks this by pushing 1-D SBPs through the body op by op with the body ops' own rules:
+A ``while`` loop or a ``cond`` is one op holding sub-jaxprs, so its signatures come from its
+body: a split placement of the loop's inputs is exact when the body, run per device on the
+local pieces, computes the local pieces of the outputs. That holds when every op of the body
+has an exact signature (one the registry lists) for the placements flowing into it.
+:func:`propagate` checks this by pushing 1-D SBPs through the body op by op with the body
+ops' own rules:
 
 * a value is ``B`` (replicated: a constant, a literal, or computed from replicated values
   only) or ``S(d)``; every split value's ``d`` has the loop's batch size, so the loop's

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from shardc.ir.graph import Op
-from shardc.ir.prims import facts
+from shardc.ir.prims import passes_partial
 from shardc.ir.sbp import B, Broadcast, NdSbp, Partial, Sbp
 
 
@@ -150,15 +150,6 @@ def signatures(op: Op) -> list[Signature]:
     return out
 
 
-def _moves_no_element(op: Op) -> bool:
-    """A sum over dims of size 1 only (jax's transpose of a broadcast that added them):
-    a reshape, which keeps a partial value partial as reshape does."""
-    if op.name != "reduce_sum":
-        return False
-    shape = op.inputs[0].shape
-    return all(shape[a % len(shape)] == 1 for a in op.params["axes"])
-
-
 def strategies(op: Op, axis_sizes: Sequence[int], axis_names: Sequence[str] | None = None,
                consume_partial: bool = False) -> list[Strategy]:
     """nd strategies of ``op`` on a mesh with ``axis_sizes``: product of 1-D signatures,
@@ -173,15 +164,15 @@ def strategies(op: Op, axis_sizes: Sequence[int], axis_names: Sequence[str] | No
     of ops that pass partial values through (:attr:`shardc.ir.prims.Prim.passes_partial`):
     lowering on Auto mesh axes cannot keep a value unreduced across ops (XLA reduces a
     partial result before its next use; an add of two partials becomes two all-reduces), so
-    a plan must not count on it. Ops may still *produce* partial values. A sum over dims of
-    size 1 passes them as a reshape does."""
+    a plan must not count on it. Ops may still *produce* partial values (and a sum over
+    dims of size 1 passes them, as a reshape does: :func:`shardc.ir.prims.passes_partial`)."""
     total = op_flops(op)
     if axis_names is not None and op.name in _FIXED:
         return [Strategy(tuple(ins), tuple(outs), total)
                 for ins, outs in _FIXED[op.name](op, axis_names)]
     sigs = signatures(op)
     if not consume_partial:
-        keep = facts(op.name).passes_partial or _moves_no_element(op)
+        keep = passes_partial(op)
         sigs = [s for s in sigs if not any(isinstance(x, Partial) for x in s.ins)
                 or (keep and all(isinstance(x, Partial) for x in (*s.ins[:1], *s.outs)))]
     result: list[Strategy] = []

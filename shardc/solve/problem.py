@@ -427,7 +427,7 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
         """(node, slot) its uses read ``val`` from: its settle node, else its producer."""
         return (cg.settle[val.id], 0) if val.id in cg.settle else cg.producer[val.id]
 
-    runs = {v.id: op.weight for op in graph.ops for v in op.outputs}  # made per call
+    runs = graph.runs()
 
     def edge(u: int, slot: int, val: Value, v: int, k: int, dst, dst_owner, times: int
              ) -> Edge:
@@ -455,11 +455,10 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
         for slot, out in enumerate(op.outputs):
             cg.producer[out.id] = (node, slot)
         for k, val in reads(op):
-            if not val.is_const:  # converted as often as the more frequent end runs (inside
-                # a loop body: every iteration)
+            if not val.is_const:
                 u, slot = cg.producer[val.id] if carry_exit(op) else source(val)
                 cg.edges.append(edge(u, slot, val, node, k, [s.ins[k] for s in strats], strats,
-                                     max(runs.get(val.id, 1), op.weight)))
+                                     read_runs(runs, val, op)))
     for val in shared:
         w = len(cg.choices)
         u, slot = cg.producer[val.id]
@@ -514,6 +513,13 @@ def reads(op: Op) -> list[tuple[int, Value]]:
     if carry_exit(op):
         return [(0, op.params["enter"])]
     return list(enumerate(op.inputs))
+
+
+def read_runs(runs: Mapping[int, int], val: Value, op: Op) -> int:
+    """How many times per call ``op``'s read of ``val`` is converted: as often as the more
+    frequent end runs (a value made outside a loop and read inside it: every iteration).
+    ``runs`` is :meth:`Graph.runs`."""
+    return max(runs.get(val.id, 1), op.weight)
 
 
 def loop_ties(graph: Graph) -> list[tuple[Op, Value]]:
