@@ -429,9 +429,11 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh, cluster: Cluster | Non
     ``@auto_shard(mesh=...)``.
 
     ``cluster`` prices the plan (default: every mesh axis an H100 NVLink link, see
-    :class:`shardc.Cluster`); ``memory_budget`` caps per-device bytes; ``time_limit`` bounds
-    the ILP's work in CP-SAT's deterministic seconds (its best incumbent is used, and the
-    plan says so; the same on every machine and under any load). ``seeds`` are
+    :class:`shardc.Cluster`); ``memory_budget`` caps per-device bytes; ``time_limit`` is a
+    wall-clock guard on the search, in seconds (every stage normally runs to its end, so
+    the plan is the same on every machine and under any load; a stage the guard cuts keeps
+    its best plan and the plan's status says ``time-limit``; 0 runs coordinate descent
+    alone). ``seeds`` are
     hand-written plans to start from, ``{name: in_shardings}`` (PartitionSpecs per dynamic
     argument, as for ``jax.jit``): the plan's predicted cost is never above theirs, and
     ``plan.explain()`` lists what each costs. ``mesh_search`` also plans the other logical
@@ -452,8 +454,8 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh, cluster: Cluster | Non
     ``cache_dir`` (else ``$SHARDC_CACHE_DIR``) keeps plans on disk keyed by the program,
     its argument types, the mesh, the cluster, these options and the shardc version
     (:mod:`shardc.plan_cache`): another process planning the same program loads the plan
-    instead of solving. Plans are deterministic (the solver's ``time_limit`` is counted in
-    CP-SAT's deterministic time, not wall time), so the loaded plan is the one it would make.
+    instead of solving. Plans are deterministic (see ``time_limit``), so the loaded plan is
+    the one it would make.
     """
     options = Options(cluster if cluster is not None else DEFAULT_CLUSTER, memory_budget,
                       time_limit, _named_seeds(seeds), mesh_search, in_shardings,

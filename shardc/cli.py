@@ -139,9 +139,10 @@ def cmd_plan(args) -> None:
                else shardc.Cluster.nvlink_node(names))
     step = shardc.auto_shard(step_fn, mesh=mesh, cluster=cluster, time_limit=args.time_limit,
                              mesh_search=args.mesh_search)
+    args = module.abstract_args(cfg)
     t0 = time.perf_counter()
-    plan = step.plan(*module.abstract_args(cfg))
-    print(f"planned in {time.perf_counter() - t0:.2f} s")
+    plan = step.plan(*args)
+    print(f"planned in {time.perf_counter() - t0:.2f} s (tracing included)")
     print(plan.explain(max_rows=args.rows))
     if args.out:
         with open(args.out, "w") as f:
@@ -149,9 +150,27 @@ def cmd_plan(args) -> None:
         print(f"plan saved to {args.out}")
 
 
+def _bench_planning(out) -> None:
+    from shardc.bench import planning
+
+    cases = []
+    for name, layers in planning.CASES:
+        print(f"planning {name} with {layers} layers ...", flush=True)
+        cases.append(planning.measure(name, layers))
+        print(f"  {cases[-1].plan_s:.2f} s, {cases[-1].status}, "
+              f"{cases[-1].predicted_ms:.3f} ms predicted", flush=True)
+    command = ("shardc bench " + " ".join(sys.argv[2:])).strip()
+    paths = planning.write(cases, out, command)
+    print(planning.markdown(cases, command))
+    print("wrote " + ", ".join(str(p) for p in paths))
+
+
 def cmd_bench(args) -> None:
     _force_cpu_devices(16)
     from pathlib import Path
+
+    if args.planning:
+        return _bench_planning(Path(args.out or "docs/benchmarks"))
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -233,6 +252,9 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--no-mesh-search", action="store_true",
                    help="plan shardc on the preset's mesh only")
     b.add_argument("--time-limit", type=_positive(float), default=10.0)
+    b.add_argument("--planning", action="store_true",
+                   help="measure planning time instead (GPT-2-small unrolled and the scanned "
+                        "Llama, 12 and 48 layers) into planning.{md,json}")
     b.set_defaults(func=cmd_bench)
     args = p.parse_args(argv)
     args.func(args)

@@ -5,8 +5,9 @@ everything the solver's answer depends on: the program (:func:`shardc.plan.finge
 primitives, params, dataflow) and its argument types, the mesh's shape and axis names, the
 cluster, the planning options (budget, time limit, seeds, mesh search), the layouts the
 program must keep (ties, fixed inputs and outputs) and the shardc version. Plans are
-deterministic (the solver's budget is counted in CP-SAT's deterministic time), so a cached
-plan is the plan this process would make. Files are written atomically (a temporary file
+deterministic (every solver stage runs to its end; the time limit is a wall-clock guard
+that a plan's status reports when it cut the search), so a cached plan is the plan this
+process would make. Files are written atomically (a temporary file
 renamed into place), so processes sharing a directory never read half a plan; a file that
 does not parse or belongs to another program is re-planned and overwritten (logged).
 

@@ -62,16 +62,18 @@ def _strategies(plan) -> list:
 
 def test_plans_are_identical_under_load():
     """One plan made on an idle machine, one while two busy processes take both cores: the
-    solver's budget is deterministic work, so nothing in the plan depends on the load."""
+    solver's stages run to their ends (the time limit is only a guard), so nothing in the
+    plan depends on the load."""
     step, args, mesh = _make()
-    quiet = shardc.auto_shard(step, mesh=mesh, time_limit=1.0).plan(*args)
+    quiet = shardc.auto_shard(step, mesh=mesh).plan(*args)
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
-        loaded = shardc.auto_shard(step, mesh=mesh, time_limit=1.0).plan(*args)
+        loaded = shardc.auto_shard(step, mesh=mesh).plan(*args)
     finally:
         for h in hogs:
             h.kill()
-    assert quiet.solver["work"] > 0  # the ILP ran
+    assert quiet.solver["status"] in ("optimal", "refined")  # the ILP ran, to its end
+    assert loaded.solver["status"] == quiet.solver["status"]
     assert _strategies(loaded) == _strategies(quiet)
     assert loaded.predicted == quiet.predicted
 

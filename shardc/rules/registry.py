@@ -157,8 +157,7 @@ def strategies(op: Op, axis_sizes: Sequence[int], axis_names: Sequence[str] | No
 
     An op carrying a layout the user fixed (:func:`register_fixed`) has exactly that
     placement when ``axis_names`` are given (:class:`LayoutError` if the mesh cannot
-    express it); without names (a 1-D problem over a merged axis, solved only to seed the
-    real one) it is planned by its rule like any other op.
+    express it); without names it is planned by its rule like any other op.
 
     ``consume_partial=False`` drops signatures that take a partial input, except the P -> P
     of ops that pass partial values through (:attr:`shardc.ir.prims.Prim.passes_partial`):

@@ -373,14 +373,10 @@ def _unreduce(nd: NdSbp) -> NdSbp:
 
 
 def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cluster: Cluster,
-          ties: Sequence[tuple[int, int]] = (), *, fixed: Fixed = NOTHING_FIXED,
-          pin: bool = True) -> CostGraph:
+          ties: Sequence[tuple[int, int]] = (), *, fixed: Fixed = NOTHING_FIXED) -> CostGraph:
     """Build the cost graph. ``ties`` pairs (output index, input index) whose layouts should
     agree (a train step's new state feeds the next step's state). ``fixed`` pins graph
-    inputs and outputs to one layout each. ``pin=False`` plans ops that carry a layout the
-    user fixed by their rules instead, and pins nothing (a 1-D problem over merged axes,
-    which cannot name the user's axes, solved only to seed the real one)."""
-    fixed = fixed if pin else NOTHING_FIXED
+    inputs and outputs to one layout each."""
     axis_sizes, axis_names = tuple(axis_sizes), tuple(axis_names)
     cg = CostGraph(graph, axis_sizes, axis_names, cluster)
     rate = cluster.device_flops * cluster.utilization
@@ -446,7 +442,7 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
         key = _op_key(op)
         strats = cache.get(key) if key is not None else None
         if strats is None:
-            strats = strategies(op, axis_sizes, axis_names if pin else None)
+            strats = strategies(op, axis_sizes, axis_names)
             if key is not None:
                 cache[key] = strats
         cg.choices.append(strats)

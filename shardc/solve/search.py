@@ -1,7 +1,10 @@
-"""Planning driver: cost graph → follow-merge → coordinate descent → CP-SAT → choices.
+"""Planning driver: cost graph → follow-merge → coordinate descent → ILP → choices.
 
 The descent result seeds the ILP as a hint; the ILP's answer is kept only when it is no
-worse. A time-limited ILP returns its best incumbent and the plan says so.
+worse. Every stage runs to its end (a proven ILP optimum, a sweep that moves nothing), so
+the plan depends on the program, mesh and cluster only; ``time_limit`` is a wall-clock
+guard over the whole search: a stage it cuts keeps its best plan so far and the plan's
+status says so.
 """
 
 from __future__ import annotations
@@ -35,12 +38,8 @@ from shardc.solve.problem import (
 
 MEMORY_ROUNDS = 6  # re-solves adding the worst violated program point
 ILP_FULL_TERMS = 40_000  # model terms up to which one ILP covers the whole graph
-BLOCK_TERMS = 6_000  # model terms per block when refining a larger graph block by block
+BLOCK_TERMS = 40_000  # model terms per block when refining a larger graph block by block
 TAIL_BLOCK_TERMS = 200  # model terms per block of the tail's update chains
-BLOCK_SHARE = 0.3  # share of time_limit the block refinement of a large graph may spend
-FOLD_SHARE = 0.5  # share of time_limit the ILP of a large graph's folded quotient may spend
-FLAT_SHARE = 0.6  # share of time_limit a multi-axis mesh spends on its 1-D seeds
-AXIS_SHARE = 0.5  # share of the rest a multi-axis mesh spends on axis-wise quotient ILPs
 AXIS_ROUNDS = 3  # sweeps over the mesh axes
 
 
@@ -58,8 +57,9 @@ class MemoryBudgetError(ValueError):
 
 @dataclass(frozen=True)
 class SolveOptions:
-    """What the solver is asked for: a per-device byte budget, seconds of search, whether
-    to run the ILP, and hand-written plans to start from (by name: graph-input layouts)."""
+    """What the solver is asked for: a per-device byte budget, a wall-clock guard on the
+    search (seconds; 0 runs coordinate descent alone), whether to run the ILP, and
+    hand-written plans to start from (by name: graph-input layouts)."""
 
     memory_budget: float | None = None
     time_limit: float = 10.0
@@ -71,7 +71,7 @@ class Status(enum.StrEnum):
     """How a plan was settled (a ``str``: it is stored as its value in plan files)."""
 
     OPTIMAL = "optimal"  # one ILP over the whole cost graph proved its optimum
-    TIME_LIMIT = "time-limit"  # that ILP's best incumbent when its budget ran out
+    TIME_LIMIT = "time-limit"  # the best plan found when the time limit cut the search
     REFINED = "refined"  # too large for one ILP: the descent plan refined by smaller ILPs
     DESCENT_ONLY = "descent-only"  # no ILP ran or none found a plan: coordinate descent's
     INFEASIBLE = "infeasible-ilp"  # the ILP proved the memory budget cannot be met
@@ -85,22 +85,19 @@ class Solution:
     stats: dict = field(default_factory=dict)  # "stages" says what refined a REFINED plan
 
 
-def solve(cg: CostGraph, options: SolveOptions = SolveOptions(), *,
-          blocks: bool = True) -> Solution:
-    """Plan ``cg``; ``blocks=False`` skips the block refinement of a large graph (for
-    seeds, which the caller refines anyway). ``options.seeds`` are hand-written plans, by
-    name, as layouts of graph inputs (:func:`shardc.solve.descent.from_inputs`): the plan
-    costs no more than any of them that fits the budget, and ``stats["seeds"]`` gives their
-    costs. With a memory budget the leanest plan descent finds (:func:`descent.lean`,
-    deterministic) is a candidate too, so the budget a :class:`MemoryBudgetError` names
-    is met when asked for."""
-    memory_budget, time_limit = options.memory_budget, options.time_limit
-    use_ilp = options.use_ilp
+def solve(cg: CostGraph, options: SolveOptions = SolveOptions()) -> Solution:
+    """Plan ``cg``. ``options.seeds`` are hand-written plans, by name, as layouts of graph
+    inputs (:func:`shardc.solve.descent.from_inputs`): the plan costs no more than any of
+    them that fits the budget, and ``stats["seeds"]`` gives their costs. With a memory
+    budget the leanest plan descent finds (:func:`descent.lean`, deterministic) is a
+    candidate too, so the budget a :class:`MemoryBudgetError` names is met when asked for."""
+    memory_budget = options.memory_budget
+    use_ilp = options.use_ilp and options.time_limit > 0
     t0 = time.perf_counter()
+    deadline = t0 + options.time_limit
     n_all = len(cg.choices)
     cg.merge_followers()
     t1 = time.perf_counter()
-    work = 0.0  # CP-SAT deterministic time: the budget is counted in it, never in wall time
     x = descent.solve(cg, memory_budget)
     seed_plans = {}
     for name, layouts in options.seeds.items():
@@ -112,22 +109,10 @@ def solve(cg: CostGraph, options: SolveOptions = SolveOptions(), *,
         starts.append(descent.lean(cg))
     for y in starts:
         x = _better(cg, x, y, memory_budget)
-    if len(cg.axis_sizes) > 1 and use_ilp and time_limit > 0:
-        # the 1-D seeds may take FLAT_SHARE of the limit; what they leave goes to the ILP
-        # (a small graph's seeds are proved at once, and its whole ILP needs the time), which
-        # keeps its own share when a large graph's seeds overrun theirs
-        seeds, spent = sub_mesh_seeds(cg, memory_budget, time_limit * FLAT_SHARE)
-        work += spent
-        for seed in seeds:
-            x = _better(cg, x, seed, memory_budget)
-        time_limit = max(time_limit - spent, time_limit * (1 - FLAT_SHARE))
     t2 = time.perf_counter()
-    status, stages, ilp_time = Status.DESCENT_ONLY, "", 0.0
+    status, stages = Status.DESCENT_ONLY, ""
     for _ in range(MEMORY_ROUNDS):
-        x, status, stages, t_ilp, w = _solve_once(cg, x, memory_budget, time_limit, use_ilp,
-                                                  blocks)
-        ilp_time += t_ilp
-        work += w
+        x, status, stages = _solve_once(cg, x, memory_budget, deadline if use_ilp else None)
         if memory_budget is None or _peak(cg, x) <= memory_budget:
             break
         profile = memory_profile(cg, cg.decode(x))
@@ -144,7 +129,7 @@ def solve(cg: CostGraph, options: SolveOptions = SolveOptions(), *,
             raise MemoryBudgetError(memory_budget, math.ceil(needed))
         x = min(fits, key=lambda y: descent.objective(cg, y))
     stats = {"nodes": n_all, "live_nodes": len(cg.live), "edges": len(cg.edges),
-             "merge_s": t1 - t0, "descent_s": t2 - t1, "ilp_s": ilp_time, "work": work}
+             "merge_s": t1 - t0, "descent_s": t2 - t1, "ilp_s": time.perf_counter() - t2}
     if stages:
         stats["stages"] = stages
     if seed_plans:
@@ -152,40 +137,32 @@ def solve(cg: CostGraph, options: SolveOptions = SolveOptions(), *,
     return Solution(cg.decode(x), status, descent.objective(cg, x), stats)
 
 
+def _left(deadline: float) -> float:
+    """Seconds until ``deadline`` (``time.perf_counter`` clock)."""
+    return deadline - time.perf_counter()
+
+
 def _peak(cg: CostGraph, x: dict[int, int]) -> float:
     """Exact per-device peak bytes of the plan ``x`` (every program point)."""
     return float(np.max(memory_profile(cg, cg.decode(x))))
 
 
-def _solve_once(cg: CostGraph, x: dict[int, int], memory_budget, time_limit, use_ilp,
-                blocks: bool = True):
-    """Improve the descent point ``x`` with the ILP; keep whichever is better and fits.
-    A graph too large for one ILP is folded (:mod:`shardc.solve.fold`), its quotient solved
-    (on an nd mesh axis by axis), and the expanded plan refined block by block."""
-    if not use_ilp or time_limit <= 0:
-        return x, Status.DESCENT_ONLY, "", 0.0, 0.0
+def _solve_once(cg: CostGraph, x: dict[int, int], memory_budget, deadline: float | None
+                ) -> tuple[dict[int, int], Status, str]:
+    """Improve the descent point ``x`` with the ILP (``deadline`` None: no ILP); keep
+    whichever is better and fits. A graph too large for one ILP is folded
+    (:mod:`shardc.solve.fold`), its quotient solved (:func:`quotient_refine`), and the
+    expanded plan refined block by block. Returns the plan, its status and the stages."""
+    if deadline is None:
+        return x, Status.DESCENT_ONLY, ""
     if problem_size(cg) > ILP_FULL_TERMS:
-        t0 = time.perf_counter()
-        folding = fold(cg)
-        x, folded, work = fold_refine(cg, x, memory_budget, time_limit * FOLD_SHARE, folding)
-        if len(cg.axis_sizes) > 1 and not folded:
-            x, folded, w = axis_refine(cg, x, memory_budget, time_limit * AXIS_SHARE, folding)
-            work += w
-        parts = [f"folded ({folded})"] if folded else []
-        if blocks:
-            x, refined, w = block_refine(cg, x, memory_budget, time_limit)
-            work += w
-            parts.append(refined)
-        stages = " + ".join(parts)
-        return x, (Status.REFINED if stages else Status.DESCENT_ONLY), stages, \
-            time.perf_counter() - t0, work
-    res = solve_ilp(cg, time_limit=time_limit, memory_budget=memory_budget, hint=x)
+        x, stages = quotient_refine(cg, x, memory_budget, deadline)
+        return x, Status.TIME_LIMIT if "time-limit" in stages else Status.REFINED, stages
+    res = solve_ilp(cg, time_limit=_left(deadline), memory_budget=memory_budget, hint=x)
     if res.assignment is None:
-        return x, (Status.INFEASIBLE if res.status == "INFEASIBLE" else Status.DESCENT_ONLY), \
-            "", res.wall_time, res.work
+        return x, (Status.INFEASIBLE if res.status == "INFEASIBLE" else Status.DESCENT_ONLY), ""
     return _better(cg, x, res.assignment, memory_budget), \
-        (Status.OPTIMAL if res.status == "OPTIMAL" else Status.TIME_LIMIT), "", \
-        res.wall_time, res.work
+        (Status.OPTIMAL if res.status == "OPTIMAL" else Status.TIME_LIMIT), ""
 
 
 def _better(cg: CostGraph, x: dict[int, int], y: dict[int, int], memory_budget) -> dict:
@@ -247,10 +224,7 @@ def _tail_blocks(cg: CostGraph) -> list[list[int]]:
     change layout all at once to go from, say, reduce-scatter + sharded update + all-gather
     to all-reduce + replicated update; no single-node move can, and program order puts the
     state (graph inputs) far from its update. Nodes with one choice (scalars: the step
-    count, learning-rate schedules) join nothing, or every chain would be one component.
-    The components are kept small on purpose: the ILP's relaxation of a layout problem is
-    weak (fractional layouts pair up for free), so CP-SAT proves small blocks at once and
-    large ones not at all."""
+    count, learning-rate schedules) join nothing, or every chain would be one component."""
     tail = tail_values(cg.graph)
     nodes = {cg.resolve(cg.producer[vid][0])[0] for vid in tail if vid in cg.producer}
     nodes |= {cg.resolve(i)[0] for i in cg.carried}
@@ -277,79 +251,75 @@ def _tail_blocks(cg: CostGraph) -> list[list[int]]:
     return _pack(cg, comps, TAIL_BLOCK_TERMS)
 
 
-def sub_mesh_seeds(cg: CostGraph, memory_budget, time_limit: float
-                   ) -> tuple[list[dict[int, int]], float]:
+def quotient_refine(cg: CostGraph, x: dict[int, int], memory_budget, deadline: float,
+                    folding: tuple[CostGraph, dict[int, int]] | None = None
+                    ) -> tuple[dict[int, int], str]:
+    """Solve the repeated-layer quotient of ``cg`` from ``x``, expand it, refine it by
+    descent on the full graph, and keep it if it beats ``x``. A quotient small enough (or
+    on a 1-D mesh) is one exact ILP; a larger nd one starts from its 1-D seeds
+    (:func:`sub_mesh_seeds`) and is solved axis by axis (:func:`axis_sweeps`). Returns the
+    plan and how the quotient was settled. ``folding`` is ``fold(cg)`` when the caller
+    has it."""
+    q, cls = folding or fold(cg)
+    xq = {c: x[m[0]] for c, m in enumerate(members(cls))}
+    if len(q.axis_sizes) == 1 or problem_size(q) <= ILP_FULL_TERMS:
+        res = solve_ilp(q, time_limit=_left(deadline), memory_budget=memory_budget, hint=xq)
+        if res.assignment is not None:
+            xq = _better(q, xq, res.assignment, memory_budget)
+        status = "optimal" if res.status == "OPTIMAL" else "time-limit"
+    else:
+        for seed in sub_mesh_seeds(q, memory_budget, deadline):
+            xq = _better(q, xq, seed, memory_budget)
+        xq, status = axis_sweeps(q, xq, memory_budget, deadline)
+        status = f"axes {status}"
+    # a tail block of every layer is one block of the quotient
+    tail = list(map(list, dict.fromkeys(tuple(sorted({cls[i] for i in block}))
+                                        for block in _tail_blocks(cg))))
+    xq, refined = block_refine(q, xq, memory_budget, deadline, tail)
+    y = descent.descend(cg, expand(cls, xq))
+    return _better(cg, x, y, memory_budget), f"folded ({status}) + {refined}"
+
+
+def sub_mesh_seeds(q: CostGraph, memory_budget, deadline: float) -> list[dict[int, int]]:
     """Plans of a multi-axis mesh from 1-D problems: the whole mesh seen as one flat axis,
-    then each mesh axis alone with the others idle. The 1-D problems are a fraction of the
-    size (their dots have a handful of strategies, not their square), so each is solved
-    well; data parallel or FSDP over the whole mesh is a flat plan, and Megatron over the
-    fast axis (or any plan that leaves the slow axis idle) is a one-axis plan, which the
-    axis-wise refinement then extends over the other axes. Only axes faster than the
-    slowest get a seed of their own. Returns the seeds and the solver work they took."""
-    names = cg.axis_names
-    slow = (min(cg.cluster.bandwidth(a) for a in names),
-            -max(cg.cluster.latency(a) for a in names))
+    then each mesh axis alone with the others idle. Each is ``q`` (a graph without
+    followers, such as a quotient) with every node cut to its choices that are one 1-D
+    choice spread over those axes (:func:`axes_choices`), solved exactly: the cut problems
+    have the choice sets of a 1-D problem (a dot's handful of strategies, not their
+    square) but keep the nd graph's prices, so the flat seed prices a split over both axes
+    at both links. Data parallel or FSDP over the whole mesh is a flat plan; Megatron over
+    the fast axis (or any plan that leaves the slow axis idle) is a one-axis plan, which
+    the axis-wise refinement then extends over the other axes. Only axes faster than the
+    slowest get a seed of their own."""
+    names = q.axis_names
+    slow = (min(q.cluster.bandwidth(a) for a in names),
+            -max(q.cluster.latency(a) for a in names))
     # an axis alone is worth a seed only when its link beats the slowest: otherwise the flat
     # problem (more devices, priced at that same link) covers it
     subsets = [tuple(range(len(names)))] + [
         (k,) for k, a in enumerate(names)
-        if (cg.cluster.bandwidth(a), -cg.cluster.latency(a)) > slow]
-    seeds = [axes_seed(cg, axes, memory_budget, time_limit / len(subsets)) for axes in subsets]
-    return [x for x, _ in seeds], sum(w for _, w in seeds)
+        if (q.cluster.bandwidth(a), -q.cluster.latency(a)) > slow]
+    seeds = []
+    for axes in subsets:
+        allowed = {i: axes_choices(ch, axes) or list(range(len(ch)))
+                   for i, ch in enumerate(q.choices)}
+        res = solve_ilp(restrict(q, allowed), time_limit=max(_left(deadline), 0.0),
+                        memory_budget=memory_budget)
+        if res.assignment is not None:
+            seeds.append({i: allowed[i][b] for i, b in res.assignment.items()})
+    return seeds
 
 
-def axes_seed(cg: CostGraph, axes: Sequence[int], memory_budget,
-              time_limit: float) -> tuple[dict[int, int], float]:
-    """The plan of the 1-D problem over the mesh axes ``axes`` taken as one axis (their
-    devices, priced at their slowest link), mapped back: each 1-D ``S(d)`` / ``B`` / ``P``
-    becomes the same on every axis in ``axes`` (a dim split over all of them, in mesh
-    order) and ``B`` on the others; with the solver work it took."""
-    n = math.prod(cg.axis_sizes[k] for k in axes)
-    names = [cg.axis_names[k] for k in axes]
-    flat = dataclasses.replace(
-        cg.cluster, axis_bandwidth={"flat": min(cg.cluster.bandwidth(a) for a in names)},
-        axis_latency={"flat": max(cg.cluster.latency(a) for a in names)})
-    one = build(cg.graph, (n,), ("flat",), flat, cg.ties, pin=False)
-    sol = solve(one, SolveOptions(memory_budget, time_limit))
+def axes_choices(choices: Sequence, axes: Sequence[int]) -> list[int]:
+    """Indices of the choices that are one 1-D choice spread over the mesh axes ``axes``:
+    every layout the same ``S(d)`` / ``B`` / ``P`` on each axis in ``axes`` (a dim split
+    over all of them, in mesh order) and ``B`` on the others."""
+    def spread(nd: NdSbp) -> bool:
+        first = nd.sbps[axes[0]]
+        return all(sbp == first if k in axes else sbp == B for k, sbp in enumerate(nd.sbps))
 
-    def spread(nd: NdSbp) -> NdSbp:
-        return NdSbp(tuple(nd.sbps[0] if k in axes else B
-                           for k in range(len(cg.axis_sizes))))
-
-    index: dict[int, dict] = {}
-    x = {}
-    for i in cg.live:
-        choices = cg.choices[i]
-        if id(choices) not in index:
-            index[id(choices)] = {(c if isinstance(c, NdSbp) else (c.ins, c.outs)): a
-                                  for a, c in enumerate(choices)}
-        c = one.choices[i][sol.choice[i]]
-        key = spread(c) if isinstance(c, NdSbp) else (tuple(map(spread, c.ins)),
-                                                      tuple(map(spread, c.outs)))
-        # a node pinned to a layout the 1-D problem could not name keeps its own (first)
-        x[i] = index[id(choices)].get(key, 0)
-    return x, sol.stats["work"]
-
-
-def fold_refine(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: float,
-                folding: tuple[CostGraph, dict[int, int]] | None = None
-                ) -> tuple[dict[int, int], str, float]:
-    """Solve the repeated-layer quotient of ``cg`` (descent, then the ILP for ``time_limit``
-    seconds), expand it, refine it by descent on the full graph, and keep it if it beats
-    ``x``. Returns the plan, the quotient ILP's status ("" when nothing folds) and the
-    solver work.
-    ``folding`` is ``fold(cg)`` when the caller has it."""
-    q, cls = folding or fold(cg)
-    if len(q.choices) * 2 > len(cls):
-        return x, "", 0.0  # less than 2 members per class on average: no repeated layers
-    if problem_size(q) > ILP_FULL_TERMS:
-        return x, "", 0.0  # still too large for one ILP (a 2-D mesh squares the choices)
-    xq = descent.solve(q, memory_budget)
-    res = solve_ilp(q, time_limit=time_limit, memory_budget=memory_budget, hint=xq)
-    if res.assignment is not None:
-        xq = _better(q, xq, res.assignment, memory_budget)
-    y = descent.descend(cg, expand(cls, xq))
-    return _better(cg, x, y, memory_budget), res.status.lower(), res.work
+    return [a for a, c in enumerate(choices)
+            if all(map(spread, (c,) if isinstance(c, NdSbp) else (*c.ins, *c.outs)))]
 
 
 def _without_axis(c, k: int):
@@ -359,34 +329,24 @@ def _without_axis(c, k: int):
     return tuple(nd.sbps[:k] + nd.sbps[k + 1:] for nd in (*c.ins, *c.outs))
 
 
-def axis_refine(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: float,
-                folding: tuple[CostGraph, dict[int, int]] | None = None
-                ) -> tuple[dict[int, int], str, float]:
-    """Coordinate descent over mesh axes on the repeated-layer quotient (AutoDDL's
-    per-axis search, made exact per step): hold every node's SBPs on all axes but one and
-    solve that axis exactly with the ILP, for each axis in turn. One axis's choice sets are
-    the size of a 1-D problem's, so each step is exact where the whole nd quotient is too
-    large for one ILP; a step moves a plan from, say, data parallel over both axes to data
-    parallel over the slow one with sharded state over the fast one (the gradient then
-    reduce-scatters on the fast link and all-reduces 1/n of it on the slow one)."""
-    q, cls = folding or fold(cg)
-    xq = {c: x[m[0]] for c, m in enumerate(members(cls))}
-    xq, status, work = _axis_sweeps(q, xq, memory_budget, time_limit)
-    y = descent.descend(cg, expand(cls, xq))
-    return _better(cg, x, y, memory_budget), f"axes {status}", work
-
-
-def _axis_sweeps(q: CostGraph, xq: dict[int, int], memory_budget, budget: float
-                 ) -> tuple[dict[int, int], str, float]:
-    """:func:`axis_refine`'s sweeps over the mesh axes of ``q`` from ``xq``, until a sweep
-    moves nothing or the solver work reaches ``budget``."""
-    status, work = "optimal", 0.0
+def axis_sweeps(q: CostGraph, xq: dict[int, int], memory_budget, deadline: float
+                ) -> tuple[dict[int, int], str]:
+    """Coordinate descent over mesh axes on ``q`` (a graph without followers, such as the
+    repeated-layer quotient; AutoDDL's per-axis search, made exact per step): hold every
+    node's SBPs on all axes but one and solve that axis exactly with the ILP, for each axis
+    in turn, until a sweep moves nothing (at most ``AXIS_ROUNDS``) or the deadline passes.
+    One axis's choice sets are the size of a 1-D problem's, so each step is exact where the
+    whole nd quotient is too large for one ILP; a step moves a plan from, say, data
+    parallel over both axes to data parallel over the slow one with sharded state over the
+    fast one (the gradient then reduce-scatters on the fast link and all-reduces 1/n of it
+    on the slow one). Returns the plan and "optimal" or "time-limit"."""
+    status = "optimal"
     for _ in range(AXIS_ROUNDS):
         moved = False
         for k in reversed(range(len(q.axis_sizes))):
-            left = budget - work
+            left = _left(deadline)
             if left <= 0:
-                return xq, "time-limit", work
+                return xq, "time-limit"
             allowed = {}
             for i, ch in enumerate(q.choices):
                 keep = _without_axis(ch[xq[i]], k)
@@ -394,7 +354,6 @@ def _axis_sweeps(q: CostGraph, xq: dict[int, int], memory_budget, budget: float
             sub = restrict(q, allowed)
             hint = {i: allowed[i].index(xq[i]) for i in allowed}
             res = solve_ilp(sub, time_limit=left, memory_budget=memory_budget, hint=hint)
-            work += res.work
             if res.assignment is None:
                 continue
             if res.status != "OPTIMAL":
@@ -405,32 +364,29 @@ def _axis_sweeps(q: CostGraph, xq: dict[int, int], memory_budget, budget: float
                 xq, moved = y, True
         if not moved:
             break
-    return xq, status, work
+    return xq, status
 
 
-def block_refine(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: float):
+def block_refine(cg: CostGraph, x: dict[int, int], memory_budget, deadline: float,
+                 tail: list[list[int]]) -> tuple[dict[int, int], str]:
     """Block coordinate descent with exact ILP blocks: the graph is cut into blocks of
     consecutive nodes (the tail's update chains with their state, program order, then
     breadth-first order so a layer's forward and backward meet), and each block is re-solved
-    exactly with everything else held fixed. Spends at most ``BLOCK_SHARE`` of
-    ``time_limit`` (in solver work); stops after a pass that finds nothing. Returns the
-    plan, its status and the work spent."""
-    budget, work = time_limit * BLOCK_SHARE, 0.0
-    tail = _tail_blocks(cg)
+    exactly with everything else held fixed. Stops after a pass that finds nothing or at
+    the deadline. Returns the plan and the stage's name."""
     for blocks in (tail, _blocks(cg, cg.live), _blocks(cg, _bfs_order(cg))):
         before = descent.objective(cg, x)
         for block in blocks:
-            left = budget - work
+            left = _left(deadline)
             if left <= 0:
-                return x, "blocks", work
-            res = solve_ilp(cg, time_limit=min(left, 1.0), memory_budget=memory_budget,
-                            hint=x, free=block)
-            work += res.work
+                return x, "blocks (time-limit)"
+            res = solve_ilp(cg, time_limit=left, memory_budget=memory_budget, hint=x,
+                            free=block)
             if res.assignment is not None:
                 x = _better(cg, x, res.assignment, memory_budget)
         if descent.objective(cg, x) >= before - 1e-12 and blocks is not tail:
             break
-    return x, "blocks", work
+    return x, "blocks"
 
 
 def plan_graph(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str],

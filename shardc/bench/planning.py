@@ -1,0 +1,90 @@
+"""Planning time: how long shardc takes to plan large train steps from abstract arguments.
+
+Each case plans one model (GPT-2-small-sized, layers unrolled; or the scanned Llama decoder)
+at 12 and 48 layers on the (node=2, gpu=4) mesh of :meth:`shardc.Cluster.multi_node`, with
+the default options and no mesh search, and records the wall time of ``step.plan`` (tracing
+included; building the abstract arguments not), the solver's status and the predicted step.
+The 48/12 ratio is the figure that says whether planning grows with depth.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+__all__ = ["CASES", "PlanningCase", "measure", "markdown", "write"]
+
+#: (model, layers): the unrolled GPT-2-small and the scanned Llama decoder, each at 12 and 48
+CASES = (("gpt", 12), ("gpt", 48), ("llama", 12), ("llama", 48))
+MESH = ((2, 4), ("node", "gpu"))
+
+
+@dataclass(frozen=True)
+class PlanningCase:
+    model: str
+    layers: int
+    scanned: bool
+    plan_s: float  # wall seconds of step.plan, tracing included
+    status: str
+    predicted_ms: float
+    live_nodes: int
+    stages: str
+
+
+def _model(name: str, layers: int):
+    if name == "gpt":
+        from models import gpt
+
+        return gpt, gpt.GPTConfig.gpt2_small(n_layers=layers), False
+    from models import llama
+
+    return llama, llama.LlamaConfig.realistic(n_layers=layers), True
+
+
+def measure(name: str, layers: int) -> PlanningCase:
+    """Plan one case (the process must have at least 8 devices)."""
+    import jax
+
+    import shardc
+
+    module, cfg, scanned = _model(name, layers)
+    shape, names = MESH
+    mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                         devices=jax.devices()[:8])
+    step = shardc.auto_shard(module.build_step(cfg), mesh=mesh,
+                             cluster=shardc.Cluster.multi_node(*names))
+    args = module.abstract_args(cfg)
+    t0 = time.perf_counter()
+    plan = step.plan(*args)
+    plan_s = time.perf_counter() - t0
+    return PlanningCase(name, layers, scanned, plan_s, plan.solver["status"],
+                        plan.predicted.step_time * 1e3, plan.solver["live_nodes"],
+                        plan.solver.get("stages", ""))
+
+
+def markdown(cases: list[PlanningCase], command: str) -> str:
+    lines = ["# Planning time", "", f"`{command}` — mesh (node=2, gpu=4), "
+             "`Cluster.multi_node`, default options, no mesh search; wall seconds of "
+             "`step.plan` on abstract arguments, tracing included, on this machine.", "",
+             "| model | layers | loop | plan (s) | status | predicted step (ms) | live nodes |",
+             "|---|---:|---|---:|---|---:|---:|"]
+    for c in cases:
+        lines.append(f"| {c.model} | {c.layers} | {'scanned' if c.scanned else 'unrolled'} | "
+                     f"{c.plan_s:.2f} | {c.status} | {c.predicted_ms:.3f} | {c.live_nodes} |")
+    lines += ["", "| model | 48 / 12 layers planning time |", "|---|---:|"]
+    by = {(c.model, c.layers): c for c in cases}
+    for model in dict.fromkeys(c.model for c in cases):
+        if (model, 12) in by and (model, 48) in by:
+            lines.append(f"| {model} | {by[model, 48].plan_s / by[model, 12].plan_s:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def write(cases: list[PlanningCase], out: Path, command: str) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    md, js = out / "planning.md", out / "planning.json"
+    md.write_text(markdown(cases, command))
+    js.write_text(json.dumps({"command": command, "cases": [asdict(c) for c in cases]},
+                             indent=1))
+    return [md, js]
