@@ -430,7 +430,7 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh, cluster: Cluster | Non
 
     ``cluster`` prices the plan (default: every mesh axis an H100 NVLink link, see
     :class:`shardc.Cluster`); ``memory_budget`` caps per-device bytes; ``time_limit`` is a
-    wall-clock guard on the search, in seconds (every stage normally runs to its end, so
+    wall-clock guard on the ILP stages of the search, in seconds (every stage normally runs to its end, so
     the plan is the same on every machine and under any load; a stage the guard cuts keeps
     its best plan and the plan's status says ``time-limit``; 0 runs coordinate descent
     alone). ``seeds`` are

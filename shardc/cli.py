@@ -139,9 +139,9 @@ def cmd_plan(args) -> None:
                else shardc.Cluster.nvlink_node(names))
     step = shardc.auto_shard(step_fn, mesh=mesh, cluster=cluster, time_limit=args.time_limit,
                              mesh_search=args.mesh_search)
-    args = module.abstract_args(cfg)
+    abstract = module.abstract_args(cfg)
     t0 = time.perf_counter()
-    plan = step.plan(*args)
+    plan = step.plan(*abstract)
     print(f"planned in {time.perf_counter() - t0:.2f} s (tracing included)")
     print(plan.explain(max_rows=args.rows))
     if args.out:

@@ -1,5 +1,7 @@
 """``shardc bench``'s harness and report on the tiny MLP (the full matrix runs in the bench)."""
 
+import json
+
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
@@ -61,3 +63,26 @@ def test_cells_run_match_and_merge(tmp_path):
     assert merged[1] is again and merged[1].matched is None
     md = report.markdown(merged, [*commands, "shardc bench --update"])
     assert "| mlp | node-8 | data-parallel |" in md and "shardc bench --update" in md
+
+
+def test_cli_plan_prints_and_saves_a_plan(tmp_path, capsys):
+    """``shardc plan`` plans a zoo model from abstract shapes and saves a plan that loads."""
+    from shardc.cli import main
+    from shardc.plan import Plan
+
+    out = tmp_path / "plan.json"
+    main(["plan", "mlp", "--mesh", "2x4", "--rows", "3", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert text.startswith("planned in ") and "predicted step:" in text
+    plan = Plan.from_json(out.read_text())
+    assert plan.predicted.step_time > 0 and plan.solver["status"] in ("optimal", "refined")
+
+
+def test_planning_report_gives_the_depth_ratio(tmp_path):
+    from shardc.bench import planning
+
+    cases = [planning.PlanningCase("gpt", n, False, s, "refined", 1.0, 100 * n, "")
+             for n, s in ((12, 2.0), (48, 5.0))]
+    md, js = planning.write(cases, tmp_path, "shardc bench --planning")
+    assert "| gpt | 2.50x |" in md.read_text()
+    assert [c["plan_s"] for c in json.loads(js.read_text())["cases"]] == [2.0, 5.0]

@@ -45,9 +45,16 @@ def descend(cg: CostGraph, start: dict[int, int], memory_weight: float = 0.0,
     adj = _adjacency(cg)
     mem = _node_memory(cg) if memory_weight else {}
     x = dict(start)
+    order = cg.live
+    # a node is looked at again only once a neighbour has moved: otherwise its local cost
+    # is what it was, and it would stay (the sweeps' end point is unchanged)
+    dirty = set(order)
     for _ in range(max_sweeps):
         changed = False
-        for i in cg.live:
+        for i in order:
+            if i not in dirty:
+                continue
+            dirty.discard(i)
             local = cg.cost[i].copy()
             for e, is_u in adj[i]:
                 local += e.cost[:, x[e.v]] if is_u else e.cost[x[e.u], :]
@@ -57,6 +64,7 @@ def descend(cg: CostGraph, start: dict[int, int], memory_weight: float = 0.0,
             if local[best] < local[x[i]] - 1e-15:
                 x[i] = best
                 changed = True
+                dirty.update(e.v if is_u else e.u for e, is_u in adj[i])
         if not changed:
             break
     return x

@@ -3,8 +3,9 @@
 The descent result seeds the ILP as a hint; the ILP's answer is kept only when it is no
 worse. Every stage runs to its end (a proven ILP optimum, a sweep that moves nothing), so
 the plan depends on the program, mesh and cluster only; ``time_limit`` is a wall-clock
-guard over the whole search: a stage it cuts keeps its best plan so far and the plan's
-status says so.
+guard over the ILP stages (building, merging, descent and folding, which take time linear
+in the program, are not counted): a stage it cuts keeps its best plan so far and the
+plan's status says so.
 """
 
 from __future__ import annotations
@@ -94,11 +95,13 @@ def solve(cg: CostGraph, options: SolveOptions = SolveOptions()) -> Solution:
     memory_budget = options.memory_budget
     use_ilp = options.use_ilp and options.time_limit > 0
     t0 = time.perf_counter()
-    deadline = t0 + options.time_limit
     n_all = len(cg.choices)
     cg.merge_followers()
     t1 = time.perf_counter()
+    # descent on the full graph: its start leads the quotient's sweeps to better plans than
+    # descent on the quotient does (12-layer GPT-2 on (2, 4): 7.958 against 8.512 ms)
     x = descent.solve(cg, memory_budget)
+    folding = fold(cg) if use_ilp and problem_size(cg) > ILP_FULL_TERMS else None
     seed_plans = {}
     for name, layouts in options.seeds.items():
         y = descent.from_inputs(cg, layouts)
@@ -112,11 +115,13 @@ def solve(cg: CostGraph, options: SolveOptions = SolveOptions()) -> Solution:
     t2 = time.perf_counter()
     status, stages = Status.DESCENT_ONLY, ""
     for _ in range(MEMORY_ROUNDS):
-        x, status, stages = _solve_once(cg, x, memory_budget, deadline if use_ilp else None)
+        x, status, stages = _solve_once(cg, x, memory_budget,
+                                        options.time_limit if use_ilp else None, folding)
         if memory_budget is None or _peak(cg, x) <= memory_budget:
             break
         profile = memory_profile(cg, cg.decode(x))
         cg.memory.append(memory_point(cg, int(np.argmax(profile))))  # constrain it too
+        folding = None  # the quotient's memory points are stale
         x = descent.solve(cg, memory_budget)
         for y in starts:
             x = _better(cg, x, y, memory_budget)
@@ -147,18 +152,22 @@ def _peak(cg: CostGraph, x: dict[int, int]) -> float:
     return float(np.max(memory_profile(cg, cg.decode(x))))
 
 
-def _solve_once(cg: CostGraph, x: dict[int, int], memory_budget, deadline: float | None
+def _solve_once(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: float | None,
+                folding: tuple[CostGraph, dict[int, int]] | None = None
                 ) -> tuple[dict[int, int], Status, str]:
-    """Improve the descent point ``x`` with the ILP (``deadline`` None: no ILP); keep
+    """Improve the descent point ``x`` with the ILP (``time_limit`` None: no ILP); keep
     whichever is better and fits. A graph too large for one ILP is folded
-    (:mod:`shardc.solve.fold`), its quotient solved (:func:`quotient_refine`), and the
-    expanded plan refined block by block. Returns the plan, its status and the stages."""
-    if deadline is None:
+    (:mod:`shardc.solve.fold`) and its quotient solved (:func:`quotient_refine`).
+    ``time_limit`` guards the ILP stages (wall seconds from when they start). ``folding``
+    is ``fold(cg)`` when the caller has it. Returns the plan, its status and the stages."""
+    if time_limit is None:
         return x, Status.DESCENT_ONLY, ""
     if problem_size(cg) > ILP_FULL_TERMS:
-        x, stages = quotient_refine(cg, x, memory_budget, deadline)
+        folding = folding or fold(cg)
+        deadline = time.perf_counter() + time_limit
+        x, stages = quotient_refine(cg, x, memory_budget, deadline, folding)
         return x, Status.TIME_LIMIT if "time-limit" in stages else Status.REFINED, stages
-    res = solve_ilp(cg, time_limit=_left(deadline), memory_budget=memory_budget, hint=x)
+    res = solve_ilp(cg, time_limit=time_limit, memory_budget=memory_budget, hint=x)
     if res.assignment is None:
         return x, (Status.INFEASIBLE if res.status == "INFEASIBLE" else Status.DESCENT_ONLY), ""
     return _better(cg, x, res.assignment, memory_budget), \
