@@ -430,10 +430,10 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh, cluster: Cluster | Non
 
     ``cluster`` prices the plan (default: every mesh axis an H100 NVLink link, see
     :class:`shardc.Cluster`); ``memory_budget`` caps per-device bytes; ``time_limit`` is a
-    wall-clock guard on the ILP stages of the search, in seconds (every stage normally runs to its end, so
-    the plan is the same on every machine and under any load; a stage the guard cuts keeps
-    its best plan and the plan's status says ``time-limit``; 0 runs coordinate descent
-    alone). ``seeds`` are
+    wall-clock guard on the ILP stages of the search, in seconds (every stage normally runs
+    to its end, so the plan is the same on every machine and under any load; a stage the
+    guard cuts keeps its best plan and the plan's status says ``time-limit``; 0 runs
+    coordinate descent alone). ``seeds`` are
     hand-written plans to start from, ``{name: in_shardings}`` (PartitionSpecs per dynamic
     argument, as for ``jax.jit``): the plan's predicted cost is never above theirs, and
     ``plan.explain()`` lists what each costs. ``mesh_search`` also plans the other logical

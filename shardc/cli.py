@@ -156,7 +156,7 @@ def _bench_planning(out) -> None:
     cases = []
     for name, layers in planning.CASES:
         print(f"planning {name} with {layers} layers ...", flush=True)
-        cases.append(planning.measure(name, layers))
+        cases.append(planning.measure_fresh(name, layers))
         print(f"  {cases[-1].plan_s:.2f} s, {cases[-1].status}, "
               f"{cases[-1].predicted_ms:.3f} ms predicted", flush=True)
     command = ("shardc bench " + " ".join(sys.argv[2:])).strip()

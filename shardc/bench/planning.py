@@ -4,17 +4,21 @@ Each case plans one model (GPT-2-small-sized, layers unrolled; or the scanned Ll
 at 12 and 48 layers on the (node=2, gpu=4) mesh of :meth:`shardc.Cluster.multi_node`, with
 the default options and no mesh search, and records the wall time of ``step.plan`` (tracing
 included; building the abstract arguments not), the solver's status and the predicted step.
-The 48/12 ratio is the figure that says whether planning grows with depth.
+The 48/12 ratio is the figure that says whether planning grows with depth. Each case runs
+in a fresh process (:func:`measure_fresh`), so none gains from another's warm caches and
+each pays what a user's first plan pays.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["CASES", "PlanningCase", "measure", "markdown", "write"]
+__all__ = ["CASES", "PlanningCase", "measure", "measure_fresh", "markdown", "write"]
 
 #: (model, layers): the unrolled GPT-2-small and the scanned Llama decoder, each at 12 and 48
 CASES = (("gpt", 12), ("gpt", 48), ("llama", 12), ("llama", 48))
@@ -64,10 +68,23 @@ def measure(name: str, layers: int) -> PlanningCase:
                         plan.solver.get("stages", ""))
 
 
+def measure_fresh(name: str, layers: int) -> PlanningCase:
+    """:func:`measure` in a fresh Python process with 8 simulated CPU devices."""
+    code = ("from shardc.cli import _force_cpu_devices; _force_cpu_devices(8); "
+            "import json, dataclasses; from shardc.bench.planning import measure; "
+            f"print(json.dumps(dataclasses.asdict(measure({name!r}, {layers}))))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=False)
+    if done.returncode:
+        raise RuntimeError(f"planning {name} with {layers} layers failed:\n{done.stderr}")
+    return PlanningCase(**json.loads(done.stdout.strip().splitlines()[-1]))
+
+
 def markdown(cases: list[PlanningCase], command: str) -> str:
     lines = ["# Planning time", "", f"`{command}` — mesh (node=2, gpu=4), "
              "`Cluster.multi_node`, default options, no mesh search; wall seconds of "
-             "`step.plan` on abstract arguments, tracing included, on this machine.", "",
+             "`step.plan` on abstract arguments, tracing included, each case in a fresh "
+             "process, on this machine.", "",
              "| model | layers | loop | plan (s) | status | predicted step (ms) | live nodes |",
              "|---|---:|---|---:|---|---:|---:|"]
     for c in cases:
