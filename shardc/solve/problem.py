@@ -93,6 +93,7 @@ class CostGraph:
     follows: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)  # v -> (u, f[a])
     spans: list = field(default_factory=list)  # (first, last program point, node, slot, bytes)
     conversions: dict = field(default_factory=dict)  # (src, dst) -> Conversion
+    terms: dict = field(default_factory=dict)  # (srcs, dsts) -> reshard_matrix's cost terms
     carried: set = field(default_factory=set)  # input nodes tied to an output (the state)
     settle: dict = field(default_factory=dict)  # value id -> its Settle node
     order: list = field(default_factory=list)  # every node, producers before their uses
@@ -111,10 +112,16 @@ class CostGraph:
                        alpha_scale: float = 1.0) -> np.ndarray:
         usrc, si = _unique(src)
         udst, di = _unique(dst)
-        small = np.empty((len(usrc), len(udst)))
-        for r, a in enumerate(usrc):
-            for c, b in enumerate(udst):
-                small[r, c] = self._conversion(a, b).time(nbytes, alpha_scale)
+        key = (tuple(usrc), tuple(udst))
+        terms = self.terms.get(key)
+        if terms is None:  # Conversion.time's terms per pair, for any size and scale
+            convs = [[self._conversion(a, b) for b in udst] for a in usrc]
+            terms = tuple(np.array([[getattr(c, f) if c.collectives else 0.0 for c in row]
+                                    for row in convs]).reshape(len(usrc), len(udst))
+                          for f in ("alpha", "combinable_alpha", "per_byte"))
+            self.terms[key] = terms
+        alpha, combinable, per_byte = terms
+        small = alpha - combinable * (1.0 - alpha_scale) + per_byte * nbytes
         return small[np.ix_(si, di)]
 
     def _conversion(self, a: NdSbp, b: NdSbp) -> Conversion:

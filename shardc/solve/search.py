@@ -59,7 +59,7 @@ class MemoryBudgetError(ValueError):
 @dataclass(frozen=True)
 class SolveOptions:
     """What the solver is asked for: a per-device byte budget, a wall-clock guard on the
-    search (seconds; 0 runs coordinate descent alone), whether to run the ILP, and
+    ILP stages (seconds; 0 runs coordinate descent alone), whether to run the ILP, and
     hand-written plans to start from (by name: graph-input layouts)."""
 
     memory_budget: float | None = None
