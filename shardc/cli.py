@@ -159,9 +159,11 @@ def _bench_planning(out) -> None:
         cases.append(planning.measure_fresh(name, layers))
         print(f"  {cases[-1].plan_s:.2f} s, {cases[-1].status}, "
               f"{cases[-1].predicted_ms:.3f} ms predicted", flush=True)
+    print("coordinate descent against the ILP on the tiny zoo ...", flush=True)
+    gaps = planning.descent_gaps()
     command = ("shardc bench " + " ".join(sys.argv[2:])).strip()
-    paths = planning.write(cases, out, command)
-    print(planning.markdown(cases, command))
+    paths = planning.write(cases, out, command, gaps)
+    print(planning.markdown(cases, command, gaps))
     print("wrote " + ", ".join(str(p) for p in paths))
 
 

@@ -83,6 +83,8 @@ def test_planning_report_gives_the_depth_ratio(tmp_path):
 
     cases = [planning.PlanningCase("gpt", n, False, s, "refined", 1.0, 100 * n, "")
              for n, s in ((12, 2.0), (48, 5.0))]
-    md, js = planning.write(cases, tmp_path, "shardc bench --planning")
+    gaps = [planning.DescentGap("moe", "node-8", 2.0, 2.5)]
+    md, js = planning.write(cases, tmp_path, "shardc bench --planning", gaps)
     assert "| gpt | 2.50x |" in md.read_text()
+    assert "| moe | node-8 | 2.000 | 2.500 | +25.0% |" in md.read_text()
     assert [c["plan_s"] for c in json.loads(js.read_text())["cases"]] == [2.0, 5.0]

@@ -4,7 +4,9 @@ Each case plans one model (GPT-2-small-sized, layers unrolled; or the scanned Ll
 at 12 and 48 layers on the (node=2, gpu=4) mesh of :meth:`shardc.Cluster.multi_node`, with
 the default options and no mesh search, and records the wall time of ``step.plan`` (tracing
 included; building the abstract arguments not), the solver's status and the predicted step.
-The 48/12 ratio is the figure that says whether planning grows with depth. Each case runs
+The 48/12 ratio is the figure that says whether planning grows with depth. A second table
+measures coordinate descent alone against the ILP's proven optimum on the zoo's tiny
+configurations (:func:`descent_gaps`). Each case runs
 in a fresh process (:func:`measure_fresh`), so none gains from another's warm caches and
 each pays what a user's first plan pays.
 """
@@ -18,11 +20,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["CASES", "PlanningCase", "measure", "measure_fresh", "markdown", "write"]
+__all__ = ["CASES", "DescentGap", "PlanningCase", "descent_gaps", "measure", "measure_fresh",
+           "markdown", "write"]
 
 #: (model, layers): the unrolled GPT-2-small and the scanned Llama decoder, each at 12 and 48
 CASES = (("gpt", 12), ("gpt", 48), ("llama", 12), ("llama", 48))
 MESH = ((2, 4), ("node", "gpu"))
+GAP_ILP_LIMIT = 60.0  # wall seconds the whole-graph ILP of a descent-gap case may take
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,48 @@ def measure_fresh(name: str, layers: int) -> PlanningCase:
     return PlanningCase(**json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-def markdown(cases: list[PlanningCase], command: str) -> str:
+@dataclass(frozen=True)
+class DescentGap:
+    model: str
+    preset: str
+    optimum_ms: float  # the ILP's proven optimum of the cost graph
+    descent_ms: float  # coordinate descent alone (its greedy starts, no ILP)
+
+    @property
+    def gap(self) -> float:
+        return self.descent_ms / self.optimum_ms - 1.0
+
+
+def descent_gaps(presets: tuple[str, ...] = ("node-8", "node-2x4"),
+                 which: str = "quick") -> list[DescentGap]:
+    """Coordinate descent alone against the ILP on each zoo model's ``which``
+    configuration: both solve the same cost graph (the step as traced, followers merged;
+    the state's ties to the next step left out), the ILP over the whole graph at once.
+    Cases where the ILP does not prove its optimum within ``GAP_ILP_LIMIT`` are left out."""
+    from shardc.bench.zoo import PRESETS, ZOO
+    from shardc.ir.trace import trace
+    from shardc.solve import descent
+    from shardc.solve.ilp import solve_ilp
+    from shardc.solve.problem import build
+
+    out = []
+    for zm in ZOO.values():
+        mod = zm.load()
+        cfg = zm.config(which)
+        graph = trace(mod.build_step(cfg), *mod.abstract_args(cfg)).graph
+        for name in presets:
+            preset = PRESETS[name]
+            cg = build(graph, preset.mesh_shape, preset.axis_names, preset.cluster)
+            cg.merge_followers()
+            alone = descent.objective(cg, descent.solve(cg))
+            res = solve_ilp(cg, time_limit=GAP_ILP_LIMIT, hint=None)
+            if res.status == "OPTIMAL":
+                out.append(DescentGap(zm.name, name,
+                                      descent.objective(cg, res.assignment) * 1e3, alone * 1e3))
+    return out
+
+
+def markdown(cases: list[PlanningCase], command: str, gaps: list[DescentGap] = ()) -> str:
     lines = ["# Planning time", "", f"`{command}` — mesh (node=2, gpu=4), "
              "`Cluster.multi_node`, default options, no mesh search; wall seconds of "
              "`step.plan` on abstract arguments, tracing included, each case in a fresh "
@@ -95,13 +140,24 @@ def markdown(cases: list[PlanningCase], command: str) -> str:
     for model in dict.fromkeys(c.model for c in cases):
         if (model, 12) in by and (model, 48) in by:
             lines.append(f"| {model} | {by[model, 48].plan_s / by[model, 12].plan_s:.2f}x |")
+    if gaps:
+        lines += ["", "## Coordinate descent against the ILP optimum", "",
+                  "The zoo's quick configurations: coordinate descent alone (its greedy "
+                  "starts, no ILP) and one ILP over the whole cost graph (proven optimal) "
+                  "solve the same graph (the state's ties to the next step left out).",
+                  "", "| model | preset | ILP optimum (ms) | descent alone (ms) | descent's gap |",
+                  "|---|---|---:|---:|---:|"]
+        lines += [f"| {g.model} | {g.preset} | {g.optimum_ms:.3f} | {g.descent_ms:.3f} | "
+                  f"{g.gap:+.1%} |" for g in gaps]
     return "\n".join(lines) + "\n"
 
 
-def write(cases: list[PlanningCase], out: Path, command: str) -> list[Path]:
+def write(cases: list[PlanningCase], out: Path, command: str,
+          gaps: list[DescentGap] = ()) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     md, js = out / "planning.md", out / "planning.json"
-    md.write_text(markdown(cases, command))
-    js.write_text(json.dumps({"command": command, "cases": [asdict(c) for c in cases]},
+    md.write_text(markdown(cases, command, gaps))
+    js.write_text(json.dumps({"command": command, "cases": [asdict(c) for c in cases],
+                              "descent_gaps": [{**asdict(g), "gap": g.gap} for g in gaps]},
                              indent=1))
     return [md, js]
