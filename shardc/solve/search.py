@@ -275,7 +275,8 @@ def quotient_refine(cg: CostGraph, x: dict[int, int], memory_budget, deadline: f
         res = solve_ilp(q, time_limit=_left(deadline), memory_budget=memory_budget, hint=xq)
         if res.assignment is not None:
             xq = _better(q, xq, res.assignment, memory_budget)
-        status = "optimal" if res.status == "OPTIMAL" else "time-limit"
+        status = {"OPTIMAL": "optimal", "INFEASIBLE": "infeasible"}.get(res.status,
+                                                                         "time-limit")
     else:
         for seed in sub_mesh_seeds(q, memory_budget, deadline):
             xq = _better(q, xq, seed, memory_budget)
