@@ -4,11 +4,11 @@ Each case plans one model (GPT-2-small-sized, layers unrolled; or the scanned Ll
 at 12 and 48 layers on the (node=2, gpu=4) mesh of :meth:`shardc.Cluster.multi_node`, with
 the default options and no mesh search, and records the wall time of ``step.plan`` (tracing
 included; building the abstract arguments not), the solver's status and the predicted step.
-The 48/12 ratio is the figure that says whether planning grows with depth. A second table
-measures coordinate descent alone against the ILP's proven optimum on the zoo's tiny
-configurations (:func:`descent_gaps`). Each case runs
+The 48/12 ratio is the figure that says whether planning grows with depth. Each case runs
 in a fresh process (:func:`measure_fresh`), so none gains from another's warm caches and
-each pays what a user's first plan pays.
+each pays what a user's first plan pays. A second table measures coordinate descent alone
+against the whole-graph ILP's proven optimum on the zoo's quick configurations
+(:func:`descent_gaps`).
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def descent_gaps(presets: tuple[str, ...] = ("node-8", "node-2x4"),
             cg = build(graph, preset.mesh_shape, preset.axis_names, preset.cluster)
             cg.merge_followers()
             alone = descent.objective(cg, descent.solve(cg))
-            res = solve_ilp(cg, time_limit=GAP_ILP_LIMIT, hint=None)
+            res = solve_ilp(cg, time_limit=GAP_ILP_LIMIT)
             if res.status == "OPTIMAL":
                 out.append(DescentGap(zm.name, name,
                                       descent.objective(cg, res.assignment) * 1e3, alone * 1e3))
