@@ -101,7 +101,8 @@ def solve(cg: CostGraph, options: SolveOptions = SolveOptions()) -> Solution:
     # descent on the full graph: its start leads the quotient's sweeps to better plans than
     # descent on the quotient does (12-layer GPT-2 on (2, 4): 7.958 against 8.512 ms)
     x = descent.solve(cg, memory_budget)
-    folding = fold(cg) if use_ilp and problem_size(cg) > ILP_FULL_TERMS else None
+    large = use_ilp and problem_size(cg) > ILP_FULL_TERMS  # folded, its quotient solved
+    folding = fold(cg) if large else None
     seed_plans = {}
     for name, layouts in options.seeds.items():
         y = descent.from_inputs(cg, layouts)
@@ -121,7 +122,7 @@ def solve(cg: CostGraph, options: SolveOptions = SolveOptions()) -> Solution:
             break
         profile = memory_profile(cg, cg.decode(x))
         cg.memory.append(memory_point(cg, int(np.argmax(profile))))  # constrain it too
-        folding = None  # the quotient's memory points are stale
+        folding = fold(cg) if large else None  # the quotient's memory points were stale
         x = descent.solve(cg, memory_budget)
         for y in starts:
             x = _better(cg, x, y, memory_budget)
@@ -153,17 +154,16 @@ def _peak(cg: CostGraph, x: dict[int, int]) -> float:
 
 
 def _solve_once(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: float | None,
-                folding: tuple[CostGraph, dict[int, int]] | None = None
+                folding: tuple[CostGraph, dict[int, int]] | None
                 ) -> tuple[dict[int, int], Status, str]:
     """Improve the descent point ``x`` with the ILP (``time_limit`` None: no ILP); keep
-    whichever is better and fits. A graph too large for one ILP is folded
-    (:mod:`shardc.solve.fold`) and its quotient solved (:func:`quotient_refine`).
-    ``time_limit`` guards the ILP stages (wall seconds from when they start). ``folding``
-    is ``fold(cg)`` when the caller has it. Returns the plan, its status and the stages."""
+    whichever is better and fits. ``folding`` is ``fold(cg)`` for a graph too large for one
+    ILP (:mod:`shardc.solve.fold`): its quotient is solved (:func:`quotient_refine`).
+    ``time_limit`` guards the ILP stages (wall seconds from when they start). Returns the
+    plan, its status and the stages."""
     if time_limit is None:
         return x, Status.DESCENT_ONLY, ""
-    if problem_size(cg) > ILP_FULL_TERMS:
-        folding = folding or fold(cg)
+    if folding is not None:
         deadline = time.perf_counter() + time_limit
         x, stages = quotient_refine(cg, x, memory_budget, deadline, folding)
         return x, Status.TIME_LIMIT if "time-limit" in stages else Status.REFINED, stages
@@ -261,15 +261,13 @@ def _tail_blocks(cg: CostGraph) -> list[list[int]]:
 
 
 def quotient_refine(cg: CostGraph, x: dict[int, int], memory_budget, deadline: float,
-                    folding: tuple[CostGraph, dict[int, int]] | None = None
-                    ) -> tuple[dict[int, int], str]:
+                    folding: tuple[CostGraph, dict[int, int]]) -> tuple[dict[int, int], str]:
     """Solve the repeated-layer quotient of ``cg`` from ``x``, expand it, refine it by
     descent on the full graph, and keep it if it beats ``x``. A quotient small enough (or
     on a 1-D mesh) is one exact ILP; a larger nd one starts from its 1-D seeds
     (:func:`sub_mesh_seeds`) and is solved axis by axis (:func:`axis_sweeps`). Returns the
-    plan and how the quotient was settled. ``folding`` is ``fold(cg)`` when the caller
-    has it."""
-    q, cls = folding or fold(cg)
+    plan and how the quotient was settled. ``folding`` is ``fold(cg)``."""
+    q, cls = folding
     xq = {c: x[m[0]] for c, m in enumerate(members(cls))}
     if len(q.axis_sizes) == 1 or problem_size(q) <= ILP_FULL_TERMS:
         res = solve_ilp(q, time_limit=_left(deadline), memory_budget=memory_budget, hint=xq)
@@ -313,7 +311,7 @@ def sub_mesh_seeds(q: CostGraph, memory_budget, deadline: float) -> list[dict[in
     for axes in subsets:
         allowed = {i: axes_choices(ch, axes) or list(range(len(ch)))
                    for i, ch in enumerate(q.choices)}
-        res = solve_ilp(restrict(q, allowed), time_limit=max(_left(deadline), 0.0),
+        res = solve_ilp(restrict(q, allowed), time_limit=_left(deadline),
                         memory_budget=memory_budget)
         if res.assignment is not None:
             seeds.append({i: allowed[i][b] for i, b in res.assignment.items()})
