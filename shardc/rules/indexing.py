@@ -11,6 +11,11 @@ dim taken whole and not indexed may be split, giving a split offset dim of the o
 dims split with the operand's dims -> S; the updates' scatter dims split with the indices'
 batch dims -> P, which needs the operand (the initial buffer) partial too, (P,S,S)->P;
 batching pairs split all three -> S; and (P,B,P)->P since it is linear in operand+updates.
+When the operand is zeros (jax's transpose of a gather: an embedding's gradient scatters the
+token gradients into a zero table), a replicated operand serves as well: (B,S,S)->P, each
+device scattering its share of the updates into its own zeros. That is the data-parallel
+embedding gradient XLA compiles (a local scatter, then the all-reduce every gradient gets);
+without it the only batch-split form would need a partial input, which plans never consume.
 ``scatter-sub`` has the same algebra (``operand - updates``), so the same signatures.
 
 ``scatter`` (``x.at[i].set(v)``, and the id scatter of its gradient) keeps the splits that
@@ -42,6 +47,15 @@ from shardc.rules.shape import is_numeric
 def _batch_positions(out_ndim: int, window_dims) -> list[int]:
     """Output (or updates) positions of the batch dims, in indices-dim order."""
     return [d for d in range(out_ndim) if d not in set(window_dims)]
+
+
+def _zeros(v) -> bool:
+    """``v`` is all zeros: a zero constant, or a broadcast of one (jax's ``zeros``)."""
+    if v.is_const:
+        return not np.any(v.const)
+    src = v.producer
+    return (src is not None and src.name == "broadcast_in_dim" and src.inputs[0].is_const
+            and not np.any(src.inputs[0].const))
 
 
 def _gather_partial_ok(op: Op) -> bool:
@@ -97,6 +111,8 @@ def scatter_signatures(op: Op, linear: bool) -> list[Signature]:
                                   (Split(d),)))
         elif linear:
             sigs.append(Signature((P, Split(i), Split(scatter_pos[i])) + extra, (P,)))
+            if _zeros(operand):
+                sigs.append(Signature((B, Split(i), Split(scatter_pos[i])) + extra, (P,)))
     if linear:
         sigs.append(Signature((P, B, P) + extra, (P,)))
     return sigs
