@@ -177,12 +177,11 @@ def cmd_bench(args) -> None:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from shardc.bench import harness, report
-    from shardc.bench.zoo import PRESETS, ZOO
+    from shardc.bench.zoo import DEFAULT_PRESETS, PRESETS, ZOO
 
     models = args.models.split(",") if args.models else (
         ["mlp", "gpt"] if args.quick else list(ZOO))
-    presets = args.presets.split(",") if args.presets else (
-        ["node-8", "node-2x4"] if args.quick else list(PRESETS))
+    presets = args.presets.split(",") if args.presets else list(DEFAULT_PRESETS)
     for name, known in (*((m, ZOO) for m in models), *((p, PRESETS) for p in presets)):
         if name not in known:
             sys.exit(f"shardc bench: unknown {name!r}; choose from {sorted(known)}")
@@ -194,7 +193,6 @@ def cmd_bench(args) -> None:
     out = Path(args.out or ("docs/benchmarks/quick" if args.quick else "docs/benchmarks"))
     command = ("shardc bench " + " ".join(sys.argv[2:])).strip()
     kept, commands = report.load(out) if args.update else ([], [])
-    kept = [harness.add_missing_feed(c, which) for c in kept]
     commands = [*commands, command]
     done: list = []
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
@@ -241,10 +239,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="also plan the other logical views of the devices (e.g. 16, 4x4)")
     q.set_defaults(func=cmd_plan)
     b = sub.add_parser("bench", help="shardc vs expert plans on the compiled programs")
-    b.add_argument("--quick", action="store_true", help="small models, two presets")
+    b.add_argument("--quick", action="store_true", help="small models (the default presets)")
     b.add_argument("--models", default=None, help="comma-separated, e.g. gpt,moe")
     b.add_argument("--presets", default=None, help="comma-separated, e.g. node-8,2nodes-2x8")
-    b.add_argument("--methods", default=None, help="comma-separated, e.g. shardc,fsdp")
+    b.add_argument("--methods", default=None,
+                   help="comma-separated, e.g. shardc,fsdp; experts: all but shardc")
     b.add_argument("--update", action="store_true",
                    help="merge into the results already in --out (re-measured cells replace "
                         "theirs)")

@@ -22,7 +22,7 @@ from jax.sharding import AxisType, PartitionSpec
 import shardc
 from models import llama
 from models.common import abstract_graphdef
-from shardc.bench.experts import compile_expert, experts_for, state_specs
+from shardc.bench.experts import compile_expert, seed_experts, state_specs
 from shardc.bench.zoo import ZOO
 
 CFG = llama.LlamaConfig.tiny()
@@ -288,15 +288,16 @@ def test_every_expert_compiles_and_matches_jit() -> None:
     step, (state, batch) = _example()
     mesh = _mesh()
     want_state, want_loss = _reference()
-    experts = experts_for(mesh)
-    assert len(experts) == 5
-    for expert in experts:
+    experts = {e.name: e for e in seed_experts(mesh, shardc.Cluster())}
+    assert sorted(experts) == ["data-parallel", "dp-x-tp4", "fsdp", "fsdp-x-tp4", "hsdp4",
+                               "megatron-tp8"]
+    for expert in experts.values():
         _, lowered = compile_expert(step, state, batch, mesh, expert, llama.param_axes)
         got_state, loss = lowered.compile(FAST_COMPILE)(state, batch)
         np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5, err_msg=expert.name)
         _assert_state_close(got_state, want_state)
-    # the layer axis is never split; megatron-tp splits the q kernel's heads over "gpu"
-    specs = state_specs(state, mesh, experts[2], llama.param_axes)
+    # the layer axis is never split; dp-x-tp splits the q kernel's heads over "gpu"
+    specs = state_specs(state, mesh, experts["dp-x-tp4"], llama.param_axes)
     assert specs["params"]["layers"]["attn"]["q"]["kernel"] == PartitionSpec(None, None, "gpu")
     assert specs["params"]["layers"]["mlp"]["down"]["kernel"] == PartitionSpec(None, "gpu", None)
 

@@ -1,14 +1,29 @@
 """Hand-written expert plans: what practitioners write today, to measure shardc against.
 
-Each expert is a pair of MaxText-style logical-axis rules: one for parameters (and the
-optimizer state that shadows them), one for activations, applied through the models'
-``param_axes`` and ``models.logical.constrain`` annotations. The batch is split by the
-activation rule for "batch". Compiled with plain ``jax.jit``.
+Each expert is a pair of MaxText-style logical-axis rules on one logical view of the
+preset's devices (:mod:`shardc.views`): one for parameters (and the optimizer state that
+shadows them), one for activations, applied through the models' ``param_axes`` and
+``models.logical.constrain`` annotations. The batch is split by the activation rule for
+"batch". Compiled with plain ``jax.jit``.
+
+The set (:func:`preset_experts`) is every form a practitioner writes, on every view shardc's
+mesh search considers, so "best expert" is the minimum over all of them:
+
+- over all devices (the flat view): data parallel, FSDP / ZeRO-3, Megatron TP, expert
+  parallel;
+- on each 2-D view ``(a, b)`` (``b`` the inner axis): HSDP (parameters sharded over ``b``,
+  replicated over ``a``, the batch over both), DP x TP and FSDP x TP (TP over ``b``),
+  Megatron TP over ``b`` alone, and for MoE models experts over ``b`` with the batch over
+  both (EP x DP);
+- where the preset's outer axis is slower (several nodes): data parallel, FSDP and expert
+  parallel within the node, replicated across nodes.
 
 References:
-  MaxText ``configs/base.yml`` logical_axis_rules (data / fsdp / tensor / expert axes);
+  MaxText ``configs/base.yml`` logical_axis_rules and ``dcn_data_parallelism`` x
+  ``ici_fsdp_parallelism`` (HSDP); PyTorch FSDP ``ShardingStrategy.HYBRID_SHARD``;
   Flax ``examples/gemma`` sharding config; Megatron-LM (Shoeybi et al. 2019) column/row
-  split MLP and head-parallel attention; ZeRO-3 / FSDP (Rajbhandari et al. 2020).
+  split MLP and head-parallel attention; ZeRO-3 / FSDP (Rajbhandari et al. 2020);
+  GShard (Lepikhin et al. 2020) expert parallelism.
 """
 
 from __future__ import annotations
@@ -21,6 +36,13 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models.logical import axis_rules, spec
+from shardc.cost.cluster import Cluster
+from shardc.views import View, views
+
+TENSOR = ("heads", "mlp", "vocab", "conv_out")
+"""Logical dims Megatron-style tensor parallelism splits (column/row pairs, heads)."""
+FSDP = ("embed", "mlp", "conv_out", "classes", "patch")
+"""Logical parameter dims FSDP shards (the largest dim of every weight the zoo has)."""
 
 
 @dataclass(frozen=True)
@@ -28,31 +50,85 @@ class Expert:
     name: str
     params: Mapping[str, Any]  # logical name -> mesh axes, for parameters / optimizer state
     acts: Mapping[str, Any]  # logical name -> mesh axes, for activations and the batch
+    view: View  # the logical mesh the rules name axes of
+
+    def mesh(self, physical: Mesh) -> Mesh:
+        """The view's mesh over ``physical``'s devices."""
+        return self.view.mesh(physical)
 
 
-def experts_for(mesh: Mesh, moe: bool = False) -> list[Expert]:
-    """The expert plans that make sense on ``mesh`` (1-D: one axis; 2-D: (node, gpu))."""
-    names = tuple(mesh.axis_names)
+def _on(axes, names: tuple[str, ...]) -> dict[str, Any]:
+    return {n: axes for n in names}
+
+
+def experts_for(view: View, moe: bool = False, whole: bool = True,
+                node_local: bool = False) -> list[Expert]:
+    """The expert forms on ``view``: with ``whole``, those over all its devices (data
+    parallel, FSDP, Megatron, expert parallel); on a 2-D view the hybrid forms; with
+    ``node_local`` (a slower outer axis) the forms on the inner axis alone."""
+    names = view.names
     every = names if len(names) > 1 else names[0]
-    tp = names[-1]
-    tensor = {"heads": tp, "mlp": tp, "vocab": tp, "conv_out": tp}
-    out = [
-        Expert("data-parallel", {}, {"batch": every}),
-        Expert("fsdp", {"embed": every, "mlp": every, "conv_out": every, "classes": every,
-                        "patch": every}, {"batch": every}),
-        Expert("megatron-tp", tensor, tensor),
-    ]
-    if len(names) > 1:
-        dp = names[0]
-        out += [
-            Expert("dp-x-tp", tensor, {**tensor, "batch": dp}),
-            Expert("fsdp-x-tp", {**tensor, "embed": dp}, {**tensor, "batch": dp}),
-        ]
-    if moe:
-        ep = {"expert": tp}
-        batch = {"batch": names[0] if len(names) > 1 else every}
-        out.append(Expert("expert-parallel", ep, {**ep, **batch}))
+    out = []
+    if whole:
+        out += [Expert("data-parallel", {}, {"batch": every}, view),
+                Expert("fsdp", _on(every, FSDP), {"batch": every}, view),
+                Expert(f"megatron-tp{_size(view, every)}", _on(every, TENSOR),
+                       _on(every, TENSOR), view)]
+        if moe:
+            out.append(Expert("expert-parallel", {"expert": every},
+                              {"expert": every, "batch": every}, view))
+    if len(names) == 2:
+        a, b = names
+        k = view.shape[1]
+        tensor = _on(b, TENSOR)
+        out += [Expert(f"hsdp{k}", _on(b, FSDP), {"batch": every}, view),
+                Expert(f"dp-x-tp{k}", tensor, {**tensor, "batch": a}, view),
+                Expert(f"fsdp-x-tp{k}", {**tensor, "embed": a}, {**tensor, "batch": a}, view)]
+        if not whole:  # on the flat 2-D view, megatron over both axes is listed above
+            out.append(Expert(f"megatron-tp{k}", tensor, tensor, view))
+        if moe:
+            out.append(Expert(f"ep{k}-x-dp", {"expert": b}, {"expert": b, "batch": every},
+                              view))
+        if node_local:
+            out += [Expert("data-parallel-node", {}, {"batch": b}, view),
+                    Expert("fsdp-node", _on(b, FSDP), {"batch": b}, view)]
+            if moe:
+                out.append(Expert("expert-parallel-node", {"expert": b},
+                                  {"expert": b, "batch": b}, view))
     return out
+
+
+def _size(view: View, axes) -> int:
+    axes = (axes,) if isinstance(axes, str) else axes
+    n = 1
+    for a in axes:
+        n *= view.shape[view.names.index(a)]
+    return n
+
+
+def _slow_outer(view: View) -> bool:
+    return len(view.names) == 2 and \
+        view.cluster.bandwidth(view.names[0]) < view.cluster.bandwidth(view.names[1])
+
+
+def preset_experts(shape: tuple[int, ...], names: tuple[str, ...], cluster: Cluster,
+                   moe: bool = False) -> list[Expert]:
+    """Every expert on every logical view of the devices (:func:`shardc.views.views`): the
+    whole-device forms once (on the flat view), the hybrid forms on each 2-D view, and the
+    node-local forms on the physical mesh when its outer axis is slower."""
+    out: dict[str, Expert] = {}
+    for i, view in enumerate(views(shape, names, cluster)):
+        for e in experts_for(view, moe, whole=len(view.shape) == 1,
+                             node_local=i == 0 and _slow_outer(view)):
+            out.setdefault(e.name, e)
+    return list(out.values())
+
+
+def seed_experts(mesh: Mesh, cluster: Cluster, moe: bool = False) -> list[Expert]:
+    """The experts expressible on ``mesh`` itself (its own axes): what shardc is seeded
+    with when it plans on that mesh."""
+    view = View(tuple(mesh.devices.shape), tuple(mesh.axis_names), cluster)
+    return experts_for(view, moe, whole=True, node_local=_slow_outer(view))
 
 
 def _keys(path) -> tuple[str, ...]:
@@ -81,9 +157,11 @@ def batch_specs(batch, mesh: Mesh, expert: Expert) -> Any:
     return jax.tree.map(one, batch)
 
 
-def compile_expert(step: Callable, state, batch, mesh: Mesh, expert: Expert,
+def compile_expert(step: Callable, state, batch, physical: Mesh, expert: Expert,
                    param_axes: Callable):
-    """``(jitted, lowered)`` of ``step`` under the expert's shardings and activation rules."""
+    """``(jitted, lowered)`` of ``step`` under the expert's shardings and activation rules,
+    on the expert's view of ``physical``'s devices."""
+    mesh = expert.mesh(physical)
     named = lambda t: jax.tree.map(lambda s: NamedSharding(mesh, s), t)  # noqa: E731
     st = named(state_specs(state, mesh, expert, param_axes))
     bt = named(batch_specs(batch, mesh, expert))
@@ -92,5 +170,3 @@ def compile_expert(step: Callable, state, batch, mesh: Mesh, expert: Expert,
     with axis_rules(mesh, expert.acts):
         lowered = jitted.lower(state, batch)
     return jitted, lowered
-
-

@@ -22,7 +22,8 @@ from shardc.bench.experts import (
     Expert,
     batch_specs,
     compile_expert,
-    experts_for,
+    preset_experts,
+    seed_experts,
     state_specs,
 )
 from shardc.bench.zoo import PRESETS, ZOO, Preset, ZooModel
@@ -45,17 +46,18 @@ class Cell:
     plan_s: float | None = None
     predicted_s: float | None = None
     predicted_comm_s: float | None = None
+    predicted_peak: float | None = None  # shardc: the plan's predicted peak bytes per device
     compiled_s: float | None = None
     compiled_comm_s: float | None = None
     compiled_compute_s: float | None = None
     compiled_feed_s: float | None = None
     wire_bytes: float | None = None
     collectives: dict = field(default_factory=dict)
-    peak_memory: float | None = None
+    peak_memory: float | None = None  # compiled: memory_analysis() bytes per device
     matched: bool | None = None
     error: str | None = None
     seeds: dict = field(default_factory=dict)  # shardc: the experts' plans it started from
-    mesh: str | None = None  # the mesh it ran on (shardc: the view its mesh search chose)
+    mesh: str | None = None  # the view it ran on (shardc: the one its mesh search chose)
     unplanned_comm_s: float | None = None  # shardc: compiled time of collective kinds not planned
     saved_plan_s: float | None = None  # shardc: use_plan of the saved plan + lower + compile
     jit_s: float | None = None  # shardc: trace + jax.jit lower + compile with its shardings
@@ -99,28 +101,6 @@ def _feed(shardings, batch, cluster) -> float:
     return per_device / cluster.host_bandwidth
 
 
-def spec_feed_seconds(zm: ZooModel, preset: Preset, expert: Expert, which: str) -> float:
-    """:func:`feed_seconds` of an expert from its batch specs, without compiling (jit
-    compiles exactly those input shardings; ``tests/test_bench.py`` checks they agree)."""
-    mesh = make_mesh(preset)
-    _, batch = zm.load().abstract_args(zm.config(which))
-    specs = jax.tree.leaves(batch_specs(batch, mesh, expert))
-    return _feed([NamedSharding(mesh, s) for s in specs], batch, preset.cluster)
-
-
-def add_missing_feed(cell: Cell, which: str) -> Cell:
-    """An expert cell measured before step times included the batch feed, brought up to
-    date from its specs (shardc cells are re-measured instead)."""
-    if cell.compiled_feed_s is not None or cell.compiled_s is None or cell.method == "shardc":
-        return cell
-    zm, preset = ZOO[cell.model], PRESETS[cell.preset]
-    expert = next(e for e in experts_for(_abstract_mesh(preset), moe=zm.moe)
-                  if e.name == cell.method)
-    cell.compiled_feed_s = spec_feed_seconds(zm, preset, expert, which)
-    cell.compiled_s += cell.compiled_feed_s
-    return cell
-
-
 def _fill_compiled(cell: Cell, compiled, mesh, cluster, batch) -> None:
     cost = price(compiled, mesh, cluster)
     cell.compiled_comm_s = cost.comm_time
@@ -136,16 +116,17 @@ def run_shardc(zm: ZooModel, preset: Preset, which: str, check: bool,
                time_limit: float, mesh_search: bool = True) -> Cell:
     cell = Cell(zm.name, preset.name, "shardc")
     mod, mesh = zm.load(), make_mesh(preset)
-    cfg = zm.config(which)
+    cfg = zm.config(which, preset.devices)
     args = mod.abstract_args(cfg)
     step = auto_shard(mod.build_step(cfg), mesh=mesh, cluster=preset.cluster,
-                      time_limit=time_limit, seeds=expert_seeds(zm, mesh, args),
+                      time_limit=time_limit, seeds=expert_seeds(zm, mesh, preset, args),
                       mesh_search=mesh_search)
     t0 = time.perf_counter()
     plan = step.plan(*args)
     cell.plan_s = time.perf_counter() - t0
     cell.predicted_s = plan.predicted.step_time
     cell.predicted_comm_s = plan.predicted.comm_time
+    cell.predicted_peak = plan.predicted.peak_memory
     cell.seeds = dict(plan.solver.get("seeds", {}))
     view = step.mesh_for(plan)
     cell.mesh = mesh_label(plan.mesh_axes)
@@ -162,7 +143,7 @@ def run_shardc(zm: ZooModel, preset: Preset, which: str, check: bool,
     if check:
         tiny_fn, (state, batch) = mod.make_train_step(zm.config("tiny"))
         tiny = auto_shard(tiny_fn, mesh=mesh, cluster=preset.cluster, time_limit=time_limit,
-                          seeds=expert_seeds(zm, mesh, (state, batch)),
+                          seeds=expert_seeds(zm, mesh, preset, (state, batch)),
                           mesh_search=mesh_search)
         cell.matched = _close(tiny(state, batch), jax.jit(tiny_fn)(state, batch), _tiny_lr(zm))
     return cell
@@ -185,23 +166,25 @@ def jit_seconds(fn, args, plan: Plan, mesh) -> float:
     return time.perf_counter() - t0
 
 
-def expert_seeds(zm: ZooModel, mesh, args) -> dict:
-    """Every expert's in_shardings for this model and mesh, to seed shardc with: its plan
-    then costs no more than the best of them in shardc's own cost model."""
+def expert_seeds(zm: ZooModel, mesh, preset: Preset, args) -> dict:
+    """The in_shardings of every expert expressible on the preset's own mesh, to seed
+    shardc with: its plan then costs no more than the best of them in shardc's own cost
+    model. (Experts on the other views are not seeds: the mesh search plans those views
+    from scratch.)"""
     state, batch = args
     return {e.name: (state_specs(state, mesh, e, zm.load().param_axes),
                      batch_specs(batch, mesh, e))
-            for e in experts_for(mesh, moe=zm.moe)}
+            for e in seed_experts(mesh, preset.cluster, moe=zm.moe)}
 
 
 def run_expert(zm: ZooModel, preset: Preset, expert: Expert, which: str, check: bool) -> Cell:
     cell = Cell(zm.name, preset.name, expert.name)
     mod, mesh = zm.load(), make_mesh(preset)
-    cell.mesh = mesh_label(zip(preset.axis_names, preset.mesh_shape))
-    cfg = zm.config(which)
+    cell.mesh = expert.view.label
+    cfg = zm.config(which, preset.devices)
     args = mod.abstract_args(cfg)
     _, lowered = compile_expert(mod.build_step(cfg), *args, mesh, expert, mod.param_axes)
-    _fill_compiled(cell, lowered.compile(), mesh, preset.cluster, args[1])
+    _fill_compiled(cell, lowered.compile(), expert.mesh(mesh), expert.view.cluster, args[1])
     if check:
         tiny_fn, (state, batch) = mod.make_train_step(zm.config("tiny"))
         _, low = compile_expert(tiny_fn, state, batch, mesh, expert, mod.param_axes)
@@ -212,22 +195,24 @@ def run_expert(zm: ZooModel, preset: Preset, expert: Expert, which: str, check: 
 
 def cells(models: list[str], presets: list[str],
           methods: list[str] | None = None) -> list[tuple[ZooModel, Preset, str]]:
-    """The (model, preset, method) cells to run; ``methods`` filters by name."""
+    """The (model, preset, method) cells to run; ``methods`` filters by name ("experts":
+    every method but shardc)."""
     out = []
     for m in models:
         zm = ZOO[m]
         for p in presets:
             pre = PRESETS[p]
             out.append((zm, pre, "shardc"))
-            for e in experts_for(_abstract_mesh(pre), moe=zm.moe):
+            for e in experts(zm, pre):
                 out.append((zm, pre, e.name))
-    if methods is not None:
-        out = [c for c in out if c[2] in methods]
+    if methods is not None:  # "experts" names all of them
+        out = [c for c in out if c[2] in methods or ("experts" in methods and c[2] != "shardc")]
     return out
 
 
-def _abstract_mesh(preset: Preset):
-    return jax.sharding.AbstractMesh(preset.mesh_shape, preset.axis_names)
+def experts(zm: ZooModel, preset: Preset) -> list[Expert]:
+    """The experts of a cell: every form on every logical view of the preset's devices."""
+    return preset_experts(preset.mesh_shape, preset.axis_names, preset.cluster, moe=zm.moe)
 
 
 def run_cell(zm: ZooModel, preset: Preset, method: str, which: str, check: bool,
@@ -235,8 +220,7 @@ def run_cell(zm: ZooModel, preset: Preset, method: str, which: str, check: bool,
     try:
         if method == "shardc":
             return run_shardc(zm, preset, which, check, time_limit, mesh_search)
-        mesh = make_mesh(preset)
-        expert = next(e for e in experts_for(mesh, moe=zm.moe) if e.name == method)
+        expert = next(e for e in experts(zm, preset) if e.name == method)
         return run_expert(zm, preset, expert, which, check)
     except Exception as exc:  # noqa: BLE001 - a failing cell is reported, not fatal
         return Cell(zm.name, preset.name, method,

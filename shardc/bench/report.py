@@ -27,11 +27,14 @@ def summary(cells: list[Cell]) -> list[dict]:
         best = min(experts, key=lambda c: c.compiled_s, default=None)
         row = {"model": model, "preset": preset, "shardc_s": ours and ours.compiled_s,
                "shardc_mesh": ours and ours.mesh,
-               "best_expert": best and best.method, "best_expert_s": best and best.compiled_s,
+               "best_expert": best and best.method, "best_expert_mesh": best and best.mesh,
+               "best_expert_s": best and best.compiled_s, "experts": len(experts),
                "ratio": None, "comm_error": None, "unplanned_share": None,
-               "saved_plan_ratio": None}
+               "saved_plan_ratio": None, "memory_error": None}
         if ours and best:
             row["ratio"] = ours.compiled_s / best.compiled_s
+        if ours and ours.predicted_peak and ours.peak_memory:
+            row["memory_error"] = ours.predicted_peak / ours.peak_memory - 1.0
         if ours and ours.saved_plan_s and ours.jit_s:
             row["saved_plan_ratio"] = ours.saved_plan_s / ours.jit_s
         if ours and ours.compiled_comm_s:
@@ -50,18 +53,27 @@ def markdown(cells: list[Cell], commands: list[str], header: str = "") -> str:
              f"# shardc bench\n\n{header}Command: {made}\n",
              "Step times are the compiled program priced on the preset's cluster model: "
              "collectives read from the compiled HLO (α-β per mesh axis), compute from "
-             "`cost_analysis()` FLOPs, and the host-to-device feed of the batch under the "
-             "compiled input shardings (PCIe). Lower is better. shardc is seeded with the "
-             "experts' in_shardings and searches the logical views of the preset's devices "
-             "(`mesh_search`); *shardc mesh* is the view it chose, *unplanned comm* the "
-             "share of its compiled communication time in collective kinds it did not "
-             "plan; *saved plan* the wall time of running a saved plan (`use_plan`, lower, "
+             "`cost_analysis()` FLOPs (loop bodies by trip count), and the host-to-device "
+             "feed of the batch under the compiled input shardings (PCIe). Lower is better. "
+             "Weak scaling: the global batch is the model's per-device batch times the "
+             "preset's devices. The experts are every form a practitioner writes (data "
+             "parallel, FSDP, HSDP, Megatron TP, DP x TP, FSDP x TP, expert parallel and "
+             "EP x DP; on several nodes also within the node, replicated across) on every "
+             "logical view of the preset's devices that shardc's mesh search considers "
+             "(`shardc/bench/experts.py`); *best expert* is the fastest of them, on the view "
+             "named. shardc is seeded with the experts expressible on the preset's own mesh "
+             "and searches the logical views (`mesh_search`); *shardc mesh* is the view it "
+             "chose, *unplanned comm* the share of its compiled communication time in "
+             "collective kinds it did not plan; *peak* its predicted per-device peak memory "
+             "against `memory_analysis()` (arguments + outputs + temporaries - aliased); "
+             "*saved plan* the wall time of running a saved plan (`use_plan`, lower, "
              "compile: no solver) over tracing once plus `jax.jit` lowering and compiling "
              "the same program with the plan's shardings.\n",
              "## Summary\n",
-             "| model | preset | shardc ms | shardc mesh | best expert | expert ms | "
-             "shardc / expert | predicted vs compiled comm | unplanned comm | saved plan |",
-             "|---|---|---:|---|---|---:|---:|---:|---:|---:|"]
+             "| model | preset | shardc ms | shardc mesh | best of N experts | its mesh | "
+             "expert ms | shardc / expert | predicted vs compiled comm | unplanned comm | "
+             "predicted vs compiled peak | saved plan |",
+             "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|"]
     ratios = []
     for r in summary(cells):
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
@@ -70,29 +82,33 @@ def markdown(cells: list[Cell], commands: list[str], header: str = "") -> str:
         err = "-" if r["comm_error"] is None else f"{r['comm_error'] * 100:+.1f}%"
         share = "-" if r["unplanned_share"] is None else f"{r['unplanned_share'] * 100:.1f}%"
         saved = "-" if r["saved_plan_ratio"] is None else f"{r['saved_plan_ratio']:.2f}x"
+        mem = "-" if r["memory_error"] is None else f"{r['memory_error'] * 100:+.1f}%"
+        best = f"{r['best_expert']} (of {r['experts']})" if r["best_expert"] else "-"
         lines.append(f"| {r['model']} | {r['preset']} | {_ms(r['shardc_s'])} | "
-                     f"{r['shardc_mesh'] or '-'} | {r['best_expert'] or '-'} | "
-                     f"{_ms(r['best_expert_s'])} | {ratio} | {err} | {share} | {saved} |")
+                     f"{r['shardc_mesh'] or '-'} | {best} | {r['best_expert_mesh'] or '-'} | "
+                     f"{_ms(r['best_expert_s'])} | {ratio} | {err} | {share} | {mem} | "
+                     f"{saved} |")
     if ratios:
         gmean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
         lines.append(f"\nGeometric mean shardc / best expert: **{gmean:.3f}** over "
                      f"{len(ratios)} cells.\n")
     lines += ["## All cells\n",
-              "| model | preset | method | plan s | predicted ms | compiled ms | comm ms | "
-              "compute ms | feed ms | wire MiB | collectives | peak MiB | matched | error |",
-              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---|"]
+              "| model | preset | method | mesh | plan s | predicted ms | compiled ms | "
+              "comm ms | compute ms | feed ms | wire MiB | collectives | predicted peak MiB | "
+              "peak MiB | matched | error |",
+              "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---|"]
     for c in cells:
         colls = ", ".join(f"{k} {v}" for k, v in sorted(c.collectives.items())) or "-"
         wire = "-" if c.wire_bytes is None else f"{c.wire_bytes / 2**20:.1f}"
         mem = "-" if c.peak_memory is None else f"{c.peak_memory / 2**20:.1f}"
+        pmem = "-" if c.predicted_peak is None else f"{c.predicted_peak / 2**20:.1f}"
         plan = "-" if c.plan_s is None else f"{c.plan_s:.2f}"
         matched = {None: "-", True: "yes", False: "**NO**"}[c.matched]
         err = (c.error or "").splitlines()[0][:80] if c.error else ""
-        lines.append(f"| {c.model} | {c.preset} | {c.method} | {plan} | {_ms(c.predicted_s)} | "
-                     f"{_ms(c.compiled_s)} | {_ms(c.compiled_comm_s)} | "
+        lines.append(f"| {c.model} | {c.preset} | {c.method} | {c.mesh or '-'} | {plan} | "
+                     f"{_ms(c.predicted_s)} | {_ms(c.compiled_s)} | {_ms(c.compiled_comm_s)} | "
                      f"{_ms(c.compiled_compute_s)} | {_ms(c.compiled_feed_s)} | {wire} | "
-                     f"{colls} | {mem} | {matched} | "
-                     f"{err} |")
+                     f"{colls} | {pmem} | {mem} | {matched} | {err} |")
     return "\n".join(lines) + "\n"
 
 

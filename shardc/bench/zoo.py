@@ -1,7 +1,14 @@
-"""The models and cluster presets the benchmark matrix runs over."""
+"""The models and cluster presets the benchmark matrix runs over.
+
+Weak scaling: a model's ``bench`` and ``quick`` configurations give the global batch for
+:data:`REFERENCE_DEVICES` devices; on a preset with more devices the batch grows with them
+(the per-device batch stays), so every expert can split the batch over every device, as a
+practitioner running more GPUs would.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from typing import Any
@@ -27,12 +34,16 @@ class Preset:
         return n
 
 
+REFERENCE_DEVICES = 8
+"""The device count the zoo's ``bench`` / ``quick`` batch sizes are written for."""
+
 PRESETS = {
     "node-8": Preset("node-8", (8,), ("gpu",), Cluster.nvlink_node(("gpu",)),
                      "one 8-GPU H100 node, NVLink, as mesh (8,)"),
     "node-2x4": Preset("node-2x4", (2, 4), ("node", "gpu"),
                        Cluster.nvlink_node(("node", "gpu")),
-                       "the same node as mesh (2, 4), both axes NVLink"),
+                       "the same node as mesh (2, 4), both axes NVLink (the same devices, "
+                       "links and logical views as node-8, so not in the default matrix)"),
     "2nodes-2x8": Preset("2nodes-2x8", (2, 8), ("node", "gpu"),
                          Cluster.multi_node("node", "gpu"),
                          "two such nodes over NDR InfiniBand as mesh (2, 8)"),
@@ -51,10 +62,18 @@ class ZooModel:
     def load(self):
         return importlib.import_module(self.module)
 
-    def config(self, which: str) -> Any:
+    def config(self, which: str, devices: int = REFERENCE_DEVICES) -> Any:
+        """The ``which`` configuration ("tiny", "bench", "quick"); the bench and quick
+        batches scaled to ``devices`` (weak scaling, see the module doc)."""
         mod = self.load()
         cls = next(v for k, v in vars(mod).items() if k.endswith("Config") and isinstance(v, type))
-        return _call(cls, getattr(self, which))
+        cfg = _call(cls, getattr(self, which))
+        if which == "tiny" or devices == REFERENCE_DEVICES:
+            return cfg
+        if (cfg.batch * devices) % REFERENCE_DEVICES:
+            raise ValueError(f"{self.name}: batch {cfg.batch} for {REFERENCE_DEVICES} devices "
+                             f"does not scale to {devices}")
+        return dataclasses.replace(cfg, batch=cfg.batch * devices // REFERENCE_DEVICES)
 
 
 def _call(cls, expr: str):
@@ -77,3 +96,6 @@ ZOO = {
     "vit": ZooModel("vit", "models.vit", "tiny", "realistic", "tiny"),
     "llama": ZooModel("llama", "models.llama", "tiny", "realistic", "realistic(n_layers=2)"),
 }
+
+DEFAULT_PRESETS = ("node-8", "2nodes-2x8")
+"""The bench matrix: one node, and two over InfiniBand (node-2x4 is node-8's devices)."""
