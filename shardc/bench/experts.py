@@ -28,6 +28,7 @@ References:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -72,7 +73,7 @@ def experts_for(view: View, moe: bool = False, whole: bool = True,
     if whole:
         out += [Expert("data-parallel", {}, {"batch": every}, view),
                 Expert("fsdp", _on(every, FSDP), {"batch": every}, view),
-                Expert(f"megatron-tp{_size(view, every)}", _on(every, TENSOR),
+                Expert(f"megatron-tp{math.prod(view.shape)}", _on(every, TENSOR),
                        _on(every, TENSOR), view)]
         if moe:
             out.append(Expert("expert-parallel", {"expert": every},
@@ -96,14 +97,6 @@ def experts_for(view: View, moe: bool = False, whole: bool = True,
                 out.append(Expert("expert-parallel-node", {"expert": b},
                                   {"expert": b, "batch": b}, view))
     return out
-
-
-def _size(view: View, axes) -> int:
-    axes = (axes,) if isinstance(axes, str) else axes
-    n = 1
-    for a in axes:
-        n *= view.shape[view.names.index(a)]
-    return n
 
 
 def _slow_outer(view: View) -> bool:

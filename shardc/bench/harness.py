@@ -205,7 +205,7 @@ def cells(models: list[str], presets: list[str],
             out.append((zm, pre, "shardc"))
             for e in experts(zm, pre):
                 out.append((zm, pre, e.name))
-    if methods is not None:  # "experts" names all of them
+    if methods is not None:
         out = [c for c in out if c[2] in methods or ("experts" in methods and c[2] != "shardc")]
     return out
 
