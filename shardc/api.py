@@ -172,8 +172,19 @@ class AutoSharded:
                  tuple(sh.mesh.axis_names) == names for x in call.leaves]
         if not explicit_axes(self.user_mesh) or not any(typed):
             return {}
-        with jax.sharding.use_abstract_mesh(self.user_mesh.abstract_mesh):
-            outs = jax.eval_shape(call.function(self.fn), *call.leaves)
+        try:
+            with jax.sharding.use_abstract_mesh(self.user_mesh.abstract_mesh):
+                outs = jax.eval_shape(call.function(self.fn), *call.leaves)
+        except Exception as exc:
+            # arguments typed by an earlier plan's results (not by the user) may not type-check
+            # under jax.jit's rules, which shardc's lowering (under auto_axes) does not need:
+            # the results then keep the plan's layouts as their types
+            if type(exc).__name__ != "ShardingTypeError":
+                raise
+            log.info("shardc: %s does not type-check with these argument shardings (%s); its "
+                     "results are typed with the plan's layouts", getattr(self.fn, "__name__", "fn"),
+                     str(exc).splitlines()[0])
+            return {}
         fixed = {}
         for j, o in enumerate(jax.tree.leaves(outs)):
             sh = getattr(o, "sharding", None)

@@ -290,6 +290,25 @@ def test_explicit_mesh_results_fed_back_reuse_the_plan():
     assert jax.typeof(w2).sharding == jax.typeof(w1).sharding
 
 
+def test_explicit_mesh_arguments_typed_as_a_plan_left_them_still_run():
+    """A plan may leave a parameter split along a dimension the user's program contracts
+    (an embedding split over its width, say). Fed back, such types fail jax.jit's type rules
+    (ambiguous contraction); shardc keeps them and runs, its results typed as planned."""
+    both = ("node", "gpu")
+    xe = jax.device_put(X, NamedSharding(EXPLICIT, Ps(None, both)))
+    we = jax.device_put(W, NamedSharding(EXPLICIT, Ps(both, None)))
+
+    def f(x, w):
+        return jnp.tanh(x @ w), w * 0.5
+
+    with pytest.raises(Exception, match="ambiguous"):
+        jax.jit(f)(xe, we)
+    s = shard(f, mesh=EXPLICIT)
+    y, w2 = s(xe, we)
+    close((y, w2), f(X, W))
+    assert jax.typeof(w2).sharding.mesh.axis_types == EXPLICIT.axis_types
+    close(s(xe, w2), f(X, W * 0.5))
+
 def test_auto_mesh_step_runs_inside_an_explicit_set_mesh():
     with jax.set_mesh(EXPLICIT):
         close(shard(lambda x: jnp.tanh(x) * 2.0)(X), jnp.tanh(X) * 2.0)
