@@ -181,9 +181,9 @@ class AutoSharded:
             # the results then keep the plan's layouts as their types
             if type(exc).__name__ != "ShardingTypeError":
                 raise
-            log.info("shardc: %s does not type-check with these argument shardings (%s); its "
-                     "results are typed with the plan's layouts", getattr(self.fn, "__name__", "fn"),
-                     str(exc).splitlines()[0])
+            log.info("shardc: %s does not type-check with these argument shardings (%s); "
+                     "its results are typed with the plan's layouts",
+                     getattr(self.fn, "__name__", "fn"), str(exc).splitlines()[0])
             return {}
         fixed = {}
         for j, o in enumerate(jax.tree.leaves(outs)):
@@ -215,26 +215,52 @@ class AutoSharded:
 
     def _cached_or_solved(self, tr: _Traced, call: Call) -> Plan:
         """The plan from the disk cache (``cache_dir``), else solved and stored there."""
-        seeds = self._seed_layouts(call)
+        candidates = self._views(tr)
+        seeds = self._seed_layouts(call, candidates)
         store = PlanCache.at(self.options.cache_dir)
         if store is None:
-            return self._solve(tr, seeds)
+            return self._solve(tr, candidates, seeds)
         program = fingerprint(tr.traced.graph)
-        key = store.key(program, tr.traced.graph.inputs, self.mesh, self.options, seeds,
+        flat = {f"{view.label}: {name}": layouts
+                for view, named in zip(candidates, seeds) for name, layouts in named.items()}
+        key = store.key(program, tr.traced.graph.inputs, self.mesh, self.options, flat,
                         tr.ties, tr.fixed)
         plan = store.load(key, program)
         if plan is None:
-            plan = self._solve(tr, seeds)
+            plan = self._solve(tr, candidates, seeds)
             store.save(key, plan)
         return plan
 
-    def _seed_layouts(self, call: Call) -> dict[str, dict[int, NdSbp]]:
-        """The ``seeds`` option as graph-input layouts, by seed name."""
+    def _views(self, tr: _Traced) -> list[View]:
+        """The meshes to plan on: the physical one, and with ``mesh_search`` (unless the
+        program fixes layouts on the physical axes) every other logical view of it."""
+        opts = self.options
+        shape, names = self.mesh.devices.shape, tuple(self.mesh.axis_names)
+        if opts.mesh_search and not _pinned(tr):
+            return views(shape, names, opts.cluster)
+        return [View(shape, names, opts.cluster)]
+
+    def _seed_layouts(self, call: Call, candidates: list[View]
+                      ) -> list[dict[str, dict[int, NdSbp]]]:
+        """The ``seeds`` option as graph-input layouts by seed name, per candidate view: a
+        seed seeds each view whose axes its specs name (the mesh's own, or another view's
+        such as ``gpu2`` / ``gpu4`` of a flat 8-device mesh); one that names no view's
+        axes is an error."""
         dyn_args, _ = call.unflatten(call.leaves)
         abstract = jax.tree.map(abstract_leaf, dyn_args)
-        names = tuple(self.mesh.axis_names)
-        return {name: seed_layouts(f"seed {name!r}", spec, abstract, names)
-                for name, spec in self.options.seeds.items()}
+        out: list[dict[str, dict[int, NdSbp]]] = [{} for _ in candidates]
+        for name, spec in self.options.seeds.items():
+            errors = []
+            for i, view in enumerate(candidates):
+                try:
+                    out[i][name] = seed_layouts(f"seed {name!r}", spec, abstract, view.names)
+                except ValueError as exc:
+                    errors.append(exc)
+            if len(errors) == len(candidates):
+                raise errors[0] if len(candidates) == 1 else ValueError(
+                    f"seed {name!r} fits none of the meshes planned "
+                    f"({', '.join(v.label for v in candidates)}): {errors[0]}")
+        return out
 
     def _compatible(self, key, fixed: Fixed) -> Plan | None:
         """A plan made for the same shapes that already has the layouts ``fixed`` asks for:
@@ -249,22 +275,18 @@ class AutoSharded:
                 return plan
         return None
 
-    def _solve(self, tr: _Traced, seeds: dict[str, dict[int, NdSbp]]) -> Plan:
+    def _solve(self, tr: _Traced, candidates: list[View],
+               seeds: list[dict[str, dict[int, NdSbp]]]) -> Plan:
         graph = tr.traced.graph
         warn_missing([op.name for op in graph.ops if not has_rule(op.name)])
         opts = self.options
-        shape, names = self.mesh.devices.shape, tuple(self.mesh.axis_names)
-        pinned = bool(tr.fixed) or any(is_pinned(op) for op in graph.ops)
-        physical = View(shape, names, opts.cluster)
-        candidates = views(shape, names, opts.cluster) if opts.mesh_search and not pinned \
-            else [physical]
+        names = tuple(self.mesh.axis_names)
         t0 = time.perf_counter()
-        best, tried, failure = None, [], None
-        for view in candidates:
+        best, tried, failure, priced = None, [], None, {}
+        for view, view_seeds in zip(candidates, seeds, strict=True):
             t = time.perf_counter()
             is_physical = view.names == names
-            sopts = SolveOptions(opts.memory_budget, opts.time_limit,
-                                 seeds=seeds if is_physical else {})
+            sopts = SolveOptions(opts.memory_budget, opts.time_limit, seeds=view_seeds)
             try:
                 cg, sol = plan_graph(graph, view.shape, view.names, view.cluster, sopts,
                                      ties=tr.ties, fixed=tr.fixed if is_physical else NOTHING_FIXED)
@@ -275,6 +297,8 @@ class AutoSharded:
                 tried.append({"mesh": view.label, "predicted_s": None,
                               "plan_s": time.perf_counter() - t, "error": str(exc)})
                 continue
+            for name, cost in sol.stats.pop("seeds", {}).items():
+                priced[name if is_physical else f"{name} on {view.label}"] = cost
             solver = {"status": sol.status.value, "objective": sol.objective, **sol.stats}
             plan = assemble(graph, cg, sol.choice, tr.ties, solver)
             tried.append({"mesh": view.label, "predicted_s": plan.predicted.step_time,
@@ -284,9 +308,11 @@ class AutoSharded:
         if best is None:
             raise MemoryBudgetError(failure.budget, failure.needed)
         solver = {**best.solver, "plan_s": time.perf_counter() - t0}
+        if priced:
+            solver["seeds"] = priced  # every view's seeds: the plan costs no more than any
         if opts.mesh_search:
             solver["mesh_search"] = tried
-            if pinned:
+            if _pinned(tr):
                 solver["mesh_search_note"] = (
                     "only the given mesh was planned: the program fixes layouts on its axes")
         return dataclasses.replace(best, solver=solver)
@@ -388,6 +414,12 @@ class AutoSharded:
 
 def _is_spec_leaf(x) -> bool:
     return x is None or isinstance(x, (PartitionSpec, NamedSharding))
+
+
+def _pinned(tr: _Traced) -> bool:
+    """Whether the program fixes layouts on the mesh's own axes (kept inputs, typed results,
+    the user's constraints): then only that mesh is planned."""
+    return bool(tr.fixed) or any(is_pinned(op) for op in tr.traced.graph.ops)
 
 
 def _named_seeds(seeds) -> dict[str, Any]:

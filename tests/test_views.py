@@ -78,3 +78,24 @@ def test_a_plan_for_another_view_runs_on_that_view_of_the_devices():
     np.testing.assert_allclose(float(loss), float(ref), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(ref_state), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def test_seeds_written_on_another_view_seed_that_view():
+    """Under mesh search a seed seeds every view whose axes it names: data parallelism over
+    the flat view of a (2, 4) mesh (axis ``node_gpu``) bounds that view's plan; a seed that
+    names no view's axes is refused."""
+    step_fn, (state, data) = _tiny()
+    mesh = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
+    flat_dp = (jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec("node_gpu"))
+    step = shardc.auto_shard(step_fn, mesh=mesh, cluster=Cluster.multi_node(), time_limit=1.0,
+                             mesh_search=True, seeds={"dp": flat_dp})
+    plan = step.plan(state, data)
+    flat = next(t for t in plan.solver["mesh_search"] if t["mesh"] == "node_gpu=8")
+    seeded = plan.solver["seeds"]["dp on node_gpu=8"]
+    assert flat["predicted_s"] <= seeded * (1 + 1e-6)
+    assert plan.predicted.step_time <= seeded * (1 + 1e-6)
+    stray = shardc.auto_shard(step_fn, mesh=mesh, time_limit=1.0, mesh_search=True,
+                              seeds={"dp": (jax.sharding.PartitionSpec(),
+                                            jax.sharding.PartitionSpec("z"))})
+    with pytest.raises(ValueError, match="seed 'dp' fits none of the meshes planned"):
+        stray.plan(state, data)

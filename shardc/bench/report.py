@@ -61,14 +61,14 @@ def markdown(cells: list[Cell], commands: list[str], header: str = "") -> str:
              "EP x DP; on several nodes also within the node, replicated across) on every "
              "logical view of the preset's devices that shardc's mesh search considers "
              "(`shardc/bench/experts.py`); *best expert* is the fastest of them, on the view "
-             "named. shardc is seeded with the experts expressible on the preset's own mesh "
-             "and searches the logical views (`mesh_search`); *shardc mesh* is the view it "
+             "named. shardc searches the logical views (`mesh_search`), each seeded with the "
+             "experts written on it; *shardc mesh* is the view it "
              "chose, *unplanned comm* the share of its compiled communication time in "
              "collective kinds it did not plan; *peak* its predicted per-device peak memory "
              "against `memory_analysis()` (arguments + outputs + temporaries - aliased); "
              "*saved plan* the wall time of running a saved plan (`use_plan`, lower, "
              "compile: no solver) over tracing once plus `jax.jit` lowering and compiling "
-             "the same program with the plan's shardings.\n",
+             "the same program with the plan's shardings (each the faster of two runs).\n",
              "## Summary\n",
              "| model | preset | shardc ms | shardc mesh | best of N experts | its mesh | "
              "expert ms | shardc / expert | predicted vs compiled comm | unplanned comm | "
