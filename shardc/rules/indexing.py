@@ -4,8 +4,12 @@
 dim taken whole and not indexed may be split, giving a split offset dim of the output
 (indices B); an indices batch dim may be split, giving the matching output batch dim
 (operand B); an operand/indices batching pair splits together. It is linear in the operand,
-(P,B)->P, unless out-of-bounds reads fill a value that is not 0 or NaN. Splitting an indexed
-(collapsed) dim, i.e. vocab-parallel embedding, is not done here.
+(P,B)->P, unless out-of-bounds reads fill a value that is not 0 or NaN. An indexed operand
+dim read one element at a time (slice size 1) may be split too, (S(d),B)->P: each device
+reads the indices that fall in its shard and zeros elsewhere, and the sum is the gather
+(vocab-parallel embedding, Megatron; the label logits of a vocabulary-split cross entropy).
+XLA's SPMD partitioner compiles exactly that, a masked local gather and an all-reduce of the
+(small) result, for a floating operand with the same fill condition.
 
 ``scatter-add`` is gather's dual (OneFlow ``unsorted_segment_sum`` table): the updates' window
 dims split with the operand's dims -> S; the updates' scatter dims split with the indices'
@@ -17,6 +21,10 @@ device scattering its share of the updates into its own zeros. That is the data-
 embedding gradient XLA compiles (a local scatter, then the all-reduce every gradient gets);
 without it the only batch-split form would need a partial input, which plans never consume.
 ``scatter-sub`` has the same algebra (``operand - updates``), so the same signatures.
+Gather's masked form has a dual for every scatter: an operand dim the indices select one
+element of at a time may split with indices and updates replicated, (S(d),B,B)->S(d), each
+device applying the updates that land in its shard (an embedding gradient into a
+vocabulary-split table: no communication, as XLA compiles it).
 
 ``scatter`` (``x.at[i].set(v)``, and the id scatter of its gradient) keeps the splits that
 do not cut the index space: an operand dim no index selects, taken whole by the updates'
@@ -85,7 +93,19 @@ def gather_rule(op: Op) -> list[Signature]:
         sigs.append(Signature((lhs, Split(i)), (Split(batch_pos[i]),)))
     if _gather_partial_ok(op):
         sigs.append(Signature((P, B), (P,)))
+        sigs += [Signature((Split(d), B), (P,)) for d in _pointwise_indexed(
+            op, operand, dn.start_index_map, sizes, dn.operand_batching_dims)]
     return sigs
+
+
+def _pointwise_indexed(op: Op, operand, index_map, sizes, batching) -> list[int]:
+    """Operand dims the indices pick single elements of (slice or window size 1), which a
+    device may hold a shard of and serve only the indices that fall in it. Not under the
+    CLIP mode: an out-of-bounds index is moved to the edge, which a shard cannot see."""
+    if "CLIP" in str(op.params.get("mode")):
+        return []
+    return [d for d in dict.fromkeys(index_map)
+            if sizes[d] == 1 and operand.shape[d] > 1 and d not in batching]
 
 
 def scatter_signatures(op: Op, linear: bool) -> list[Signature]:
@@ -113,9 +133,24 @@ def scatter_signatures(op: Op, linear: bool) -> list[Signature]:
             sigs.append(Signature((P, Split(i), Split(scatter_pos[i])) + extra, (P,)))
             if _zeros(operand):
                 sigs.append(Signature((B, Split(i), Split(scatter_pos[i])) + extra, (P,)))
+    window = _scatter_window_sizes(operand, updates, dn)
+    sigs += [Signature((Split(d), B, B) + extra, (Split(d),)) for d in _pointwise_indexed(
+        op, operand, dn.scatter_dims_to_operand_dims, window, dn.operand_batching_dims)]
     if linear:
         sigs.append(Signature((P, B, P) + extra, (P,)))
     return sigs
+
+
+def _scatter_window_sizes(operand, updates, dn) -> list[int]:
+    """The size of the updates' window along each operand dim (1 where a dim is inserted or
+    batched)."""
+    sizes, window = [], iter(dn.update_window_dims)
+    for d in range(operand.ndim):
+        if d in dn.inserted_window_dims or d in dn.operand_batching_dims:
+            sizes.append(1)
+        else:
+            sizes.append(updates.shape[next(window)])
+    return sizes
 
 
 @register("scatter-add", "scatter_add", "scatter-sub", "scatter_sub")

@@ -2,9 +2,13 @@
 
 Reductions (OneFlow ``reduce_ops.cpp`` table): a kept dim may be split, S(i)->S(i') with i'
 the dim's position in the output; a reduced dim split gives a partial result, which is only a
-*sum* for ``reduce_sum`` (S(i)->P, and P->P since the sum is linear). ``reduce_max`` and the
-other non-sum reductions would need P(max)/P(min)/... which the rest of shardc does not
-handle yet, so they keep dims only. Scans (``cumsum`` & co.) split any dim except the scanned
+*sum* for ``reduce_sum`` (S(i)->P, and P->P since the sum is linear). ``reduce_max`` /
+``reduce_min`` over a split dim give a partial max / min, S(i)->P(max) (each device reduces
+its shard; an all-reduce with max finishes it, which XLA's partitioner emits for a reduction
+over a sharded dim: the max over a vocabulary split by Megatron's last layer). No op reads a
+P(max) value (plans never consume partial inputs), so it is always resolved at its use. The
+other non-sum reductions keep dims only (a product's partial is not what XLA emits; argmax
+needs the value with its index). Scans (``cumsum`` & co.) split any dim except the scanned
 one; ``cumsum`` is linear (P->P). FLOPs of a reduction = input elements.
 
 References:
@@ -14,12 +18,14 @@ References:
 from __future__ import annotations
 
 from shardc.ir.graph import Op
-from shardc.ir.sbp import P, Split
+from shardc.ir.sbp import P, Partial, Split
 from shardc.rules.registry import Signature, register
 from shardc.rules.shape import is_numeric
 
 NON_SUM_REDUCTIONS = ("reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
                       "reduce_xor", "argmax", "argmin")
+EXTREMA = {"reduce_max": Partial("max"), "reduce_min": Partial("min")}
+"""Reductions whose split dim leaves a partial extremum, and that partial."""
 SCANS = ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")
 
 
@@ -46,7 +52,12 @@ def reduce_sum_rule(op: Op) -> list[Signature]:
 
 @register(*NON_SUM_REDUCTIONS, flops=reduction_flops)
 def reduce_keep_rule(op: Op) -> list[Signature]:
-    return _kept_signatures(op)
+    sigs = _kept_signatures(op)
+    partial = EXTREMA.get(op.name)
+    x = op.inputs[0]
+    if partial is not None and is_numeric(x.dtype):
+        sigs += [Signature((Split(a % x.ndim),), (partial,)) for a in op.params["axes"]]
+    return sigs
 
 
 @register(*SCANS, flops=reduction_flops)
