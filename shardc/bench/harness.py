@@ -8,6 +8,7 @@ step of the model's tiny config matched the unsharded step.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import traceback
@@ -86,6 +87,15 @@ def _tiny_lr(zm: ZooModel) -> float:
     return float(getattr(zm.config("tiny"), "learning_rate", 0.0))
 
 
+@functools.cache
+def _tiny(name: str) -> tuple:
+    """A model's tiny train step, its arguments, and its unsharded result (what every
+    method's numerics check compares with: computed once per model, not per cell)."""
+    zm = ZOO[name]
+    fn, args = zm.load().make_train_step(zm.config("tiny"))
+    return fn, args, jax.jit(fn)(*args)
+
+
 def feed_seconds(compiled, batch, cluster) -> float:
     """Host-to-device time of the batch (the step's second argument) under the compiled
     program's input shardings: each device receives its shard over ``host_bandwidth``. The
@@ -145,12 +155,12 @@ def run_shardc(zm: ZooModel, preset: Preset, which: str, check: bool,
     _fill_compiled(cell, compiled, view, plan.cluster, args[1])
     cell.unplanned_comm_s = sum(r.compiled_time for r in plan.verify(compiled, view).unplanned)
     if check:
-        tiny_fn, (state, batch) = mod.make_train_step(zm.config("tiny"))
+        tiny_fn, (state, batch), want = _tiny(zm.name)
         tiny = auto_shard(tiny_fn, mesh=mesh, cluster=preset.cluster, time_limit=time_limit,
                           seeds=expert_seeds(zm, mesh, preset, (state, batch),
                                              mesh_search),
                           mesh_search=mesh_search)
-        cell.matched = _close(tiny(state, batch), jax.jit(tiny_fn)(state, batch), _tiny_lr(zm))
+        cell.matched = _close(tiny(state, batch), want, _tiny_lr(zm))
     return cell
 
 
@@ -197,10 +207,9 @@ def run_expert(zm: ZooModel, preset: Preset, expert: Expert, which: str, check: 
     _, lowered = compile_expert(mod.build_step(cfg), *args, mesh, expert, mod.param_axes)
     _fill_compiled(cell, lowered.compile(), expert.mesh(mesh), expert.view.cluster, args[1])
     if check:
-        tiny_fn, (state, batch) = mod.make_train_step(zm.config("tiny"))
+        tiny_fn, (state, batch), want = _tiny(zm.name)
         _, low = compile_expert(tiny_fn, state, batch, mesh, expert, mod.param_axes)
-        cell.matched = _close(low.compile()(state, batch), jax.jit(tiny_fn)(state, batch),
-                              _tiny_lr(zm))
+        cell.matched = _close(low.compile()(state, batch), want, _tiny_lr(zm))
     return cell
 
 
