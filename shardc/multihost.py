@@ -11,7 +11,8 @@ forever). ``auto_shard`` calls it for each plan it adopts when ``jax.process_cou
 
 :func:`global_batch` assembles global arrays from each process's part of the batch
 (``jax.make_array_from_process_local_data``) in the shardings the plan gives them
-(:meth:`shardc.AutoSharded.input_shardings`).
+(:meth:`shardc.AutoSharded.input_shardings`); :func:`process_slice` says which part of a
+global array a process's data loader should read.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 
 from shardc.plan import Plan
 
-__all__ = ["PlanMismatchError", "agree", "global_batch", "plan_digest"]
+__all__ = ["PlanMismatchError", "agree", "global_batch", "plan_digest", "process_slice"]
 
 
 class PlanMismatchError(RuntimeError):
@@ -71,3 +72,18 @@ def global_batch(local, shardings, global_shapes: Sequence | None = None):
         return jax.tree.map(jax.make_array_from_process_local_data, shardings, local)
     return jax.tree.map(jax.make_array_from_process_local_data, shardings, local,
                         global_shapes)
+
+
+def process_slice(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> tuple[slice, ...]:
+    """The block of a global array of ``shape`` that this process's devices hold under
+    ``sharding``: the rows its data loader reads for :func:`global_batch`."""
+    index = sharding.addressable_devices_indices_map(tuple(shape))
+    block = []
+    for d, n in enumerate(shape):
+        parts = sorted({ix[d].indices(n)[:2] for ix in index.values()})
+        if any(a[1] != b[0] for a, b in zip(parts, parts[1:])):
+            raise ValueError(f"this process's devices hold non-adjacent parts of dimension "
+                             f"{d} ({parts}) under {sharding}; order the mesh's devices by "
+                             "process (jax.make_mesh does) so each process holds one block")
+        block.append(slice(parts[0][0], parts[-1][1]))
+    return tuple(block)
