@@ -5,60 +5,30 @@ PlanMismatchError instead of hanging."""
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
-
 import jax
 import numpy as np
 from jax.sharding import AxisType
+from jobs import launch
 
 import shardc
 from models import gpt
 from shardc.multihost import plan_digest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, "tests", "multihost_worker.py")
 STEPS = 3
-TIMEOUT = 150  # seconds per job: a hung job fails the test instead of the suite
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_job(*extra: list[str], processes: int = 2) -> list[tuple[int, dict | None, str]]:
-    """Launch ``processes`` workers on a fresh port; (exit code, JSON report, stderr tail)
-    per process. ``extra[i]`` are process i's extra arguments."""
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": ""}
-    procs = [subprocess.Popen([sys.executable, WORKER, str(i), str(processes), str(port),
-                               str(STEPS), *(extra[i] if i < len(extra) else [])],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in range(processes)]
-    out = []
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=TIMEOUT)
-            reports = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-            out.append((p.returncode, reports[-1] if reports else None, stderr[-3000:]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return out
+def run_job(*extra: list[str]) -> list:
+    """The two workers, ``extra[i]`` process i's extra arguments."""
+    return launch("multihost_worker.py",
+                  [[str(i), "2", "{port}", str(STEPS), *(extra[i] if i < len(extra) else [])]
+                   for i in range(2)])
 
 
 def test_two_processes_match_one():
     results = run_job()
-    for code, report, err in results:
-        assert code == 0 and report is not None, err
-    r0, r1 = (report for _, report, _ in results)
+    for r in results:
+        assert r.code == 0 and r.last is not None, r.stderr
+    r0, r1 = (r.last for r in results)
     # one plan in both processes, and it is the plan one process makes for 8 devices
     assert r0["digest"] == r1["digest"] and r0["fingerprint"] == r1["fingerprint"]
     step_fn, (state, batch) = gpt.make_train_step(gpt.GPTConfig.tiny())
@@ -78,8 +48,7 @@ def test_two_processes_match_one():
 
 
 def test_processes_with_different_plans_stop():
-    results = run_job([], ["--skew"])
-    for code, report, err in results:
-        assert code == 3 and report is not None, (code, err)
-        assert "made different plans" in report["error"]
-        assert "process 0" in report["error"] and "process 1" in report["error"]
+    for r in run_job([], ["--skew"]):
+        assert r.code == 3 and r.last is not None, (r.code, r.stderr)
+        assert "made different plans" in r.last["error"]
+        assert "process 0" in r.last["error"] and "process 1" in r.last["error"]
