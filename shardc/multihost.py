@@ -61,7 +61,7 @@ def agree(plan: Plan) -> None:
             "and load it on every process with step.use_plan(Plan.from_json(text), ...)")
 
 
-def global_batch(local, shardings, global_shapes: Sequence | None = None):
+def global_batch(local, shardings, global_shapes=None):
     """Global arrays from this process's part of each input: ``local`` a pytree of host
     arrays (this process's rows), ``shardings`` the matching pytree of shardings (the
     plan's, from ``step.input_shardings(...)``), ``global_shapes`` optionally the matching
