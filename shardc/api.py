@@ -33,6 +33,7 @@ from shardc.cost.cluster import DEFAULT_CLUSTER, Cluster
 from shardc.ir.sbp import NdSbp, from_partition_spec, to_partition_spec
 from shardc.ir.trace import Traced, trace
 from shardc.lower.emit import explicit_axes, jit_plan
+from shardc.multihost import agree
 from shardc.plan import Plan, assemble, fingerprint
 from shardc.plan_cache import PlanCache
 from shardc.rules.registry import has_rule, is_pinned, warn_missing
@@ -210,6 +211,7 @@ class AutoSharded:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._compatible(key, tr.fixed) or self._cached_or_solved(tr, call)
+            agree(plan)  # under jax.distributed: every process must run this plan
             self._plans[key] = plan
         return key, tr, plan
 
@@ -366,6 +368,16 @@ class AutoSharded:
         self._report_moves(call, self._in_shardings(tr, plan), key)
         return plan
 
+    def input_shardings(self, *args, **kwargs) -> tuple[tuple, dict]:
+        """The shardings the plan gives the dynamic arguments (static ones left out), as
+        ``(args, kwargs)`` pytrees of ``NamedSharding``, like ``jax.jit``'s
+        ``Compiled.input_shardings``; the arguments may be ShapeDtypeStructs. Restore a
+        checkpoint into them (:class:`shardc.checkpoint.Checkpoints`) or assemble a batch
+        in them (:func:`shardc.multihost.global_batch`) and the step moves nothing."""
+        call = self.convention.split(args, kwargs)
+        _, tr, plan = self._plan(call)
+        return call.unflatten(self._in_shardings(tr, plan))
+
     def use_plan(self, plan: Plan, *args, **kwargs) -> None:
         """Adopt a saved plan (``Plan.from_json``) for these arguments: later calls trace
         and compile, but do not solve. A plan made for another program or mesh is refused."""
@@ -389,6 +401,7 @@ class AutoSharded:
             raise ValueError(f"the plan has no strategy for {missing[0]} (and "
                              f"{len(missing) - 1} more): it was edited or is damaged; plan "
                              "again")
+        agree(plan)
         self._plans[key] = plan
         self._execs.pop(key, None)
 

@@ -1,8 +1,10 @@
-"""The ``shardc`` command: ``demo`` | ``plan`` | ``bench``.
+"""The ``shardc`` command: ``demo`` | ``plan`` | ``bench`` | ``calibrate``.
 
 ``shardc demo`` plans a GPT train step on 8 simulated CPU devices (mesh node=2 x gpu=4),
 prints the plan, runs 3 steps and prints the losses beside the unsharded run's.
 ``shardc plan`` plans a zoo model from abstract shapes only and prints (or saves) the plan.
+``shardc calibrate`` measures the devices at hand into a Cluster JSON that ``shardc plan
+--cluster`` and ``Cluster.from_json`` read.
 """
 
 from __future__ import annotations
@@ -55,6 +57,57 @@ def _positive(kind):
         return v
     parse.__name__ = f"positive {kind.__name__}"
     return parse
+
+
+#: ``--cluster`` presets: the Cluster constructors of :mod:`shardc.cost.cluster`
+CLUSTER_PRESETS = ("nvlink-node", "multi-node", "tpu-v4")
+
+
+def cluster_arg(text: str):
+    """``--cluster``: a preset name (:data:`CLUSTER_PRESETS`) or a Cluster JSON file (as
+    ``shardc calibrate --out`` writes); a preset is returned by name, a file as a
+    Cluster."""
+    if text in CLUSTER_PRESETS:
+        return text
+    import json
+
+    from shardc.cost.cluster import Cluster
+
+    try:
+        with open(text) as f:
+            return Cluster.from_json(json.load(f))
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither a preset ({', '.join(CLUSTER_PRESETS)}) nor a readable "
+            f"file: {exc.strerror}") from exc
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(
+            f"{text}: not a Cluster JSON ({exc}); write one with shardc calibrate --out") \
+            from exc
+
+
+def _cluster(choice, names: tuple[str, ...]):
+    """The Cluster ``--cluster`` names for a mesh with axes ``names``: by default (None)
+    two axes are a node axis over InfiniBand and a GPU axis over NVLink, any other count
+    all NVLink."""
+    import shardc
+
+    if choice is None:
+        choice = "multi-node" if len(names) == 2 else "nvlink-node"
+    if choice == "multi-node":
+        if len(names) != 2:
+            sys.exit(f"shardc: the multi-node cluster needs a 2-axis mesh (node, gpu), got "
+                     f"axes {list(names)}")
+        return shardc.Cluster.multi_node(*names)
+    if choice == "nvlink-node":
+        return shardc.Cluster.nvlink_node(names)
+    if choice == "tpu-v4":
+        return shardc.Cluster.tpu_v4(names)
+    try:
+        choice.check_axes(names)
+    except ValueError as exc:
+        sys.exit(f"shardc: --cluster: {exc}")
+    return choice
 
 
 def _mesh(shape: tuple[int, ...], names: tuple[str, ...]):
@@ -127,16 +180,11 @@ def cmd_plan(args) -> None:
     import shardc
 
     shape = args.mesh
-    default = ("node", "gpu")[-len(shape):] if len(shape) <= 2 else tuple(
-        f"a{i}" for i in range(len(shape)))
-    names = args.axes or default
-    if len(names) != len(shape):
-        sys.exit(f"shardc plan: --axes names {len(names)} axes but --mesh has {len(shape)}")
+    names = _axes_for("plan", shape, args.axes)
     mesh = _mesh(shape, names)
     module, cfg = _model(args.model, args.layers, args.tiny)
     step_fn = module.build_step(cfg)
-    cluster = (shardc.Cluster.multi_node(*names) if len(names) == 2
-               else shardc.Cluster.nvlink_node(names))
+    cluster = _cluster(args.cluster, names)
     step = shardc.auto_shard(step_fn, mesh=mesh, cluster=cluster, time_limit=args.time_limit,
                              mesh_search=args.mesh_search)
     abstract = module.abstract_args(cfg)
@@ -148,6 +196,45 @@ def cmd_plan(args) -> None:
         with open(args.out, "w") as f:
             f.write(plan.to_json())
         print(f"plan saved to {args.out}")
+
+
+def _axes_for(cmd: str, shape: tuple[int, ...], names: tuple[str, ...] | None):
+    default = ("node", "gpu")[-len(shape):] if len(shape) <= 2 else tuple(
+        f"a{i}" for i in range(len(shape)))
+    names = names or default
+    if len(names) != len(shape):
+        sys.exit(f"shardc {cmd}: --axes names {len(names)} axes but --mesh has {len(shape)}")
+    return names
+
+
+def cmd_calibrate(args) -> None:
+    _force_cpu_devices(args.devices)
+    import json
+
+    import shardc
+    from shardc.cost.calibrate import CalibrateOptions
+
+    names = _axes_for("calibrate", args.mesh, args.axes)
+    mesh = _mesh(args.mesh, names)
+    given = {"sizes": tuple(args.sizes) if args.sizes else None, "reps": args.reps,
+             "chain": args.chain, "matmul_size": args.matmul_size}
+    try:
+        options = CalibrateOptions(**{k: v for k, v in given.items() if v is not None})
+    except ValueError as exc:
+        sys.exit(f"shardc calibrate: {exc}")
+    t0 = time.perf_counter()
+    cluster, calibration = shardc.Cluster.calibrate(mesh, options)
+    print(f"calibrated {mesh.size} {mesh.devices.flat[0].platform} devices in "
+          f"{time.perf_counter() - t0:.1f} s")
+    print(calibration.report())
+    with open(args.out, "w") as f:
+        json.dump(cluster.to_json(), f, indent=1)
+        f.write("\n")
+    print(f"cluster saved to {args.out} (shardc plan --cluster {args.out})")
+    if args.report:
+        with open(args.report, "w") as f:
+            json.dump(calibration.to_json(), f, indent=1)
+        print(f"fit saved to {args.report}")
 
 
 def _bench_planning(out) -> None:
@@ -240,7 +327,30 @@ def main(argv: list[str] | None = None) -> None:
     q.add_argument("--out", default=None, help="save the plan as JSON here")
     q.add_argument("--mesh-search", action="store_true",
                    help="also plan the other logical views of the devices (e.g. 16, 4x4)")
+    q.add_argument("--cluster", type=cluster_arg, default=None,
+                   help=f"a Cluster JSON (shardc calibrate --out) or a preset: "
+                        f"{', '.join(CLUSTER_PRESETS)} (default: multi-node on 2 axes, else "
+                        "nvlink-node)")
     q.set_defaults(func=cmd_plan)
+    c = sub.add_parser("calibrate", help="measure the devices at hand into a Cluster JSON")
+    c.add_argument("--mesh", type=mesh_shape, default=(2, 4),
+                   help="mesh shape, e.g. 8 or 2x4")
+    c.add_argument("--axes", type=axis_names, default=None, help="comma-separated axis names")
+    c.add_argument("--devices", type=_positive(int), default=8,
+                   help="CPU devices to simulate when there is no accelerator")
+    c.add_argument("--out", required=True, help="write the Cluster JSON here")
+    c.add_argument("--report", default=None, help="also write the fit (samples, R²) here")
+    # unset options take CalibrateOptions' defaults (shardc/cost/calibrate.py)
+    c.add_argument("--sizes", type=_positive(int), nargs="+", default=None,
+                   help="per-device message bytes of the timed collectives (default 1 KiB, "
+                        "16 KiB, 256 KiB, 1 MiB)")
+    c.add_argument("--reps", type=_positive(int), default=None,
+                   help="timed runs of each program; the fastest counts (default 5)")
+    c.add_argument("--chain", type=_positive(int), default=None,
+                   help="collectives per timed program (default 8)")
+    c.add_argument("--matmul-size", type=_positive(int), default=None,
+                   help="side of the timed square matmul (default 1024)")
+    c.set_defaults(func=cmd_calibrate)
     b = sub.add_parser("bench", help="shardc vs expert plans on the compiled programs")
     b.add_argument("--quick", action="store_true",
                    help="small models (the default presets); numerics checked for shardc only")

@@ -110,6 +110,17 @@ class Cluster:
     def from_json(cls, d: Mapping) -> Cluster:
         return cls(**d)
 
+    @classmethod
+    def calibrate(cls, mesh, options=None):
+        """Measure the devices of ``mesh``: α and bandwidth per mesh axis from timed
+        all-reduces, all-gathers and all-to-alls, achievable FLOP/s from a matmul. Returns
+        ``(cluster, calibration)``: the Cluster, and the fit behind it
+        (:class:`shardc.cost.calibrate.Calibration`, ``.report()`` prints it). ``options``:
+        a :class:`shardc.cost.calibrate.CalibrateOptions`."""
+        from shardc.cost.calibrate import calibrate
+
+        return calibrate(mesh, options)
+
     # ---- presets -----------------------------------------------------------------------
     @classmethod
     def nvlink_node(cls, axis_names: Sequence[str] = ("gpu",)) -> Cluster:
