@@ -13,6 +13,7 @@ import pytest
 
 import shardc
 from shardc.cli import main
+from shardc.explain import spec_text
 from shardc.inspect import collectives
 from shardc.plan import Plan
 
@@ -73,7 +74,7 @@ def test_plan_names_the_users_leaves_and_saves(planned, capsys):
     text = capsys.readouterr().out
     table = text.split("arguments (6 leaves")[1].split("results")[0]
     for name, spec in zip(plan.input_names, plan.input_specs()):
-        assert f"{name} " in table and shardc.explain.spec_text(spec) in table
+        assert f"{name} " in table and spec_text(spec) in table
     assert "predicted vs compiled" not in text
 
 

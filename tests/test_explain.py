@@ -9,7 +9,7 @@ from jax.sharding import AxisType
 
 import shardc
 from models import gpt
-from shardc.explain import fold_repeats, merge_names
+from shardc.explain import fold_repeats, merge_names, spec_text
 from shardc.plan import Plan
 
 
@@ -51,7 +51,7 @@ def test_gpt_explain_names_parameters_and_folds_layers(gpt12):
             if "state.params.blocks[0..11].attn.query.kernel " in line]
     assert len(rows) == 1 and rows[0].rstrip().endswith("x12")
     k = plan.input_names.index("state.params.blocks[0].attn.query.kernel")
-    assert shardc.explain.spec_text(plan.input_specs()[k]) in rows[0]
+    assert spec_text(plan.input_specs()[k]) in rows[0]
     # the new state is laid out as the state: one line, not 590
     assert "  out[0]: as state, leaf for leaf" in text
     # the op table folds the layers: a group of 12, its rows naming the layers' weights
