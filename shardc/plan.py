@@ -154,6 +154,8 @@ class Plan:
             raise ValueError(f"named: {len(input_names)} input / {len(output_names)} output "
                              f"names for a plan of {len(self.inputs)} inputs and "
                              f"{len(self.outputs)} outputs")
+        if (input_names, output_names) == (self.input_names, self.output_names):
+            return self  # a plan reused for another call of the same names stays one object
         return dataclasses.replace(self, input_names=input_names, output_names=output_names)
 
     def input_name(self, k: int) -> str:
@@ -172,8 +174,9 @@ class Plan:
 
     def explain(self, max_rows: int | None = 60, top: int = 10, compiled=None,
                 mesh=None) -> str:
-        """The per-op table; with ``compiled`` (and its ``mesh``), predicted vs compiled
-        collectives too."""
+        """The plan in the user's names: the PartitionSpec of every argument and result leaf,
+        the per-op table (repeated layers folded), the costliest reshards; with ``compiled``
+        (and its ``mesh``), predicted vs compiled collectives too."""
         from shardc.explain import explain_plan
 
         text = explain_plan(self, max_rows=max_rows, top=top)
