@@ -34,6 +34,7 @@ from shardc.ir.sbp import NdSbp, from_partition_spec, to_partition_spec
 from shardc.ir.trace import Traced, trace
 from shardc.lower.emit import explicit_axes, jit_plan
 from shardc.multihost import agree
+from shardc.names import input_names, output_names
 from shardc.plan import Plan, assemble, fingerprint
 from shardc.plan_cache import PlanCache
 from shardc.rules.registry import has_rule, is_pinned, warn_missing
@@ -211,9 +212,14 @@ class AutoSharded:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._compatible(key, tr.fixed) or self._cached_or_solved(tr, call)
+            plan = self._named(call, tr, plan)
             agree(plan)  # under jax.distributed: every process must run this plan
             self._plans[key] = plan
         return key, tr, plan
+
+    def _named(self, call: Call, tr: _Traced, plan: Plan) -> Plan:
+        """``plan`` naming this call's argument and result leaves (``plan.explain()``)."""
+        return plan.named(input_names(self.fn, call), output_names(tr.traced.out_tree))
 
     def _cached_or_solved(self, tr: _Traced, call: Call) -> Plan:
         """The plan from the disk cache (``cache_dir``), else solved and stored there."""
@@ -401,6 +407,7 @@ class AutoSharded:
             raise ValueError(f"the plan has no strategy for {missing[0]} (and "
                              f"{len(missing) - 1} more): it was edited or is damaged; plan "
                              "again")
+        plan = self._named(call, tr, plan)
         agree(plan)
         self._plans[key] = plan
         self._execs.pop(key, None)

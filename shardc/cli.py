@@ -1,15 +1,21 @@
-"""The ``shardc`` command: ``demo`` | ``plan`` | ``bench`` | ``calibrate``.
+"""The ``shardc`` command: ``demo`` | ``plan`` | ``explain`` | ``export`` | ``bench`` |
+``calibrate``.
 
 ``shardc demo`` plans a GPT train step on 8 simulated CPU devices (mesh node=2 x gpu=4),
 prints the plan, runs 3 steps and prints the losses beside the unsharded run's.
-``shardc plan`` plans a zoo model from abstract shapes only and prints (or saves) the plan.
-``shardc calibrate`` measures the devices at hand into a Cluster JSON that ``shardc plan
---cluster`` and ``Cluster.from_json`` read.
+``shardc plan`` plans a zoo model from abstract shapes, or the user's program
+(``path/to/file.py:make`` or ``pkg.module:make``, ``make()`` returning ``(fn, args)``), and
+prints (or saves) the plan. ``shardc explain plan.json`` prints a saved plan (``--compile
+--program ...``: with predicted vs compiled collectives); ``shardc export plan.json``
+writes a Python module that runs it with plain ``jax.jit``. ``shardc calibrate`` measures
+the devices at hand into a Cluster JSON that ``shardc plan --cluster`` and
+``Cluster.from_json`` read.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -59,57 +65,6 @@ def _positive(kind):
     return parse
 
 
-#: ``--cluster`` presets: the Cluster constructors of :mod:`shardc.cost.cluster`
-CLUSTER_PRESETS = ("nvlink-node", "multi-node", "tpu-v4")
-
-
-def cluster_arg(text: str):
-    """``--cluster``: a preset name (:data:`CLUSTER_PRESETS`) or a Cluster JSON file (as
-    ``shardc calibrate --out`` writes); a preset is returned by name, a file as a
-    Cluster."""
-    if text in CLUSTER_PRESETS:
-        return text
-    import json
-
-    from shardc.cost.cluster import Cluster
-
-    try:
-        with open(text) as f:
-            return Cluster.from_json(json.load(f))
-    except OSError as exc:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is neither a preset ({', '.join(CLUSTER_PRESETS)}) nor a readable "
-            f"file: {exc.strerror}") from exc
-    except (ValueError, TypeError) as exc:
-        raise argparse.ArgumentTypeError(
-            f"{text}: not a Cluster JSON ({exc}); write one with shardc calibrate --out") \
-            from exc
-
-
-def _cluster(choice, names: tuple[str, ...]):
-    """The Cluster ``--cluster`` names for a mesh with axes ``names``: by default (None)
-    two axes are a node axis over InfiniBand and a GPU axis over NVLink, any other count
-    all NVLink."""
-    import shardc
-
-    if choice is None:
-        choice = "multi-node" if len(names) == 2 else "nvlink-node"
-    if choice == "multi-node":
-        if len(names) != 2:
-            sys.exit(f"shardc: the multi-node cluster needs a 2-axis mesh (node, gpu), got "
-                     f"axes {list(names)}")
-        return shardc.Cluster.multi_node(*names)
-    if choice == "nvlink-node":
-        return shardc.Cluster.nvlink_node(names)
-    if choice == "tpu-v4":
-        return shardc.Cluster.tpu_v4(names)
-    try:
-        choice.check_axes(names)
-    except ValueError as exc:
-        sys.exit(f"shardc: --cluster: {exc}")
-    return choice
-
-
 def _mesh(shape: tuple[int, ...], names: tuple[str, ...]):
     import jax
     from jax.sharding import AxisType
@@ -124,6 +79,50 @@ def _mesh(shape: tuple[int, ...], names: tuple[str, ...]):
                          devices=jax.devices()[:n])
 
 
+ZOO = ("gpt", "mlp")
+PRESETS = ("default", "nvlink-node", "multi-node", "tpu-v4")
+
+
+def cluster_of(text: str | None, names: tuple[str, ...], cmd: str = "plan"):
+    """``--cluster``: a preset's name (its axes are the mesh's) or a JSON file as
+    ``Cluster.to_json`` writes it; None: NDR InfiniBand over the first of two axes and
+    NVLink within, else NVLink on every axis."""
+    from shardc.cost.cluster import Cluster
+
+    if text is None:
+        return Cluster.multi_node(*names) if len(names) == 2 else Cluster.nvlink_node(names)
+    preset = text.replace("_", "-")
+    if preset == "multi-node" and len(names) != 2:
+        sys.exit(f"shardc {cmd}: --cluster multi-node needs a 2-axis mesh (node, gpu); this "
+                 f"one has {len(names)} axes")
+    if preset in PRESETS:
+        return {"default": lambda: Cluster(), "nvlink-node": lambda: Cluster.nvlink_node(names),
+                "multi-node": lambda: Cluster.multi_node(*names),
+                "tpu-v4": lambda: Cluster.tpu_v4(names)}[preset]()
+    if not os.path.isfile(text):
+        sys.exit(f"shardc {cmd}: --cluster {text!r} is neither a preset ({', '.join(PRESETS)}) "
+                 "nor a JSON file")
+    import json
+
+    try:
+        with open(text) as f:
+            cluster = Cluster.from_json(json.load(f))
+        cluster.check_axes(names)
+    except (ValueError, TypeError) as exc:
+        sys.exit(f"shardc {cmd}: --cluster {text}: {str(exc).splitlines()[0]} (write it as "
+                 "Cluster.to_json() does)")
+    return cluster
+
+
+def _program(spec: str, cmd: str):
+    from shardc.program import ProgramError, load_program
+
+    try:
+        return load_program(spec)
+    except ProgramError as exc:
+        sys.exit(f"shardc {cmd}: {exc}")
+
+
 def _model(name: str, layers: int | None, tiny: bool):
     if name == "gpt":
         from models import gpt
@@ -136,7 +135,7 @@ def _model(name: str, layers: int | None, tiny: bool):
         from models import mlp
 
         return mlp, mlp.MLPConfig.tiny()
-    sys.exit(f"shardc: unknown model {name!r}; choose gpt or mlp")
+    sys.exit(f"shardc plan: unknown model {name!r}; choose gpt or mlp")
 
 
 def cmd_demo(args) -> None:
@@ -176,18 +175,29 @@ def cmd_demo(args) -> None:
 
 
 def cmd_plan(args) -> None:
-    _force_cpu_devices(args.devices)
+    shape = args.mesh
+    is_zoo = args.target in ZOO
+    if not is_zoo and ":" not in args.target:
+        sys.exit(f"shardc plan: {args.target!r} is neither a zoo model ({', '.join(ZOO)}) nor "
+                 "a program; write path/to/file.py:make or pkg.module:make, where make() "
+                 "returns (fn, args)")
+    if not is_zoo and (args.layers or args.tiny):
+        sys.exit("shardc plan: --layers and --tiny size the zoo models; a program's make() "
+                 "sizes its own")
+    _force_cpu_devices(args.devices or max(8, math.prod(shape)))
     import shardc
 
-    shape = args.mesh
     names = _axes_for("plan", shape, args.axes)
+    cluster = cluster_of(args.cluster, names)
     mesh = _mesh(shape, names)
-    module, cfg = _model(args.model, args.layers, args.tiny)
-    step_fn = module.build_step(cfg)
-    cluster = _cluster(args.cluster, names)
-    step = shardc.auto_shard(step_fn, mesh=mesh, cluster=cluster, time_limit=args.time_limit,
+    if is_zoo:
+        module, cfg = _model(args.target, args.layers, args.tiny)
+        fn, abstract = module.build_step(cfg), module.abstract_args(cfg)
+    else:
+        program = _program(args.target, "plan")
+        fn, abstract = program.fn, program.args
+    step = shardc.auto_shard(fn, mesh=mesh, cluster=cluster, time_limit=args.time_limit,
                              mesh_search=args.mesh_search)
-    abstract = module.abstract_args(cfg)
     t0 = time.perf_counter()
     plan = step.plan(*abstract)
     print(f"planned in {time.perf_counter() - t0:.2f} s (tracing included)")
@@ -235,6 +245,56 @@ def cmd_calibrate(args) -> None:
         with open(args.report, "w") as f:
             json.dump(calibration.to_json(), f, indent=1)
         print(f"fit saved to {args.report}")
+
+
+def _load_plan(path: str, cmd: str):
+    from shardc.plan import Plan, PlanFormatError
+
+    try:
+        with open(path) as f:
+            return Plan.from_json(f.read())
+    except OSError as exc:
+        sys.exit(f"shardc {cmd}: {path}: {exc.strerror}")
+    except PlanFormatError as exc:
+        sys.exit(f"shardc {cmd}: {path}: {exc}")
+
+
+def cmd_explain(args) -> None:
+    if args.compile and not args.program:
+        sys.exit("shardc explain: --compile compiles the plan's program; name it with "
+                 "--program path/to/file.py:make")
+    if args.program and not args.compile:
+        sys.exit("shardc explain: --program is for --compile; add --compile")
+    if not args.compile:
+        print(_load_plan(args.plan, "explain").explain(max_rows=args.rows))
+        return
+    plan = _load_plan(args.plan, "explain")  # imports jax; its backend starts later
+    _force_cpu_devices(max(8, math.prod(plan.axis_sizes)))
+    import shardc
+
+    program = _program(args.program, "explain")
+    mesh = _mesh(plan.axis_sizes, plan.axis_names)
+    step = shardc.auto_shard(program.fn, mesh=mesh, cluster=plan.cluster)
+    try:
+        step.use_plan(plan, *program.args)
+    except ValueError as exc:
+        sys.exit(f"shardc explain: {args.plan} is not a plan of {args.program}: {exc}")
+    compiled = step.lower(*program.args).compile()
+    print(step.plan(*program.args).explain(max_rows=args.rows, compiled=compiled,
+                                           mesh=step.mesh_for(plan)))
+
+
+def cmd_export(args) -> None:
+    from shardc.export import python_module
+
+    plan = _load_plan(args.plan, "export")
+    text = python_module(plan, source=os.path.basename(args.plan))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+        print(f"wrote {args.out}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
 
 
 def _bench_planning(out) -> None:
@@ -314,23 +374,29 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--rows", type=_positive(int), default=25,
                    help="op rows shown in the plan table")
     d.set_defaults(func=cmd_demo)
-    q = sub.add_parser("plan", help="plan a zoo model from abstract shapes")
-    q.add_argument("model", choices=["gpt", "mlp"])
+    q = sub.add_parser("plan", help="plan a zoo model or your program from abstract shapes",
+                       description="Plan a zoo model (gpt, mlp) or your own program: "
+                       "path/to/file.py:make or pkg.module:make, where make() returns (fn, "
+                       "args), args a tuple of fn's positional arguments (arrays or "
+                       "jax.ShapeDtypeStructs).")
+    q.add_argument("target", metavar="MODEL_OR_PROGRAM",
+                   help="gpt | mlp | path/to/file.py:make | pkg.module:make")
     q.add_argument("--mesh", type=mesh_shape, default=(2, 4),
                    help="mesh shape, e.g. 8 or 2x4")
-    q.add_argument("--axes", type=axis_names, default=None, help="comma-separated axis names")
-    q.add_argument("--devices", type=_positive(int), default=8)
-    q.add_argument("--layers", type=_positive(int), default=None)
-    q.add_argument("--tiny", action="store_true")
+    q.add_argument("--axes", type=axis_names, default=None,
+                   help="comma-separated axis names (default node,gpu)")
+    q.add_argument("--cluster", default=None,
+                   help=f"a preset ({', '.join(PRESETS)}) or a JSON file as Cluster.to_json "
+                        "writes it (default: multi-node on a 2-axis mesh, else nvlink-node)")
+    q.add_argument("--devices", type=_positive(int), default=None,
+                   help="simulated CPU devices (default: the mesh's, at least 8)")
+    q.add_argument("--layers", type=_positive(int), default=None, help="zoo models only")
+    q.add_argument("--tiny", action="store_true", help="zoo models only")
     q.add_argument("--time-limit", type=_positive(float), default=10.0)
     q.add_argument("--rows", type=_positive(int), default=30)
     q.add_argument("--out", default=None, help="save the plan as JSON here")
     q.add_argument("--mesh-search", action="store_true",
                    help="also plan the other logical views of the devices (e.g. 16, 4x4)")
-    q.add_argument("--cluster", type=cluster_arg, default=None,
-                   help=f"a Cluster JSON (shardc calibrate --out) or a preset: "
-                        f"{', '.join(CLUSTER_PRESETS)} (default: multi-node on 2 axes, else "
-                        "nvlink-node)")
     q.set_defaults(func=cmd_plan)
     c = sub.add_parser("calibrate", help="measure the devices at hand into a Cluster JSON")
     c.add_argument("--mesh", type=mesh_shape, default=(2, 4),
@@ -351,6 +417,22 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--matmul-size", type=_positive(int), default=None,
                    help="side of the timed square matmul (default 1024)")
     c.set_defaults(func=cmd_calibrate)
+    e = sub.add_parser("explain", help="print a saved plan (with --compile: against what XLA "
+                       "compiles)")
+    e.add_argument("plan", help="a plan saved by shardc plan --out")
+    e.add_argument("--compile", action="store_true",
+                   help="compile the plan's program and compare its collectives")
+    e.add_argument("--program", default=None,
+                   help="the program the plan is for (path/to/file.py:make), for --compile")
+    e.add_argument("--rows", type=_positive(int), default=30)
+    e.set_defaults(func=cmd_explain)
+    x = sub.add_parser("export", help="write a Python module that runs a saved plan with "
+                       "plain jax.jit")
+    x.add_argument("plan", help="a plan saved by shardc plan --out")
+    x.add_argument("--format", choices=["python"], default="python",
+                   help="python: jax.jit in/out shardings per argument and result leaf")
+    x.add_argument("--out", default=None, help="write here instead of standard output")
+    x.set_defaults(func=cmd_export)
     b = sub.add_parser("bench", help="shardc vs expert plans on the compiled programs")
     b.add_argument("--quick", action="store_true",
                    help="small models (the default presets); numerics checked for shardc only")

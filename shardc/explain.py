@@ -1,8 +1,12 @@
-"""Human-readable plan reports: the per-op table, totals and the costliest reshards."""
+"""Human-readable plan reports in the user's words: totals, the PartitionSpec of every
+argument and result leaf by its name (``state.params.blocks[0..11].attn.q.kernel``), the
+per-op table with repeated layers folded into one row group, and the costliest reshards."""
 
 from __future__ import annotations
 
+import bisect
 import math
+import re
 from collections import Counter
 
 from shardc.views import mesh_label
@@ -45,6 +49,202 @@ def _coverage(ops) -> list[str]:
         for p, n in sorted(missing.items()))]
 
 
+def spec_text(spec) -> str:
+    """A PartitionSpec as a user writes it: ``P(None, 'gpu')``, ``P(('node', 'gpu'))``."""
+    return "P(" + ", ".join(repr(e) for e in tuple(spec)) + ")"
+
+
+_INDEX = re.compile(r"\[(\d+)\]")
+
+
+def _shape(name: str) -> str:
+    """``name`` with every integer index made a wildcard: the layers of one stack agree."""
+    return _INDEX.sub("[#]", name)
+
+
+def _indices(values: list[int]) -> str:
+    vals = sorted(set(values))
+    if len(vals) == 1:
+        return str(vals[0])
+    if len(vals) > 2 and vals[-1] - vals[0] == len(vals) - 1:
+        return f"{vals[0]}..{vals[-1]}"
+    return ",".join(map(str, vals))
+
+
+def merge_names(names: list[str]) -> str:
+    """Names that differ in integer indices only, as one: ``blocks[0..11].attn.q.kernel``."""
+    parts = _INDEX.split(names[0])  # text, index, text, index, ..., text
+    per = [_INDEX.split(n)[1::2] for n in names]
+    for slot in range(len(parts) // 2):
+        parts[2 * slot + 1] = _indices([int(p[slot]) for p in per])
+    return "".join(p if i % 2 == 0 else f"[{p}]" for i, p in enumerate(parts))
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+_ROOT = re.compile(r"(out(?:\[\d+\])?|[^.\[]+)(.*)")
+
+
+def _rows(names, types, specs) -> list[tuple[str, str, str, int]]:
+    """(name, type, spec, count) rows, leaves that differ only in integer indices and agree
+    in type and spec merged into one."""
+    groups: dict[tuple, list[str]] = {}
+    for k, name in enumerate(names):
+        groups.setdefault((_shape(name), types[k] if types else "", spec_text(specs[k])),
+                          []).append(name)
+    return [(merge_names(members), typ, spec, len(members))
+            for (_, typ, spec), members in groups.items()]
+
+
+def _subtrees(names, types, specs) -> dict[str, set]:
+    """Per root (an argument, ``out`` or ``out[i]``), its leaves as (path below the root,
+    type, spec)."""
+    out: dict[str, set] = {}
+    for k, name in enumerate(names):
+        root, rest = _ROOT.match(name).groups()
+        out.setdefault(root, set()).add((rest, types[k] if types else "",
+                                         spec_text(specs[k])))
+    return out
+
+
+def argument_table(plan) -> list[str]:
+    """The PartitionSpec of every argument and result leaf, by the user's name; leaves that
+    differ only in a layer index and agree in type and spec are one row (``x12``); a result
+    laid out leaf for leaf as an argument (the new state of a train step) is one line."""
+    names_in = [plan.input_name(k) for k in range(len(plan.inputs))]
+    names_out = [plan.output_name(j) for j in range(len(plan.outputs))]
+    specs_in, specs_out = plan.input_specs(), plan.output_specs()
+    args = _subtrees(names_in, plan.input_types, specs_in)
+    same = {}
+    for root, leaves in _subtrees(names_out, plan.output_types, specs_out).items():
+        twin = next((a for a, theirs in args.items() if theirs == leaves), None)
+        if twin is not None:
+            same[root] = twin
+    kept = [j for j, n in enumerate(names_out) if _ROOT.match(n).group(1) not in same]
+    lines = []
+    for title, count, rows in (
+            ("arguments", len(names_in), _rows(names_in, plan.input_types, specs_in)),
+            ("results", len(names_out),
+             _rows([names_out[j] for j in kept],
+                   [plan.output_types[j] for j in kept] if plan.output_types else (),
+                   [specs_out[j] for j in kept]))):
+        width = min(max((len(r[0]) for r in rows), default=0), 64)
+        lines.append(f"{title} ({count} leaves, in jax.tree.leaves order; PartitionSpec "
+                     "on the plan's mesh):")
+        if title == "results":
+            lines += [f"  {root}: as {twin}, leaf for leaf" for root, twin in same.items()]
+        for name, typ, spec, n in rows:
+            lines.append(f"  {_clip(name, 64):<{width}}  {typ:<18} {spec}"
+                         + (f"  x{n}" if n > 1 else ""))
+    return lines
+
+
+def fold_repeats(sigs: list, least: int = 4) -> list[tuple[int, int, int]]:
+    """``(start, period, count)`` runs covering ``sigs`` in order: a run repeats the
+    ``period`` items from ``start`` ``count`` times in a row (count 1: no repeat). A repeat
+    is taken where it saves at least ``least`` rows; at each start the longest one."""
+    n = len(sigs)
+    where: dict = {}
+    for j, s in enumerate(sigs):
+        where.setdefault(s, []).append(j)
+    out, i = [], 0
+    while i < n:
+        best_p, best_k = 1, 1
+        for j in where[sigs[i]][bisect.bisect_right(where[sigs[i]], i):]:
+            p = j - i
+            if i + 2 * p > n:
+                break
+            if (n - i) // p * p <= best_p * best_k:
+                continue
+            head = min(p, 8)
+            if sigs[i:i + head] != sigs[j:j + head] or sigs[i:j] != sigs[j:j + p]:
+                continue
+            k = 2
+            while i + (k + 1) * p <= n and sigs[i + k * p:i + (k + 1) * p] == sigs[i:j]:
+                k += 1
+            if p * (k - 1) >= least and p * k > best_p * best_k:
+                best_p, best_k = p, k
+        out.append((i, best_p, best_k))
+        i += best_p * best_k
+    return out
+
+
+class _Names:
+    """How explain names a value: an argument leaf by the user's name, an op's result by
+    its op, a result leaf by its name."""
+
+    def __init__(self, plan):
+        self.plan = plan
+        self.inputs = {vid: k for k, vid in enumerate(plan.input_ids)}
+        self.made_by = {vid: o for o in plan.ops for vid in o.writes}
+
+    def input(self, vid: int) -> str | None:
+        k = self.inputs.get(vid)
+        return None if k is None else self.plan.input_name(k)
+
+    def value(self, vid: int) -> str:
+        name = self.input(vid)
+        if name is not None:
+            return name
+        op = self.made_by.get(vid)
+        return f"op {op.id} {op.prim}" if op is not None else f"v{vid}"
+
+    def consumer(self, consumer: int | None) -> str:
+        if consumer is None:
+            return "its uses"
+        if consumer >= 0:
+            return f"op {consumer}"
+        return self.plan.output_name(-1 - consumer)
+
+
+def op_table(plan, names: _Names, max_rows: int | None) -> list[str]:
+    """The per-op table in program order; a run of ops repeated in a row with the same
+    strategies (the layers of a stack) is shown once with its count, costs summed."""
+    ops = list(plan.ops)
+    reads = [[n for n in map(names.input, o.reads) if n is not None] for o in ops]
+    interned: dict = {}
+    sigs = [interned.setdefault((o.prim, o.strategy, o.types, tuple(map(_shape, r))),
+                                len(interned)) for o, r in zip(ops, reads)]
+    rows = []  # (run index, op, compute, comm, reads text)
+    runs = fold_repeats(sigs)
+    for g, (start, period, count) in enumerate(runs):
+        for r in range(period):
+            members = [start + m * period + r for m in range(count)]
+            names_read = [merge_names([reads[i][a] for i in members])
+                          for a in range(len(reads[start + r]))]
+            rows.append((g, ops[start + r], sum(ops[i].compute_time for i in members),
+                         sum(ops[i].comm_time for i in members), ", ".join(names_read)))
+    lines = []
+    shown = rows
+    folded = sum(1 for _, _, count in runs if count > 1)
+    what = f"{len(ops)} ops" + (f" in {len(rows)} rows ({folded} repeated runs shown once)"
+                                if folded else "")
+    if max_rows is not None and len(rows) > max_rows:
+        keep = set(sorted(range(len(rows)), key=lambda i: -(rows[i][2] + rows[i][3]))
+                   [:max_rows])
+        shown = [row for i, row in enumerate(rows) if i in keep]
+        lines.append(f"{what}; the {max_rows} costliest rows, in program order:")
+    else:
+        lines.append(f"{what}:")
+    header = (f"{'op':>6}  {'primitive':<18} {'strategy (per mesh axis)':<44} "
+              f"{'compute':>10} {'comm':>10}  {'types':<40}  reads")
+    lines += [header, "-" * len(header)]
+    last = None
+    for g, o, compute, comm, read in shown:
+        start, period, count = runs[g]
+        if count > 1 and g != last:
+            lines.append(f"  -- x{count}: ops {plan.ops[start].id}-"
+                         f"{plan.ops[start + period * count - 1].id}, {period} per repeat; "
+                         f"shown once, compute and comm summed over the {count}")
+        last = g
+        lines.append(f"{o.id:>6}  {o.prim:<18} {_clip(o.strategy, 44):<44} "
+                     f"{fmt_time(compute):>10} {fmt_time(comm):>10}  "
+                     f"{_clip(o.types, 40):<40}  {read}".rstrip())
+    return lines
+
+
 def explain_plan(plan, max_rows: int | None = 60, top: int = 10) -> str:
     p = plan.predicted
     mesh = mesh_label(plan.mesh_axes)
@@ -67,31 +267,17 @@ def explain_plan(plan, max_rows: int | None = 60, top: int = 10) -> str:
         lines.append("seeds (hand-written plans, predicted): " + ", ".join(
             f"{name} {fmt_time(t)}" for name, t in sorted(seeds.items(), key=lambda kv: kv[1]))
             + f"; this plan {fmt_time(plan.solver.get('objective', p.step_time))}")
-    ops = list(plan.ops)
-    lines += _coverage(ops)
-    shown = ops
-    if max_rows is not None and len(ops) > max_rows:
-        keep = sorted(ops, key=lambda o: -(o.compute_time + o.comm_time))[:max_rows]
-        ids = {o.id for o in keep}
-        shown = [o for o in ops if o.id in ids]
-        lines.append(f"{len(ops)} ops; the {max_rows} costliest, in program order:")
-    header = (f"{'op':>6}  {'primitive':<18} {'strategy (per mesh axis)':<44} "
-              f"{'compute':>10} {'comm':>10}  types")
-    lines += [header, "-" * len(header)]
-    for o in shown:
-        lines.append(f"{o.id:>6}  {o.prim:<18} {o.strategy:<44} {fmt_time(o.compute_time):>10} "
-                     f"{fmt_time(o.comm_time):>10}  {o.types}")
+    lines += _coverage(plan.ops)
+    lines += argument_table(plan)
+    names = _Names(plan)
+    lines += op_table(plan, names, max_rows)
     kinds = Counter(c for r in plan.reshards for c in r.collectives)
     lines.append("collectives planned: " + (", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))
                                             or "none"))
     if plan.reshards:
         lines.append(f"top {min(top, len(plan.reshards))} resharding edges:")
         for r in sorted(plan.reshards, key=lambda r: -r.time)[:top]:
-            if r.consumer is None:
-                where = "its uses"
-            else:
-                where = f"op {r.consumer}" if r.consumer >= 0 else f"output {-1 - r.consumer}"
-            lines.append(f"  v{r.value} -> {where}: {r.src} -> {r.dst}  "
-                         f"{'+'.join(r.collectives)}  {fmt_time(r.time)}  "
+            lines.append(f"  {names.value(r.value)} -> {names.consumer(r.consumer)}: "
+                         f"{r.src} -> {r.dst}  {'+'.join(r.collectives)}  {fmt_time(r.time)}  "
                          f"{fmt_bytes(r.wire_bytes)}")
     return "\n".join(lines)

@@ -10,6 +10,7 @@ the collectives), so a plan's predicted step may be below its solver objective.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import re
@@ -55,6 +56,8 @@ class OpPlan:
     outs: tuple[NdSbp, ...]
     compute_time: float
     comm_time: float  # resharding of this op's inputs
+    reads: tuple[int, ...] = ()  # value id per input, -1 for a constant
+    writes: tuple[int, ...] = ()  # value id per output
 
     @property
     def strategy(self) -> str:
@@ -124,6 +127,13 @@ class Plan:
     input_ranks: tuple[int, ...] = ()
     output_ranks: tuple[int, ...] = ()
     settled: dict = field(default_factory=dict)  # value id -> NdSbp its uses read it from
+    input_ids: tuple[int, ...] = ()  # value id per flat input leaf
+    input_types: tuple[str, ...] = ()  # "f32[8,16]" per flat input leaf
+    output_types: tuple[str, ...] = ()
+    #: the user's name of each flat input / output leaf (``state.params.w``, ``out[1]``);
+    #: empty where the plan was made without the call (names then read ``input 3``)
+    input_names: tuple[str, ...] = ()
+    output_names: tuple[str, ...] = ()
 
     def read_as(self, value_id: int) -> NdSbp | None:
         """The layout the uses of a value read it from: settled, else as produced."""
@@ -137,6 +147,23 @@ class Plan:
     def axis_sizes(self) -> tuple[int, ...]:
         return tuple(s for _, s in self.mesh_axes)
 
+    def named(self, input_names, output_names) -> Plan:
+        """This plan with the user's names of its input and output leaves (one each)."""
+        input_names, output_names = tuple(input_names), tuple(output_names)
+        if len(input_names) != len(self.inputs) or len(output_names) != len(self.outputs):
+            raise ValueError(f"named: {len(input_names)} input / {len(output_names)} output "
+                             f"names for a plan of {len(self.inputs)} inputs and "
+                             f"{len(self.outputs)} outputs")
+        if (input_names, output_names) == (self.input_names, self.output_names):
+            return self  # a plan reused for another call of the same names stays one object
+        return dataclasses.replace(self, input_names=input_names, output_names=output_names)
+
+    def input_name(self, k: int) -> str:
+        return self.input_names[k] if self.input_names else f"input {k}"
+
+    def output_name(self, j: int) -> str:
+        return self.output_names[j] if self.output_names else f"output {j}"
+
     def input_specs(self) -> list[PartitionSpec]:
         return [to_partition_spec(nd, r, self.axis_names)
                 for nd, r in zip(self.inputs, self.input_ranks)]
@@ -147,8 +174,9 @@ class Plan:
 
     def explain(self, max_rows: int | None = 60, top: int = 10, compiled=None,
                 mesh=None) -> str:
-        """The per-op table; with ``compiled`` (and its ``mesh``), predicted vs compiled
-        collectives too."""
+        """The plan in the user's names: the PartitionSpec of every argument and result leaf,
+        the per-op table (repeated layers folded), the costliest reshards; with ``compiled``
+        (and its ``mesh``), predicted vs compiled collectives too."""
         from shardc.explain import explain_plan
 
         text = explain_plan(self, max_rows=max_rows, top=top)
@@ -181,6 +209,11 @@ class Plan:
             "predicted": asdict(self.predicted),
             "solver": self.solver,
             "fingerprint": self.fingerprint,
+            "input_ids": list(self.input_ids),
+            "input_types": list(self.input_types),
+            "output_types": list(self.output_types),
+            "input_names": list(self.input_names),
+            "output_names": list(self.output_names),
         }
         return json.dumps(d)
 
@@ -224,7 +257,9 @@ class Plan:
         for i, o in enumerate(d["ops"]):
             with _field(f"ops[{i}]"):
                 ops.append(OpPlan(**{**o, "ins": tuple(nd(x) for x in o["ins"]),
-                                     "outs": tuple(nd(x) for x in o["outs"])}))
+                                     "outs": tuple(nd(x) for x in o["outs"]),
+                                     "reads": tuple(o.get("reads", ())),
+                                     "writes": tuple(o.get("writes", ()))}))
         reshards = []
         for i, r in enumerate(d["reshards"]):
             with _field(f"reshards[{i}]"):
@@ -238,11 +273,22 @@ class Plan:
             output_ranks = tuple(int(r) for r in d["output_ranks"])
             if len(input_ranks) != len(inputs) or len(output_ranks) != len(outputs):
                 raise ValueError("one rank per input and per output")
+        # what a plan saved before these fields existed lacks is left empty
+        described = {}
+        for key, per in (("input_ids", inputs), ("input_types", inputs),
+                         ("output_types", outputs), ("input_names", inputs),
+                         ("output_names", outputs)):
+            with _field(key):
+                got = tuple(d.get(key, ()))
+                if got and len(got) != len(per):
+                    raise ValueError(f"{len(got)} entries for {len(per)} leaves")
+                described[key] = tuple(int(x) for x in got) if key == "input_ids" else \
+                    tuple(str(x) for x in got)
         return cls(mesh_axes=mesh_axes, cluster=cluster, inputs=inputs, outputs=outputs,
                    values=values, settled=settled, ops=tuple(ops), reshards=tuple(reshards),
                    predicted=predicted, solver=dict(d["solver"]),
                    fingerprint=str(d["fingerprint"]), input_ranks=input_ranks,
-                   output_ranks=output_ranks)
+                   output_ranks=output_ranks, **described)
 
 
 class PlanFormatError(ValueError):
@@ -330,7 +376,9 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
         types = (",".join(v.type_str() for v in op.inputs) + "->" +
                  ",".join(v.type_str() for v in op.outputs))
         ops.append(OpPlan(op.id, op.name, types, strat.ins, strat.outs,
-                          strat.flops / rate * op.weight, op_comm))
+                          strat.flops / rate * op.weight, op_comm,
+                          tuple(-1 if v.is_const else v.id for v in op.inputs),
+                          tuple(v.id for v in op.outputs)))
         compute += strat.flops / rate * op.weight
     for enter, v in loop_ties(graph):  # a scan's carry back to its carried layout
         record(v, enter.id, read(v), values[enter.outputs[0].id], runs.get(v.id, 1))
@@ -358,7 +406,9 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
                 tuple(values[v.id] for v in graph.inputs), tuple(outputs), values, tuple(ops),
                 tuple(reshards), Predicted(comm, compute, wire, peak, feed), dict(solver),
                 fingerprint(graph), tuple(v.ndim for v in graph.inputs),
-                tuple(v.ndim for v in graph.outputs), settled)
+                tuple(v.ndim for v in graph.outputs), settled,
+                tuple(v.id for v in graph.inputs), tuple(v.type_str() for v in graph.inputs),
+                tuple(v.type_str() for v in graph.outputs))
 
 
 def _peak_memory(graph: Graph, values: dict, sizes) -> float:
