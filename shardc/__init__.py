@@ -8,7 +8,6 @@ from shardc.cost.cluster import Cluster as Cluster
 from shardc.ir.sbp import B as B
 from shardc.ir.sbp import Broadcast as Broadcast
 from shardc.ir.sbp import NdSbp as NdSbp
-from shardc.ir.sbp import P as P
 from shardc.ir.sbp import Partial as Partial
 from shardc.ir.sbp import Split as Split
 from shardc.plan import Plan as Plan
@@ -18,7 +17,7 @@ from shardc.rules.registry import register as register
 from shardc.solve.search import MemoryBudgetError as MemoryBudgetError
 
 __all__ = ["AutoSharded", "B", "Broadcast", "Cluster", "MemoryBudgetError", "NdSbp", "Options",
-           "P", "Partial", "Plan", "PlanFormatError", "Predicted", "Split", "auto_shard",
+           "Partial", "Plan", "PlanFormatError", "Predicted", "Split", "auto_shard",
            "register", "rules"]
 
 __version__ = "0.1.0"
