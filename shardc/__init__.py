@@ -4,7 +4,9 @@ from shardc import rules as rules
 from shardc.api import AutoSharded as AutoSharded
 from shardc.api import Options as Options
 from shardc.api import auto_shard as auto_shard
+from shardc.api import pareto as pareto
 from shardc.cost.cluster import Cluster as Cluster
+from shardc.frontier import Frontier as Frontier
 from shardc.ir.sbp import B as B
 from shardc.ir.sbp import Broadcast as Broadcast
 from shardc.ir.sbp import NdSbp as NdSbp
@@ -16,8 +18,8 @@ from shardc.plan import Predicted as Predicted
 from shardc.rules.registry import register as register
 from shardc.solve.search import MemoryBudgetError as MemoryBudgetError
 
-__all__ = ["AutoSharded", "B", "Broadcast", "Cluster", "MemoryBudgetError", "NdSbp", "Options",
-           "Partial", "Plan", "PlanFormatError", "Predicted", "Split", "auto_shard",
-           "register", "rules"]
+__all__ = ["AutoSharded", "B", "Broadcast", "Cluster", "Frontier", "MemoryBudgetError", "NdSbp",
+           "Options", "Partial", "Plan", "PlanFormatError", "Predicted", "Split", "auto_shard",
+           "pareto", "register", "rules"]
 
 __version__ = "0.1.0"

@@ -30,6 +30,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from shardc.calling import Call, Convention, abstract_leaf, misplaced, place, placement
 from shardc.cost.cluster import DEFAULT_CLUSTER, Cluster
+from shardc.frontier import BUDGETS, Frontier, sweep
 from shardc.ir.sbp import NdSbp, from_partition_spec, to_partition_spec
 from shardc.ir.trace import Traced, trace
 from shardc.lower.emit import explicit_axes, jit_plan
@@ -42,7 +43,7 @@ from shardc.solve.problem import NOTHING_FIXED, Fixed
 from shardc.solve.search import MemoryBudgetError, SolveOptions, plan_graph
 from shardc.views import View, mesh_label, views
 
-__all__ = ["AutoSharded", "Options", "auto_shard"]
+__all__ = ["AutoSharded", "Options", "auto_shard", "pareto"]
 
 log = logging.getLogger("shardc")
 
@@ -227,7 +228,7 @@ class AutoSharded:
         seeds = self._seed_layouts(call, candidates)
         store = PlanCache.at(self.options.cache_dir)
         if store is None:
-            return self._solve(tr, candidates, seeds)
+            return self._solve_warned(tr, candidates, seeds, self.options)
         program = fingerprint(tr.traced.graph)
         flat = {f"{view.label}: {name}": layouts
                 for view, named in zip(candidates, seeds) for name, layouts in named.items()}
@@ -235,7 +236,7 @@ class AutoSharded:
                         tr.ties, tr.fixed)
         plan = store.load(key, program)
         if plan is None:
-            plan = self._solve(tr, candidates, seeds)
+            plan = self._solve_warned(tr, candidates, seeds, self.options)
             store.save(key, plan)
         return plan
 
@@ -283,11 +284,15 @@ class AutoSharded:
                 return plan
         return None
 
+    def _solve_warned(self, tr: _Traced, candidates: list[View],
+                      seeds: list[dict[str, dict[int, NdSbp]]], opts: Options) -> Plan:
+        """:meth:`_solve`, after one warning per primitive without a rule."""
+        warn_missing([op.name for op in tr.traced.graph.ops if not has_rule(op.name)])
+        return self._solve(tr, candidates, seeds, opts)
+
     def _solve(self, tr: _Traced, candidates: list[View],
-               seeds: list[dict[str, dict[int, NdSbp]]]) -> Plan:
+               seeds: list[dict[str, dict[int, NdSbp]]], opts: Options) -> Plan:
         graph = tr.traced.graph
-        warn_missing([op.name for op in graph.ops if not has_rule(op.name)])
-        opts = self.options
         names = tuple(self.mesh.axis_names)
         t0 = time.perf_counter()
         best, tried, failure, priced = None, [], None, {}
@@ -373,6 +378,23 @@ class AutoSharded:
         key, tr, plan = self._plan(call)
         self._report_moves(call, self._in_shardings(tr, plan), key)
         return plan
+
+    def pareto(self, *args, budgets: int = BUDGETS, **kwargs) -> Frontier:
+        """The time-memory frontier for these arguments (:mod:`shardc.frontier`): plans at no
+        memory budget, at the smallest one a plan was found for, and at ``budgets`` budgets
+        between; the non-dominated ones, each a plan ``use_plan`` runs. Nothing is cached:
+        ``step.use_plan(frontier.pick(budget), *args)`` adopts one."""
+        call = self.convention.split(args, kwargs)
+        _, tr = self._traced(call)
+        candidates = self._views(tr)
+        seeds = self._seed_layouts(call, candidates)
+        warn_missing([op.name for op in tr.traced.graph.ops if not has_rule(op.name)])
+
+        def solve(budget: float | None) -> Plan:
+            opts = dataclasses.replace(self.options, memory_budget=budget)
+            return self._named(call, tr, self._solve(tr, candidates, seeds, opts))
+
+        return sweep(solve, budgets)
 
     def input_shardings(self, *args, **kwargs) -> tuple[tuple, dict]:
         """The shardings the plan gives the dynamic arguments (static ones left out), as
@@ -530,3 +552,10 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh, cluster: Cluster | Non
             donate_argnums=donate_argnums, donate_argnames=donate_argnames))
 
     return wrap if fn is None else wrap(fn)
+
+
+def pareto(fn: Callable, *args, mesh: Mesh, budgets: int = BUDGETS, **options) -> Frontier:
+    """The time-memory frontier of ``fn`` on these arguments (arrays or ShapeDtypeStructs):
+    ``auto_shard(fn, mesh=mesh, **options).pareto(*args)``. Keyword arguments of ``fn``
+    go through ``auto_shard(...).pareto`` instead."""
+    return auto_shard(fn, mesh=mesh, **options).pareto(*args, budgets=budgets)

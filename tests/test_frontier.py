@@ -1,0 +1,76 @@
+"""The time-memory frontier: non-dominated plans that run, pick by budget, and a plot."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+import shardc
+from models import mlp
+
+CFG = mlp.MLPConfig(batch=64, d_in=256, hidden=256, d_out=256, n_layers=2)
+# Adam divides each gradient element by its own magnitude: an element whose gradient is
+# near zero may move by a fraction of the learning rate under a reassociated (sharded) sum
+ADAM_ATOL = 0.05 * CFG.learning_rate
+
+
+def _mlp():
+    return mlp.make_train_step(CFG)
+
+
+MESH = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
+
+
+def _peak(compiled) -> float:
+    m = compiled.memory_analysis()
+    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - m.alias_size_in_bytes)
+
+
+def test_the_frontier_trades_time_for_memory_and_every_point_runs(tmp_path):
+    step_fn, (state, data) = _mlp()
+    step = shardc.auto_shard(step_fn, mesh=MESH, cluster=shardc.Cluster.multi_node(),
+                             time_limit=2.0)
+    frontier = step.pareto(state, data)
+    points = frontier.points()
+    assert len(points) >= 3
+    # leanest first; each later point uses more memory and is strictly faster
+    assert all(m1 < m2 and t1 > t2 for (t1, m1), (t2, m2) in zip(points, points[1:]))
+    fastest = step.plan(state, data)  # no budget: the frontier's fast end
+    assert points[-1][0] == pytest.approx(fastest.predicted.step_time, rel=1e-9)
+
+    lean_t, lean_m = points[0]
+    middle = (points[0][1] + points[-1][1]) / 2
+    chosen = frontier.pick(middle)
+    assert chosen.predicted.peak_memory <= middle
+    assert all(t >= chosen.predicted.step_time for t, m in points if m <= middle)
+    with pytest.raises(shardc.MemoryBudgetError) as err:
+        frontier.pick(lean_m / 2)
+    assert err.value.needed >= lean_m
+
+    # the two ends run, match jax.jit, and XLA's compiled peaks keep their order
+    ref_state, ref_loss = jax.jit(step_fn)(state, data)
+    peaks = []
+    for plan in (frontier.plans[0], frontier.plans[-1]):
+        run = shardc.auto_shard(step_fn, mesh=MESH, cluster=shardc.Cluster.multi_node())
+        run.use_plan(plan, state, data)
+        new_state, loss = run(state, data)
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+        for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(ref_state), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=ADAM_ATOL)
+        peaks.append(_peak(run.lower(state, data).compile()))
+    assert peaks[0] < peaks[1]
+
+    path = tmp_path / "frontier.png"
+    frontier.plot(str(path), experts={"data-parallel": (points[-1][0] * 2, points[-1][1])})
+    assert path.stat().st_size > 10_000
+    assert "peak per device" in str(frontier)
+
+
+def test_the_module_function_plans_the_same_frontier():
+    step_fn, (state, data) = _mlp()
+    a = shardc.pareto(step_fn, state, data, mesh=MESH, cluster=shardc.Cluster.multi_node(),
+                      time_limit=2.0, budgets=2)
+    b = shardc.auto_shard(step_fn, mesh=MESH, cluster=shardc.Cluster.multi_node(),
+                          time_limit=2.0).pareto(state, data, budgets=2)
+    assert a.points() == b.points()
