@@ -4,7 +4,7 @@ import pytest
 
 from shardc.cost.cluster import Cluster
 from shardc.cost.comm import conversion
-from shardc.ir.sbp import B, NdSbp, P, S
+from shardc.ir.sbp import WHOLE, B, NdSbp, P, S
 
 CL = Cluster(axis_bandwidth={"a": 100e9, "b": 10e9}, axis_latency={"a": 1e-6, "b": 5e-6})
 SIZES, NAMES = (2, 4), ("a", "b")
@@ -48,6 +48,16 @@ def test_partials_resolve_first_scatter_then_reduce():
     c = conv((P, P), (S(0), S(1)))
     assert [(x.kind, x.axes) for x in c.collectives] == [("all-reduce", (0, 1))]
     assert c.layouts == (NdSbp((B, B)), NdSbp((S(0), S(1))))
+
+
+def test_a_whole_partial_is_all_reduced_then_sliced():
+    """A scatter-add's partial table is reduced in full where it is made (XLA's scatter
+    partitioning): to a split it is an all-reduce and a slice, never a reduce-scatter."""
+    c = conv((B, WHOLE), (B, S(0)))
+    assert [(x.kind, x.axes) for x in c.collectives] == [("all-reduce", (1,))]
+    assert c.time(MB) == pytest.approx(t((B, P), (B, B)))
+    assert conv((B, WHOLE), (B, B)).time(MB) == pytest.approx(t((B, P), (B, B)))
+    assert [x.kind for x in conv((B, P), (B, S(0))).collectives] == ["reduce-scatter"]
 
 
 def test_gathers_run_one_axis_at_a_time_slowest_first():

@@ -45,7 +45,7 @@ from functools import lru_cache
 
 from shardc.cost.cluster import Cluster
 from shardc.cost.combine import COMBINED_KINDS
-from shardc.ir.sbp import B, Broadcast, NdSbp, Partial, Split
+from shardc.ir.sbp import WHOLE, B, Broadcast, NdSbp, Partial, Split
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +157,7 @@ def _resolve_partials(b: _Builder, src: NdSbp, dst: NdSbp) -> None:
     to_split = [a for a in partial if isinstance(dst.sbps[a], Split)]
     trial = [dst.sbps[a] if a in to_split else s for a, s in enumerate(b.cur)]
     dims = {dst.sbps[a].dim for a in to_split}
-    if (len(dims) > 1 or not _safe(trial, src, dst)
+    if (len(dims) > 1 or not _safe(trial, src, dst) or any(b.cur[a] == WHOLE for a in partial)
             or not all(_minor(trial, max(to_split), d) for d in dims)
             or any(s.dim in dims and a > min(to_split) and a not in to_split
                    for a, s in enumerate(trial) if isinstance(s, Split))):

@@ -39,6 +39,11 @@ class Broadcast:
 
 @dataclass(frozen=True, slots=True)
 class Partial:
+    """Each device holds a summand (``op`` "sum"), or a candidate of a max / min, of the
+    value. ``"whole"`` is a partial sum XLA reduces in full where it is made (a scatter-add
+    of split updates into a replicated table: the partitioner all-reduces the scatter's
+    result), so it is never reduce-scattered: a split of it is an all-reduce and a slice."""
+
     op: str = "sum"
 
     def __str__(self) -> str:
@@ -48,6 +53,7 @@ class Partial:
 Sbp = Union[Split, Broadcast, Partial]
 B = Broadcast()
 P = Partial()
+WHOLE = Partial("whole")
 
 
 def S(dim: int) -> Split:

@@ -16,10 +16,14 @@ dims split with the operand's dims -> S; the updates' scatter dims split with th
 batch dims -> P, which needs the operand (the initial buffer) partial too, (P,S,S)->P;
 batching pairs split all three -> S; and (P,B,P)->P since it is linear in operand+updates.
 When the operand is zeros (jax's transpose of a gather: an embedding's gradient scatters the
-token gradients into a zero table), a replicated operand serves as well: (B,S,S)->P, each
-device scattering its share of the updates into its own zeros. That is the data-parallel
-embedding gradient XLA compiles (a local scatter, then the all-reduce every gradient gets);
-without it the only batch-split form would need a partial input, which plans never consume.
+token gradients into a zero table), a replicated operand serves as well: (B,S,S)->P(whole),
+each device scattering its share of the updates into its own zeros. That is the
+data-parallel embedding gradient XLA compiles (a local scatter, then the all-reduce every
+gradient gets); without it the only batch-split form would need a partial input, which plans
+never consume. The partial is *whole*: XLA's partitioner all-reduces the scatter's result in
+full where it is made, so a split of it is an all-reduce and a slice, never a
+reduce-scatter (seen on jax 0.10.2 CPU: the tied embedding gradient of a GPT planned
+reduce-scattered compiled to an all-reduce, a slice and a collective-permute).
 ``scatter-sub`` has the same algebra (``operand - updates``), so the same signatures.
 Gather's masked form has a dual for every scatter: an operand dim the indices select one
 element of at a time may split with indices and updates replicated, (S(d),B,B)->S(d), each
@@ -47,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardc.ir.graph import Op
-from shardc.ir.sbp import B, P, Split
+from shardc.ir.sbp import WHOLE, B, P, Split
 from shardc.rules.registry import Signature, register
 from shardc.rules.shape import is_numeric
 
@@ -132,7 +136,7 @@ def scatter_signatures(op: Op, linear: bool) -> list[Signature]:
         elif linear:
             sigs.append(Signature((P, Split(i), Split(scatter_pos[i])) + extra, (P,)))
             if _zeros(operand):
-                sigs.append(Signature((B, Split(i), Split(scatter_pos[i])) + extra, (P,)))
+                sigs.append(Signature((B, Split(i), Split(scatter_pos[i])) + extra, (WHOLE,)))
     window = _scatter_window_sizes(operand, updates, dn)
     sigs += [Signature((Split(d), B, B) + extra, (Split(d),)) for d in _pointwise_indexed(
         op, operand, dn.scatter_dims_to_operand_dims, window, dn.operand_batching_dims)]
