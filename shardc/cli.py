@@ -123,28 +123,41 @@ def _program(spec: str, cmd: str):
         sys.exit(f"shardc {cmd}: {exc}")
 
 
+def _needs_zoo(cmd: str) -> None:
+    """The model zoo (Flax, Optax) and the bench's tools come with the ``bench`` extra."""
+    import importlib.util
+
+    missing = [m for m in ("flax", "optax", "rich", "matplotlib")
+               if importlib.util.find_spec(m) is None]
+    if missing:
+        sys.exit(f"shardc {cmd}: needs {', '.join(missing)} (the model zoo and the bench): "
+                 "pip install 'shardc[bench]'")
+
+
 def _model(name: str, layers: int | None, tiny: bool):
+    _needs_zoo("plan")
     if name == "gpt":
-        from models import gpt
+        from shardc.models import gpt
 
         cfg = gpt.GPTConfig.tiny() if tiny else gpt.GPTConfig.gpt2_small(n_layers=layers or 12)
         if tiny and layers:
             cfg = gpt.GPTConfig(**{**cfg.__dict__, "n_layers": layers})
         return gpt, cfg
     if name == "mlp":
-        from models import mlp
+        from shardc.models import mlp
 
         return mlp, mlp.MLPConfig.tiny()
     sys.exit(f"shardc plan: unknown model {name!r}; choose gpt or mlp")
 
 
 def cmd_demo(args) -> None:
+    _needs_zoo("demo")
     _force_cpu_devices(8)
     import jax
     import numpy as np
 
     import shardc
-    from models import gpt
+    from shardc.models import gpt
 
     # the smallest GPT whose plan shards on this cluster (a smaller one is cheapest run
     # replicated: its collectives' latency exceeds the compute they would save)
@@ -315,6 +328,7 @@ def _bench_planning(out) -> None:
 
 
 def cmd_bench(args) -> None:
+    _needs_zoo("bench")
     _force_cpu_devices(16)
     from pathlib import Path
 

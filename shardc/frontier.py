@@ -67,8 +67,11 @@ class Frontier:
         (name -> (step seconds, peak bytes), e.g. hand-written plans priced on the same
         cluster) as labelled points on the same axes. Saved to ``path`` if given; returns
         the matplotlib Axes."""
-        import matplotlib
-
+        try:
+            import matplotlib
+        except ImportError as exc:
+            raise ImportError("Frontier.plot needs matplotlib: pip install 'shardc[bench]'") \
+                from exc
         if ax is None and path is not None:
             matplotlib.use("Agg")
         import matplotlib.pyplot as plt

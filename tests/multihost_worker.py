@@ -33,7 +33,7 @@ def main(argv: list[str]) -> None:
     from jax.sharding import AxisType
 
     import shardc
-    from models import gpt
+    from shardc.models import gpt
     from shardc.multihost import PlanMismatchError, global_batch, plan_digest, process_slice
 
     assert len(jax.devices()) == LOCAL_DEVICES * num_processes

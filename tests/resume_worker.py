@@ -39,8 +39,8 @@ def main(argv: list[str]) -> None:
     from jax.sharding import AxisType
 
     import shardc
-    from models import mlp
     from shardc.checkpoint import Checkpoints
+    from shardc.models import mlp
     from shardc.multihost import global_batch, process_slice
 
     def say(**event):
@@ -93,7 +93,7 @@ def budget(state, n_devices: int) -> float:
 
 def batch_for(cfg, i: int):
     """Step i's batch (each step its own, so a lost or repeated step changes the result)."""
-    from models import mlp
+    from shardc.models import mlp
 
     return mlp.example_batch(cfg, seed=1000 + i)
 

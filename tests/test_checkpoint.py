@@ -11,8 +11,8 @@ import pytest
 from jax.sharding import AxisType
 
 import shardc
-from models import mlp
 from shardc.checkpoint import Checkpoints
+from shardc.models import mlp
 
 CFG = mlp.MLPConfig.tiny()
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from test_loops import X, _loss_scanned, _step
 
-from models import gpt
 from shardc.cost.cluster import Cluster
 from shardc.ir.trace import trace
+from shardc.models import gpt
 from shardc.solve.fold import fold, restrict
 from shardc.solve.problem import CostGraphError, build, check_cost_graph
 

@@ -8,8 +8,8 @@ import pytest
 from jax.sharding import AxisType
 
 import shardc
-from models import gpt
 from shardc.explain import fold_repeats, merge_names, spec_text
+from shardc.models import gpt
 from shardc.plan import Plan
 
 

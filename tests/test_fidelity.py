@@ -14,10 +14,10 @@ import jax
 import pytest
 from jax.sharding import AxisType, NamedSharding
 
-from models import moe
 from shardc.inspect.hlo import collectives
 from shardc.ir.sbp import to_partition_spec
 from shardc.ir.trace import trace
+from shardc.models import moe
 from shardc.rules.registry import strategies
 
 ELEMENTWISE = set(

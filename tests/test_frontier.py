@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import AxisType
 
 import shardc
-from models import mlp
+from shardc.models import mlp
 
 CFG = mlp.MLPConfig(batch=64, d_in=256, hidden=256, d_out=256, n_layers=2)
 # Adam divides each gradient element by its own magnitude: an element whose gradient is

@@ -415,7 +415,7 @@ def test_price_multi_axis_and_unaligned_groups_run_at_the_slowest_link(mesh):
 
 def test_mlp_data_parallel_step_has_one_combined_all_reduce():
     # build_step + abstract_args is make_train_step without allocating (2.9 s -> 0.1 s).
-    from models.mlp import MLPConfig, abstract_args, build_step
+    from shardc.models.mlp import MLPConfig, abstract_args, build_step
 
     config = MLPConfig(batch=256, d_in=32, hidden=32, d_out=32, n_layers=6, learning_rate=1e-2)
     step, (state, batch) = build_step(config), abstract_args(config)

@@ -1,4 +1,4 @@
-"""The scanned Llama decoder (``models.llama``): it trains, equals an unrolled reference
+"""The scanned Llama decoder (``shardc.models.llama``): it trains, equals an unrolled reference
 written out here, is a ``scan`` (remat inside) forward and backward, names every parameter,
 and compiles under every expert plan and under ``shardc.auto_shard`` to the ``jax.jit``
 result."""
@@ -20,10 +20,10 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, jaxprs_in_params
 from jax.sharding import AxisType, PartitionSpec
 
 import shardc
-from models import llama
-from models.common import abstract_graphdef
 from shardc.bench.experts import compile_expert, seed_experts, state_specs
 from shardc.bench.zoo import ZOO
+from shardc.models import llama
+from shardc.models.common import abstract_graphdef
 
 CFG = llama.LlamaConfig.tiny()
 FAST_COMPILE = {"xla_backend_optimization_level": 0}

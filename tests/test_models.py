@@ -16,9 +16,9 @@ import pytest
 from jax.extend.core import ClosedJaxpr, Jaxpr, jaxprs_in_params
 from jax.sharding import Mesh
 
-from models import gpt, mlp, moe, vit, wrn
-from models.logical import axis_rules
 from shardc.bench.zoo import ZOO
+from shardc.models import gpt, mlp, moe, vit, wrn
+from shardc.models.logical import axis_rules
 
 N_STEPS = 3
 FAST_COMPILE = {"xla_backend_optimization_level": 0}

@@ -11,7 +11,7 @@ from jax.sharding import AxisType
 from jobs import launch
 
 import shardc
-from models import gpt
+from shardc.models import gpt
 from shardc.multihost import plan_digest
 
 STEPS = 3

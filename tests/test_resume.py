@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from jobs import launch
 
-from models import mlp
+from shardc.models import mlp
 
 STEPS = 6
 WORKER = "resume_worker.py"

@@ -18,7 +18,7 @@ import pytest
 
 from shardc.ir.graph import Graph, Op
 from shardc.ir.prims import BINARY, UNARY
-from shardc.ir.sbp import B, NdSbp, P, Partial, Sbp, Split
+from shardc.ir.sbp import WHOLE, B, NdSbp, P, Partial, Sbp, Split
 from shardc.ir.trace import trace
 from shardc.rules import Signature, signatures, strategies
 
@@ -115,7 +115,7 @@ def _assemble(pieces: list[np.ndarray], sbp: Sbp, what: str) -> np.ndarray:
     if isinstance(sbp, Split):
         return np.concatenate(pieces, axis=sbp.dim)
     if isinstance(sbp, Partial):
-        combine = {"sum": np.add, "max": np.maximum, "min": np.minimum}[sbp.op]
+        combine = {"sum": np.add, "whole": np.add, "max": np.maximum, "min": np.minimum}[sbp.op]
         return combine.reduce(pieces)
     for p in pieces[1:]:
         _assert_close(p, pieces[0], what + " (B output differs between devices)")
@@ -365,12 +365,12 @@ def test_scatter_add_from_gradients():
     assert {sig([S(1), B, S(2)], [S(1)]), sig([P, S(0), S(0)], [P]),
             sig([P, B, P], [P])} <= set(sigs)
     # the operand is jax's zero table: a replicated one splits the tokens too (checked
-    # numerically above), the data-parallel embedding gradient
-    assert sig([B, S(0), S(0)], [P]) in sigs and sig([B, B, P], [P]) not in sigs
+    # numerically above), the data-parallel embedding gradient; its partial is reduced whole
+    assert sig([B, S(0), S(0)], [WHOLE]) in sigs and sig([B, B, P], [P]) not in sigs
     added = check_all(lambda t, i, u: t.at[i].add(u), f32(16, 8), IDS, f32(*IDS.shape, 8),
                       name="scatter-add")
     assert sig([P, S(0), S(0)], [P]) in added
-    assert sig([B, S(0), S(0)], [P]) not in added  # a real operand would count n times
+    assert sig([B, S(0), S(0)], [WHOLE]) not in added  # a real operand would count n times
     grad_take = jax.grad(lambda x, y: (_take(x, y) ** 2).sum())
     sigs = check_all(grad_take, f32(2, 4, 10), LABELS, name="scatter-add")
     assert {sig([S(0), S(0), S(0)], [S(0)]), sig([S(1), S(1), S(1)], [S(1)])} <= set(sigs)
@@ -426,7 +426,7 @@ def test_dot_general_signatures_are_exact(spec, shapes):
 # ---- every rule on a real training step --------------------------------------------------
 
 def test_every_signature_of_the_gpt_train_step_is_exact():
-    from models import gpt
+    from shardc.models import gpt
     from shardc.rules import has_rule
 
     config = dataclasses.replace(gpt.GPTConfig.tiny(), n_layers=1)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
-import models.gpt as gpt
 import shardc
+import shardc.models.gpt as gpt
 from shardc.bench.experts import compile_expert, seed_experts
 from shardc.inspect import price
 

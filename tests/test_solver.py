@@ -11,10 +11,10 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as Ps
 
 import shardc
-from models import mlp
 from shardc.cost.cluster import Cluster
 from shardc.ir.sbp import B, NdSbp, P, Split
 from shardc.ir.trace import trace
+from shardc.models import mlp
 from shardc.plan import assemble
 from shardc.solve import descent
 from shardc.solve.fold import fold, quotient, restrict
@@ -198,7 +198,7 @@ def test_moe_is_expert_parallel_when_experts_are_large_and_data_parallel_when_sm
     expert and the dispatched tokens move by all-to-all; with small ones (d_ff 32) the expert
     weights are replicated, the tokens stay split by group, and the expert gradients are
     all-reduced: data parallelism."""
-    from models import moe
+    from shardc.models import moe
 
     cfg = moe.MoEConfig(d_model=64, d_ff=d_ff, n_experts=8, batch=64, seq_len=32)
     step_fn, (state, batch) = moe.make_train_step(cfg)

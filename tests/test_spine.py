@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import AxisType
 
 import shardc
-from models import gpt, mlp
+from shardc.models import gpt, mlp
 
 MESHES = {"8": ((8,), ("x",)), "2x4": ((2, 4), ("node", "gpu")), "4x2": ((4, 2), ("node", "gpu"))}
 MODELS = {"mlp": (mlp, mlp.MLPConfig.tiny()), "gpt": (gpt, gpt.GPTConfig.tiny())}

@@ -6,8 +6,8 @@ import pytest
 from jax.sharding import AxisType
 
 import shardc
-from models import mlp
 from shardc.cost.cluster import IB_BW, IB_LAT, NVLINK_BW, Cluster
+from shardc.models import mlp
 from shardc.plan import Plan
 from shardc.views import views
 

@@ -3,7 +3,7 @@
 Each expert is a pair of MaxText-style logical-axis rules on one logical view of the
 preset's devices (:mod:`shardc.views`): one for parameters (and the optimizer state that
 shadows them), one for activations, applied through the models' ``param_axes`` and
-``models.logical.constrain`` annotations. The batch is split by the activation rule for
+``shardc.models.logical.constrain`` annotations. The batch is split by the activation rule for
 "batch". Compiled with plain ``jax.jit``.
 
 The set (:func:`preset_experts`) is every form a practitioner writes, on every view shardc's
@@ -36,8 +36,8 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from models.logical import axis_rules, spec
 from shardc.cost.cluster import Cluster
+from shardc.models.logical import axis_rules, spec
 from shardc.views import View, views
 
 TENSOR = ("heads", "mlp", "vocab", "conv_out")

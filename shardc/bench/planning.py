@@ -43,10 +43,10 @@ class PlanningCase:
 
 def _model(name: str, layers: int):
     if name == "gpt":
-        from models import gpt
+        from shardc.models import gpt
 
         return gpt, gpt.GPTConfig.gpt2_small(n_layers=layers), False
-    from models import llama
+    from shardc.models import llama
 
     return llama, llama.LlamaConfig.realistic(n_layers=layers), True
 

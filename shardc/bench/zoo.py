@@ -88,13 +88,13 @@ def _call(cls, expr: str):
 
 
 ZOO = {
-    "mlp": ZooModel("mlp", "models.mlp", "tiny", "realistic", "realistic(n_layers=4)"),
-    "gpt": ZooModel("gpt", "models.gpt", "tiny", "gpt2_small(n_layers=12)",
+    "mlp": ZooModel("mlp", "shardc.models.mlp", "tiny", "realistic", "realistic(n_layers=4)"),
+    "gpt": ZooModel("gpt", "shardc.models.gpt", "tiny", "gpt2_small(n_layers=12)",
                     "gpt2_small(n_layers=2)"),
-    "moe": ZooModel("moe", "models.moe", "tiny", "realistic", "tiny", moe=True),
-    "wrn": ZooModel("wrn", "models.wrn", "tiny", "realistic", "tiny"),
-    "vit": ZooModel("vit", "models.vit", "tiny", "realistic", "tiny"),
-    "llama": ZooModel("llama", "models.llama", "tiny", "realistic", "realistic(n_layers=2)"),
+    "moe": ZooModel("moe", "shardc.models.moe", "tiny", "realistic", "tiny", moe=True),
+    "wrn": ZooModel("wrn", "shardc.models.wrn", "tiny", "realistic", "tiny"),
+    "vit": ZooModel("vit", "shardc.models.vit", "tiny", "realistic", "tiny"),
+    "llama": ZooModel("llama", "shardc.models.llama", "tiny", "realistic", "realistic(n_layers=2)"),
 }
 
 DEFAULT_PRESETS = ("node-8", "2nodes-2x8")

@@ -1,7 +1,7 @@
 """GPT-2 style decoder-only transformer (Flax NNX), next-token loss, Optax AdamW.
 
 Radford et al. 2019, "Language Models are Unsupervised Multitask Learners". Blocks come
-from :mod:`models.layers` (explicit einsum attention with a causal mask, no fused paths);
+from :mod:`shardc.models.layers` (explicit einsum attention with a causal mask, no fused paths);
 layers are an unrolled Python loop. Activations carry logical-axis annotations
 (:func:`models.logical.constrain`, inert by default) and :func:`param_axes` names every
 parameter dim for the expert baselines.
@@ -19,7 +19,7 @@ import optax
 from flax import nnx
 from jax.typing import DTypeLike
 
-from models.common import (
+from shardc.models.common import (
     Batch,
     PyTree,
     TrainState,
@@ -28,8 +28,8 @@ from models.common import (
     build_train_step,
     init_train_state,
 )
-from models.layers import RESID, Axes, Block, checked, layer_norm, transformer_param_axes
-from models.logical import constrain
+from shardc.models.layers import RESID, Axes, Block, checked, layer_norm, transformer_param_axes
+from shardc.models.logical import constrain
 
 PARAM_SEED = 0
 DATA_SEED = 1

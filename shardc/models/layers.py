@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
-from models.logical import constrain
+from shardc.models.logical import constrain
 
 Axes = tuple[str | None, ...]
 ParamAxes = Callable[[tuple[str, ...], tuple[int, ...]], Axes]

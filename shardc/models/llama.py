@@ -32,7 +32,7 @@ import optax
 from flax import nnx
 from jax.typing import DTypeLike
 
-from models.common import (
+from shardc.models.common import (
     Batch,
     TrainState,
     TrainStep,
@@ -45,8 +45,8 @@ from models.common import (
     token_batch,
     unjitted,
 )
-from models.layers import HEADS, HIDDEN, RESID, SCORES, Axes, checked
-from models.logical import constrain
+from shardc.models.layers import HEADS, HIDDEN, RESID, SCORES, Axes, checked
+from shardc.models.logical import constrain
 
 PARAM_SEED = 0
 DATA_SEED = 1

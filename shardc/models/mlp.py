@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from models.common import (
+from shardc.models.common import (
     Batch,
     TrainState,
     TrainStep,
@@ -23,8 +23,8 @@ from models.common import (
     build_train_step,
     init_train_state,
 )
-from models.layers import Axes, checked
-from models.logical import constrain
+from shardc.models.layers import Axes, checked
+from shardc.models.logical import constrain
 
 PARAM_SEED = 0
 DATA_SEED = 1

@@ -2,7 +2,7 @@
 
 Lepikhin et al. 2020, "GShard: Scaling Giant Models with Conditional
 Computation and Automatic Sharding" (ICLR 2021). GPT-style pre-LN causal blocks
-(:mod:`models.layers`) where every other block (the odd ones) replaces its MLP by an MoE
+(:mod:`shardc.models.layers`) where every other block (the odd ones) replaces its MLP by an MoE
 layer: a router (Linear d -> E), top-2 gating with an expert capacity, and experts held as
 stacked weights ``[E, d, ffn]`` / ``[E, ffn, d]``. Each sequence is one routing group of
 ``S = seq_len`` tokens (the paper's groups) with ``capacity = ceil(2 * S * capacity_factor / E)``.
@@ -25,11 +25,11 @@ import optax
 from flax import nnx
 from jax.typing import DTypeLike
 
-from models import common
-from models.common import Batch, TrainState, TrainStep, jit_by_config
-from models.layers import RESID, Axes, Block, SelfAttention, checked, layer_norm
-from models.layers import transformer_param_axes as block_param_axes
-from models.logical import constrain
+from shardc.models import common
+from shardc.models.common import Batch, TrainState, TrainStep, jit_by_config
+from shardc.models.layers import RESID, Axes, Block, SelfAttention, checked, layer_norm
+from shardc.models.layers import transformer_param_axes as block_param_axes
+from shardc.models.logical import constrain
 
 PARAM_SEED = 0
 DATA_SEED = 1

@@ -4,7 +4,7 @@ Dosovitskiy et al. 2021, "An Image is Worth 16x16 Words: Transformers for Image
 Recognition at Scale" (ICLR). Images ``[B, H, W, C]`` are cut into ``P x P`` patches by a
 reshape + transpose (no convolution) to ``[B, N, P*P*C]`` and embedded by a Linear layer;
 a learned class token is prepended and a learned position embedding added; pre-LN
-non-causal transformer blocks (:mod:`models.layers`) follow, then a LayerNorm and a
+non-causal transformer blocks (:mod:`shardc.models.layers`) follow, then a LayerNorm and a
 zero-initialised Linear head on the class token. Activations carry logical-axis
 annotations (inert by default) and :func:`param_axes` names every parameter dim.
 """
@@ -20,7 +20,7 @@ import optax
 from flax import nnx
 from jax.typing import DTypeLike
 
-from models.common import (
+from shardc.models.common import (
     Batch,
     TrainState,
     TrainStep,
@@ -33,8 +33,16 @@ from models.common import (
     prng_key,
     unjitted,
 )
-from models.layers import RESID, Axes, Block, checked, dense, layer_norm, transformer_param_axes
-from models.logical import constrain
+from shardc.models.layers import (
+    RESID,
+    Axes,
+    Block,
+    checked,
+    dense,
+    layer_norm,
+    transformer_param_axes,
+)
+from shardc.models.logical import constrain
 
 PARAM_SEED = 0
 DATA_SEED = 1

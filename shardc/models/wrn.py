@@ -23,7 +23,7 @@ import optax
 from flax import nnx
 from jax.typing import DTypeLike
 
-from models.common import (
+from shardc.models.common import (
     Batch,
     TrainState,
     TrainStep,
@@ -36,8 +36,8 @@ from models.common import (
     prng_key,
     unjitted,
 )
-from models.layers import Axes, checked
-from models.logical import constrain
+from shardc.models.layers import Axes, checked
+from shardc.models.logical import constrain
 
 PARAM_SEED = 0
 DATA_SEED = 1
