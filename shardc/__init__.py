@@ -2,6 +2,7 @@
 
 from shardc import rules as rules
 from shardc.api import AutoSharded as AutoSharded
+from shardc.api import NeedsDevicesError as NeedsDevicesError
 from shardc.api import Options as Options
 from shardc.api import auto_shard as auto_shard
 from shardc.cost.cluster import Cluster as Cluster
@@ -17,8 +18,8 @@ from shardc.plan import Predicted as Predicted
 from shardc.rules.registry import register as register
 from shardc.solve.search import MemoryBudgetError as MemoryBudgetError
 
-__all__ = ["AutoSharded", "B", "Broadcast", "Cluster", "MemoryBudgetError", "NdSbp", "Options",
-           "P", "Partial", "Plan", "PlanFormatError", "Predicted", "Split", "auto_shard",
-           "register", "rules"]
+__all__ = ["AutoSharded", "B", "Broadcast", "Cluster", "MemoryBudgetError", "NdSbp",
+           "NeedsDevicesError", "Options", "P", "Partial", "Plan", "PlanFormatError", "Predicted",
+           "Split", "auto_shard", "register", "rules"]
 
 __version__ = "0.1.0"

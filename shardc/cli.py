@@ -4,7 +4,8 @@
 ``shardc demo`` plans a GPT train step on 8 simulated CPU devices (mesh node=2 x gpu=4),
 prints the plan, runs 3 steps and prints the losses beside the unsharded run's.
 ``shardc plan`` plans a zoo model from abstract shapes, or the user's program
-(``path/to/file.py:make`` or ``pkg.module:make``, ``make()`` returning ``(fn, args)``), and
+(``path/to/file.py:make`` or ``pkg.module:make``, ``make()`` returning ``(fn, args)``), on an
+AbstractMesh of any size (``--mesh 128x8``, ``--mesh 4x16x8``: no devices needed), and
 prints (or saves) the plan. ``shardc explain plan.json`` prints a saved plan (``--compile
 --program ...``: with predicted vs compiled collectives); ``shardc export plan.json``
 writes a Python module that runs it with plain ``jax.jit``. ``shardc calibrate`` measures
@@ -65,6 +66,14 @@ def _positive(kind):
     return parse
 
 
+def _abstract_mesh(shape: tuple[int, ...], names: tuple[str, ...]):
+    """The mesh ``shape`` with Auto axes ``names`` and no devices: planning needs neither
+    the devices nor their number."""
+    from jax.sharding import AbstractMesh, AxisType
+
+    return AbstractMesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+
+
 def _mesh(shape: tuple[int, ...], names: tuple[str, ...]):
     import jax
     from jax.sharding import AxisType
@@ -80,24 +89,27 @@ def _mesh(shape: tuple[int, ...], names: tuple[str, ...]):
 
 
 ZOO = ("gpt", "mlp")
-PRESETS = ("default", "nvlink-node", "multi-node", "tpu-v4")
+PRESETS = ("default", "nvlink-node", "multi-node", "multi-pod", "tpu-v4")
 
 
 def cluster_of(text: str | None, names: tuple[str, ...], cmd: str = "plan"):
     """``--cluster``: a preset's name (its axes are the mesh's) or a JSON file as
     ``Cluster.to_json`` writes it; None: NDR InfiniBand over the first of two axes and
-    NVLink within, else NVLink on every axis."""
+    NVLink within; on three axes pods, nodes and GPUs (``multi-pod``); else NVLink on every
+    axis."""
     from shardc.cost.cluster import Cluster
 
     if text is None:
-        return Cluster.multi_node(*names) if len(names) == 2 else Cluster.nvlink_node(names)
+        text = {2: "multi-node", 3: "multi-pod"}.get(len(names), "nvlink-node")
     preset = text.replace("_", "-")
-    if preset == "multi-node" and len(names) != 2:
-        sys.exit(f"shardc {cmd}: --cluster multi-node needs a 2-axis mesh (node, gpu); this "
-                 f"one has {len(names)} axes")
+    for name, rank, axes in (("multi-node", 2, "node, gpu"), ("multi-pod", 3, "pod, node, gpu")):
+        if preset == name and len(names) != rank:
+            sys.exit(f"shardc {cmd}: --cluster {name} needs a {rank}-axis mesh ({axes}); this "
+                     f"one has {len(names)} axes")
     if preset in PRESETS:
         return {"default": lambda: Cluster(), "nvlink-node": lambda: Cluster.nvlink_node(names),
                 "multi-node": lambda: Cluster.multi_node(*names),
+                "multi-pod": lambda: Cluster.multi_pod(*names),
                 "tpu-v4": lambda: Cluster.tpu_v4(names)}[preset]()
     if not os.path.isfile(text):
         sys.exit(f"shardc {cmd}: --cluster {text!r} is neither a preset ({', '.join(PRESETS)}) "
@@ -184,12 +196,11 @@ def cmd_plan(args) -> None:
     if not is_zoo and (args.layers or args.tiny):
         sys.exit("shardc plan: --layers and --tiny size the zoo models; a program's make() "
                  "sizes its own")
-    _force_cpu_devices(args.devices or max(8, math.prod(shape)))
     import shardc
 
     names = _axes_for("plan", shape, args.axes)
     cluster = cluster_of(args.cluster, names)
-    mesh = _mesh(shape, names)
+    mesh = _abstract_mesh(shape, names)  # planning needs no devices: any size plans here
     if is_zoo:
         module, cfg = _model(args.target, args.layers, args.tiny)
         fn, abstract = module.build_step(cfg), module.abstract_args(cfg)
@@ -209,7 +220,7 @@ def cmd_plan(args) -> None:
 
 
 def _axes_for(cmd: str, shape: tuple[int, ...], names: tuple[str, ...] | None):
-    default = ("node", "gpu")[-len(shape):] if len(shape) <= 2 else tuple(
+    default = ("pod", "node", "gpu")[-len(shape):] if len(shape) <= 3 else tuple(
         f"a{i}" for i in range(len(shape)))
     names = names or default
     if len(names) != len(shape):
@@ -382,14 +393,14 @@ def main(argv: list[str] | None = None) -> None:
     q.add_argument("target", metavar="MODEL_OR_PROGRAM",
                    help="gpt | mlp | path/to/file.py:make | pkg.module:make")
     q.add_argument("--mesh", type=mesh_shape, default=(2, 4),
-                   help="mesh shape, e.g. 8 or 2x4")
+                   help="mesh shape, e.g. 8, 2x4, 128x8 or 4x16x8 (any size: planning needs "
+                        "no devices)")
     q.add_argument("--axes", type=axis_names, default=None,
-                   help="comma-separated axis names (default node,gpu)")
+                   help="comma-separated axis names (default node,gpu; pod,node,gpu on 3 axes)")
     q.add_argument("--cluster", default=None,
                    help=f"a preset ({', '.join(PRESETS)}) or a JSON file as Cluster.to_json "
-                        "writes it (default: multi-node on a 2-axis mesh, else nvlink-node)")
-    q.add_argument("--devices", type=_positive(int), default=None,
-                   help="simulated CPU devices (default: the mesh's, at least 8)")
+                        "writes it (default: multi-node on a 2-axis mesh, multi-pod on 3, "
+                        "else nvlink-node)")
     q.add_argument("--layers", type=_positive(int), default=None, help="zoo models only")
     q.add_argument("--tiny", action="store_true", help="zoo models only")
     q.add_argument("--time-limit", type=_positive(float), default=10.0)
