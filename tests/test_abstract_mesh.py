@@ -51,6 +51,21 @@ def test_plans_on_an_abstract_mesh_without_its_devices(shape, names, cluster):
         step(*args)
 
 
+def test_three_level_plan_is_no_worse_than_leaving_the_pods_idle():
+    """A plan of (node=16, gpu=8) run the same in every pod costs as much on (pod=4,
+    node=16, gpu=8) as on the 2-D mesh (the same links, the same work per device), so the
+    3-D plan is at most that; the search finishes (a time-limited plan may depend on the
+    machine's load). Exact blocks over all three axes at once did not finish in the time
+    limit and left the plan at 72.9 against 58.6 us."""
+    fn, args = mlp.build_step(BIG), mlp.abstract_args(BIG)
+    flat = shardc.auto_shard(fn, mesh=AbstractMesh((16, 8), ("node", "gpu")),
+                             cluster=Cluster.multi_node()).plan(*args)
+    deep = shardc.auto_shard(fn, mesh=AbstractMesh((4, 16, 8), ("pod", "node", "gpu")),
+                             cluster=Cluster.multi_pod()).plan(*args)
+    assert deep.solver["status"] != "time-limit"
+    assert deep.predicted.step_time <= flat.predicted.step_time * (1 + 1e-9)
+
+
 def _small():
     cfg = mlp.MLPConfig(batch=256, d_in=256, hidden=512, d_out=256, n_layers=2)
     return mlp.make_train_step(cfg)
