@@ -2,6 +2,7 @@
 
 from shardc import rules as rules
 from shardc.api import AutoSharded as AutoSharded
+from shardc.api import NeedsDevicesError as NeedsDevicesError
 from shardc.api import Options as Options
 from shardc.api import auto_shard as auto_shard
 from shardc.api import pareto as pareto
@@ -19,7 +20,7 @@ from shardc.rules.registry import register as register
 from shardc.solve.search import MemoryBudgetError as MemoryBudgetError
 
 __all__ = ["AutoSharded", "B", "Broadcast", "Cluster", "Frontier", "MemoryBudgetError", "NdSbp",
-           "Options", "Partial", "Plan", "PlanFormatError", "Predicted", "Split", "auto_shard",
-           "pareto", "register", "rules"]
+           "NeedsDevicesError", "Options", "Partial", "Plan", "PlanFormatError", "Predicted",
+           "Split", "auto_shard", "pareto", "register", "rules"]
 
 __version__ = "0.1.0"

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from shardc.calling import Call, Convention, abstract_leaf, misplaced, place, placement
 from shardc.cost.cluster import DEFAULT_CLUSTER, Cluster
@@ -43,17 +43,35 @@ from shardc.solve.problem import NOTHING_FIXED, Fixed
 from shardc.solve.search import MemoryBudgetError, SolveOptions, plan_graph
 from shardc.views import View, mesh_label, views
 
-__all__ = ["AutoSharded", "Options", "auto_shard", "pareto"]
+__all__ = ["AutoSharded", "NeedsDevicesError", "Options", "auto_shard", "pareto"]
 
 log = logging.getLogger("shardc")
 
 
-def auto_mesh(mesh: Mesh) -> Mesh:
-    """The same devices and axes with every axis Auto (what sharding constraints need)."""
+def auto_mesh(mesh: Mesh | AbstractMesh) -> Mesh | AbstractMesh:
+    """The same devices (or, for an AbstractMesh, the same shape) and axes with every axis
+    Auto (what sharding constraints need)."""
     types = getattr(mesh, "axis_types", None)
     if types is not None and all(t == AxisType.Auto for t in types):
         return mesh
-    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim)
+    auto = (AxisType.Auto,) * len(mesh.axis_names)
+    if isinstance(mesh, AbstractMesh):
+        return AbstractMesh(mesh.axis_sizes, mesh.axis_names, axis_types=auto)
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
+
+
+class NeedsDevicesError(ValueError):
+    """Lowering or running a function whose ``auto_shard`` was given an AbstractMesh: it
+    plans, but running needs devices."""
+
+    def __init__(self, mesh: AbstractMesh):
+        shape, names = tuple(mesh.axis_sizes), tuple(mesh.axis_names)
+        super().__init__(
+            f"auto_shard was given an AbstractMesh ({mesh_label(zip(names, shape))}): it "
+            "plans (step.plan, plan.explain, plan.to_json), but lowering and running need a "
+            "concrete jax.sharding.Mesh of the same shape: jax.make_mesh("
+            f"{shape!r}, {names!r}); make the step on that mesh and adopt this plan with "
+            "step.use_plan(plan, *args)")
 
 
 @dataclass(frozen=True)
@@ -116,10 +134,16 @@ class AutoSharded:
     """The callable ``auto_shard`` returns: call it like ``jax.jit(fn)``; ``plan`` /
     ``lower`` / ``use_plan`` take the same arguments (arrays or ``ShapeDtypeStruct``s)."""
 
-    def __init__(self, fn: Callable, mesh: Mesh, options: Options, convention: Convention):
-        if isinstance(mesh, jax.sharding.AbstractMesh) or not isinstance(mesh, Mesh):
-            raise TypeError(f"auto_shard needs a jax.sharding.Mesh, got {type(mesh).__name__}; "
-                            "make one with jax.make_mesh((2, 4), ('node', 'gpu'))")
+    def __init__(self, fn: Callable, mesh: Mesh | AbstractMesh, options: Options,
+                 convention: Convention):
+        if not isinstance(mesh, Mesh | AbstractMesh):
+            raise TypeError(f"auto_shard needs a jax.sharding.Mesh, or an AbstractMesh to plan "
+                            f"without the devices, got {type(mesh).__name__}; make one with "
+                            "jax.make_mesh((2, 4), ('node', 'gpu')) or "
+                            "jax.sharding.AbstractMesh((16, 8), ('node', 'gpu'))")
+        #: planning needs the mesh's shape and axis names only; an AbstractMesh plans for
+        #: devices that are not here, and lowering or running raises NeedsDevicesError
+        self.abstract = isinstance(mesh, AbstractMesh)
         self.fn = fn
         self.user_mesh = mesh
         self.mesh = auto_mesh(mesh)
@@ -244,7 +268,7 @@ class AutoSharded:
         """The meshes to plan on: the physical one, and with ``mesh_search`` (unless the
         program fixes layouts on the physical axes) every other logical view of it."""
         opts = self.options
-        shape, names = self.mesh.devices.shape, tuple(self.mesh.axis_names)
+        shape, names = tuple(self.mesh.axis_sizes), tuple(self.mesh.axis_names)
         if opts.mesh_search and not _pinned(tr):
             return views(shape, names, opts.cluster)
         return [View(shape, names, opts.cluster)]
@@ -331,15 +355,16 @@ class AutoSharded:
         return dataclasses.replace(best, solver=solver)
 
     # ---- execution -------------------------------------------------------------------------
-    def mesh_for(self, plan: Plan) -> Mesh:
+    def mesh_for(self, plan: Plan) -> Mesh | AbstractMesh:
         """The mesh ``plan`` runs on: this function's mesh (its Auto version), or the view of
-        its devices the mesh search chose (``plan.mesh_axes``)."""
+        its devices the mesh search chose (``plan.mesh_axes``); abstract when this function's
+        mesh is."""
         return View(plan.axis_sizes, plan.axis_names, plan.cluster).mesh(self.mesh)
 
     def _out_mesh(self, plan: Plan) -> Mesh:
         """Where results are placed: the user's mesh (with its axis types) unless the plan
         runs on another view of its devices."""
-        same = plan.mesh_axes == tuple(zip(self.mesh.axis_names, self.mesh.devices.shape))
+        same = plan.mesh_axes == self.mesh.shape_tuple
         return self.user_mesh if same else self.mesh_for(plan)
 
     def _in_shardings(self, tr: _Traced, plan: Plan) -> list[NamedSharding]:
@@ -348,6 +373,8 @@ class AutoSharded:
                 for nd, v in zip(plan.inputs, tr.traced.graph.inputs)]
 
     def _exec(self, call: Call) -> tuple[Callable, list[NamedSharding], Any]:
+        if self.abstract:
+            raise NeedsDevicesError(self.mesh)
         key, tr, plan = self._plan(call)
         jitted = self._execs.get(key)
         if jitted is None:
@@ -376,7 +403,8 @@ class AutoSharded:
         """The plan for these arguments (arrays or ShapeDtypeStructs); nothing is executed."""
         call = self.convention.split(args, kwargs)
         key, tr, plan = self._plan(call)
-        self._report_moves(call, self._in_shardings(tr, plan), key)
+        if not self.abstract:  # on an AbstractMesh nothing runs, so nothing is moved
+            self._report_moves(call, self._in_shardings(tr, plan), key)
         return plan
 
     def pareto(self, *args, budgets: int = BUDGETS, **kwargs) -> Frontier:
@@ -399,7 +427,8 @@ class AutoSharded:
     def input_shardings(self, *args, **kwargs) -> tuple[tuple, dict]:
         """The shardings the plan gives the dynamic arguments (static ones left out), as
         ``(args, kwargs)`` pytrees of ``NamedSharding``, like ``jax.jit``'s
-        ``Compiled.input_shardings``; the arguments may be ShapeDtypeStructs. Restore a
+        ``Compiled.input_shardings``; the arguments may be ShapeDtypeStructs (on an
+        AbstractMesh, the shardings are of it). Restore a
         checkpoint into them (:class:`shardc.checkpoint.Checkpoints`) or assemble a batch
         in them (:func:`shardc.multihost.global_batch`) and the step moves nothing."""
         call = self.convention.split(args, kwargs)
@@ -408,7 +437,8 @@ class AutoSharded:
 
     def use_plan(self, plan: Plan, *args, **kwargs) -> None:
         """Adopt a saved plan (``Plan.from_json``) for these arguments: later calls trace
-        and compile, but do not solve. A plan made for another program or mesh is refused."""
+        and compile, but do not solve. A plan made for another program or mesh is refused;
+        one made on an AbstractMesh runs on a concrete mesh of the same shape and names."""
         call = self.convention.split(args, kwargs)
         key, tr = self._traced(call)
         want = fingerprint(tr.traced.graph)
@@ -416,10 +446,10 @@ class AutoSharded:
             raise ValueError(f"the plan was made for a different program (fingerprint "
                              f"{plan.fingerprint}, this one is {want}): the primitives, their "
                              "params or the dataflow differ; plan it again with step.plan(...)")
-        here = tuple(zip(self.mesh.axis_names, self.mesh.devices.shape))
+        here = self.mesh.shape_tuple
         # with mesh search, a plan for any view of the same devices runs on that view
         ok = plan.mesh_axes == here or (self.options.mesh_search and
-                                        math.prod(plan.axis_sizes) == self.mesh.devices.size)
+                                        math.prod(plan.axis_sizes) == self.mesh.size)
         if not ok:
             raise ValueError(f"the plan is for mesh {mesh_label(plan.mesh_axes)}, this "
                              f"function runs on {mesh_label(here)}")
@@ -504,14 +534,19 @@ def seed_layouts(what: str, specs, abstract: tuple, axis_names) -> dict[int, NdS
     return out
 
 
-def auto_shard(fn: Callable | None = None, *, mesh: Mesh, cluster: Cluster | None = None,
-               memory_budget: float | None = None, time_limit: float = 10.0, seeds=None,
-               mesh_search: bool = False, in_shardings=None,
+def auto_shard(fn: Callable | None = None, *, mesh: Mesh | AbstractMesh,
+               cluster: Cluster | None = None, memory_budget: float | None = None,
+               time_limit: float = 10.0, seeds=None, mesh_search: bool = False,
+               in_shardings=None,
                keep_input_shardings: bool | None = None,
                static_argnums=None, static_argnames=None, donate_argnums=None,
                donate_argnames=None, cache_dir: str | None = None):
     """Plan and run ``fn`` sharded over ``mesh``, called like ``jax.jit(fn)``. Usable as
-    ``@auto_shard(mesh=...)``.
+    ``@auto_shard(mesh=...)``. On a ``jax.sharding.AbstractMesh`` (a shape and axis names,
+    no devices: a cluster larger than this machine) the function plans only: ``plan``,
+    ``input_shardings`` and ``use_plan`` work, and lowering or calling raises
+    :class:`NeedsDevicesError`; the plan runs where a concrete mesh of the same shape
+    adopts it (``use_plan``).
 
     ``cluster`` prices the plan (default: every mesh axis an H100 NVLink link, see
     :class:`shardc.Cluster`); ``memory_budget`` caps per-device bytes; ``time_limit`` is a

@@ -1,11 +1,13 @@
-"""The ``shardc`` command: ``demo`` | ``plan`` | ``explain`` | ``export`` | ``bench`` |
-``calibrate``.
+"""The ``shardc`` command: ``demo`` | ``plan`` | ``pareto`` | ``explain`` | ``export`` |
+``bench`` | ``calibrate``.
 
 ``shardc demo`` plans a GPT train step on 8 simulated CPU devices (mesh node=2 x gpu=4),
 prints the plan, runs 3 steps and prints the losses beside the unsharded run's.
 ``shardc plan`` plans a zoo model from abstract shapes, or the user's program
-(``path/to/file.py:make`` or ``pkg.module:make``, ``make()`` returning ``(fn, args)``), and
-prints (or saves) the plan. ``shardc explain plan.json`` prints a saved plan (``--compile
+(``path/to/file.py:make`` or ``pkg.module:make``, ``make()`` returning ``(fn, args)``), on an
+AbstractMesh of any size (``--mesh 128x8``, ``--mesh 4x16x8``: no devices needed), and
+prints (or saves) the plan; ``shardc pareto`` prints (and plots) its time-memory frontier.
+``shardc explain plan.json`` prints a saved plan (``--compile
 --program ...``: with predicted vs compiled collectives); ``shardc export plan.json``
 writes a Python module that runs it with plain ``jax.jit``. ``shardc calibrate`` measures
 the devices at hand into a Cluster JSON that ``shardc plan --cluster`` and
@@ -15,6 +17,7 @@ the devices at hand into a Cluster JSON that ``shardc plan --cluster`` and
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -65,6 +68,14 @@ def _positive(kind):
     return parse
 
 
+def _abstract_mesh(shape: tuple[int, ...], names: tuple[str, ...]):
+    """The mesh ``shape`` with Auto axes ``names`` and no devices: planning needs neither
+    the devices nor their number."""
+    from jax.sharding import AbstractMesh, AxisType
+
+    return AbstractMesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+
+
 def _mesh(shape: tuple[int, ...], names: tuple[str, ...]):
     import jax
     from jax.sharding import AxisType
@@ -80,29 +91,31 @@ def _mesh(shape: tuple[int, ...], names: tuple[str, ...]):
 
 
 ZOO = ("gpt", "mlp")
-PRESETS = ("default", "nvlink-node", "multi-node", "tpu-v4")
+PRESETS = ("default", "nvlink-node", "multi-node", "multi-pod", "tpu-v4")
 
 
 def cluster_of(text: str | None, names: tuple[str, ...], cmd: str = "plan"):
     """``--cluster``: a preset's name (its axes are the mesh's) or a JSON file as
     ``Cluster.to_json`` writes it; None: NDR InfiniBand over the first of two axes and
-    NVLink within, else NVLink on every axis."""
+    NVLink within; on three axes pods, nodes and GPUs (``multi-pod``); else NVLink on every
+    axis."""
     from shardc.cost.cluster import Cluster
 
     if text is None:
-        return Cluster.multi_node(*names) if len(names) == 2 else Cluster.nvlink_node(names)
+        text = {2: "multi-node", 3: "multi-pod"}.get(len(names), "nvlink-node")
     preset = text.replace("_", "-")
-    if preset == "multi-node" and len(names) != 2:
-        sys.exit(f"shardc {cmd}: --cluster multi-node needs a 2-axis mesh (node, gpu); this "
-                 f"one has {len(names)} axes")
+    for name, rank, axes in (("multi-node", 2, "node, gpu"), ("multi-pod", 3, "pod, node, gpu")):
+        if preset == name and len(names) != rank:
+            sys.exit(f"shardc {cmd}: --cluster {name} needs a {rank}-axis mesh ({axes}); this "
+                     f"one has {len(names)} axes")
     if preset in PRESETS:
         return {"default": lambda: Cluster(), "nvlink-node": lambda: Cluster.nvlink_node(names),
                 "multi-node": lambda: Cluster.multi_node(*names),
+                "multi-pod": lambda: Cluster.multi_pod(*names),
                 "tpu-v4": lambda: Cluster.tpu_v4(names)}[preset]()
     if not os.path.isfile(text):
         sys.exit(f"shardc {cmd}: --cluster {text!r} is neither a preset ({', '.join(PRESETS)}) "
                  "nor a JSON file")
-    import json
 
     try:
         with open(text) as f:
@@ -187,30 +200,36 @@ def cmd_demo(args) -> None:
     print(f"max |param difference| after 3 steps: {diff:.3g}")
 
 
-def cmd_plan(args) -> None:
+def _planned_step(args, cmd: str):
+    """``(auto_shard step, abstract args)`` for ``shardc plan`` / ``pareto``: a zoo model or
+    the user's program, on an AbstractMesh (planning needs no devices: any size plans)."""
     shape = args.mesh
     is_zoo = args.target in ZOO
     if not is_zoo and ":" not in args.target:
-        sys.exit(f"shardc plan: {args.target!r} is neither a zoo model ({', '.join(ZOO)}) nor "
-                 "a program; write path/to/file.py:make or pkg.module:make, where make() "
+        sys.exit(f"shardc {cmd}: {args.target!r} is neither a zoo model ({', '.join(ZOO)}) "
+                 "nor a program; write path/to/file.py:make or pkg.module:make, where make() "
                  "returns (fn, args)")
     if not is_zoo and (args.layers or args.tiny):
-        sys.exit("shardc plan: --layers and --tiny size the zoo models; a program's make() "
+        sys.exit(f"shardc {cmd}: --layers and --tiny size the zoo models; a program's make() "
                  "sizes its own")
-    _force_cpu_devices(args.devices or max(8, math.prod(shape)))
     import shardc
 
-    names = _axes_for("plan", shape, args.axes)
-    cluster = cluster_of(args.cluster, names)
-    mesh = _mesh(shape, names)
+    names = _axes_for(cmd, shape, args.axes)
+    cluster = cluster_of(args.cluster, names, cmd)
+    mesh = _abstract_mesh(shape, names)
     if is_zoo:
         module, cfg = _model(args.target, args.layers, args.tiny)
         fn, abstract = module.build_step(cfg), module.abstract_args(cfg)
     else:
-        program = _program(args.target, "plan")
+        program = _program(args.target, cmd)
         fn, abstract = program.fn, program.args
     step = shardc.auto_shard(fn, mesh=mesh, cluster=cluster, time_limit=args.time_limit,
                              mesh_search=args.mesh_search)
+    return step, abstract
+
+
+def cmd_plan(args) -> None:
+    step, abstract = _planned_step(args, "plan")
     t0 = time.perf_counter()
     plan = step.plan(*abstract)
     print(f"planned in {time.perf_counter() - t0:.2f} s (tracing included)")
@@ -221,8 +240,24 @@ def cmd_plan(args) -> None:
         print(f"plan saved to {args.out}")
 
 
+def cmd_pareto(args) -> None:
+    step, abstract = _planned_step(args, "pareto")
+    t0 = time.perf_counter()
+    frontier = step.pareto(*abstract, budgets=args.budgets)
+    print(f"{len(frontier.plans)} plans on the time-memory frontier, found in "
+          f"{time.perf_counter() - t0:.2f} s (tracing included):")
+    print(frontier)
+    if args.plot:
+        frontier.plot(args.plot)
+        print(f"plot saved to {args.plot}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump([json.loads(p.to_json()) for p in frontier.plans], f)
+        print(f"plans saved to {args.out} (a JSON list, leanest first; Plan.from_json each)")
+
+
 def _axes_for(cmd: str, shape: tuple[int, ...], names: tuple[str, ...] | None):
-    default = ("node", "gpu")[-len(shape):] if len(shape) <= 2 else tuple(
+    default = ("pod", "node", "gpu")[-len(shape):] if len(shape) <= 3 else tuple(
         f"a{i}" for i in range(len(shape)))
     names = names or default
     if len(names) != len(shape):
@@ -232,8 +267,6 @@ def _axes_for(cmd: str, shape: tuple[int, ...], names: tuple[str, ...] | None):
 
 def cmd_calibrate(args) -> None:
     _force_cpu_devices(args.devices)
-    import json
-
     import shardc
     from shardc.cost.calibrate import CalibrateOptions
 
@@ -380,6 +413,26 @@ def cmd_bench(args) -> None:
     print("wrote " + ", ".join(str(p) for p in paths))
 
 
+def _target_arguments(q) -> None:
+    """The arguments ``shardc plan`` and ``shardc pareto`` share: what to plan, on what."""
+    q.add_argument("target", metavar="MODEL_OR_PROGRAM",
+                   help="gpt | mlp | path/to/file.py:make | pkg.module:make")
+    q.add_argument("--mesh", type=mesh_shape, default=(2, 4),
+                   help="mesh shape, e.g. 8, 2x4, 128x8 or 4x16x8 (any size: planning needs "
+                        "no devices)")
+    q.add_argument("--axes", type=axis_names, default=None,
+                   help="comma-separated axis names (default node,gpu; pod,node,gpu on 3 axes)")
+    q.add_argument("--cluster", default=None,
+                   help=f"a preset ({', '.join(PRESETS)}) or a JSON file as Cluster.to_json "
+                        "writes it (default: multi-node on a 2-axis mesh, multi-pod on 3, "
+                        "else nvlink-node)")
+    q.add_argument("--layers", type=_positive(int), default=None, help="zoo models only")
+    q.add_argument("--tiny", action="store_true", help="zoo models only")
+    q.add_argument("--time-limit", type=_positive(float), default=10.0)
+    q.add_argument("--mesh-search", action="store_true",
+                   help="also plan the other logical views of the devices (e.g. 16, 4x4)")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="shardc", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -393,25 +446,19 @@ def main(argv: list[str] | None = None) -> None:
                        "path/to/file.py:make or pkg.module:make, where make() returns (fn, "
                        "args), args a tuple of fn's positional arguments (arrays or "
                        "jax.ShapeDtypeStructs).")
-    q.add_argument("target", metavar="MODEL_OR_PROGRAM",
-                   help="gpt | mlp | path/to/file.py:make | pkg.module:make")
-    q.add_argument("--mesh", type=mesh_shape, default=(2, 4),
-                   help="mesh shape, e.g. 8 or 2x4")
-    q.add_argument("--axes", type=axis_names, default=None,
-                   help="comma-separated axis names (default node,gpu)")
-    q.add_argument("--cluster", default=None,
-                   help=f"a preset ({', '.join(PRESETS)}) or a JSON file as Cluster.to_json "
-                        "writes it (default: multi-node on a 2-axis mesh, else nvlink-node)")
-    q.add_argument("--devices", type=_positive(int), default=None,
-                   help="simulated CPU devices (default: the mesh's, at least 8)")
-    q.add_argument("--layers", type=_positive(int), default=None, help="zoo models only")
-    q.add_argument("--tiny", action="store_true", help="zoo models only")
-    q.add_argument("--time-limit", type=_positive(float), default=10.0)
+    _target_arguments(q)
     q.add_argument("--rows", type=_positive(int), default=30)
     q.add_argument("--out", default=None, help="save the plan as JSON here")
-    q.add_argument("--mesh-search", action="store_true",
-                   help="also plan the other logical views of the devices (e.g. 16, 4x4)")
     q.set_defaults(func=cmd_plan)
+    f = sub.add_parser("pareto", help="the time-memory frontier of a zoo model or your program",
+                       description="Plan at no memory budget, at the smallest one a plan was "
+                       "found for, and at budgets between; print the non-dominated plans.")
+    _target_arguments(f)
+    f.add_argument("--budgets", type=_positive(int), default=6,
+                   help="budgets planned between the leanest and the fastest plan")
+    f.add_argument("--plot", default=None, help="save the time-memory plot (PNG) here")
+    f.add_argument("--out", default=None, help="save the frontier's plans as a JSON list here")
+    f.set_defaults(func=cmd_pareto)
     c = sub.add_parser("calibrate", help="measure the devices at hand into a Cluster JSON")
     c.add_argument("--mesh", type=mesh_shape, default=(2, 4),
                    help="mesh shape, e.g. 8 or 2x4")

@@ -54,7 +54,8 @@ class PlanCache:
         where = cache_dir if cache_dir is not None else os.environ.get(CACHE_ENV) or None
         return None if where is None else cls(where)
 
-    def key(self, program: str, inputs: Sequence[Value], mesh: jax.sharding.Mesh,
+    def key(self, program: str, inputs: Sequence[Value],
+            mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh,
             options: Any, seeds: Mapping[str, Mapping[int, NdSbp]], ties, fixed) -> str:
         """A digest of what the plan depends on (see the module doc): ``program`` is the
         graph's :func:`~shardc.plan.fingerprint`, ``inputs`` its inputs, ``seeds`` the
@@ -65,7 +66,7 @@ class PlanCache:
             "shardc": __version__,
             "program": program,
             "inputs": [[list(v.shape), str(v.dtype)] for v in inputs],
-            "mesh": [list(mesh.devices.shape), list(mesh.axis_names)],
+            "mesh": [list(mesh.axis_sizes), list(mesh.axis_names)],
             "cluster": options.cluster.to_json(),
             "memory_budget": options.memory_budget,
             "time_limit": options.time_limit,

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from shardc.cost.cluster import Cluster
 
@@ -45,10 +45,15 @@ class View:
     def label(self) -> str:
         return mesh_label(zip(self.names, self.shape))
 
-    def mesh(self, physical: Mesh) -> Mesh:
-        """This view of ``physical``'s devices (same order), every axis Auto."""
-        if tuple(physical.axis_names) == self.names and physical.devices.shape == self.shape:
+    def mesh(self, physical: Mesh | AbstractMesh) -> Mesh | AbstractMesh:
+        """This view of ``physical``'s devices (same order), every axis Auto; of an
+        AbstractMesh, the AbstractMesh of this shape."""
+        if tuple(physical.axis_names) == self.names and \
+                tuple(physical.axis_sizes) == self.shape:
             return physical
+        if isinstance(physical, AbstractMesh):
+            return AbstractMesh(self.shape, self.names,
+                                axis_types=(AxisType.Auto,) * len(self.shape))
         return Mesh(np.asarray(physical.devices).reshape(self.shape), self.names,
                     axis_types=(AxisType.Auto,) * len(self.shape))
 

@@ -1,5 +1,7 @@
 """The time-memory frontier: non-dominated plans that run, pick by budget, and a plot."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -74,3 +76,20 @@ def test_the_module_function_plans_the_same_frontier():
     b = shardc.auto_shard(step_fn, mesh=MESH, cluster=shardc.Cluster.multi_node(),
                           time_limit=2.0).pareto(state, data, budgets=2)
     assert a.points() == b.points()
+
+
+def test_the_cli_prints_plots_and_saves_the_frontier(tmp_path, capsys):
+    from shardc.cli import main
+
+    out, png = tmp_path / "f.json", tmp_path / "f.png"
+    main(["pareto", "mlp", "--mesh", "2x4", "--budgets", "2", "--plot", str(png),
+          "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "plans on the time-memory frontier" in printed and "peak per device" in printed
+    plans = [shardc.Plan.from_json(json.dumps(d)) for d in json.loads(out.read_text())]
+    assert len(plans) >= 2 and png.stat().st_size > 10_000
+    peaks = [p.predicted.peak_memory for p in plans]
+    times = [p.predicted.step_time for p in plans]
+    assert peaks == sorted(peaks) and times == sorted(times, reverse=True)
+    with pytest.raises(SystemExit, match="neither a zoo model"):
+        main(["pareto", "nosuchmodel"])

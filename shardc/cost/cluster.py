@@ -12,6 +12,10 @@ References:
     (NVLink) and 9.6 µs inter-node.
   PCI-SIG PCIe 5.0 specification: 32 GT/s per lane, x16 ~ 64 GB/s per direction (the H100
     SXM host link).
+  Dubey et al., "The Llama 3 Herd of Models" (2024) §3.3.1: H100 servers of 8 GPUs on
+    NVLink, 400 Gb/s per GPU between servers; a pod of 3,072 GPUs has full bisection
+    bandwidth, and pods are joined by an aggregation layer with an oversubscription ratio
+    of 1:7, so a GPU's share of the link across pods is 1/7 of its in-pod link.
   Google Cloud TPU v4 documentation: 275 TFLOP/s BF16, 32 GiB HBM, ICI ~ 45 GB/s per link
     per direction (TPU v4 paper, Jouppi et al. ISCA'23).
 """
@@ -27,6 +31,10 @@ NVLINK_BW = 450e9  # H100 NVLink 4, per direction per GPU
 NVLINK_LAT = 3.4e-6  # PaddlePaddle intra-node ring latency
 IB_BW = 50e9  # NDR InfiniBand, one 400 Gb/s port per GPU
 IB_LAT = 9.6e-6  # PaddlePaddle inter-node ring latency
+CROSS_POD_BW = IB_BW / 7  # Llama 3: the per-GPU link, oversubscribed 1:7 between pods
+# PaddlePaddle's inter-node latency: no published figure separates the aggregation layer's
+# extra switch hops from the end points' software latency
+CROSS_POD_LAT = IB_LAT
 H100_TF32_FLOPS = 494e12
 H100_MEMORY = 80 * 2**30
 PCIE5_BW = 64e9  # PCIe 5.0 x16, per direction: host -> device feed of the batch
@@ -132,6 +140,16 @@ class Cluster:
         """H100 nodes joined by NDR InfiniBand: ``node_axis`` over IB, ``gpu_axis`` NVLink."""
         return cls({node_axis: IB_BW, gpu_axis: NVLINK_BW},
                    {node_axis: IB_LAT, gpu_axis: NVLINK_LAT})
+
+    @classmethod
+    def multi_pod(cls, pod_axis: str = "pod", node_axis: str = "node",
+                  gpu_axis: str = "gpu") -> Cluster:
+        """Pods of H100 nodes: ``gpu_axis`` over NVLink within a node, ``node_axis`` over NDR
+        InfiniBand within a pod (full bisection bandwidth), ``pod_axis`` across pods over
+        the 1:7 oversubscribed aggregation layer (64 nodes of 8 GPUs in pods of 16 nodes:
+        the mesh ``(pod=4, node=16, gpu=8)``)."""
+        return cls({pod_axis: CROSS_POD_BW, node_axis: IB_BW, gpu_axis: NVLINK_BW},
+                   {pod_axis: CROSS_POD_LAT, node_axis: IB_LAT, gpu_axis: NVLINK_LAT})
 
     @classmethod
     def tpu_v4(cls, axis_names: Sequence[str] = ("x", "y")) -> Cluster:

@@ -283,7 +283,10 @@ def quotient_refine(cg: CostGraph, x: dict[int, int], memory_budget, deadline: f
     # a tail block of every layer is one block of the quotient
     tail = list(map(list, dict.fromkeys(tuple(sorted({cls[i] for i in block}))
                                         for block in _tail_blocks(cg))))
-    xq, refined = block_refine(q, xq, memory_budget, deadline, tail)
+    if len(q.axis_sizes) > 2:
+        xq, refined = held_axis_blocks(q, xq, memory_budget, deadline, tail)
+    else:
+        xq, refined = block_refine(q, xq, memory_budget, deadline, tail)
     y = descent.descend(cg, expand(cls, xq))
     return _better(cg, x, y, memory_budget), f"folded ({status}) + {refined}"
 
@@ -373,6 +376,33 @@ def axis_sweeps(q: CostGraph, xq: dict[int, int], memory_budget, deadline: float
         if not moved:
             break
     return xq, status
+
+
+def held_axis_blocks(q: CostGraph, xq: dict[int, int], memory_budget, deadline: float,
+                     tail: list[list[int]]) -> tuple[dict[int, int], str]:
+    """:func:`block_refine` on a mesh of three or more axes, one held axis at a time: every
+    node keeps its SBP on mesh axis ``k`` and the blocks re-solve the others, for each axis
+    in turn. A block over all axes at once has the cube of a 1-D node's choices (a dot's
+    edge alone can exceed ``BLOCK_TERMS``), so the blocks held too few nodes to move
+    anything and did not finish in the time limit; with one axis held they are the size
+    of a 2-D mesh's. Returns the plan and the stage's name."""
+    stage = "blocks"
+    for k in reversed(range(len(q.axis_sizes))):
+        allowed = {i: [a for a, c in enumerate(ch) if _on_axis(c, k) == _on_axis(ch[xq[i]], k)]
+                   for i, ch in enumerate(q.choices)}
+        hint = {i: allowed[i].index(xq[i]) for i in allowed}
+        y, stage = block_refine(restrict(q, allowed), hint, memory_budget, deadline, tail)
+        xq = _better(q, xq, {i: allowed[i][b] for i, b in y.items()}, memory_budget)
+        if "time-limit" in stage:
+            break
+    return xq, f"{stage} (axes held in turn)"
+
+
+def _on_axis(c, k: int):
+    """A choice's SBPs on mesh axis ``k``."""
+    if isinstance(c, NdSbp):
+        return c.sbps[k]
+    return tuple(nd.sbps[k] for nd in (*c.ins, *c.outs))
 
 
 def block_refine(cg: CostGraph, x: dict[int, int], memory_budget, deadline: float,
