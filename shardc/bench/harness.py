@@ -36,7 +36,7 @@ ADAM_SLACK = 0.05
 """Parameters after an Adam step may differ by this fraction of the learning rate: Adam
 divides each gradient element by its own magnitude, so an element whose gradient is near
 zero moves by up to ``lr`` and a reassociated (sharded) sum can change that move."""
-TIMING_RUNS = 2  # compile timings: the fastest of this many runs of each, interleaved
+TIMING_RUNS = 3  # compile timings: the fastest of this many runs of each, interleaved
 
 
 @dataclass
@@ -141,7 +141,7 @@ def run_shardc(zm: ZooModel, preset: Preset, which: str, check: bool,
     view = step.mesh_for(plan)
     cell.mesh = mesh_label(plan.mesh_axes)
     # what runs is compiled from the saved plan, timed against jax.jit of the same program:
-    # each the faster of two runs, interleaved (compiling is noisy on a shared machine)
+    # each the fastest of TIMING_RUNS runs, interleaved (compiling is noisy on a shared machine)
     saved, jitted = [], []
     for _ in range(TIMING_RUNS):
         fn = mod.build_step(cfg)

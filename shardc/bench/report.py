@@ -68,7 +68,7 @@ def markdown(cells: list[Cell], commands: list[str], header: str = "") -> str:
              "against `memory_analysis()` (arguments + outputs + temporaries - aliased); "
              "*saved plan* the wall time of running a saved plan (`use_plan`, lower, "
              "compile: no solver) over tracing once plus `jax.jit` lowering and compiling "
-             "the same program with the plan's shardings (each the faster of two runs).\n",
+             "the same program with the plan's shardings (each the fastest of three runs).\n",
              "## Summary\n",
              "| model | preset | shardc ms | shardc mesh | best of N experts | its mesh | "
              "expert ms | shardc / expert | predicted vs compiled comm | unplanned comm | "
