@@ -360,6 +360,22 @@ def _bench_planning(out) -> None:
     print("wrote " + ", ".join(str(p) for p in paths))
 
 
+def _bench_scale(out) -> None:
+    from shardc.bench import planning
+
+    cases = []
+    for shape, names in planning.SCALE_MESHES:
+        print(f"planning the 70B decoder on {shape} ...", flush=True)
+        cases.append(planning.measure_scale_fresh(shape, names))
+        print(f"  {cases[-1].plan_s:.1f} s, {cases[-1].status}, "
+              f"{cases[-1].predicted_ms:.0f} ms predicted, {cases[-1].peak_gib:.1f} GiB",
+              flush=True)
+    command = ("shardc bench " + " ".join(sys.argv[2:])).strip()
+    paths = planning.write_scale(cases, out, command)
+    print(planning.scale_markdown(cases, command))
+    print("wrote " + ", ".join(str(p) for p in paths))
+
+
 def cmd_bench(args) -> None:
     _needs_zoo("bench")
     _force_cpu_devices(16)
@@ -367,6 +383,8 @@ def cmd_bench(args) -> None:
 
     if args.planning:
         return _bench_planning(Path(args.out or "docs/benchmarks"))
+    if args.scale:
+        return _bench_scale(Path(args.out or "docs/benchmarks"))
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -513,6 +531,9 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--planning", action="store_true",
                    help="measure planning time instead (GPT-2-small unrolled and the scanned "
                         "Llama, 12 and 48 layers) into planning.{md,json}")
+    b.add_argument("--scale", action="store_true",
+                   help="plan a 70B-class decoder for 128x8 and 8x16x8 H100s (abstract meshes) "
+                        "beside HSDP and FSDP x TP, into scale.{md,json}")
     b.set_defaults(func=cmd_bench)
     args = p.parse_args(argv)
     args.func(args)

@@ -20,8 +20,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["CASES", "DescentGap", "PlanningCase", "descent_gaps", "measure", "measure_fresh",
-           "markdown", "write"]
+__all__ = ["CASES", "SCALE_MESHES", "DescentGap", "PlanningCase", "ScaleCase", "descent_gaps",
+           "markdown", "measure", "measure_fresh", "measure_scale", "measure_scale_fresh",
+           "scale_markdown", "write", "write_scale"]
 
 #: (model, layers): the unrolled GPT-2-small and the scanned Llama decoder, each at 12 and 48
 CASES = (("gpt", 12), ("gpt", 48), ("llama", 12), ("llama", 48))
@@ -159,5 +160,125 @@ def write(cases: list[PlanningCase], out: Path, command: str,
     md.write_text(markdown(cases, command, gaps))
     js.write_text(json.dumps({"command": command, "cases": [asdict(c) for c in cases],
                               "descent_gaps": [{**asdict(g), "gap": g.gap} for g in gaps]},
+                             indent=1))
+    return [md, js]
+
+
+# ---- planning for clusters larger than this machine ---------------------------------------
+
+#: Llama 3 70B's shapes (Dubey et al. 2024, "The Llama 3 Herd of Models", Table 3): 80
+#: layers, d 8192, 64 heads over 8 kv heads, FFN 28672, vocabulary 128,256; sequences of
+#: 4096 tokens, one per device, bfloat16 parameters and Adam state
+SCALE_MESHES = (((128, 8), ("node", "gpu")), ((8, 16, 8), ("pod", "node", "gpu")))
+
+
+@dataclass(frozen=True)
+class ScaleCase:
+    mesh: str
+    devices: int
+    plan_s: float  # wall seconds of step.plan on abstract arguments, tracing included
+    status: str
+    predicted_ms: float
+    peak_gib: float  # predicted per-device peak
+    budget_gib: float  # the cluster's device memory, given as memory_budget
+    experts: dict  # expert name -> (predicted step ms, peak GiB), priced by the same model
+
+
+def _scale_config(devices: int):
+    import jax.numpy as jnp
+
+    from shardc.models import llama
+
+    return llama, llama.LlamaConfig(vocab=128256, seq_len=4096, d_model=8192, n_heads=64,
+                                    n_kv_heads=8, d_ff=28672, n_layers=80, batch=devices,
+                                    learning_rate=3e-4, dtype=jnp.bfloat16)
+
+
+def _scale_experts(view) -> list:
+    """HSDP (parameters sharded within the node, the batch over every device) and FSDP x
+    TP (Megatron within the node, parameters sharded and the batch split across nodes)."""
+    from shardc.bench.experts import FSDP, TENSOR, Expert
+
+    outer, inner = view.names[:-1], view.names[-1]
+    outer = outer[0] if len(outer) == 1 else outer
+    tensor = {n: inner for n in TENSOR}
+    return [Expert("hsdp", {n: inner for n in FSDP}, {"batch": view.names}, view),
+            Expert("fsdp-x-tp", {**tensor, "embed": outer}, {**tensor, "batch": outer}, view)]
+
+
+def measure_scale(shape: tuple[int, ...], names: tuple[str, ...]) -> ScaleCase:
+    """Plan the 70B-class decoder on an AbstractMesh of ``shape`` (no devices), within the
+    cluster's device memory, and price the HSDP and FSDP x TP experts on the same model
+    (their input layouts fixed, the rest completed by the planner)."""
+    import math
+
+    import jax
+
+    import shardc
+    from shardc.bench.experts import batch_specs, state_specs
+    from shardc.views import View
+
+    cluster = (shardc.Cluster.multi_node(*names) if len(shape) == 2
+               else shardc.Cluster.multi_pod(*names))
+    devices = math.prod(shape)
+    module, cfg = _scale_config(devices)
+    mesh = jax.sharding.AbstractMesh(shape, names)
+    args = module.abstract_args(cfg)
+    budget = cluster.device_memory
+    step = shardc.auto_shard(module.build_step(cfg), mesh=mesh, cluster=cluster,
+                             memory_budget=budget)
+    t0 = time.perf_counter()
+    plan = step.plan(*args)
+    plan_s = time.perf_counter() - t0
+    experts = {}
+    for e in _scale_experts(View(shape, names, cluster)):
+        specs = (state_specs(args[0], mesh, e, module.param_axes),
+                 batch_specs(args[1], mesh, e))
+        fixed = shardc.auto_shard(module.build_step(cfg), mesh=mesh, cluster=cluster,
+                                  in_shardings=specs).plan(*args)
+        experts[e.name] = (fixed.predicted.step_time * 1e3,
+                           fixed.predicted.peak_memory / 2**30)
+    label = " x ".join(f"{n}={s}" for n, s in zip(names, shape))
+    return ScaleCase(label, devices, plan_s, plan.solver["status"],
+                     plan.predicted.step_time * 1e3, plan.predicted.peak_memory / 2**30,
+                     budget / 2**30, experts)
+
+
+def measure_scale_fresh(shape: tuple[int, ...], names: tuple[str, ...]) -> ScaleCase:
+    """:func:`measure_scale` in a fresh Python process (JAX sees one CPU device)."""
+    code = ("import json, dataclasses; from shardc.bench.planning import measure_scale; "
+            f"print(json.dumps(dataclasses.asdict(measure_scale({shape!r}, {names!r}))))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=False)
+    if done.returncode:
+        raise RuntimeError(f"planning the 70B decoder on {shape} failed:\n{done.stderr}")
+    return ScaleCase(**json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def scale_markdown(cases: list[ScaleCase], command: str) -> str:
+    lines = ["# Planning for clusters larger than this machine", "",
+             f"`{command}` — a Llama-3-70B-shaped decoder (80 scanned, remat'd layers, d 8192, "
+             "GQA 64/8, FFN 28672, vocabulary 128,256, 4096-token sequences, one per device, "
+             "bfloat16 with Adam) planned on an `AbstractMesh` (no such devices here) with "
+             "`memory_budget` = the cluster's device memory; wall seconds of `step.plan`, "
+             "tracing included, each mesh in a fresh process, on this 2-core machine. The "
+             "experts are priced by the same cost model (their input layouts fixed, the "
+             "rest completed by the planner).", "",
+             "| mesh | devices | plan (s) | status | predicted step (ms) | peak (GiB) | "
+             "budget (GiB) | HSDP ms / GiB | FSDP x TP ms / GiB |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+    for c in cases:
+        ex = [f"{c.experts[k][0]:.0f} / {c.experts[k][1]:.1f}" for k in ("hsdp", "fsdp-x-tp")]
+        lines.append(f"| {c.mesh} | {c.devices} | {c.plan_s:.1f} | {c.status} | "
+                     f"{c.predicted_ms:.0f} | {c.peak_gib:.1f} | {c.budget_gib:.0f} | "
+                     f"{ex[0]} | {ex[1]} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_scale(cases: list[ScaleCase], out: Path, command: str) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    md, js = out / "scale.md", out / "scale.json"
+    md.write_text(scale_markdown(cases, command))
+    js.write_text(json.dumps({"command": command, "cases": [asdict(c) for c in cases]},
                              indent=1))
     return [md, js]
