@@ -157,3 +157,17 @@ def test_cli_plans_meshes_larger_than_this_machine(tmp_path, capsys):
         main(["plan", "mlp", "--mesh", "128x8", "--cluster", "multi-pod"])
     assert "multi-pod needs a 3-axis mesh" in exc.value.code
     assert "\n" not in exc.value.code
+
+
+def test_a_plan_for_64_devices_compiles_to_its_predicted_collectives():
+    """Where the devices can be simulated: a 4-layer Llama-style decoder planned on the
+    abstract (8, 8) mesh compiles on 64 CPU devices to the collectives the plan predicts
+    (communication time within 10%, every collective kind planned)."""
+    from jobs import launch
+
+    (ended,) = launch("wide_mesh_worker.py", [[]], timeout=300)
+    assert ended.code == 0, ended.stderr
+    got = ended.last
+    assert got["devices"] == 64 and got["unplanned"] == []
+    assert got["compiled"] == pytest.approx(got["predicted"], rel=0.10)
+    assert got["compiled_bytes"] == pytest.approx(got["predicted_bytes"], rel=0.10)
