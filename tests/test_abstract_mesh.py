@@ -148,6 +148,10 @@ def test_cli_plans_meshes_larger_than_this_machine(tmp_path, capsys):
     assert plan.mesh_axes == (("node", 128), ("gpu", 8))
     assert plan.cluster.bandwidth("node") == IB_BW  # multi-node by default on two axes
     assert "shardc plan on mesh (node=128 x gpu=8)" in capsys.readouterr().out
+    main(["export", str(out), "--format", "python"])  # exports as any plan does
+    exported = capsys.readouterr().out
+    assert "MESH_AXES = (('node', 128), ('gpu', 8))" in exported
+    compile(exported, "plan_code.py", "exec")
     main(["plan", "mlp", "--mesh", "4x16x8", "--rows", "3", "--out", str(out)])
     plan = Plan.from_json(out.read_text())
     assert plan.mesh_axes == (("pod", 4), ("node", 16), ("gpu", 8))
