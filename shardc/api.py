@@ -16,8 +16,10 @@ of the plan. On a mesh with Explicit axes, results come back typed on that mesh.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import gc
 import logging
 import math
 import time
@@ -158,6 +160,7 @@ class AutoSharded:
         self._plans: dict[Any, Plan] = {}
         self._execs: dict[Any, Callable] = {}
         self._moved: set = set()
+        self._ran: set = set()  # signatures whose executable has run (traced and compiled)
         functools.update_wrapper(self, fn)
 
     # ---- tracing and planning, cached per abstract signature ---------------------------------
@@ -224,7 +227,8 @@ class AutoSharded:
         hit = self._traces.get(key)
         if hit is None:
             t0 = time.perf_counter()
-            traced = trace(call.function(self.fn), *map(abstract_leaf, call.leaves))
+            with _gc_paused():
+                traced = trace(call.function(self.fn), *map(abstract_leaf, call.leaves))
             ties = tie_outputs(call.arg_trees(), traced.out_tree, traced.graph)
             hit = _Traced(traced, tuple(ties), self._fixed(call))
             self._traces[key] = hit
@@ -463,6 +467,7 @@ class AutoSharded:
         agree(plan)
         self._plans[key] = plan
         self._execs.pop(key, None)
+        self._ran.discard(key)
 
     def lower(self, *args, **kwargs):
         """``jax.stages.Lowered`` of the planned program (ShapeDtypeStructs are fine); its
@@ -474,14 +479,37 @@ class AutoSharded:
                   if hasattr(x, "shape") else x
                   for x, a, s in zip(call.leaves, map(abstract_leaf, call.leaves), shardings)]
         dyn_args, dyn_kwargs = call.unflatten(leaves)
-        return jitted.lower(*dyn_args, **dyn_kwargs)
+        with _gc_paused():
+            return jitted.lower(*dyn_args, **dyn_kwargs)
 
     def __call__(self, *args, **kwargs):
         call = self.convention.split(args, kwargs)
         jitted, shardings, key = self._exec(call)
         self._report_moves(call, shardings, key)
         dyn_args, dyn_kwargs = call.unflatten(place(call.leaves, shardings))
-        return jitted(*dyn_args, **dyn_kwargs)
+        if key in self._ran:
+            return jitted(*dyn_args, **dyn_kwargs)
+        with _gc_paused():  # the first call traces and compiles
+            out = jitted(*dyn_args, **dyn_kwargs)
+        self._ran.add(key)
+        return out
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Pause Python's cyclic garbage collector while tracing or lowering: both allocate
+    hundreds of thousands of short-lived objects, and in a process that already holds many
+    (a training script, the bench) every full collection they trigger walks all of them.
+    Reference counting still frees what dies; the collector resumes afterwards. Measured in
+    the bench process (350k objects) on the ViT's saved plan: tracing 1.2 s -> 0.8 s."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def _is_spec_leaf(x) -> bool:

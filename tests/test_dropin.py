@@ -486,3 +486,26 @@ def test_cli_reports_bad_arguments_in_one_line(capsys):
             main(argv)
         err = capsys.readouterr().err.strip().splitlines()
         assert "Traceback" not in "".join(err) and err[-1].startswith("shardc")
+
+
+def test_tracing_pauses_the_garbage_collector_and_restores_it():
+    """Tracing runs with Python's cyclic collector paused (many short-lived objects: each
+    full collection in a large process would walk them all); it is on again afterwards, and
+    after a trace that raises."""
+    import gc
+
+    seen = []
+
+    def f(x):
+        seen.append(gc.isenabled())
+        return jnp.tanh(x) * 2.0
+
+    close(shard(f)(X), jnp.tanh(X) * 2.0)
+    assert seen == [False] and gc.isenabled()
+
+    def broken(x):
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        shard(broken)(X)
+    assert gc.isenabled()
