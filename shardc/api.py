@@ -315,7 +315,7 @@ class AutoSharded:
     def _solve_warned(self, tr: _Traced, candidates: list[View],
                       seeds: list[dict[str, dict[int, NdSbp]]], opts: Options) -> Plan:
         """:meth:`_solve`, after one warning per primitive without a rule."""
-        warn_missing([op.name for op in tr.traced.graph.ops if not has_rule(op.name)])
+        _warn_missing_rules(tr)
         return self._solve(tr, candidates, seeds, opts)
 
     def _solve(self, tr: _Traced, candidates: list[View],
@@ -420,7 +420,7 @@ class AutoSharded:
         _, tr = self._traced(call)
         candidates = self._views(tr)
         seeds = self._seed_layouts(call, candidates)
-        warn_missing([op.name for op in tr.traced.graph.ops if not has_rule(op.name)])
+        _warn_missing_rules(tr)
 
         def solve(budget: float | None) -> Plan:
             opts = dataclasses.replace(self.options, memory_budget=budget)
@@ -514,6 +514,12 @@ def _gc_paused():
 
 def _is_spec_leaf(x) -> bool:
     return x is None or isinstance(x, (PartitionSpec, NamedSharding))
+
+
+def _warn_missing_rules(tr: _Traced) -> None:
+    """One warning per primitive of the program that has no sharding rule (it runs
+    replicated)."""
+    warn_missing([op.name for op in tr.traced.graph.ops if not has_rule(op.name)])
 
 
 def _pinned(tr: _Traced) -> bool:
