@@ -73,16 +73,23 @@ def measure(name: str, layers: int) -> PlanningCase:
                         plan.solver.get("stages", ""))
 
 
-def measure_fresh(name: str, layers: int) -> PlanningCase:
-    """:func:`measure` in a fresh Python process with 8 simulated CPU devices."""
-    code = ("from shardc.cli import _force_cpu_devices; _force_cpu_devices(8); "
-            "import json, dataclasses; from shardc.bench.planning import measure; "
-            f"print(json.dumps(dataclasses.asdict(measure({name!r}, {layers}))))")
+def _fresh(call: str, what: str, setup: str = "") -> dict:
+    """The dataclass ``call`` (an expression over this module) returns, run in a fresh
+    Python process after ``setup``, as a dict."""
+    code = (f"{setup}import json, dataclasses; from shardc.bench import planning; "
+            f"print(json.dumps(dataclasses.asdict(planning.{call})))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=False)
     if done.returncode:
-        raise RuntimeError(f"planning {name} with {layers} layers failed:\n{done.stderr}")
-    return PlanningCase(**json.loads(done.stdout.strip().splitlines()[-1]))
+        raise RuntimeError(f"planning {what} failed:\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure_fresh(name: str, layers: int) -> PlanningCase:
+    """:func:`measure` in a fresh Python process with 8 simulated CPU devices."""
+    return PlanningCase(**_fresh(f"measure({name!r}, {layers})", f"{name} with {layers} layers",
+                                 "from shardc.cli import _force_cpu_devices; "
+                                 "_force_cpu_devices(8); "))
 
 
 @dataclass(frozen=True)
@@ -246,13 +253,8 @@ def measure_scale(shape: tuple[int, ...], names: tuple[str, ...]) -> ScaleCase:
 
 def measure_scale_fresh(shape: tuple[int, ...], names: tuple[str, ...]) -> ScaleCase:
     """:func:`measure_scale` in a fresh Python process (JAX sees one CPU device)."""
-    code = ("import json, dataclasses; from shardc.bench.planning import measure_scale; "
-            f"print(json.dumps(dataclasses.asdict(measure_scale({shape!r}, {names!r}))))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=False)
-    if done.returncode:
-        raise RuntimeError(f"planning the 70B decoder on {shape} failed:\n{done.stderr}")
-    return ScaleCase(**json.loads(done.stdout.strip().splitlines()[-1]))
+    return ScaleCase(**_fresh(f"measure_scale({shape!r}, {names!r})",
+                              f"the 70B decoder on {shape}"))
 
 
 def scale_markdown(cases: list[ScaleCase], command: str) -> str:
