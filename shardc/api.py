@@ -160,7 +160,6 @@ class AutoSharded:
         self._plans: dict[Any, Plan] = {}
         self._execs: dict[Any, Callable] = {}
         self._moved: set = set()
-        self._ran: set = set()  # signatures whose executable has run (traced and compiled)
         functools.update_wrapper(self, fn)
 
     # ---- tracing and planning, cached per abstract signature ---------------------------------
@@ -252,11 +251,10 @@ class AutoSharded:
 
     def _cached_or_solved(self, tr: _Traced, call: Call) -> Plan:
         """The plan from the disk cache (``cache_dir``), else solved and stored there."""
-        candidates = self._views(tr)
-        seeds = self._seed_layouts(call, candidates)
+        candidates, seeds = self._problem(call, tr)
         store = PlanCache.at(self.options.cache_dir)
         if store is None:
-            return self._solve_warned(tr, candidates, seeds, self.options)
+            return self._solve(tr, candidates, seeds, self.options)
         program = fingerprint(tr.traced.graph)
         flat = {f"{view.label}: {name}": layouts
                 for view, named in zip(candidates, seeds) for name, layouts in named.items()}
@@ -264,9 +262,17 @@ class AutoSharded:
                         tr.ties, tr.fixed)
         plan = store.load(key, program)
         if plan is None:
-            plan = self._solve_warned(tr, candidates, seeds, self.options)
+            plan = self._solve(tr, candidates, seeds, self.options)
             store.save(key, plan)
         return plan
+
+    def _problem(self, call: Call, tr: _Traced
+                 ) -> tuple[list[View], list[dict[str, dict[int, NdSbp]]]]:
+        """What a solve of this call needs besides its options: the meshes to plan on and
+        the seeds of each; warns once per primitive without a rule (it runs replicated)."""
+        warn_missing([op.name for op in tr.traced.graph.ops if not has_rule(op.name)])
+        candidates = self._views(tr)
+        return candidates, self._seed_layouts(call, candidates)
 
     def _views(self, tr: _Traced) -> list[View]:
         """The meshes to plan on: the physical one, and with ``mesh_search`` (unless the
@@ -311,12 +317,6 @@ class AutoSharded:
                     all(plan.outputs[j] == nd for j, nd in fixed.outputs.items()):
                 return plan
         return None
-
-    def _solve_warned(self, tr: _Traced, candidates: list[View],
-                      seeds: list[dict[str, dict[int, NdSbp]]], opts: Options) -> Plan:
-        """:meth:`_solve`, after one warning per primitive without a rule."""
-        _warn_missing_rules(tr)
-        return self._solve(tr, candidates, seeds, opts)
 
     def _solve(self, tr: _Traced, candidates: list[View],
                seeds: list[dict[str, dict[int, NdSbp]]], opts: Options) -> Plan:
@@ -418,9 +418,7 @@ class AutoSharded:
         ``step.use_plan(frontier.pick(budget), *args)`` adopts one."""
         call = self.convention.split(args, kwargs)
         _, tr = self._traced(call)
-        candidates = self._views(tr)
-        seeds = self._seed_layouts(call, candidates)
-        _warn_missing_rules(tr)
+        candidates, seeds = self._problem(call, tr)
 
         def solve(budget: float | None) -> Plan:
             opts = dataclasses.replace(self.options, memory_budget=budget)
@@ -467,7 +465,6 @@ class AutoSharded:
         agree(plan)
         self._plans[key] = plan
         self._execs.pop(key, None)
-        self._ran.discard(key)
 
     def lower(self, *args, **kwargs):
         """``jax.stages.Lowered`` of the planned program (ShapeDtypeStructs are fine); its
@@ -487,12 +484,8 @@ class AutoSharded:
         jitted, shardings, key = self._exec(call)
         self._report_moves(call, shardings, key)
         dyn_args, dyn_kwargs = call.unflatten(place(call.leaves, shardings))
-        if key in self._ran:
+        with _gc_paused():  # the first call of a signature traces and compiles
             return jitted(*dyn_args, **dyn_kwargs)
-        with _gc_paused():  # the first call traces and compiles
-            out = jitted(*dyn_args, **dyn_kwargs)
-        self._ran.add(key)
-        return out
 
 
 @contextlib.contextmanager
@@ -514,12 +507,6 @@ def _gc_paused():
 
 def _is_spec_leaf(x) -> bool:
     return x is None or isinstance(x, (PartitionSpec, NamedSharding))
-
-
-def _warn_missing_rules(tr: _Traced) -> None:
-    """One warning per primitive of the program that has no sharding rule (it runs
-    replicated)."""
-    warn_missing([op.name for op in tr.traced.graph.ops if not has_rule(op.name)])
 
 
 def _pinned(tr: _Traced) -> bool:

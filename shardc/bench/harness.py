@@ -187,13 +187,13 @@ def expert_seeds(zm: ZooModel, mesh, preset: Preset, args, mesh_search: bool) ->
     those on the preset's own mesh): on every mesh planned, shardc's plan then costs no more
     than the experts written on it, in shardc's own cost model."""
     state, batch = args
-    names = tuple(mesh.axis_names)
+    names, param_axes = tuple(mesh.axis_names), zm.load().param_axes
     out = {}
     for e in preset_experts(tuple(mesh.devices.shape), names, preset.cluster, moe=zm.moe):
         if not mesh_search and e.view.names != names:
             continue
         view_mesh = e.mesh(mesh)
-        out[e.name] = (state_specs(state, view_mesh, e, zm.load().param_axes),
+        out[e.name] = (state_specs(state, view_mesh, e, param_axes),
                        batch_specs(batch, view_mesh, e))
     return out
 
