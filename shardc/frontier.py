@@ -68,15 +68,15 @@ class Frontier:
         cluster) as labelled points on the same axes. Saved to ``path`` if given; returns
         the matplotlib Axes."""
         try:
-            import matplotlib
+            from matplotlib.figure import Figure
         except ImportError as exc:
             raise ImportError("Frontier.plot needs matplotlib: pip install 'shardc[bench]'") \
                 from exc
-        if ax is None and path is not None:
-            matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        if ax is None and path is not None:  # a figure of its own: the backend is left alone
+            ax = Figure(figsize=(6, 4)).subplots()
+        elif ax is None:
+            import matplotlib.pyplot as plt
 
-        if ax is None:
             _, ax = plt.subplots(figsize=(6, 4))
         mib = 2.0 ** 20
         t = [s * 1e3 for s, _ in self.points()]
