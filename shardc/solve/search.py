@@ -352,9 +352,13 @@ def axis_sweeps(q: CostGraph, xq: dict[int, int], memory_budget, deadline: float
     fast one (the gradient then reduce-scatters on the fast link and all-reduces 1/n of it
     on the slow one). Returns the plan and "optimal" or "time-limit"."""
     status = "optimal"
+    moves, solved_at = 0, {}  # axis -> the move count when it was last solved
     for _ in range(AXIS_ROUNDS):
         moved = False
         for k in reversed(range(len(q.axis_sizes))):
+            if solved_at.get(k) == moves:
+                continue  # nothing moved since this axis was solved: its optimum is xq
+            solved_at[k] = moves
             left = _left(deadline)
             if left <= 0:
                 return xq, "time-limit"
@@ -372,7 +376,8 @@ def axis_sweeps(q: CostGraph, xq: dict[int, int], memory_budget, deadline: float
             y = {i: allowed[i][b] for i, b in res.assignment.items()}
             if descent.objective(q, y) < descent.objective(q, xq) - 1e-12 and \
                     _better(q, xq, y, memory_budget) is y:
-                xq, moved = y, True
+                xq, moved, moves = y, True, moves + 1
+                solved_at[k] = moves
         if not moved:
             break
     return xq, status
