@@ -38,7 +38,9 @@ def _digest(*parts) -> str:
     return hashlib.blake2b(repr(parts).encode(), digest_size=12).hexdigest()
 
 
-def _initial_colour(cg: CostGraph, i: int) -> str:
+def _initial_colour(cg: CostGraph, i: int, names: dict[int, tuple[str, ...]]) -> str:
+    """Node ``i``'s colour before refinement; ``names`` memoises the printed choice lists,
+    by list (nodes of one op signature share theirs)."""
     ref = cg.refs[i]
     if isinstance(ref, Op):
         kind = ("op", ref.name, tuple(v.type_str() for v in (*ref.inputs, *ref.outputs)))
@@ -48,13 +50,17 @@ def _initial_colour(cg: CostGraph, i: int) -> str:
         assert isinstance(ref, Value)
         kind = ("input", ref.type_str(), i in cg.carried)
     cost = tuple(np.round(cg.cost[i] * 1e12).astype(np.int64).tolist())  # picoseconds
-    return _digest(kind, tuple(map(str, cg.choices[i])), cost)
+    key = id(cg.choices[i])
+    if key not in names:
+        names[key] = tuple(map(str, cg.choices[i]))
+    return _digest(kind, names[key], cost)
 
 
 def colour_classes(cg: CostGraph, rounds: int = ROUNDS) -> dict[int, int]:
     """Live node -> class id (dense, in program order of first members)."""
     live = cg.live
-    colour = {i: _initial_colour(cg, i) for i in live}
+    names: dict[int, tuple[str, ...]] = {}
+    colour = {i: _initial_colour(cg, i, names) for i in live}
     nbrs: dict[int, list[tuple[str, Edge]]] = defaultdict(list)
     for e in cg.edges:
         nbrs[e.u].append(("out", e))
