@@ -352,11 +352,15 @@ def _bench_planning(out) -> None:
         cases.append(planning.measure_fresh(name, layers))
         print(f"  {cases[-1].plan_s:.2f} s, {cases[-1].status}, "
               f"{cases[-1].predicted_ms:.3f} ms predicted", flush=True)
-    print("coordinate descent against the ILP on the tiny zoo ...", flush=True)
+    loops = []
+    for preset in planning.LOOP_PRESETS:
+        print(f"the Llama decoder scanned and unrolled on {preset} ...", flush=True)
+        loops.append(planning.measure_loop_forms_fresh(preset))
+    print("coordinate descent against the ILP on the quick zoo ...", flush=True)
     gaps = planning.descent_gaps()
     command = ("shardc bench " + " ".join(sys.argv[2:])).strip()
-    paths = planning.write(cases, out, command, gaps)
-    print(planning.markdown(cases, command, gaps))
+    paths = planning.write(cases, out, command, gaps, loops)
+    print(planning.markdown(cases, command, gaps, loops))
     print("wrote " + ", ".join(str(p) for p in paths))
 
 

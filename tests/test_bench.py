@@ -97,8 +97,12 @@ def test_planning_report_gives_the_depth_ratio(tmp_path):
 
     cases = [planning.PlanningCase("gpt", n, False, s, "refined", 1.0, 100 * n, "")
              for n, s in ((12, 2.0), (48, 5.0))]
-    gaps = [planning.DescentGap("moe", "node-8", 2.0, 2.5)]
-    md, js = planning.write(cases, tmp_path, "shardc bench --planning", gaps)
+    gaps = [planning.DescentGap("moe", "node-8", 2.0, 2.5, 2.02)]
+    loops = [planning.LoopForms("node-8", 5.1, 5.2, 5.0, 5.0, 1.0, 4.0)]
+    md, js = planning.write(cases, tmp_path, "shardc bench --planning", gaps, loops)
     assert "| gpt | 2.50x |" in md.read_text()
-    assert "| moe | node-8 | 2.000 | 2.500 | +25.0% |" in md.read_text()
+    assert "| moe | node-8 | 2.000 | 2.500 | +25.0% | 2.020 | +1.0% |" in md.read_text()
+    assert "| node-8 | 5.100 | 5.000 | 1.020 | 5.200 | 5.000 | 1.040 | 1.0 / 4.0 |" \
+        in md.read_text()
     assert [c["plan_s"] for c in json.loads(js.read_text())["cases"]] == [2.0, 5.0]
+    assert json.loads(js.read_text())["loop_forms"][0]["unrolled_compiled_ms"] == 5.0

@@ -172,8 +172,9 @@ def test_scanned_model_equals_unrolled_layers() -> None:
 
     unrolled = lambda p: loss_and_logits(_unrolled_logits(p, tokens, CFG))  # noqa: E731
     (_, want), want_grads = _fast_jit(jax.value_and_grad(unrolled, has_aux=True), params)
-    for remat in (True, False):
-        model = _graphdef(dataclasses.replace(CFG, remat=remat))
+    # scanned with and without remat, and the model's own unrolled form (scan_layers=False)
+    for remat, scan in ((True, True), (False, True), (True, False)):
+        model = _graphdef(dataclasses.replace(CFG, remat=remat, scan_layers=scan))
         scanned = lambda p, g=model: loss_and_logits(nnx.merge(g, p)(tokens))  # noqa: E731
         (_, got), grads = _fast_jit(jax.value_and_grad(scanned, has_aux=True), params)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)

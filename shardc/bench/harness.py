@@ -122,11 +122,13 @@ def _fill_compiled(cell: Cell, compiled, mesh, cluster, batch) -> None:
     cell.peak_memory = cost.peak_memory
 
 
-def run_shardc(zm: ZooModel, preset: Preset, which: str, check: bool,
-               time_limit: float, mesh_search: bool = True) -> Cell:
-    cell = Cell(zm.name, preset.name, "shardc")
+def _plan_cell(zm: ZooModel, preset: Preset, cfg, time_limit: float, mesh_search: bool,
+               method: str = "shardc"):
+    """shardc's plan of ``zm`` at ``cfg`` on ``preset``, seeded with the experts: the cell
+    with its planning figures, the step, the plan, its view of the devices and the
+    (abstract) arguments."""
+    cell = Cell(zm.name, preset.name, method)
     mod, mesh = zm.load(), make_mesh(preset)
-    cfg = zm.config(which, preset.devices)
     args = mod.abstract_args(cfg)
     step = auto_shard(mod.build_step(cfg), mesh=mesh, cluster=preset.cluster,
                       time_limit=time_limit, mesh_search=mesh_search,
@@ -138,8 +140,24 @@ def run_shardc(zm: ZooModel, preset: Preset, which: str, check: bool,
     cell.predicted_comm_s = plan.predicted.comm_time
     cell.predicted_peak = plan.predicted.peak_memory
     cell.seeds = dict(plan.solver.get("seeds", {}))
-    view = step.mesh_for(plan)
     cell.mesh = mesh_label(plan.mesh_axes)
+    return cell, step, plan, step.mesh_for(plan), args
+
+
+def planned_and_compiled(zm: ZooModel, preset: Preset, cfg, time_limit: float,
+                         method: str, mesh_search: bool = True) -> Cell:
+    """shardc's plan of ``zm`` at ``cfg`` (a variant of the bench's configuration), compiled
+    and priced like a bench cell (no numerics, no saved-plan timing); ``method`` labels it."""
+    cell, step, plan, view, args = _plan_cell(zm, preset, cfg, time_limit, mesh_search, method)
+    _fill_compiled(cell, step.lower(*args).compile(), view, plan.cluster, args[1])
+    return cell
+
+
+def run_shardc(zm: ZooModel, preset: Preset, which: str, check: bool,
+               time_limit: float, mesh_search: bool = True) -> Cell:
+    mod, mesh = zm.load(), make_mesh(preset)
+    cfg = zm.config(which, preset.devices)
+    cell, _, plan, view, args = _plan_cell(zm, preset, cfg, time_limit, mesh_search)
     # what runs is compiled from the saved plan, timed against jax.jit of the same program:
     # each the fastest of TIMING_RUNS runs, interleaved (compiling is noisy on a shared machine)
     saved, jitted = [], []

@@ -13,6 +13,7 @@ against the whole-graph ILP's proven optimum on the zoo's quick configurations
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -20,14 +21,18 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["CASES", "SCALE_MESHES", "DescentGap", "PlanningCase", "ScaleCase", "descent_gaps",
-           "markdown", "measure", "measure_fresh", "measure_scale", "measure_scale_fresh",
-           "scale_markdown", "write", "write_scale"]
+__all__ = ["CASES", "LOOP_PRESETS", "SCALE_MESHES", "DescentGap", "LoopForms", "PlanningCase",
+           "ScaleCase", "descent_gaps", "markdown", "measure", "measure_fresh",
+           "measure_loop_forms", "measure_loop_forms_fresh", "measure_scale",
+           "measure_scale_fresh", "scale_markdown", "write", "write_scale"]
 
 #: (model, layers): the unrolled GPT-2-small and the scanned Llama decoder, each at 12 and 48
 CASES = (("gpt", 12), ("gpt", 48), ("llama", 12), ("llama", 48))
 MESH = ((2, 4), ("node", "gpu"))
 GAP_ILP_LIMIT = 60.0  # wall seconds the whole-graph ILP of a descent-gap case may take
+#: presets on which the bench's Llama decoder is planned scanned and unrolled
+LOOP_PRESETS = ("node-8", "2nodes-2x8")
+LOOP_TIME_LIMIT = 10.0  # the bench's default ILP guard
 
 
 @dataclass(frozen=True)
@@ -93,47 +98,109 @@ def measure_fresh(name: str, layers: int) -> PlanningCase:
 
 
 @dataclass(frozen=True)
+class LoopForms:
+    """The bench's Llama decoder planned by shardc with its layers scanned and unrolled
+    (``scan_layers=False``: the same stacked parameters, a Python loop), on one preset:
+    predicted and compiled step (ms, priced like a bench cell) and planning seconds."""
+    preset: str
+    scanned_predicted_ms: float
+    scanned_compiled_ms: float
+    unrolled_predicted_ms: float
+    unrolled_compiled_ms: float
+    scanned_plan_s: float
+    unrolled_plan_s: float
+
+
+def measure_loop_forms(preset: str) -> LoopForms:
+    """Plan, compile and price both forms on ``preset`` (the process needs its devices)."""
+    from shardc.bench import harness
+    from shardc.bench.zoo import PRESETS, ZOO
+
+    zm, pre = ZOO["llama"], PRESETS[preset]
+    cfg = zm.config("bench", pre.devices)
+    got = {scan: harness.planned_and_compiled(
+        zm, pre, dataclasses.replace(cfg, scan_layers=scan), LOOP_TIME_LIMIT,
+        "shardc-scanned" if scan else "shardc-unrolled") for scan in (True, False)}
+    for cell in got.values():
+        if cell.compiled_s is None:
+            raise RuntimeError(f"{cell.method} on {preset} did not compile")
+    return LoopForms(preset, got[True].predicted_s * 1e3, got[True].compiled_s * 1e3,
+                     got[False].predicted_s * 1e3, got[False].compiled_s * 1e3,
+                     got[True].plan_s, got[False].plan_s)
+
+
+def measure_loop_forms_fresh(preset: str) -> LoopForms:
+    """:func:`measure_loop_forms` in a fresh process with the preset's simulated devices."""
+    from shardc.bench.zoo import PRESETS
+
+    return LoopForms(**_fresh(f"measure_loop_forms({preset!r})", f"loop forms on {preset}",
+                              "from shardc.cli import _force_cpu_devices; "
+                              f"_force_cpu_devices({PRESETS[preset].devices}); "))
+
+
+@dataclass(frozen=True)
 class DescentGap:
     model: str
     preset: str
     optimum_ms: float  # the ILP's proven optimum of the cost graph
     descent_ms: float  # coordinate descent alone (its greedy starts, no ILP)
+    staged_ms: float  # the stages a graph too large for one ILP goes through, forced
 
     @property
     def gap(self) -> float:
         return self.descent_ms / self.optimum_ms - 1.0
 
+    @property
+    def staged_gap(self) -> float:
+        return self.staged_ms / self.optimum_ms - 1.0
+
 
 def descent_gaps(presets: tuple[str, ...] = ("node-8", "node-2x4"),
                  which: str = "quick") -> list[DescentGap]:
-    """Coordinate descent alone against the ILP on each zoo model's ``which``
-    configuration: both solve the same cost graph (the step as traced, followers merged;
-    the state's ties to the next step left out), the ILP over the whole graph at once.
-    Cases where the ILP does not prove its optimum within ``GAP_ILP_LIMIT`` are left out."""
+    """Coordinate descent alone, and the stages of a graph too large for one ILP (folding,
+    the quotient's ILP stages, blocks; :func:`shardc.solve.search.quotient_refine`), against
+    the ILP over the whole graph at once, on each zoo model's ``which`` configuration: all
+    solve the same cost graph, the step as the planner sees it (followers merged, the new
+    state tied to the state it replaces). Cases where the ILP does not prove its optimum
+    within ``GAP_ILP_LIMIT`` are left out."""
+    import jax
+
+    from shardc.api import tie_outputs
     from shardc.bench.zoo import PRESETS, ZOO
     from shardc.ir.trace import trace
     from shardc.solve import descent
+    from shardc.solve.fold import fold
     from shardc.solve.ilp import solve_ilp
     from shardc.solve.problem import build
+    from shardc.solve.search import quotient_refine
 
     out = []
     for zm in ZOO.values():
         mod = zm.load()
         cfg = zm.config(which)
-        graph = trace(mod.build_step(cfg), *mod.abstract_args(cfg)).graph
+        args = mod.abstract_args(cfg)
+        traced = trace(mod.build_step(cfg), *args)
+        ties = tie_outputs([jax.tree.structure(a) for a in args], traced.out_tree,
+                           traced.graph)
         for name in presets:
             preset = PRESETS[name]
-            cg = build(graph, preset.mesh_shape, preset.axis_names, preset.cluster)
+            cg = build(traced.graph, preset.mesh_shape, preset.axis_names, preset.cluster,
+                       ties)
             cg.merge_followers()
-            alone = descent.objective(cg, descent.solve(cg))
+            x = descent.solve(cg)
+            staged, _ = quotient_refine(cg, x, None, time.perf_counter() + GAP_ILP_LIMIT,
+                                        fold(cg))
             res = solve_ilp(cg, time_limit=GAP_ILP_LIMIT)
             if res.status == "OPTIMAL":
                 out.append(DescentGap(zm.name, name,
-                                      descent.objective(cg, res.assignment) * 1e3, alone * 1e3))
+                                      descent.objective(cg, res.assignment) * 1e3,
+                                      descent.objective(cg, x) * 1e3,
+                                      descent.objective(cg, staged) * 1e3))
     return out
 
 
-def markdown(cases: list[PlanningCase], command: str, gaps: list[DescentGap] = ()) -> str:
+def markdown(cases: list[PlanningCase], command: str, gaps: list[DescentGap] = (),
+             loops: list[LoopForms] = ()) -> str:
     lines = ["# Planning time", "", f"`{command}` — mesh (node=2, gpu=4), "
              "`Cluster.multi_node`, default options, no mesh search; wall seconds of "
              "`step.plan` on abstract arguments, tracing included, each case in a fresh "
@@ -148,26 +215,43 @@ def markdown(cases: list[PlanningCase], command: str, gaps: list[DescentGap] = (
     for model in dict.fromkeys(c.model for c in cases):
         if (model, 12) in by and (model, 48) in by:
             lines.append(f"| {model} | {by[model, 48].plan_s / by[model, 12].plan_s:.2f}x |")
+    if loops:
+        lines += ["", "## Scanned against unrolled layers", "",
+                  "The bench's Llama decoder (`realistic`: 8 layers, d 1024, batch 16 x 512 "
+                  "per 8 devices) planned by shardc with its layers in a `lax.scan` and as a "
+                  "Python loop over the same stacked parameters, compiled and priced like a "
+                  "bench cell (compiled compute counts loop bodies by trip count).", "",
+                  "| preset | scanned predicted (ms) | unrolled predicted (ms) | ratio | "
+                  "scanned compiled (ms) | unrolled compiled (ms) | ratio | plan s scanned / "
+                  "unrolled |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+        lines += [f"| {c.preset} | {c.scanned_predicted_ms:.3f} | {c.unrolled_predicted_ms:.3f}"
+                  f" | {c.scanned_predicted_ms / c.unrolled_predicted_ms:.3f} | "
+                  f"{c.scanned_compiled_ms:.3f} | {c.unrolled_compiled_ms:.3f} | "
+                  f"{c.scanned_compiled_ms / c.unrolled_compiled_ms:.3f} | "
+                  f"{c.scanned_plan_s:.1f} / {c.unrolled_plan_s:.1f} |" for c in loops]
     if gaps:
-        lines += ["", "## Coordinate descent against the ILP optimum", "",
-                  "The zoo's quick configurations: coordinate descent alone (its greedy "
-                  "starts, no ILP) and one ILP over the whole cost graph (proven optimal) "
-                  "solve the same graph (the state's ties to the next step left out).",
-                  "", "| model | preset | ILP optimum (ms) | descent alone (ms) | descent's gap |",
-                  "|---|---|---:|---:|---:|"]
+        lines += ["", "## Coordinate descent and the folded stages against the ILP optimum",
+                  "", "The zoo's quick configurations, the cost graph as the planner sees it "
+                  "(followers merged, the new state tied to the old): coordinate descent "
+                  "alone (its greedy starts, no ILP); the stages a graph too large for one "
+                  "ILP goes through (folding, the quotient's ILPs, blocks), forced on these "
+                  "small graphs; one ILP over the whole graph (proven optimal).", "",
+                  "| model | preset | ILP optimum (ms) | descent alone (ms) | descent's gap | "
+                  "folded stages (ms) | their gap |", "|---|---|---:|---:|---:|---:|---:|"]
         lines += [f"| {g.model} | {g.preset} | {g.optimum_ms:.3f} | {g.descent_ms:.3f} | "
-                  f"{g.gap:+.1%} |" for g in gaps]
+                  f"{g.gap:+.1%} | {g.staged_ms:.3f} | {g.staged_gap:+.1%} |" for g in gaps]
     return "\n".join(lines) + "\n"
 
 
 def write(cases: list[PlanningCase], out: Path, command: str,
-          gaps: list[DescentGap] = ()) -> list[Path]:
+          gaps: list[DescentGap] = (), loops: list[LoopForms] = ()) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     md, js = out / "planning.md", out / "planning.json"
-    md.write_text(markdown(cases, command, gaps))
+    md.write_text(markdown(cases, command, gaps, loops))
     js.write_text(json.dumps({"command": command, "cases": [asdict(c) for c in cases],
-                              "descent_gaps": [{**asdict(g), "gap": g.gap} for g in gaps]},
-                             indent=1))
+                              "descent_gaps": [{**asdict(g), "gap": g.gap,
+                                                "staged_gap": g.staged_gap} for g in gaps],
+                              "loop_forms": [asdict(c) for c in loops]}, indent=1))
     return [md, js]
 
 

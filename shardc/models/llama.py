@@ -70,6 +70,7 @@ class LlamaConfig:
     learning_rate: float = 1e-3
     dtype: DTypeLike = jnp.float32
     remat: bool = True
+    scan_layers: bool = True  # False: the same stacked layers applied by a Python loop
 
     def __post_init__(self) -> None:
         for name in ("vocab", "seq_len", "d_model", "n_heads", "n_kv_heads", "d_ff",
@@ -218,9 +219,13 @@ class Llama(nnx.Module):
         def one_layer(h: jax.Array, params: nnx.State) -> tuple[jax.Array, None]:
             return nnx.merge(graphdef, params)(h, cos, sin), None
 
-        if cfg.remat:  # scan already keeps iterations apart: no CSE barrier (MaxText too)
-            one_layer = jax.checkpoint(one_layer, prevent_cse=False)
-        x, _ = jax.lax.scan(one_layer, x, stacked)
+        if cfg.remat:  # a scan keeps iterations apart: no CSE barrier there (MaxText too)
+            one_layer = jax.checkpoint(one_layer, prevent_cse=not cfg.scan_layers)
+        if cfg.scan_layers:
+            x, _ = jax.lax.scan(one_layer, x, stacked)
+        else:  # unrolled: the program a scan replaces, for comparing the two
+            for layer in range(cfg.n_layers):
+                x, _ = one_layer(x, jax.tree.map(lambda a, i=layer: a[i], stacked))
         x = constrain(self.norm(x), RESID)
         return constrain(self.lm_head(x), ("batch", "seq", "vocab"))
 

@@ -56,7 +56,7 @@ _STATUS = {mbh.SolveStatus.OPTIMAL: "OPTIMAL", mbh.SolveStatus.FEASIBLE: "FEASIB
 @dataclass(frozen=True)
 class IlpResult:
     assignment: dict[int, int] | None
-    status: str  # OPTIMAL | FEASIBLE (a limit cut it) | INFEASIBLE | UNKNOWN
+    status: str  # OPTIMAL | FEASIBLE (a limit cut it) | INFEASIBLE | FRACTIONAL | UNKNOWN
     wall_time: float
 
 
@@ -109,10 +109,12 @@ class _Rows:
 
 def solve_ilp(cg: CostGraph, *, time_limit: float = 10.0, memory_budget: float | None = None,
               hint: dict[int, int] | None = None, free: Sequence[int] | None = None,
-              log: bool = False) -> IlpResult:
+              relaxation_only: bool = False, log: bool = False) -> IlpResult:
     """Solve for the live nodes in ``free`` (default: all), the others held at ``hint``.
     A node with one choice is a constant: its edges become costs of its neighbours.
-    ``time_limit`` is a wall-clock guard (seconds)."""
+    ``time_limit`` is a wall-clock guard (seconds). ``relaxation_only``: where the LP
+    relaxation is fractional, return status ``FRACTIONAL`` (no assignment) instead of
+    solving the MIP."""
     if free is not None and hint is None:
         raise ValueError("solve_ilp(free=...) needs hint= for the nodes held fixed")
     t0 = time.perf_counter()
@@ -190,6 +192,8 @@ def solve_ilp(cg: CostGraph, *, time_limit: float = 10.0, memory_budget: float |
         rows.matrix(n_vars))
     name, values = _solve(model, None, t0 + time_limit, log)  # the LP relaxation
     if name == "OPTIMAL" and not _integral(values[:n_choice]):
+        if relaxation_only:
+            return IlpResult(None, "FRACTIONAL", time.perf_counter() - t0)
         name, values = _solve(model, n_choice, t0 + time_limit, log)
     if values is None:
         return IlpResult(None, name, time.perf_counter() - t0)
