@@ -228,12 +228,25 @@ def _planned_step(args, cmd: str):
     return step, abstract
 
 
+def show(report, plain: bool = False) -> None:
+    """Print a :class:`shardc.tables.Report`: rich tables on a terminal when rich is
+    installed (the ``bench`` extra), else (or with ``plain``, or into a pipe) plain text."""
+    import importlib.util
+
+    if plain or not sys.stdout.isatty() or importlib.util.find_spec("rich") is None:
+        print(report)
+        return
+    from rich.console import Console
+
+    Console().print(report)
+
+
 def cmd_plan(args) -> None:
     step, abstract = _planned_step(args, "plan")
     t0 = time.perf_counter()
     plan = step.plan(*abstract)
     print(f"planned in {time.perf_counter() - t0:.2f} s (tracing included)")
-    print(plan.explain(max_rows=args.rows))
+    show(plan.report(max_rows=args.rows), args.plain)
     if args.out:
         with open(args.out, "w") as f:
             f.write(plan.to_json())
@@ -312,7 +325,7 @@ def cmd_explain(args) -> None:
     if args.program and not args.compile:
         sys.exit("shardc explain: --program is for --compile; add --compile")
     if not args.compile:
-        print(_load_plan(args.plan, "explain").explain(max_rows=args.rows))
+        show(_load_plan(args.plan, "explain").report(max_rows=args.rows), args.plain)
         return
     plan = _load_plan(args.plan, "explain")  # imports jax; its backend starts later
     _force_cpu_devices(max(8, math.prod(plan.axis_sizes)))
@@ -326,8 +339,8 @@ def cmd_explain(args) -> None:
     except ValueError as exc:
         sys.exit(f"shardc explain: {args.plan} is not a plan of {args.program}: {exc}")
     compiled = step.lower(*program.args).compile()
-    print(step.plan(*program.args).explain(max_rows=args.rows, compiled=compiled,
-                                           mesh=step.mesh_for(plan)))
+    show(step.plan(*program.args).report(max_rows=args.rows, compiled=compiled,
+                                         mesh=step.mesh_for(plan)), args.plain)
 
 
 def cmd_export(args) -> None:
@@ -466,6 +479,7 @@ def main(argv: list[str] | None = None) -> None:
                        "jax.ShapeDtypeStructs).")
     _target_arguments(q)
     q.add_argument("--rows", type=_positive(int), default=30)
+    q.add_argument("--plain", action="store_true", help="plain text, not rich tables")
     q.add_argument("--out", default=None, help="save the plan as JSON here")
     q.set_defaults(func=cmd_plan)
     f = sub.add_parser("pareto", help="the time-memory frontier of a zoo model or your program",
@@ -504,6 +518,7 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("--program", default=None,
                    help="the program the plan is for (path/to/file.py:make), for --compile")
     e.add_argument("--rows", type=_positive(int), default=30)
+    e.add_argument("--plain", action="store_true", help="plain text, not rich tables")
     e.set_defaults(func=cmd_explain)
     x = sub.add_parser("export", help="write a Python module that runs a saved plan with "
                        "plain jax.jit")

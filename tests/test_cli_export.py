@@ -76,6 +76,14 @@ def test_plan_names_the_users_leaves_and_saves(planned, capsys):
     for name, spec in zip(plan.input_names, plan.input_specs()):
         assert f"{name} " in table and spec_text(spec) in table
     assert "predicted vs compiled" not in text
+    # the op rows name the program's lines: the forward's dots, the update's lambda
+    lines = PROGRAM.splitlines()
+    hidden = 1 + next(i for i, t in enumerate(lines) if "h = jax.nn.relu" in t)
+    update = 1 + next(i for i, t in enumerate(lines) if "jax.tree.map(lambda" in t)
+    assert {o.source for o in plan.ops if o.prim == "dot_general"} >= \
+        {f"{folder / 'prog.py'}:{hidden}"}
+    ops = text.split("costliest rows")[1]
+    assert f"prog.py:{hidden}" in ops or f"prog.py:{update}" in ops
 
 
 def test_explain_compile_compares_collectives(planned, capsys):

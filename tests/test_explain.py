@@ -1,9 +1,12 @@
 """plan.explain() in the user's words: parameter paths, the per-leaf PartitionSpec table,
 repeated layers folded into one row group."""
 
+import inspect
+import io
 import json
 
 import jax
+import jax.numpy as jnp
 import pytest
 from jax.sharding import AxisType
 
@@ -67,9 +70,58 @@ def test_plans_saved_without_names_still_load_and_explain(gpt12):
     for key in ("input_ids", "input_types", "output_types", "input_names", "output_names"):
         del d[key]
     for o in d["ops"]:
-        del o["reads"], o["writes"]
+        del o["reads"], o["writes"], o["source"], o["where"]
     old = Plan.from_json(json.dumps(d))
-    assert old.input_names == () and old.ops[0].reads == ()
+    assert old.input_names == () and old.ops[0].reads == () and old.ops[0].source == ""
     assert "input 0 " in old.explain(max_rows=5)
     again = Plan.from_json(gpt12.to_json())
     assert again == gpt12
+
+
+def _mlp_loss(p, x):
+    h = jnp.tanh(x @ p["w1"])  # the line the first dot's row names
+    return jnp.mean((h @ p["w2"]) ** 2)
+
+
+def _mlp_step(p, x):
+    value, g = jax.value_and_grad(_mlp_loss)(p, x)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), value
+
+
+@pytest.fixture(scope="module")
+def mlp_plan():
+    mesh = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
+    step = shardc.auto_shard(_mlp_step, mesh=mesh, cluster=shardc.Cluster.multi_node())
+    args = ({"w1": jax.ShapeDtypeStruct((512, 2048), jnp.float32),
+             "w2": jax.ShapeDtypeStruct((2048, 512), jnp.float32)},
+            jax.ShapeDtypeStruct((256, 512), jnp.float32))
+    return step, args, step.plan(*args)
+
+
+def test_op_rows_name_the_source_line(mlp_plan):
+    _, _, plan = mlp_plan
+    line = inspect.getsourcelines(_mlp_loss)[1] + 1
+    first_dot = next(o for o in plan.ops if o.prim == "dot_general")
+    assert first_dot.source == f"{__file__}:{line}" and first_dot.where
+    rows = [r for r in plan.explain(max_rows=None).splitlines()
+            if r.split()[:2] == [str(first_dot.id), "dot_general"]]
+    assert len(rows) == 1 and f"test_explain.py:{line}" in rows[0]
+    # the update's ops name the lambda's line in _mlp_step
+    update = inspect.getsourcelines(_mlp_step)[1] + 2
+    assert plan.ops[-1].source.endswith(f"test_explain.py:{update}")
+    assert Plan.from_json(plan.to_json()).ops == plan.ops
+
+
+def test_report_renders_as_html_and_rich_tables(mlp_plan):
+    _, _, plan = mlp_plan
+    page = plan._repr_html_()
+    assert page.count("<table>") >= 3 and "<th>PartitionSpec</th>" in page
+    k = plan.input_names.index("p.w1")
+    assert "<td style=\"text-align:left\">p.w1</td>" in page
+    assert spec_text(plan.input_specs()[k]).replace("'", "&#x27;") in page
+    rich = pytest.importorskip("rich.console")
+    out = io.StringIO()
+    rich.Console(file=out, width=220, color_system=None).print(plan.report(max_rows=5))
+    text = out.getvalue()
+    assert "┃ leaf" in text and "│ p.w1" in text and "test_explain.py:" in text
+    assert str(plan.report(max_rows=5)) == plan.explain(max_rows=5)
