@@ -7,9 +7,10 @@ prints the plan, runs 3 steps and prints the losses beside the unsharded run's.
 (``path/to/file.py:make`` or ``pkg.module:make``, ``make()`` returning ``(fn, args)``), on an
 AbstractMesh of any size (``--mesh 128x8``, ``--mesh 4x16x8``: no devices needed), and
 prints (or saves) the plan; ``shardc pareto`` prints (and plots) its time-memory frontier.
-``shardc explain plan.json`` prints a saved plan (``--compile
---program ...``: with predicted vs compiled collectives); ``shardc export plan.json``
-writes a Python module that runs it with plain ``jax.jit``. ``shardc calibrate`` measures
+``shardc explain plan.json`` prints a saved plan (``--program ...``: with
+its margins against generic layouts; ``--compile``: and predicted vs compiled
+collectives); ``shardc export plan.json`` writes a Python module that runs it with plain
+``jax.jit`` (``--format rules``: logical-axis rules). ``shardc calibrate`` measures
 the devices at hand into a Cluster JSON that ``shardc plan --cluster`` and
 ``Cluster.from_json`` read.
 """
@@ -246,7 +247,8 @@ def cmd_plan(args) -> None:
     t0 = time.perf_counter()
     plan = step.plan(*abstract)
     print(f"planned in {time.perf_counter() - t0:.2f} s (tracing included)")
-    show(plan.report(max_rows=args.rows), args.plain)
+    margins = step.margins(*abstract) if args.margins else None
+    show(plan.report(max_rows=args.rows, margins=margins), args.plain)
     if args.out:
         with open(args.out, "w") as f:
             f.write(plan.to_json())
@@ -322,25 +324,28 @@ def cmd_explain(args) -> None:
     if args.compile and not args.program:
         sys.exit("shardc explain: --compile compiles the plan's program; name it with "
                  "--program path/to/file.py:make")
-    if args.program and not args.compile:
-        sys.exit("shardc explain: --program is for --compile; add --compile")
-    if not args.compile:
-        show(_load_plan(args.plan, "explain").report(max_rows=args.rows), args.plain)
-        return
     plan = _load_plan(args.plan, "explain")  # imports jax; its backend starts later
-    _force_cpu_devices(max(8, math.prod(plan.axis_sizes)))
+    if not args.program:
+        show(plan.report(max_rows=args.rows), args.plain)
+        return
+    if args.compile:
+        _force_cpu_devices(max(8, math.prod(plan.axis_sizes)))
     import shardc
 
     program = _program(args.program, "explain")
-    mesh = _mesh(plan.axis_sizes, plan.axis_names)
+    # the margins need the program only; compiling needs devices
+    mesh = _mesh(plan.axis_sizes, plan.axis_names) if args.compile else \
+        _abstract_mesh(plan.axis_sizes, plan.axis_names)
     step = shardc.auto_shard(program.fn, mesh=mesh, cluster=plan.cluster)
     try:
         step.use_plan(plan, *program.args)
     except ValueError as exc:
         sys.exit(f"shardc explain: {args.plan} is not a plan of {args.program}: {exc}")
-    compiled = step.lower(*program.args).compile()
-    show(step.plan(*program.args).report(max_rows=args.rows, compiled=compiled,
-                                         mesh=step.mesh_for(plan)), args.plain)
+    margins = step.margins(*program.args)
+    compiled = step.lower(*program.args).compile() if args.compile else None
+    show(step.plan(*program.args).report(
+        max_rows=args.rows, compiled=compiled, mesh=step.mesh_for(plan) if compiled else None,
+        margins=margins), args.plain)
 
 
 def cmd_export(args) -> None:
@@ -480,6 +485,9 @@ def main(argv: list[str] | None = None) -> None:
     _target_arguments(q)
     q.add_argument("--rows", type=_positive(int), default=30)
     q.add_argument("--plain", action="store_true", help="plain text, not rich tables")
+    q.add_argument("--margins", action="store_true",
+                   help="also price generic data-parallel, FSDP, Megatron and DP x TP "
+                        "layouts of the program on the same cost model")
     q.add_argument("--out", default=None, help="save the plan as JSON here")
     q.set_defaults(func=cmd_plan)
     f = sub.add_parser("pareto", help="the time-memory frontier of a zoo model or your program",
@@ -516,7 +524,9 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("--compile", action="store_true",
                    help="compile the plan's program and compare its collectives")
     e.add_argument("--program", default=None,
-                   help="the program the plan is for (path/to/file.py:make), for --compile")
+                   help="the program the plan is for (path/to/file.py:make): prices generic "
+                        "data-parallel, FSDP, Megatron and DP x TP layouts beside the plan; "
+                        "needed by --compile")
     e.add_argument("--rows", type=_positive(int), default=30)
     e.add_argument("--plain", action="store_true", help="plain text, not rich tables")
     e.set_defaults(func=cmd_explain)

@@ -10,6 +10,7 @@ terminal) when ``rich`` is installed, and ``_repr_html_`` gives notebooks plain 
 from __future__ import annotations
 
 import html
+import textwrap
 from dataclasses import dataclass
 
 __all__ = ["Report", "Table"]
@@ -61,7 +62,7 @@ class Table:
         it = iter(cells)
         out += [pad + row if isinstance(row, str) else line(next(it)) for row in self.rows]
         if self.caption:
-            out.append(pad + self.caption)
+            out += textwrap.wrap(self.caption, 100, initial_indent=pad, subsequent_indent=pad)
         return out
 
     def html(self) -> str:

@@ -86,6 +86,17 @@ def test_plan_names_the_users_leaves_and_saves(planned, capsys):
     assert f"prog.py:{hidden}" in ops or f"prog.py:{update}" in ops
 
 
+def test_explain_with_the_program_prints_margins(planned, capsys):
+    folder, out = planned
+    main(["explain", str(out), "--program", f"{folder / 'prog.py'}:make", "--rows", "3"])
+    text = capsys.readouterr().out
+    table = text.split("margins (")[1].split("arguments (")[0]
+    for name in ("data parallel", "FSDP", "Megatron TP", "DP x TP"):
+        row = next(line for line in table.splitlines() if line.strip().startswith(name))
+        assert f"x of {name}" in row, row
+    assert "predicted vs compiled" not in text
+
+
 def test_explain_compile_compares_collectives(planned, capsys):
     folder, out = planned
     main(["explain", str(out), "--compile", "--program", f"{folder / 'prog.py'}:make"])

@@ -125,3 +125,45 @@ def test_report_renders_as_html_and_rich_tables(mlp_plan):
     text = out.getvalue()
     assert "┃ leaf" in text and "│ p.w1" in text and "test_explain.py:" in text
     assert str(plan.report(max_rows=5)) == plan.explain(max_rows=5)
+
+
+def test_generic_layouts_follow_their_rules():
+    from shardc.baselines import generic_layouts
+    from shardc.ir.sbp import B, NdSbp, Split
+
+    # state: two kernels, a bias, and an optimizer slot per kernel shaped like it (the
+    # slots repeat the kernels' shapes in order: split alike); data: a batch of 8 rows
+    shapes = [(512, 2048), (2048, 512), (2048,), (512, 2048), (2048, 512), (8, 512)]
+    state = {0, 1, 2, 3, 4}
+    got = generic_layouts(shapes, state, (2, 4))
+    both = lambda d: NdSbp((Split(d), Split(d)))  # noqa: E731
+    rep = NdSbp((B, B))
+    assert got["data parallel"] == {0: rep, 1: rep, 2: rep, 3: rep, 4: rep, 5: both(0)}
+    assert got["FSDP"] == {0: both(1), 1: both(0), 2: both(0), 3: both(1), 4: both(0),
+                           5: both(0)}
+    assert got["Megatron TP"] == {0: both(1), 1: both(0), 2: rep, 3: both(1), 4: both(0),
+                                  5: rep}
+    gpu = lambda d: NdSbp((B, Split(d)))  # noqa: E731
+    assert got["DP x TP"] == {0: gpu(1), 1: gpu(0), 2: rep, 3: gpu(1), 4: gpu(0),
+                              5: NdSbp((Split(0), B))}
+    assert isinstance(generic_layouts(shapes, state, (8,))["DP x TP"], str)
+    # a split that does not divide: replicated
+    assert generic_layouts([(6, 3), (5,)], {0}, (4,))["FSDP"] == {0: NdSbp((B,)),
+                                                                 1: NdSbp((B,))}
+
+
+def test_explain_prints_margins_against_generic_layouts(mlp_plan):
+    step, args, plan = mlp_plan
+    margins = step.margins(*args)
+    assert [b.name for b in margins.baselines] == ["data parallel", "FSDP", "Megatron TP",
+                                                   "DP x TP"]
+    text = plan.explain(max_rows=3, margins=margins)
+    table = text.split("margins (")[1].split("arguments (")[0]
+    for b in margins.baselines:
+        ratio = plan.predicted.step_time / b.predicted.step_time
+        assert f"this plan {ratio:.2f}x of {b.name}" in table
+        # the plan was solved to optimality on the same model: no generic layout beats it
+        assert ratio <= 1.0 + 1e-9, (b.name, ratio)
+    assert "DP replicates the state" in table
+    # each layout is priced on its own (not the plan's figures copied)
+    assert len({b.predicted.step_time for b in margins.baselines}) == 4
