@@ -325,6 +325,8 @@ def cmd_explain(args) -> None:
         sys.exit("shardc explain: --compile compiles the plan's program; name it with "
                  "--program path/to/file.py:make")
     plan = _load_plan(args.plan, "explain")  # imports jax; its backend starts later
+    if args.plot:
+        _plot(plan, args.plot)
     if not args.program:
         show(plan.report(max_rows=args.rows), args.plain)
         return
@@ -346,6 +348,18 @@ def cmd_explain(args) -> None:
     show(step.plan(*program.args).report(
         max_rows=args.rows, compiled=compiled, mesh=step.mesh_for(plan) if compiled else None,
         margins=margins), args.plain)
+
+
+def _plot(plan, path: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        sys.exit("shardc explain: --plot needs matplotlib: pip install 'shardc[bench]'")
+    try:
+        plan.plot(path)
+    except (OSError, ValueError) as exc:  # no such folder, an unknown image suffix
+        sys.exit(f"shardc explain: --plot {path}: {str(exc).splitlines()[0]}")
+    print(f"plot saved to {path}", file=sys.stderr)
 
 
 def cmd_export(args) -> None:
@@ -529,6 +543,8 @@ def main(argv: list[str] | None = None) -> None:
                         "needed by --compile")
     e.add_argument("--rows", type=_positive(int), default=30)
     e.add_argument("--plain", action="store_true", help="plain text, not rich tables")
+    e.add_argument("--plot", default=None, metavar="PATH",
+                   help="also draw the per-op layouts and the compute / comm split (PNG)")
     e.set_defaults(func=cmd_explain)
     x = sub.add_parser("export", help="write a Python module that runs a saved plan with "
                        "plain jax.jit")

@@ -195,6 +195,14 @@ class Plan:
         check = self.verify(compiled, mesh) if compiled is not None else None
         return explain_report(self, max_rows, top, margins, check)
 
+    def plot(self, path: str | None = None):
+        """The per-op layout per mesh axis and the compute / communication split
+        (:func:`shardc.plot.plot_plan`, matplotlib); saved to ``path`` if given. Returns
+        the ``matplotlib.figure.Figure``."""
+        from shardc.plot import plot_plan
+
+        return plot_plan(self, path)
+
     def _repr_html_(self) -> str:
         return self.report(max_rows=30)._repr_html_()
 

@@ -95,6 +95,8 @@ def test_explain_with_the_program_prints_margins(planned, capsys):
         row = next(line for line in table.splitlines() if line.strip().startswith(name))
         assert f"x of {name}" in row, row
     assert "predicted vs compiled" not in text
+    main(["explain", str(out), "--plot", str(folder / "plan.png"), "--rows", "1"])
+    assert (folder / "plan.png").stat().st_size > 1000
 
 
 def test_explain_compile_compares_collectives(planned, capsys):
@@ -197,5 +199,6 @@ def test_bad_program_arguments_are_one_line(tmp_path, capsys, planned):
             (["explain", str(tmp_path / "none.json")], "No such file"),
             (["explain", str(plan), "--compile"], "--program"),
             (["explain", str(plan), "--compile", "--program", "mlp2.py"], "does not name"),
+            (["explain", str(plan), "--plot", str(tmp_path / "no" / "p.png")], "--plot"),
             (["export", str(plan), "--format", "rules"], "invalid choice")):
         assert expect in _one_line_error(argv, capsys), argv

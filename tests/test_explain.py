@@ -167,3 +167,24 @@ def test_explain_prints_margins_against_generic_layouts(mlp_plan):
     assert "DP replicates the state" in table
     # each layout is priced on its own (not the plan's figures copied)
     assert len({b.predicted.step_time for b in margins.baselines}) == 4
+
+
+def test_plot_draws_layouts_and_the_time_split(mlp_plan, tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    from shardc.plot import KINDS, comm_by_op, layout_codes
+
+    backend = matplotlib.get_backend()
+    _, _, plan = mlp_plan
+    codes = layout_codes(plan)
+    assert codes.shape == (2, len(plan.ops))
+    first_dot = next(j for j, o in enumerate(plan.ops) if o.prim == "dot_general")
+    assert [KINDS[c] for c in codes[:, first_dot]] == \
+        [str(s) for s in plan.ops[first_dot].outs[0].sbps]
+    assert comm_by_op(plan).sum() == pytest.approx(plan.predicted.comm_time)
+    fig = plan.plot(tmp_path / "plan.png")
+    assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(fig.axes) == 3  # layouts, their colour bar, the time split
+    assert "predicted step" in fig.axes[1].get_title()
+    assert matplotlib.get_backend() == backend  # the process's backend left alone
