@@ -363,10 +363,14 @@ def _plot(plan, path: str) -> None:
 
 
 def cmd_export(args) -> None:
-    from shardc.export import python_module
+    from shardc.export import python_module, rules_module
 
     plan = _load_plan(args.plan, "export")
-    text = python_module(plan, source=os.path.basename(args.plan))
+    write = python_module if args.format == "python" else rules_module
+    try:
+        text = write(plan, source=os.path.basename(args.plan))
+    except ValueError as exc:
+        sys.exit(f"shardc export: {args.plan}: {exc}")
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
@@ -549,8 +553,10 @@ def main(argv: list[str] | None = None) -> None:
     x = sub.add_parser("export", help="write a Python module that runs a saved plan with "
                        "plain jax.jit")
     x.add_argument("plan", help="a plan saved by shardc plan --out")
-    x.add_argument("--format", choices=["python"], default="python",
-                   help="python: jax.jit in/out shardings per argument and result leaf")
+    x.add_argument("--format", choices=["python", "rules"], default="python",
+                   help="python: jax.jit in/out shardings per argument and result leaf; "
+                        "rules: a PartitionSpec per parameter path pattern, layer indices "
+                        "folded")
     x.add_argument("--out", default=None, help="write here instead of standard output")
     x.set_defaults(func=cmd_export)
     b = sub.add_parser("bench", help="shardc vs expert plans on the compiled programs")

@@ -13,12 +13,14 @@ plan.json --compile`` prints what shardc's own program compiles to, to compare.
 
 from __future__ import annotations
 
+import inspect
 import re
 
 from shardc.explain import spec_text
+from shardc.names import _key as names_key
 from shardc.views import mesh_label
 
-__all__ = ["python_module"]
+__all__ = ["python_module", "rules_module"]
 
 _TYPE = re.compile(r"^(\w+)\[([\d,]*)\]$")
 
@@ -157,4 +159,101 @@ def jit(fn, mesh: Mesh | None = None, **jit_kwargs):
     call.lower = lambda *args: get(args).lower(*args)
     call.jitted = lambda *args: get(args)
     return call
+'''
+
+
+_INDEX = re.compile(r"\[(\d+)\]")
+
+
+def _pattern(name: str) -> str:
+    """A regular expression matching ``name`` with every integer index any integer."""
+    return r"\[\d+\]".join(re.escape(part) for part in _INDEX.split(name)[::2])
+
+
+def path_rules(names, specs) -> tuple[list[tuple[str, str, int]], list[str]]:
+    """``(regex, spec text, leaves)`` rules, first match wins, and what could not be folded:
+    leaves whose names differ only in integer indices share one rule when they share one
+    spec; where they do not (a layer planned apart from its neighbours), each such leaf
+    gets an exact rule, placed first, and is named in the notes."""
+    groups: dict[str, list[int]] = {}
+    for k, name in enumerate(names):
+        groups.setdefault(_pattern(name), []).append(k)
+    exact, folded, notes = [], [], []
+    for pattern, members in groups.items():
+        texts = [spec_text(specs[k]) for k in members]
+        if len(set(texts)) == 1:
+            folded.append((pattern, texts[0], len(members)))
+            continue
+        notes.append(f"{names[members[0]]} and {len(members) - 1} more like it have "
+                     f"{len(set(texts))} layouts: one rule per leaf")
+        exact += [(re.escape(names[k]), spec_text(specs[k]), 1) for k in members]
+    return exact + folded, notes
+
+
+def rules_module(plan, source: str = "") -> str:
+    """The text of a Python module of partition rules for the plan's arguments: a regular
+    expression over each leaf's path (as :mod:`shardc.names` writes it) mapped to its
+    PartitionSpec, layer indices folded; results laid out otherwise than an argument, and
+    anything the rules cannot say, are listed in its docstring."""
+    if not plan.input_names:
+        raise ValueError("the plan has no names for its arguments (saved before names were "
+                         "recorded): plan the program again to export rules")
+    names = [plan.input_name(k) for k in range(len(plan.inputs))]
+    rules, notes = path_rules(names, plan.input_specs())
+    by_name = dict(zip(names, map(spec_text, plan.input_specs())))
+    unnamed = [plan.output_name(j) for j, spec in enumerate(plan.output_specs())
+               if spec_text(spec) not in set(by_name.values()) and spec_text(spec) != "P()"]
+    if unnamed:
+        notes.append("results whose layout no argument has (pin them with out_shardings): "
+                     + ", ".join(unnamed))
+    origin = f" from {source}" if source else ""
+    lines = "\n".join(f"    (r\"^{pattern}$\", {spec}),  # {n} lea{'ves' if n > 1 else 'f'}"
+                      for pattern, spec, n in rules)
+    noted = "\n".join(f"- {n}" for n in notes) or "- nothing: every argument leaf has a rule"
+    key_source = inspect.getsource(names_key)  # the exported paths are shardc's names
+    return f'''"""Partition rules{origin}, exported by shardc: MaxText / t5x-style rules keyed by
+parameter path, for mesh {mesh_label(plan.mesh_axes)} (program fingerprint {plan.fingerprint}).
+
+A leaf's path is its argument's name, then ``.key`` for string dict keys and attributes
+and ``[i]`` for sequence indices and other keys (``state.params.blocks[3].attn.kernel``);
+``specs(tree, root)`` names the leaves of ``tree`` so and gives each the PartitionSpec of
+the first rule that matches. Integer indices are folded (a rule matches any index) wherever
+every index has the same layout. The plan names paths, not logical dims (``embed``,
+``mlp``): MaxText's logical_axis_rules need names the program does not carry, so each rule
+is a parameter path and its whole PartitionSpec. The activations' layouts are not rules:
+``shardc export --format python`` pins what plain code can.
+
+Not expressed as folded rules:
+{noted}
+"""
+
+import re
+
+import jax
+from jax.sharding import PartitionSpec as P
+from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
+
+MESH_AXES = {tuple(plan.mesh_axes)!r}
+
+#: (regular expression over a leaf's path, PartitionSpec); the first match wins
+RULES = (
+{lines}
+)
+
+
+def spec_for(path: str) -> P:
+    """The PartitionSpec of the leaf at ``path``; KeyError when no rule matches."""
+    for pattern, spec in RULES:
+        if re.match(pattern, path):
+            return spec
+    raise KeyError(f"no rule matches {{path!r}}")
+
+
+{key_source}
+
+def specs(tree, root: str):
+    """``tree`` with each leaf replaced by its PartitionSpec, the leaves named from
+    ``root`` (the argument's name in the planned function, e.g. ``"state"``)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: spec_for(root + "".join(map(_key, path))), tree)
 '''

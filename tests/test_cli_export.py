@@ -158,6 +158,36 @@ def test_exported_module_runs_the_plan_with_plain_jit(planned, capsys):
             assert row.compiled_bytes == pytest.approx(row.planned_bytes), row
 
 
+def test_export_rules_map_parameter_paths_to_specs(planned, capsys):
+    folder, out = planned
+    plan = Plan.from_json(out.read_text())
+    main(["export", str(out), "--format", "rules"])
+    code = capsys.readouterr().out
+    k = plan.input_names.index("params.w1")
+    assert f'(r"^params\\.w1$", {spec_text(plan.input_specs()[k])}),' in code
+    (folder / "rules.py").write_text(code)
+    rules = _import(folder / "rules.py", "plan_rules")
+    params, batch = _import(folder / "prog.py", "prog_rules").make()[1]
+    got = [*jax.tree.leaves(rules.specs(params, "params")),
+           *jax.tree.leaves(rules.specs(batch, "batch"))]
+    assert got == plan.input_specs()
+
+
+def test_rules_fold_layers_that_agree_and_name_those_that_do_not():
+    from jax.sharding import PartitionSpec as P
+
+    from shardc.export import path_rules
+
+    names = [f"params.blocks[{i}].{w}" for i in range(4) for w in ("w", "b")]
+    specs = [P(None, "gpu") if w == "w" and i != 2 else P() for i in range(4)
+             for w in ("w", "b")]
+    rules, notes = path_rules(names, specs)
+    assert (r"params\.blocks\[\d+\]\.b", "P()", 4) in rules
+    # layer 2's kernel is laid out apart: one exact rule per kernel, ahead of the folded
+    assert [r[0] for r in rules[:4]] == [rf"params\.blocks\[{i}\]\.w" for i in range(4)]
+    assert rules[2][1] == "P()" and len(notes) == 1 and "2 layouts" in notes[0]
+
+
 def _one_line_error(argv, capsys) -> str:
     with pytest.raises(SystemExit) as exc:
         main(argv)
@@ -178,6 +208,9 @@ def test_bad_program_arguments_are_one_line(tmp_path, capsys, planned):
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "cluster.json").write_text(json.dumps({"axis_bandwidth": {"rack": 1e9}}))
     _, plan = planned
+    unnamed = json.loads(plan.read_text())
+    del unnamed["input_names"], unnamed["output_names"]
+    (tmp_path / "unnamed.json").write_text(json.dumps(unnamed))
     cases = {
         f"{tmp_path / 'missing.py'}:make": "no such file",
         f"{tmp_path / 'nomake.py'}:make": "has no 'make'",
@@ -200,5 +233,6 @@ def test_bad_program_arguments_are_one_line(tmp_path, capsys, planned):
             (["explain", str(plan), "--compile"], "--program"),
             (["explain", str(plan), "--compile", "--program", "mlp2.py"], "does not name"),
             (["explain", str(plan), "--plot", str(tmp_path / "no" / "p.png")], "--plot"),
-            (["export", str(plan), "--format", "rules"], "invalid choice")):
+            (["export", str(plan), "--format", "yaml"], "invalid choice"),
+            (["export", str(tmp_path / "unnamed.json"), "--format", "rules"], "no names")):
         assert expect in _one_line_error(argv, capsys), argv
