@@ -426,6 +426,18 @@ class AutoSharded:
 
         return sweep(solve, budgets)
 
+    def margins(self, *args, **kwargs):
+        """The plan for these arguments beside generic data-parallel, FSDP, Megatron and
+        DP x TP layouts, each priced on the plan's cost model (:mod:`shardc.baselines`);
+        ``plan.explain(margins=step.margins(*args))`` prints them."""
+        from shardc.baselines import margins
+
+        call = self.convention.split(args, kwargs)
+        _, tr, plan = self._plan(call)
+        trees = call.arg_trees()
+        state = {i for _, i in tr.ties} or set(range(trees[0].num_leaves if trees else 0))
+        return margins(tr.traced.graph, tr.ties, plan, state)
+
     def input_shardings(self, *args, **kwargs) -> tuple[tuple, dict]:
         """The shardings the plan gives the dynamic arguments (static ones left out), as
         ``(args, kwargs)`` pytrees of ``NamedSharding``, like ``jax.jit``'s

@@ -7,9 +7,10 @@ prints the plan, runs 3 steps and prints the losses beside the unsharded run's.
 (``path/to/file.py:make`` or ``pkg.module:make``, ``make()`` returning ``(fn, args)``), on an
 AbstractMesh of any size (``--mesh 128x8``, ``--mesh 4x16x8``: no devices needed), and
 prints (or saves) the plan; ``shardc pareto`` prints (and plots) its time-memory frontier.
-``shardc explain plan.json`` prints a saved plan (``--compile
---program ...``: with predicted vs compiled collectives); ``shardc export plan.json``
-writes a Python module that runs it with plain ``jax.jit``. ``shardc calibrate`` measures
+``shardc explain plan.json`` prints a saved plan (``--program ...``: with
+its margins against generic layouts; ``--compile``: and predicted vs compiled
+collectives); ``shardc export plan.json`` writes a Python module that runs it with plain
+``jax.jit`` (``--format rules``: logical-axis rules). ``shardc calibrate`` measures
 the devices at hand into a Cluster JSON that ``shardc plan --cluster`` and
 ``Cluster.from_json`` read.
 """
@@ -228,12 +229,26 @@ def _planned_step(args, cmd: str):
     return step, abstract
 
 
+def show(report, plain: bool = False) -> None:
+    """Print a :class:`shardc.tables.Report`: rich tables on a terminal when rich is
+    installed (the ``bench`` extra), else (or with ``plain``, or into a pipe) plain text."""
+    import importlib.util
+
+    if plain or not sys.stdout.isatty() or importlib.util.find_spec("rich") is None:
+        print(report)
+        return
+    from rich.console import Console
+
+    Console().print(report)
+
+
 def cmd_plan(args) -> None:
     step, abstract = _planned_step(args, "plan")
     t0 = time.perf_counter()
     plan = step.plan(*abstract)
     print(f"planned in {time.perf_counter() - t0:.2f} s (tracing included)")
-    print(plan.explain(max_rows=args.rows))
+    margins = step.margins(*abstract) if args.margins else None
+    show(plan.report(max_rows=args.rows, margins=margins), args.plain)
     if args.out:
         with open(args.out, "w") as f:
             f.write(plan.to_json())
@@ -309,32 +324,53 @@ def cmd_explain(args) -> None:
     if args.compile and not args.program:
         sys.exit("shardc explain: --compile compiles the plan's program; name it with "
                  "--program path/to/file.py:make")
-    if args.program and not args.compile:
-        sys.exit("shardc explain: --program is for --compile; add --compile")
-    if not args.compile:
-        print(_load_plan(args.plan, "explain").explain(max_rows=args.rows))
-        return
     plan = _load_plan(args.plan, "explain")  # imports jax; its backend starts later
-    _force_cpu_devices(max(8, math.prod(plan.axis_sizes)))
+    if args.plot:
+        _plot(plan, args.plot)
+    if not args.program:
+        show(plan.report(max_rows=args.rows), args.plain)
+        return
+    if args.compile:
+        _force_cpu_devices(max(8, math.prod(plan.axis_sizes)))
     import shardc
 
     program = _program(args.program, "explain")
-    mesh = _mesh(plan.axis_sizes, plan.axis_names)
+    # the margins need the program only; compiling needs devices
+    mesh = _mesh(plan.axis_sizes, plan.axis_names) if args.compile else \
+        _abstract_mesh(plan.axis_sizes, plan.axis_names)
     step = shardc.auto_shard(program.fn, mesh=mesh, cluster=plan.cluster)
     try:
         step.use_plan(plan, *program.args)
     except ValueError as exc:
         sys.exit(f"shardc explain: {args.plan} is not a plan of {args.program}: {exc}")
-    compiled = step.lower(*program.args).compile()
-    print(step.plan(*program.args).explain(max_rows=args.rows, compiled=compiled,
-                                           mesh=step.mesh_for(plan)))
+    margins = step.margins(*program.args)
+    compiled = step.lower(*program.args).compile() if args.compile else None
+    show(step.plan(*program.args).report(
+        max_rows=args.rows, compiled=compiled, mesh=step.mesh_for(plan) if compiled else None,
+        margins=margins), args.plain)
+
+
+def _plot(plan, path: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        sys.exit("shardc explain: --plot needs matplotlib: pip install 'shardc[bench]'")
+    try:
+        plan.plot(path)
+    except (OSError, ValueError) as exc:  # no such folder, an unknown image suffix
+        sys.exit(f"shardc explain: --plot {path}: {str(exc).splitlines()[0]}")
+    print(f"plot saved to {path}", file=sys.stderr)
 
 
 def cmd_export(args) -> None:
-    from shardc.export import python_module
+    from shardc.export import python_module, rules_module
 
     plan = _load_plan(args.plan, "export")
-    text = python_module(plan, source=os.path.basename(args.plan))
+    write = python_module if args.format == "python" else rules_module
+    try:
+        text = write(plan, source=os.path.basename(args.plan))
+    except ValueError as exc:
+        sys.exit(f"shardc export: {args.plan}: {exc}")
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
@@ -470,6 +506,10 @@ def main(argv: list[str] | None = None) -> None:
                        "jax.ShapeDtypeStructs).")
     _target_arguments(q)
     q.add_argument("--rows", type=_positive(int), default=30)
+    q.add_argument("--plain", action="store_true", help="plain text, not rich tables")
+    q.add_argument("--margins", action="store_true",
+                   help="also price generic data-parallel, FSDP, Megatron and DP x TP "
+                        "layouts of the program on the same cost model")
     q.add_argument("--out", default=None, help="save the plan as JSON here")
     q.set_defaults(func=cmd_plan)
     f = sub.add_parser("pareto", help="the time-memory frontier of a zoo model or your program",
@@ -506,14 +546,21 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("--compile", action="store_true",
                    help="compile the plan's program and compare its collectives")
     e.add_argument("--program", default=None,
-                   help="the program the plan is for (path/to/file.py:make), for --compile")
+                   help="the program the plan is for (path/to/file.py:make): prices generic "
+                        "data-parallel, FSDP, Megatron and DP x TP layouts beside the plan; "
+                        "needed by --compile")
     e.add_argument("--rows", type=_positive(int), default=30)
+    e.add_argument("--plain", action="store_true", help="plain text, not rich tables")
+    e.add_argument("--plot", default=None, metavar="PATH",
+                   help="also draw the per-op layouts and the compute / comm split (PNG)")
     e.set_defaults(func=cmd_explain)
     x = sub.add_parser("export", help="write a Python module that runs a saved plan with "
                        "plain jax.jit")
     x.add_argument("plan", help="a plan saved by shardc plan --out")
-    x.add_argument("--format", choices=["python"], default="python",
-                   help="python: jax.jit in/out shardings per argument and result leaf")
+    x.add_argument("--format", choices=["python", "rules"], default="python",
+                   help="python: jax.jit in/out shardings per argument and result leaf; "
+                        "rules: a PartitionSpec per parameter path pattern, layer indices "
+                        "folded")
     x.add_argument("--out", default=None, help="write here instead of standard output")
     x.set_defaults(func=cmd_export)
     b = sub.add_parser("bench", help="shardc vs expert plans on the compiled programs")

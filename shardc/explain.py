@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import bisect
 import math
+import os
 import re
 from collections import Counter
 
+from shardc.tables import Report, Table
 from shardc.views import mesh_label
 
 
@@ -80,10 +82,6 @@ def merge_names(names: list[str]) -> str:
     return "".join(p if i % 2 == 0 else f"[{p}]" for i, p in enumerate(parts))
 
 
-def _clip(text: str, width: int) -> str:
-    return text if len(text) <= width else text[:width - 3] + "..."
-
-
 _ROOT = re.compile(r"(out(?:\[\d+\])?|[^.\[]+)(.*)")
 
 
@@ -109,7 +107,7 @@ def _subtrees(names, types, specs) -> dict[str, set]:
     return out
 
 
-def argument_table(plan) -> list[str]:
+def argument_table(plan) -> list[Table]:
     """The PartitionSpec of every argument and result leaf, by the user's name; leaves that
     differ only in a layer index and agree in type and spec are one row (``x12``); a result
     laid out leaf for leaf as an argument (the new state of a train step) is one line."""
@@ -123,22 +121,22 @@ def argument_table(plan) -> list[str]:
         if twin is not None:
             same[root] = twin
     kept = [j for j, n in enumerate(names_out) if _ROOT.match(n).group(1) not in same]
-    lines = []
+    tables = []
     for title, count, rows in (
             ("arguments", len(names_in), _rows(names_in, plan.input_types, specs_in)),
             ("results", len(names_out),
              _rows([names_out[j] for j in kept],
                    [plan.output_types[j] for j in kept] if plan.output_types else (),
                    [specs_out[j] for j in kept]))):
-        width = min(max((len(r[0]) for r in rows), default=0), 64)
-        lines.append(f"{title} ({count} leaves, in jax.tree.leaves order; PartitionSpec "
-                     "on the plan's mesh):")
-        if title == "results":
-            lines += [f"  {root}: as {twin}, leaf for leaf" for root, twin in same.items()]
-        for name, typ, spec, n in rows:
-            lines.append(f"  {_clip(name, 64):<{width}}  {typ:<18} {spec}"
-                         + (f"  x{n}" if n > 1 else ""))
-    return lines
+        notes = [f"{root}: as {twin}, leaf for leaf" for root, twin in same.items()] \
+            if title == "results" else []
+        tables.append(Table(
+            f"{title} ({count} leaves, in jax.tree.leaves order; PartitionSpec on the "
+            "plan's mesh):", ("leaf", "type", "PartitionSpec", "count"),
+            (*notes, *((name, typ, spec, f"x{n}" if n > 1 else "")
+                       for name, typ, spec, n in rows)),
+            widths=(64,), header=False, indent=2))
+    return tables
 
 
 def fold_repeats(sigs: list, least: int = 4) -> list[tuple[int, int, int]]:
@@ -199,7 +197,17 @@ class _Names:
         return self.plan.output_name(-1 - consumer)
 
 
-def op_table(plan, names: _Names, max_rows: int | None) -> list[str]:
+def _where(sources: list[str]) -> str:
+    """The source line of a row (``file.py:12``); a folded row whose members came from
+    different lines names the first and how many others."""
+    shown = [os.path.basename(x) for x in sources if x]
+    if not shown:
+        return ""
+    others = len(set(shown)) - 1
+    return shown[0] + (f" (+{others})" if others else "")
+
+
+def op_table(plan, names: _Names, max_rows: int | None) -> Table:
     """The per-op table in program order; a run of ops repeated in a row with the same
     strategies (the layers of a stack) is shown once with its count, costs summed."""
     ops = list(plan.ops)
@@ -207,7 +215,7 @@ def op_table(plan, names: _Names, max_rows: int | None) -> list[str]:
     interned: dict = {}
     sigs = [interned.setdefault((o.prim, o.strategy, o.types, tuple(map(_shape, r))),
                                 len(interned)) for o, r in zip(ops, reads)]
-    rows = []  # (run index, op, compute, comm, reads text)
+    rows = []  # (run index, op, compute, comm, reads text, source)
     runs = fold_repeats(sigs)
     for g, (start, period, count) in enumerate(runs):
         for r in range(period):
@@ -215,8 +223,8 @@ def op_table(plan, names: _Names, max_rows: int | None) -> list[str]:
             names_read = [merge_names([reads[i][a] for i in members])
                           for a in range(len(reads[start + r]))]
             rows.append((g, ops[start + r], sum(ops[i].compute_time for i in members),
-                         sum(ops[i].comm_time for i in members), ", ".join(names_read)))
-    lines = []
+                         sum(ops[i].comm_time for i in members), ", ".join(names_read),
+                         _where([ops[i].source for i in members])))
     shown = rows
     folded = sum(1 for _, _, count in runs if count > 1)
     what = f"{len(ops)} ops" + (f" in {len(rows)} rows ({folded} repeated runs shown once)"
@@ -225,30 +233,33 @@ def op_table(plan, names: _Names, max_rows: int | None) -> list[str]:
         keep = set(sorted(range(len(rows)), key=lambda i: -(rows[i][2] + rows[i][3]))
                    [:max_rows])
         shown = [row for i, row in enumerate(rows) if i in keep]
-        lines.append(f"{what}; the {max_rows} costliest rows, in program order:")
+        title = f"{what}; the {max_rows} costliest rows, in program order:"
     else:
-        lines.append(f"{what}:")
-    header = (f"{'op':>6}  {'primitive':<18} {'strategy (per mesh axis)':<44} "
-              f"{'compute':>10} {'comm':>10}  {'types':<40}  reads")
-    lines += [header, "-" * len(header)]
+        title = f"{what}:"
+    body: list = []
     last = None
-    for g, o, compute, comm, read in shown:
+    for g, o, compute, comm, read, source in shown:
         start, period, count = runs[g]
         if count > 1 and g != last:
-            lines.append(f"  -- x{count}: ops {plan.ops[start].id}-"
-                         f"{plan.ops[start + period * count - 1].id}, {period} per repeat; "
-                         f"shown once, compute and comm summed over the {count}")
+            body.append(f"-- x{count}: ops {plan.ops[start].id}-"
+                        f"{plan.ops[start + period * count - 1].id}, {period} per repeat; "
+                        f"shown once, compute and comm summed over the {count}")
         last = g
-        lines.append(f"{o.id:>6}  {o.prim:<18} {_clip(o.strategy, 44):<44} "
-                     f"{fmt_time(compute):>10} {fmt_time(comm):>10}  "
-                     f"{_clip(o.types, 40):<40}  {read}".rstrip())
-    return lines
+        body.append((str(o.id), o.prim, o.strategy, fmt_time(compute), fmt_time(comm),
+                     source, o.types, read))
+    return Table(title, ("op", "primitive", "strategy (per mesh axis)", "compute", "comm",
+                         "source", "types", "reads"), tuple(body), align="><<>><<<",
+                 widths=(0, 0, 44, 0, 0, 0, 40, 0))
 
 
-def explain_plan(plan, max_rows: int | None = 60, top: int = 10) -> str:
+def explain_report(plan, max_rows: int | None = 60, top: int = 10, margins=None,
+                   verification=None) -> Report:
+    """The plan as a :class:`Report`: totals, the argument and result tables, the per-op
+    table, the costliest reshards; with ``margins`` (:class:`shardc.baselines.Margins`) the
+    generic layouts priced beside it, with ``verification`` predicted vs compiled."""
     p = plan.predicted
     mesh = mesh_label(plan.mesh_axes)
-    lines = [
+    blocks: list = [
         f"shardc plan on mesh ({mesh}); solver: {plan.solver.get('status', '?')}"
         + (f" ({plan.solver['stages']})" if plan.solver.get("stages") else "")
         + f" in {plan.solver.get('plan_s', 0.0):.2f} s",
@@ -259,25 +270,36 @@ def explain_plan(plan, max_rows: int | None = 60, top: int = 10) -> str:
     ]
     tried = plan.solver.get("mesh_search")
     if tried:
-        lines.append("mesh search (predicted step per view of the devices): " + "; ".join(
+        blocks.append("mesh search (predicted step per view of the devices): " + "; ".join(
             f"{t['mesh']} " + (fmt_time(t["predicted_s"]) if t["predicted_s"] is not None
                                else "over the memory budget") for t in tried))
     seeds = plan.solver.get("seeds")
     if seeds:
-        lines.append("seeds (hand-written plans, predicted): " + ", ".join(
+        blocks.append("seeds (hand-written plans, predicted): " + ", ".join(
             f"{name} {fmt_time(t)}" for name, t in sorted(seeds.items(), key=lambda kv: kv[1]))
             + f"; this plan {fmt_time(plan.solver.get('objective', p.step_time))}")
-    lines += _coverage(plan.ops)
-    lines += argument_table(plan)
+    if margins is not None:
+        blocks.append(margins.table())
+    blocks += _coverage(plan.ops)
+    blocks += argument_table(plan)
     names = _Names(plan)
-    lines += op_table(plan, names, max_rows)
+    blocks.append(op_table(plan, names, max_rows))
     kinds = Counter(c for r in plan.reshards for c in r.collectives)
-    lines.append("collectives planned: " + (", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))
-                                            or "none"))
+    blocks.append("collectives planned: " + (
+        ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())) or "none"))
     if plan.reshards:
-        lines.append(f"top {min(top, len(plan.reshards))} resharding edges:")
-        for r in sorted(plan.reshards, key=lambda r: -r.time)[:top]:
-            lines.append(f"  {names.value(r.value)} -> {names.consumer(r.consumer)}: "
-                         f"{r.src} -> {r.dst}  {'+'.join(r.collectives)}  {fmt_time(r.time)}  "
-                         f"{fmt_bytes(r.wire_bytes)}")
-    return "\n".join(lines)
+        blocks.append(Table(
+            f"top {min(top, len(plan.reshards))} resharding edges:",
+            ("value", "read by", "from", "to", "collectives", "time", "wire bytes"),
+            tuple((names.value(r.value), names.consumer(r.consumer), str(r.src), str(r.dst),
+                   "+".join(r.collectives), fmt_time(r.time), fmt_bytes(r.wire_bytes))
+                  for r in sorted(plan.reshards, key=lambda r: -r.time)[:top]),
+            align="<<<<<>>", header=False, indent=2))
+    if verification is not None:
+        blocks.append(verification.table())
+    return Report(tuple(blocks))
+
+
+def explain_plan(plan, max_rows: int | None = 60, top: int = 10, margins=None) -> str:
+    """:func:`explain_report` as plain text."""
+    return str(explain_report(plan, max_rows, top, margins))

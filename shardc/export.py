@@ -1,24 +1,28 @@
 """A plan as a standalone Python module that runs it with plain ``jax.jit``: no shardc at
-run time.
+run time; and (``rules_module``) as partition rules keyed by parameter path.
 
-The module pins what ``jax.jit`` can pin from outside a function: a ``NamedSharding`` per
-flat argument leaf (``in_shardings``) and per flat result leaf (``out_shardings``), from
-:meth:`Plan.input_specs` / :meth:`Plan.output_specs` on the plan's mesh. The layouts the
-plan gives the values in between (shardc's lowering constrains every one of them) are left
-to XLA's sharding propagation, which starts from the same pinned ends: on the programs
-tried it compiles to the plan's collectives or to the plan's plus small extras (a train
-step's scalar loss reduced as a partial sum: one 4-byte all-reduce). ``shardc explain
-plan.json --compile`` prints what shardc's own program compiles to, to compare.
+The module pins what ``jax.jit`` can pin from outside a function, a ``NamedSharding`` per
+flat argument and result leaf, and by default the plan's constraints inside it: the
+exported ``constrained(fn, mesh)`` traces ``fn`` to its jaxpr and binds the equations
+again, pinning the inputs and outputs :func:`constraints` lists by each equation's place
+(``OpPlan.where``), as :mod:`shardc.lower.emit` does. It inlines inner ``jit`` calls only;
+what sits inside loops, remat and custom-derivative calls is left to XLA's propagation,
+and the module's docstring says so. On the tested MLP step it compiles to shardc's
+collectives one for one; pinning the ends only, to those plus a 4-byte all-reduce.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
 
 from shardc.explain import spec_text
+from shardc.ir.sbp import to_partition_spec
+from shardc.lower.emit import conversion_steps
+from shardc.names import _key as names_key
 from shardc.views import mesh_label
 
-__all__ = ["python_module"]
+__all__ = ["python_module", "rules_module"]
 
 _TYPE = re.compile(r"^(\w+)\[([\d,]*)\]$")
 
@@ -38,6 +42,65 @@ def _leaves(names, types, specs) -> str:
     return "\n".join(rows)
 
 
+_RANKS = re.compile(r"\w+\[([\d,]*)\]")
+
+
+def _ranks(types: str) -> tuple[list[int], list[int]]:
+    """Ranks of an op's inputs and outputs from its ``types`` (``f32[8,16],f32[]->...``)."""
+    ins, _, outs = types.partition("->")
+    rank = lambda t: [len(m.group(1).split(",")) if m.group(1) else 0  # noqa: E731
+                      for m in _RANKS.finditer(t)]
+    return rank(ins), rank(outs)
+
+
+def constraints(plan) -> tuple[dict, dict]:
+    """What shardc's lowering pins, where plain code can say it: per op (by its equation's
+    place, ``OpPlan.where``) its primitive, the layouts each input is pinned to in turn
+    (the planned conversion's steps) and those of each output (its layout, then its
+    settling); per argument leaf, its settling. As text of PartitionSpecs. Left out as the
+    lowering leaves them: partial layouts (no spelling on Auto axes), values computed from
+    constants alone, and the scan's own enter / exit ops (the scan is bound whole)."""
+    names = plan.axis_names
+    free: set[int] = set()
+    for o in plan.ops:
+        if all(v == -1 or v in free for v in o.reads):
+            free.update(o.writes)
+
+    def steps(src, dst, rank) -> tuple[str, ...]:
+        if dst is None:
+            return ()
+        return tuple(spec_text(to_partition_spec(nd, rank, names))
+                     for nd in conversion_steps(plan, src, dst) if not nd.has_partial)
+
+    per_op = {}
+    for o in plan.ops:
+        if not o.where or o.prim in ("scan_enter", "scan_exit") or \
+                (o.writes and all(v in free for v in o.writes)):
+            continue
+        rin, rout = _ranks(o.types)
+        ins = {k: st for k, vid in enumerate(o.reads) if vid != -1 and vid not in free
+               and (st := steps(plan.read_as(vid), o.ins[k], rin[k]))}
+        outs = tuple(((spec_text(to_partition_spec(nd, r, names)),) if not nd.has_partial
+                      else ()) + steps(plan.values.get(vid), plan.settled.get(vid), r)
+                     for vid, nd, r in zip(o.writes, o.outs, rout))
+        per_op[o.where] = (o.prim, ins, outs)
+    args = {k: st for k, vid in enumerate(plan.input_ids)
+            if (st := steps(plan.inputs[k], plan.settled.get(vid), plan.input_ranks[k]))}
+    return per_op, args
+
+
+def _table(per_op: dict, args: dict) -> str:
+    rows = ["CONSTRAINTS = {"]
+    for where, (prim, ins, outs) in per_op.items():
+        conv = "{" + ", ".join(f"{k}: ({', '.join(st)},)" for k, st in ins.items()) + "}"
+        made = "(" + "".join(f"({', '.join(st)},)," if st else "()," for st in outs) + ")"
+        rows.append(f"    {where!r}: ({prim!r}, {conv}, {made}),")
+    rows.append("}")
+    rows.append("ARGUMENTS = {" + ", ".join(f"{k}: ({', '.join(st)},)"
+                                            for k, st in args.items()) + "}")
+    return "\n".join(rows)
+
+
 def python_module(plan, source: str = "") -> str:
     """The text of a Python module that runs ``plan`` with ``jax.jit`` (see the module
     docstring of the result for its API). ``source`` names where the plan came from."""
@@ -45,6 +108,9 @@ def python_module(plan, source: str = "") -> str:
     names_in = [plan.input_name(k) for k in range(n_in)]
     names_out = [plan.output_name(j) for j in range(n_out)]
     origin = f" from {source}" if source else ""
+    per_op, args = constraints(plan)
+    placed = "" if per_op or not plan.ops else \
+        "\nThis plan was saved without its ops' places: no constraint inside is placed.\n"
     return f'''"""Sharding plan{origin}, exported by shardc: run it with plain jax.jit.
 
 Mesh {mesh_label(plan.mesh_axes)}; program fingerprint {plan.fingerprint}; predicted step
@@ -60,16 +126,29 @@ Results are flattened likewise (``OUTPUTS``). Use::
 
 or build the shardings yourself: ``in_shardings(mesh)`` / ``out_shardings(mesh)`` are flat
 lists, ``jitted(fn, *args)`` is the ``jax.jit`` object for arguments shaped like ``args``.
-Only the arguments' and results' layouts are pinned; XLA's sharding propagation places
-the values in between, which can differ from the plan (compare with ``shardc explain
-plan.json --compile``).
-"""
+
+Inside the function, ``constrained(fn, mesh)`` (the default of ``jit`` / ``jitted``) places
+the plan's ``with_sharding_constraint``s: it traces ``fn`` to its jaxpr and binds the
+equations again one by one, pinning the inputs and outputs ``CONSTRAINTS`` lists (by the
+equation's place: its index, after those of the ``jit`` calls around it), as shardc's own
+lowering does. What this plain interpreter cannot place is left to XLA's propagation, so
+the compiled program can differ from shardc's there (compare with ``shardc explain
+plan.json --compile``):
+- inside ``scan`` / ``while`` / ``cond`` bodies and inside remat, ``custom_jvp`` and
+  ``custom_vjp`` calls, which are bound whole (inlining them would change how the program
+  differentiates or recomputes); only inner ``jit`` calls are inlined;
+- the intermediate steps of a result's conversion (``out_shardings`` pins its last layout);
+- partial sums (JAX cannot spell them on Auto axes; shardc's lowering leaves them too).
+An equation whose primitive is not the plan's raises: not the program the plan was made
+for. ``constraints=False`` pins the ends only.
+{placed}"""
 
 import functools
 import math
 
 import jax
 import numpy as np
+from jax.extend.core import Literal
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -84,6 +163,70 @@ INPUTS = (
 OUTPUTS = (
 {_leaves(names_out, plan.output_types, plan.output_specs())}
 )
+
+#: per equation (its place: equation indices, outermost jit call first): its primitive,
+#: {{input index: PartitionSpecs it is pinned to in turn}}, and per output the same
+{_table(per_op, args)}
+
+#: the calls whose bodies are inlined (and constrained); other calls are bound whole
+_INLINED = {{"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
+            "core_call": "call_jaxpr"}}
+
+
+def _pin(x, specs, mesh):
+    for spec in specs:
+        x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    return x
+
+
+def _run(jaxpr, consts, args, where, mesh):
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+
+    def read(atom):
+        return atom.val if isinstance(atom, Literal) else env[atom]
+
+    for i, eqn in enumerate(jaxpr.eqns):
+        place, name = (*where, i), eqn.primitive.name
+        ins = [read(a) for a in eqn.invars]
+        entry = CONSTRAINTS.get(place)
+        if entry is not None:
+            if entry[0] != name:
+                raise TypeError(f"equation {{place}} is {{name}}, the plan's {{entry[0]}}: "
+                                "not the program the plan was made for")
+            for k, specs in entry[1].items():
+                ins[k] = _pin(ins[k], specs, mesh)
+        if name in _INLINED:
+            sub = eqn.params[_INLINED[name]]
+            body, body_consts = (sub.jaxpr, sub.consts) if hasattr(sub, "consts") else (sub, ())
+            outs = _run(body, body_consts, ins[len(ins) - len(body.invars):], place, mesh)
+        else:
+            with eqn.ctx.manager:
+                outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+            outs = list(outs) if eqn.primitive.multiple_results else [outs]
+            if entry is not None:
+                outs = [_pin(x, specs, mesh) for x, specs in zip(outs, entry[2])]
+        for var, x in zip(eqn.outvars, outs):
+            env[var] = x
+    return [read(a) for a in jaxpr.outvars]
+
+
+def constrained(fn, mesh: Mesh):
+    """``fn`` (positional arguments) with the plan's constraints placed inside it."""
+
+    def bare(x):  # traced as the plan was: the layouts inside jit are not the program's
+        aval = jax.typeof(x)
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+    @functools.wraps(fn)
+    def run(*args):
+        closed, shape = jax.make_jaxpr(fn, return_shape=True)(*jax.tree.map(bare, args))
+        leaves = [_pin(x, ARGUMENTS.get(k, ()), mesh)
+                  for k, x in enumerate(jax.tree.leaves(args))]
+        outs = _run(closed.jaxpr, closed.consts, leaves, (), mesh)
+        return jax.tree.unflatten(jax.tree.structure(shape), outs)
+
+    return run
 
 
 def make_mesh(devices=None) -> Mesh:
@@ -121,21 +264,23 @@ def _check(leaves, table, what: str) -> None:
                             "not the program the plan was made for")
 
 
-def jitted(fn, *args, mesh: Mesh | None = None, **jit_kwargs):
+def jitted(fn, *args, mesh: Mesh | None = None, constraints: bool = True, **jit_kwargs):
     """``jax.jit(fn, in_shardings=..., out_shardings=...)`` for positional arguments
     shaped like ``args`` (arrays or ShapeDtypeStructs): the flat shardings unflattened
-    into the pytrees of ``args`` and of ``fn``'s results."""
+    into the pytrees of ``args`` and of ``fn``'s results; with ``constraints``, of
+    ``constrained(fn, mesh)``."""
     mesh = make_mesh() if mesh is None else mesh
     leaves, tree = jax.tree.flatten(args)
     _check(leaves, INPUTS, "argument")
     out_leaves, out_tree = jax.tree.flatten(jax.eval_shape(fn, *args))
     _check(out_leaves, OUTPUTS, "result")
-    return jax.jit(fn, in_shardings=jax.tree.unflatten(tree, in_shardings(mesh)),
+    return jax.jit(constrained(fn, mesh) if constraints else fn,
+                   in_shardings=jax.tree.unflatten(tree, in_shardings(mesh)),
                    out_shardings=jax.tree.unflatten(out_tree, out_shardings(mesh)),
                    **jit_kwargs)
 
 
-def jit(fn, mesh: Mesh | None = None, **jit_kwargs):
+def jit(fn, mesh: Mesh | None = None, constraints: bool = True, **jit_kwargs):
     """``fn`` under ``jax.jit`` with the plan's shardings, called like ``fn`` (positional
     arguments); arguments are placed on the plan's layouts first. ``.lower(*args)`` and
     ``.jitted(*args)`` give the lowered program and the ``jax.jit`` object."""
@@ -145,7 +290,8 @@ def jit(fn, mesh: Mesh | None = None, **jit_kwargs):
     def get(args):
         tree = jax.tree.structure(args)
         if tree not in cache:
-            cache[tree] = jitted(fn, *args, mesh=mesh, **jit_kwargs)
+            cache[tree] = jitted(fn, *args, mesh=mesh, constraints=constraints,
+                                 **jit_kwargs)
         return cache[tree]
 
     @functools.wraps(fn)
@@ -157,4 +303,101 @@ def jit(fn, mesh: Mesh | None = None, **jit_kwargs):
     call.lower = lambda *args: get(args).lower(*args)
     call.jitted = lambda *args: get(args)
     return call
+'''
+
+
+_INDEX = re.compile(r"\[(\d+)\]")
+
+
+def _pattern(name: str) -> str:
+    """A regular expression matching ``name`` with every integer index any integer."""
+    return r"\[\d+\]".join(re.escape(part) for part in _INDEX.split(name)[::2])
+
+
+def path_rules(names, specs) -> tuple[list[tuple[str, str, int]], list[str]]:
+    """``(regex, spec text, leaves)`` rules, first match wins, and what could not be folded:
+    leaves whose names differ only in integer indices share one rule when they share one
+    spec; where they do not (a layer planned apart from its neighbours), each such leaf
+    gets an exact rule, placed first, and is named in the notes."""
+    groups: dict[str, list[int]] = {}
+    for k, name in enumerate(names):
+        groups.setdefault(_pattern(name), []).append(k)
+    exact, folded, notes = [], [], []
+    for pattern, members in groups.items():
+        texts = [spec_text(specs[k]) for k in members]
+        if len(set(texts)) == 1:
+            folded.append((pattern, texts[0], len(members)))
+            continue
+        notes.append(f"{names[members[0]]} and {len(members) - 1} more like it have "
+                     f"{len(set(texts))} layouts: one rule per leaf")
+        exact += [(re.escape(names[k]), spec_text(specs[k]), 1) for k in members]
+    return exact + folded, notes
+
+
+def rules_module(plan, source: str = "") -> str:
+    """The text of a Python module of partition rules for the plan's arguments: a regular
+    expression over each leaf's path (as :mod:`shardc.names` writes it) mapped to its
+    PartitionSpec, layer indices folded; results laid out otherwise than an argument, and
+    anything the rules cannot say, are listed in its docstring."""
+    if not plan.input_names:
+        raise ValueError("the plan has no names for its arguments (saved before names were "
+                         "recorded): plan the program again to export rules")
+    names = [plan.input_name(k) for k in range(len(plan.inputs))]
+    rules, notes = path_rules(names, plan.input_specs())
+    by_name = dict(zip(names, map(spec_text, plan.input_specs())))
+    unnamed = [plan.output_name(j) for j, spec in enumerate(plan.output_specs())
+               if spec_text(spec) not in set(by_name.values()) and spec_text(spec) != "P()"]
+    if unnamed:
+        notes.append("results whose layout no argument has (pin them with out_shardings): "
+                     + ", ".join(unnamed))
+    origin = f" from {source}" if source else ""
+    lines = "\n".join(f"    (r\"^{pattern}$\", {spec}),  # {n} lea{'ves' if n > 1 else 'f'}"
+                      for pattern, spec, n in rules)
+    noted = "\n".join(f"- {n}" for n in notes) or "- nothing: every argument leaf has a rule"
+    key_source = inspect.getsource(names_key)  # the exported paths are shardc's names
+    return f'''"""Partition rules{origin}, exported by shardc: MaxText / t5x-style rules keyed by
+parameter path, for mesh {mesh_label(plan.mesh_axes)} (program fingerprint {plan.fingerprint}).
+
+A leaf's path is its argument's name, then ``.key`` for string dict keys and attributes
+and ``[i]`` for sequence indices and other keys (``state.params.blocks[3].attn.kernel``);
+``specs(tree, root)`` names the leaves of ``tree`` so and gives each the PartitionSpec of
+the first rule that matches. Integer indices are folded (a rule matches any index) wherever
+every index has the same layout. The plan names paths, not logical dims (``embed``,
+``mlp``): MaxText's logical_axis_rules need names the program does not carry, so each rule
+is a parameter path and its whole PartitionSpec. The activations' layouts are not rules:
+``shardc export --format python`` pins what plain code can.
+
+Not expressed as folded rules:
+{noted}
+"""
+
+import re
+
+import jax
+from jax.sharding import PartitionSpec as P
+from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
+
+MESH_AXES = {tuple(plan.mesh_axes)!r}
+
+#: (regular expression over a leaf's path, PartitionSpec); the first match wins
+RULES = (
+{lines}
+)
+
+
+def spec_for(path: str) -> P:
+    """The PartitionSpec of the leaf at ``path``; KeyError when no rule matches."""
+    for pattern, spec in RULES:
+        if re.match(pattern, path):
+            return spec
+    raise KeyError(f"no rule matches {{path!r}}")
+
+
+{key_source}
+
+def specs(tree, root: str):
+    """``tree`` with each leaf replaced by its PartitionSpec, the leaves named from
+    ``root`` (the argument's name in the planned function, e.g. ``"state"``)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: spec_for(root + "".join(map(_key, path))), tree)
 '''

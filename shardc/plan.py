@@ -58,6 +58,11 @@ class OpPlan:
     comm_time: float  # resharding of this op's inputs
     reads: tuple[int, ...] = ()  # value id per input, -1 for a constant
     writes: tuple[int, ...] = ()  # value id per output
+    #: the user's line that made the op (``path:line``); "" if unknown or saved without it
+    source: str = ""
+    #: the op's equation in the traced jaxpr: equation indices, outermost call first
+    #: (``ir.graph.Op.where``); () in plans saved without it
+    where: tuple[int, ...] = ()
 
     @property
     def strategy(self) -> str:
@@ -173,16 +178,33 @@ class Plan:
                 for nd, r in zip(self.outputs, self.output_ranks)]
 
     def explain(self, max_rows: int | None = 60, top: int = 10, compiled=None,
-                mesh=None) -> str:
+                mesh=None, margins=None) -> str:
         """The plan in the user's names: the PartitionSpec of every argument and result leaf,
-        the per-op table (repeated layers folded), the costliest reshards; with ``compiled``
-        (and its ``mesh``), predicted vs compiled collectives too."""
-        from shardc.explain import explain_plan
+        the per-op table (repeated layers folded, each row's source line), the costliest
+        reshards; with ``margins`` (``step.margins(*args)``) the predicted step of generic
+        data-parallel / FSDP / Megatron / DP x TP layouts beside this plan's; with
+        ``compiled`` (and its ``mesh``), predicted vs compiled collectives too."""
+        return str(self.report(max_rows, top, compiled, mesh, margins))
 
-        text = explain_plan(self, max_rows=max_rows, top=top)
-        if compiled is not None:
-            text += "\n" + self.verify(compiled, mesh).report()
-        return text
+    def report(self, max_rows: int | None = 60, top: int = 10, compiled=None, mesh=None,
+               margins=None):
+        """:meth:`explain` as a :class:`shardc.tables.Report`: ``str()`` is the text, a rich
+        console renders it as tables, a notebook as HTML."""
+        from shardc.explain import explain_report
+
+        check = self.verify(compiled, mesh) if compiled is not None else None
+        return explain_report(self, max_rows, top, margins, check)
+
+    def plot(self, path: str | None = None):
+        """The per-op layout per mesh axis and the compute / communication split
+        (:func:`shardc.plot.plot_plan`, matplotlib); saved to ``path`` if given. Returns
+        the ``matplotlib.figure.Figure``."""
+        from shardc.plot import plot_plan
+
+        return plot_plan(self, path)
+
+    def _repr_html_(self) -> str:
+        return self.report(max_rows=30)._repr_html_()
 
     def verify(self, compiled, mesh=None):
         """Predicted vs compiled collectives of ``compiled`` (a ``jax.stages.Compiled``)."""
@@ -259,7 +281,9 @@ class Plan:
                 ops.append(OpPlan(**{**o, "ins": tuple(nd(x) for x in o["ins"]),
                                      "outs": tuple(nd(x) for x in o["outs"]),
                                      "reads": tuple(o.get("reads", ())),
-                                     "writes": tuple(o.get("writes", ()))}))
+                                     "writes": tuple(o.get("writes", ())),
+                                     "source": str(o.get("source", "")),
+                                     "where": tuple(int(i) for i in o.get("where", ()))}))
         reshards = []
         for i, r in enumerate(d["reshards"]):
             with _field(f"reshards[{i}]"):
@@ -378,7 +402,7 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
         ops.append(OpPlan(op.id, op.name, types, strat.ins, strat.outs,
                           strat.flops / rate * op.weight, op_comm,
                           tuple(-1 if v.is_const else v.id for v in op.inputs),
-                          tuple(v.id for v in op.outputs)))
+                          tuple(v.id for v in op.outputs), op.source, op.where))
         compute += strat.flops / rate * op.weight
     for enter, v in loop_ties(graph):  # a scan's carry back to its carried layout
         record(v, enter.id, read(v), values[enter.outputs[0].id], runs.get(v.id, 1))

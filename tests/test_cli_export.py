@@ -76,6 +76,27 @@ def test_plan_names_the_users_leaves_and_saves(planned, capsys):
     for name, spec in zip(plan.input_names, plan.input_specs()):
         assert f"{name} " in table and spec_text(spec) in table
     assert "predicted vs compiled" not in text
+    # the op rows name the program's lines: the forward's dots, the update's lambda
+    lines = PROGRAM.splitlines()
+    hidden = 1 + next(i for i, t in enumerate(lines) if "h = jax.nn.relu" in t)
+    update = 1 + next(i for i, t in enumerate(lines) if "jax.tree.map(lambda" in t)
+    assert {o.source for o in plan.ops if o.prim == "dot_general"} >= \
+        {f"{folder / 'prog.py'}:{hidden}"}
+    ops = text.split("costliest rows")[1]
+    assert f"prog.py:{hidden}" in ops or f"prog.py:{update}" in ops
+
+
+def test_explain_with_the_program_prints_margins(planned, capsys):
+    folder, out = planned
+    main(["explain", str(out), "--program", f"{folder / 'prog.py'}:make", "--rows", "3"])
+    text = capsys.readouterr().out
+    table = text.split("margins (")[1].split("arguments (")[0]
+    for name in ("data parallel", "FSDP", "Megatron TP", "DP x TP"):
+        row = next(line for line in table.splitlines() if line.strip().startswith(name))
+        assert f"x of {name}" in row, row
+    assert "predicted vs compiled" not in text
+    main(["explain", str(out), "--plot", str(folder / "plan.png"), "--rows", "1"])
+    assert (folder / "plan.png").stat().st_size > 1000
 
 
 def test_explain_compile_compares_collectives(planned, capsys):
@@ -116,10 +137,8 @@ def test_exported_module_runs_the_plan_with_plain_jit(planned, capsys):
     got_out = [s.spec for s in jax.tree.leaves(compiled.output_shardings)]
     assert got_in == plan.input_specs() and got_out == plan.output_specs()
 
-    # against the program shardc runs (every planned value constrained): the same
-    # collectives moving data; XLA's propagation, free between the pinned ends, reduces the
-    # scalar loss as a partial sum where the plan gathers the residual first, so the export
-    # has at most scalar collectives more
+    # against the program shardc runs (every planned value constrained): with the plan's
+    # constraints placed inside (the default), the same collectives, one for one
     by_shardc = shardc.auto_shard(fn, mesh=mesh, cluster=plan.cluster)
     by_shardc.use_plan(plan, *args)
     ours = by_shardc.lower(*args).compile()
@@ -127,14 +146,50 @@ def test_exported_module_runs_the_plan_with_plain_jit(planned, capsys):
     def kinds(c):
         return Counter((h.kind, h.shapes, h.axes) for h in collectives(c, mesh))
 
-    theirs, planned_kinds = kinds(compiled), kinds(ours)
-    assert planned_kinds and not planned_kinds - theirs
-    extra = theirs - planned_kinds
+    assert exported.CONSTRAINTS and kinds(ours) and kinds(compiled) == kinds(ours)
+    # pinning the ends only, XLA's propagation reduces the scalar loss as a partial sum
+    # where the plan gathers the residual first: at most scalar collectives more
+    ends = exported.jit(fn, constraints=False)
+    theirs = kinds(ends.lower(*args).compile())
+    assert not kinds(ours) - theirs
+    extra = theirs - kinds(ours)
     assert all(shapes == ("f32[]",) for _, shapes, _ in extra), extra
+    (ends_params, ends_loss) = ends(*args)
+    np.testing.assert_allclose(float(ends_loss), float(ref_loss), rtol=1e-5)
     check = plan.verify(compiled, mesh)
     for row in check.rows:
         if row.planned_count:
             assert row.compiled_bytes == pytest.approx(row.planned_bytes), row
+
+
+def test_export_rules_map_parameter_paths_to_specs(planned, capsys):
+    folder, out = planned
+    plan = Plan.from_json(out.read_text())
+    main(["export", str(out), "--format", "rules"])
+    code = capsys.readouterr().out
+    k = plan.input_names.index("params.w1")
+    assert f'(r"^params\\.w1$", {spec_text(plan.input_specs()[k])}),' in code
+    (folder / "rules.py").write_text(code)
+    rules = _import(folder / "rules.py", "plan_rules")
+    params, batch = _import(folder / "prog.py", "prog_rules").make()[1]
+    got = [*jax.tree.leaves(rules.specs(params, "params")),
+           *jax.tree.leaves(rules.specs(batch, "batch"))]
+    assert got == plan.input_specs()
+
+
+def test_rules_fold_layers_that_agree_and_name_those_that_do_not():
+    from jax.sharding import PartitionSpec as P
+
+    from shardc.export import path_rules
+
+    names = [f"params.blocks[{i}].{w}" for i in range(4) for w in ("w", "b")]
+    specs = [P(None, "gpu") if w == "w" and i != 2 else P() for i in range(4)
+             for w in ("w", "b")]
+    rules, notes = path_rules(names, specs)
+    assert (r"params\.blocks\[\d+\]\.b", "P()", 4) in rules
+    # layer 2's kernel is laid out apart: one exact rule per kernel, ahead of the folded
+    assert [r[0] for r in rules[:4]] == [rf"params\.blocks\[{i}\]\.w" for i in range(4)]
+    assert rules[2][1] == "P()" and len(notes) == 1 and "2 layouts" in notes[0]
 
 
 def _one_line_error(argv, capsys) -> str:
@@ -157,6 +212,9 @@ def test_bad_program_arguments_are_one_line(tmp_path, capsys, planned):
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "cluster.json").write_text(json.dumps({"axis_bandwidth": {"rack": 1e9}}))
     _, plan = planned
+    unnamed = json.loads(plan.read_text())
+    del unnamed["input_names"], unnamed["output_names"]
+    (tmp_path / "unnamed.json").write_text(json.dumps(unnamed))
     cases = {
         f"{tmp_path / 'missing.py'}:make": "no such file",
         f"{tmp_path / 'nomake.py'}:make": "has no 'make'",
@@ -178,5 +236,7 @@ def test_bad_program_arguments_are_one_line(tmp_path, capsys, planned):
             (["explain", str(tmp_path / "none.json")], "No such file"),
             (["explain", str(plan), "--compile"], "--program"),
             (["explain", str(plan), "--compile", "--program", "mlp2.py"], "does not name"),
-            (["export", str(plan), "--format", "rules"], "invalid choice")):
+            (["explain", str(plan), "--plot", str(tmp_path / "no" / "p.png")], "--plot"),
+            (["export", str(plan), "--format", "yaml"], "invalid choice"),
+            (["export", str(tmp_path / "unnamed.json"), "--format", "rules"], "no names")):
         assert expect in _one_line_error(argv, capsys), argv

@@ -1,9 +1,12 @@
 """plan.explain() in the user's words: parameter paths, the per-leaf PartitionSpec table,
 repeated layers folded into one row group."""
 
+import inspect
+import io
 import json
 
 import jax
+import jax.numpy as jnp
 import pytest
 from jax.sharding import AxisType
 
@@ -67,9 +70,121 @@ def test_plans_saved_without_names_still_load_and_explain(gpt12):
     for key in ("input_ids", "input_types", "output_types", "input_names", "output_names"):
         del d[key]
     for o in d["ops"]:
-        del o["reads"], o["writes"]
+        del o["reads"], o["writes"], o["source"], o["where"]
     old = Plan.from_json(json.dumps(d))
-    assert old.input_names == () and old.ops[0].reads == ()
+    assert old.input_names == () and old.ops[0].reads == () and old.ops[0].source == ""
     assert "input 0 " in old.explain(max_rows=5)
     again = Plan.from_json(gpt12.to_json())
     assert again == gpt12
+
+
+def _mlp_loss(p, x):
+    h = jnp.tanh(x @ p["w1"])  # the line the first dot's row names
+    return jnp.mean((h @ p["w2"]) ** 2)
+
+
+def _mlp_step(p, x):
+    value, g = jax.value_and_grad(_mlp_loss)(p, x)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), value
+
+
+@pytest.fixture(scope="module")
+def mlp_plan():
+    mesh = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
+    step = shardc.auto_shard(_mlp_step, mesh=mesh, cluster=shardc.Cluster.multi_node())
+    args = ({"w1": jax.ShapeDtypeStruct((512, 2048), jnp.float32),
+             "w2": jax.ShapeDtypeStruct((2048, 512), jnp.float32)},
+            jax.ShapeDtypeStruct((256, 512), jnp.float32))
+    return step, args, step.plan(*args)
+
+
+def test_op_rows_name_the_source_line(mlp_plan):
+    _, _, plan = mlp_plan
+    line = inspect.getsourcelines(_mlp_loss)[1] + 1
+    first_dot = next(o for o in plan.ops if o.prim == "dot_general")
+    assert first_dot.source == f"{__file__}:{line}" and first_dot.where
+    rows = [r for r in plan.explain(max_rows=None).splitlines()
+            if r.split()[:2] == [str(first_dot.id), "dot_general"]]
+    assert len(rows) == 1 and f"test_explain.py:{line}" in rows[0]
+    # the update's ops name the lambda's line in _mlp_step
+    update = inspect.getsourcelines(_mlp_step)[1] + 2
+    assert plan.ops[-1].source.endswith(f"test_explain.py:{update}")
+    assert Plan.from_json(plan.to_json()).ops == plan.ops
+
+
+def test_report_renders_as_html_and_rich_tables(mlp_plan):
+    _, _, plan = mlp_plan
+    page = plan._repr_html_()
+    assert page.count("<table>") >= 3 and "<th>PartitionSpec</th>" in page
+    k = plan.input_names.index("p.w1")
+    assert "<td style=\"text-align:left\">p.w1</td>" in page
+    assert spec_text(plan.input_specs()[k]).replace("'", "&#x27;") in page
+    rich = pytest.importorskip("rich.console")
+    out = io.StringIO()
+    rich.Console(file=out, width=220, color_system=None).print(plan.report(max_rows=5))
+    text = out.getvalue()
+    assert "┃ leaf" in text and "│ p.w1" in text and "test_explain.py:" in text
+    assert str(plan.report(max_rows=5)) == plan.explain(max_rows=5)
+
+
+def test_generic_layouts_follow_their_rules():
+    from shardc.baselines import generic_layouts
+    from shardc.ir.sbp import B, NdSbp, Split
+
+    # state: two kernels, a bias, and an optimizer slot per kernel shaped like it (the
+    # slots repeat the kernels' shapes in order: split alike); data: a batch of 8 rows
+    shapes = [(512, 2048), (2048, 512), (2048,), (512, 2048), (2048, 512), (8, 512)]
+    state = {0, 1, 2, 3, 4}
+    got = generic_layouts(shapes, state, (2, 4))
+    both = lambda d: NdSbp((Split(d), Split(d)))  # noqa: E731
+    rep = NdSbp((B, B))
+    assert got["data parallel"] == {0: rep, 1: rep, 2: rep, 3: rep, 4: rep, 5: both(0)}
+    assert got["FSDP"] == {0: both(1), 1: both(0), 2: both(0), 3: both(1), 4: both(0),
+                           5: both(0)}
+    assert got["Megatron TP"] == {0: both(1), 1: both(0), 2: rep, 3: both(1), 4: both(0),
+                                  5: rep}
+    gpu = lambda d: NdSbp((B, Split(d)))  # noqa: E731
+    assert got["DP x TP"] == {0: gpu(1), 1: gpu(0), 2: rep, 3: gpu(1), 4: gpu(0),
+                              5: NdSbp((Split(0), B))}
+    assert isinstance(generic_layouts(shapes, state, (8,))["DP x TP"], str)
+    # a split that does not divide: replicated
+    assert generic_layouts([(6, 3), (5,)], {0}, (4,))["FSDP"] == {0: NdSbp((B,)),
+                                                                 1: NdSbp((B,))}
+
+
+def test_explain_prints_margins_against_generic_layouts(mlp_plan):
+    step, args, plan = mlp_plan
+    margins = step.margins(*args)
+    assert [b.name for b in margins.baselines] == ["data parallel", "FSDP", "Megatron TP",
+                                                   "DP x TP"]
+    text = plan.explain(max_rows=3, margins=margins)
+    table = text.split("margins (")[1].split("arguments (")[0]
+    for b in margins.baselines:
+        ratio = plan.predicted.step_time / b.predicted.step_time
+        assert f"this plan {ratio:.2f}x of {b.name}" in table
+        # the plan was solved to optimality on the same model: no generic layout beats it
+        assert ratio <= 1.0 + 1e-9, (b.name, ratio)
+    assert "DP replicates the state" in table
+    # each layout is priced on its own (not the plan's figures copied)
+    assert len({b.predicted.step_time for b in margins.baselines}) == 4
+
+
+def test_plot_draws_layouts_and_the_time_split(mlp_plan, tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    from shardc.plot import KINDS, comm_by_op, layout_codes
+
+    backend = matplotlib.get_backend()
+    _, _, plan = mlp_plan
+    codes = layout_codes(plan)
+    assert codes.shape == (2, len(plan.ops))
+    first_dot = next(j for j, o in enumerate(plan.ops) if o.prim == "dot_general")
+    assert [KINDS[c] for c in codes[:, first_dot]] == \
+        [str(s) for s in plan.ops[first_dot].outs[0].sbps]
+    assert comm_by_op(plan).sum() == pytest.approx(plan.predicted.comm_time)
+    fig = plan.plot(tmp_path / "plan.png")
+    assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(fig.axes) == 3  # layouts, their colour bar, the time split
+    assert "predicted step" in fig.axes[1].get_title()
+    assert matplotlib.get_backend() == backend  # the process's backend left alone

@@ -57,15 +57,21 @@ class Verification:
     def missing(self) -> list[KindRow]:
         return [r for r in self.rows if r.status == "missing"]
 
+    def table(self):
+        """The comparison as a :class:`shardc.tables.Table` (one row per kind)."""
+        from shardc.tables import Table
+
+        return Table(
+            "predicted vs compiled collectives (wire bytes per device):",
+            ("kind", "planned", "MiB", "compiled", "MiB", "status"),
+            tuple((r.kind, str(r.planned_count), f"{r.planned_bytes / 2**20:.2f}",
+                   str(r.compiled_count), f"{r.compiled_bytes / 2**20:.2f}", r.status)
+                  for r in self.rows), align="<>>>><", indent=2,
+            caption=f"comm time: predicted {self.predicted_comm_time * 1e6:.1f} us, compiled "
+                    f"{self.compiled_comm_time * 1e6:.1f} us ({self.time_error * 100:+.1f}%)")
+
     def report(self) -> str:
-        lines = ["predicted vs compiled collectives (wire bytes per device):",
-                 f"  {'kind':<20}{'planned':>9}{'MiB':>10}{'compiled':>10}{'MiB':>10}  status"]
-        for r in self.rows:
-            lines.append(f"  {r.kind:<20}{r.planned_count:>9}{r.planned_bytes / 2**20:>10.2f}"
-                         f"{r.compiled_count:>10}{r.compiled_bytes / 2**20:>10.2f}  {r.status}")
-        lines.append(f"  comm time: predicted {self.predicted_comm_time * 1e6:.1f} us, compiled "
-                     f"{self.compiled_comm_time * 1e6:.1f} us ({self.time_error * 100:+.1f}%)")
-        return "\n".join(lines)
+        return "\n".join(self.table().text())
 
 
 def verify(plan, compiled, mesh: Mesh | None = None) -> Verification:

@@ -63,12 +63,17 @@ class Op:
     """One primitive application. ``params`` are the jaxpr eqn's params, untouched;
     ``effects`` its equation's side effects (a callback, a print): an op with effects runs
     even when nothing reads its outputs, and may have none. ``weight`` is how many times it
-    runs per call: 1, or a loop body's trip count (times its enclosing loops')."""
+    runs per call: 1, or a loop body's trip count (times its enclosing loops'). ``source``
+    is the user's line that made it (``path:line``, "" if unknown); ``where`` its equation's
+    place in the traced jaxpr: the indices of the equations of the calls (or the scan) around
+    it, outermost first, then its own (a scan's enter and exit ops: the scan's)."""
 
-    __slots__ = ("id", "prim", "params", "inputs", "outputs", "effects", "weight")
+    __slots__ = ("id", "prim", "params", "inputs", "outputs", "effects", "weight", "source",
+                 "where")
 
     def __init__(self, id: int, prim: Any, params: dict, inputs: Sequence[Value],
-                 outputs: Sequence[Value], effects: frozenset = frozenset(), weight: int = 1):
+                 outputs: Sequence[Value], effects: frozenset = frozenset(), weight: int = 1,
+                 source: str = "", where: tuple[int, ...] = ()):
         self.id = id
         self.prim = prim
         self.params = params
@@ -76,6 +81,8 @@ class Op:
         self.outputs = list(outputs)
         self.effects = frozenset(effects)
         self.weight = weight
+        self.source = source
+        self.where = tuple(where)
 
     @property
     def name(self) -> str:

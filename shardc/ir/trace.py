@@ -20,6 +20,7 @@ bodies.
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,34 @@ from jax.extend import core as jcore
 
 from shardc.ir.graph import Graph, Op, Value, check_graph
 from shardc.ir.prims import facts
+
+try:  # the frames of an equation's traceback; jax.extend exports only ``summarize``
+    from jax._src.source_info_util import is_user_filename, raw_frame_to_frame
+except ImportError:  # pragma: no cover - a jax without them: the summary's first frame
+    is_user_filename = raw_frame_to_frame = None
+
+_LIBRARIES = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
+
+
+def source_line(eqn) -> str:
+    """``path:line`` of the user's code that made ``eqn``: the innermost frame of its
+    traceback outside JAX and the standard library (``source_info_util``'s user frame) and
+    outside installed libraries (optax, flax: the line that called them), else the
+    innermost user frame; "" when the equation has no traceback."""
+    tb = eqn.source_info.traceback
+    if tb is None:
+        return ""
+    if raw_frame_to_frame is None:
+        summary = jax.extend.source_info_util.summarize(eqn.source_info)
+        return summary.split(" (")[0].rsplit(":", 1)[0] if summary != "unknown" else ""
+    code, lasti = tb.raw_frames()
+    user = [k for k, c in enumerate(code) if is_user_filename(c.co_filename)]
+    if not user:
+        return ""
+    mine = [k for k in user if not any(lib in code[k].co_filename for lib in _LIBRARIES)]
+    k = (mine or user)[0]
+    frame = raw_frame_to_frame(code[k], lasti[k])
+    return f"{frame.file_name}:{frame.start_line}"
 
 
 class Region:
@@ -104,33 +133,37 @@ class _Builder:
         return env[atom]
 
     def op(self, prim, params: dict, ins: list[Value], avals, weight: int,
-           effects=frozenset()) -> Op:
-        op = Op(len(self.ops), prim, params, ins, [], effects=effects, weight=weight)
+           effects=frozenset(), source: str = "", where: tuple[int, ...] = ()) -> Op:
+        op = Op(len(self.ops), prim, params, ins, [], effects=effects, weight=weight,
+                source=source, where=where)
         op.outputs = [self.value(a, producer=op) for a in avals]
         self.ops.append(op)
         return op
 
-    def emit(self, jaxpr, consts, invals: list[Value], weight: int = 1
-             ) -> tuple[list[Value], Region]:
+    def emit(self, jaxpr, consts, invals: list[Value], weight: int = 1,
+             where: tuple[int, ...] = ()) -> tuple[list[Value], Region]:
+        """The ops of ``jaxpr``'s equations; ``where`` is the jaxpr's place in the
+        program (the equation indices of the calls around it, outermost first)."""
         env: dict = {}
         for var, c in zip(jaxpr.constvars, consts):
             env[var] = self.const(c)
         for var, v in zip(jaxpr.invars, invals):
             env[var] = v
         steps: list[Op | Region | Loop] = []
-        for eqn in jaxpr.eqns:
+        for i, eqn in enumerate(jaxpr.eqns):
             ins = [self.read(env, a) for a in eqn.invars]
             body, body_consts = call_body(eqn)
             if body is not None:
                 outs, region = self.emit(body, body_consts, ins[len(ins) - len(body.invars):],
-                                         weight)
+                                         weight, (*where, i))
                 steps.append(region)
             elif eqn.primitive.name == "scan":
-                outs, loop = self.scan(eqn, ins, weight)
+                outs, loop = self.scan(eqn, ins, weight, (*where, i))
                 steps.append(loop)
             else:
                 op = self.op(eqn.primitive, dict(eqn.params), ins,
-                             [v.aval for v in eqn.outvars], weight, eqn.effects)
+                             [v.aval for v in eqn.outvars], weight, eqn.effects,
+                             source_line(eqn), (*where, i))
                 steps.append(op)
                 outs = op.outputs
             for var, v in zip(eqn.outvars, outs):
@@ -138,7 +171,8 @@ class _Builder:
                     env[var] = v
         return [self.read(env, a) for a in jaxpr.outvars], Region(jaxpr, steps)
 
-    def scan(self, eqn, ins: list[Value], weight: int) -> tuple[list[Value], Loop]:
+    def scan(self, eqn, ins: list[Value], weight: int, where: tuple[int, ...]
+             ) -> tuple[list[Value], Loop]:
         """A scan's body inline, run ``length`` times: ``scan_enter`` ops give the body its
         inputs (a carry's enter ``tie``s it to the carry the body returns), ``scan_exit``
         ops give the results (a carry's is the loop-carried value, ``enter``; ys stack the
@@ -146,16 +180,17 @@ class _Builder:
         p = eqn.params
         closed, nc, nk, length = p["jaxpr"], p["num_consts"], p["num_carry"], p["length"]
         kinds = ["const"] * nc + ["carry"] * nk + ["xs"] * (len(ins) - nc - nk)
+        source = source_line(eqn)
         enters = [self.op(SCAN_ENTER, {"kind": kind, "length": length}, [outer],
-                          [var.aval], weight)
+                          [var.aval], weight, source=source, where=where)
                   for kind, outer, var in zip(kinds, ins, closed.jaxpr.invars)]
         outs, body = self.emit(closed.jaxpr, closed.consts, [e.outputs[0] for e in enters],
-                               weight * length)
+                               weight * length, where)
         for k in range(nk):  # the value the next iteration reads as this carry
             enters[nc + k].params["tie"] = outs[k]
         exits = [self.op(SCAN_EXIT, {"kind": "carry", "enter": enters[nc + j].outputs[0]}
                          if j < nk else {"kind": "ys", "length": length}, [v], [var.aval],
-                         weight)
+                         weight, source=source, where=where)
                  for j, (v, var) in enumerate(zip(outs, eqn.outvars))]
         return [e.outputs[0] for e in exits], Loop(enters, body, exits)
 

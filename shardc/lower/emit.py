@@ -56,6 +56,15 @@ def _bind(eqn, args: Sequence, params: dict | None = None) -> list:
     return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
+def conversion_steps(plan, src: NdSbp | None, dst: NdSbp) -> list[NdSbp]:
+    """The layouts a value is pinned to, in turn, to convert it from ``src`` to ``dst`` as
+    the plan priced (each intermediate layout, then ``dst``); none when they agree."""
+    if src is None or src == dst:
+        return []
+    steps = conversion(src, dst, plan.axis_sizes, plan.axis_names, plan.cluster).layouts
+    return [*steps, dst]
+
+
 def constant_values(graph) -> set[int]:
     """Ids of values computed from constants only (a ``1/N`` broadcast, an ``iota``): XLA
     folds them and makes them in whatever layout their users need, so the lowering leaves
@@ -110,12 +119,9 @@ class _Lowering:
     def convert(self, x, src: NdSbp | None, dst: NdSbp):
         """Pin each layout of the planned conversion in turn (:mod:`shardc.cost.comm`), so
         XLA runs the collectives the plan priced, one mesh axis at a time."""
-        if src is None or src == dst:
-            return x
-        plan = self.plan
-        for nd in conversion(src, dst, plan.axis_sizes, plan.axis_names, plan.cluster).layouts:
+        for nd in conversion_steps(self.plan, src, dst):
             x = self.constrain(x, nd)
-        return self.constrain(x, dst)
+        return x
 
     def settle(self, vid: int, x):
         """Convert a value used more than once to the layout its uses read, once."""

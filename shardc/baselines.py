@@ -1,0 +1,170 @@
+"""What the usual hand-written layouts would cost this program, on the plan's own cost model:
+the margins ``explain`` prints beside the plan (``step.margins(*args)``).
+
+The layouts are generic, derived from the program's arguments alone (no logical axis names,
+which a plain JAX program does not have; the bench's experts in
+:mod:`shardc.bench.experts` use the zoo's). The *state* is the arguments the step returns
+updated (its ties; without any, the first positional argument), the *data* every other
+argument:
+
+- **data parallel**: state replicated, data split on its first dim over all mesh axes;
+- **FSDP**: each state leaf split on its largest dim that the device count divides, data
+  as in data parallel;
+- **Megatron TP**: 2-D state leaves split alternately on their columns and rows over all
+  axes (in argument order; optimizer slots that repeat the parameters' shapes in the same
+  order get their parameter's split), other state replicated, data replicated;
+- **DP x TP** (a mesh of two or more axes): Megatron's split over the last axis, data split
+  over the others.
+
+A split that does not divide a dim evenly is left out (that leaf replicated). Each layout
+fixes the graph inputs only; the rest of the program is placed as a seed is
+(:func:`shardc.solve.descent.from_inputs`: the optimizer tail backwards from the state, the
+rest greedy in program order, then coordinate descent), and priced by
+:func:`shardc.plan.assemble`, like the plan itself. So a margin compares the plan with the
+best the same model finds around each hand-written layout, not with a compiled program.
+
+References:
+  ZeRO-3 / FSDP (Rajbhandari et al. 2020); Megatron-LM (Shoeybi et al. 2019) column/row
+  split pairs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shardc.explain import fmt_bytes, fmt_time
+from shardc.ir.graph import Graph
+from shardc.ir.sbp import B, NdSbp, Split
+from shardc.plan import Plan, Predicted, assemble
+from shardc.solve import descent
+from shardc.solve.problem import Fixed, build
+from shardc.tables import Table
+
+__all__ = ["Baseline", "Margins", "generic_layouts", "margins"]
+
+CAPTION = ("generic layouts priced on this plan's cost model: DP replicates the state (the "
+           "arguments the step returns updated) and splits the data's first dim; FSDP splits "
+           "each state leaf's largest divisible dim; Megatron splits 2-D state leaves "
+           "alternately by column and row, data whole; DP x TP: Megatron over the last axis, "
+           "data over the rest. Between the fixed inputs the program is placed as a seed is "
+           "(greedy from the inputs, then coordinate descent).")
+
+
+@dataclass(frozen=True)
+class Baseline:
+    name: str
+    axes: str  # the mesh axes it uses, as text
+    predicted: Predicted | None  # None: not expressible on this mesh (``note`` says why)
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Margins:
+    """The plan's predicted step beside the generic layouts'."""
+
+    step_time: float
+    peak_memory: float
+    baselines: tuple[Baseline, ...]
+
+    def ratio(self, name: str) -> float | None:
+        """This plan's predicted step over ``name``'s (0.74: 26% faster than it)."""
+        b = next(b for b in self.baselines if b.name == name)
+        return None if b.predicted is None else self.step_time / b.predicted.step_time
+
+    def table(self) -> Table:
+        rows = [("this plan", "", fmt_time(self.step_time), fmt_bytes(self.peak_memory), "")]
+        for b in self.baselines:
+            if b.predicted is None:
+                rows.append((b.name, b.axes, "-", "-", b.note))
+                continue
+            rows.append((b.name, b.axes, fmt_time(b.predicted.step_time),
+                         fmt_bytes(b.predicted.peak_memory),
+                         f"this plan {self.ratio(b.name):.2f}x of {b.name}"))
+        return Table("margins (predicted step per layout, same cost model):",
+                     ("layout", "over", "step", "peak memory", "margin"), tuple(rows),
+                     align="<<>><", header=False, indent=2, caption=CAPTION)
+
+    def __str__(self) -> str:
+        return "\n".join(self.table().text())
+
+
+def _split(shape: Sequence[int], dim: int | None, axes: Sequence[int],
+           sizes: Sequence[int]) -> NdSbp:
+    """``dim`` split over mesh ``axes`` if they divide it evenly, else replicated."""
+    sbps = [B] * len(sizes)
+    if dim is not None and axes and shape[dim] % math.prod(sizes[a] for a in axes) == 0:
+        for a in axes:
+            sbps[a] = Split(dim)
+    return NdSbp(tuple(sbps))
+
+
+def _largest(shape: Sequence[int], n: int) -> int | None:
+    dims = [d for d in range(len(shape)) if shape[d] % n == 0]
+    return max(dims, key=lambda d: shape[d]) if dims else None
+
+
+def _columns_rows(shapes: list[tuple[int, ...]]) -> list[int]:
+    """Megatron's split dim per 2-D leaf: columns (1) and rows (0) alternately, counted
+    within the shortest repeating run of shapes (the parameters, then optimizer slots
+    shaped like them, split alike)."""
+    n = len(shapes)
+    period = next(p for p in range(1, n + 1)
+                  if n % p == 0 and shapes == shapes[:p] * (n // p)) if n else 1
+    return [1 - (k % period) % 2 for k in range(n)]
+
+
+def generic_layouts(shapes: Sequence[tuple[int, ...]], state: set[int],
+                    sizes: Sequence[int]) -> dict[str, dict[int, NdSbp] | str]:
+    """Per baseline, the layout of every graph input (by flat index), or why the mesh
+    cannot express it."""
+    every = list(range(len(sizes)))
+    n = math.prod(sizes)
+    data = [k for k in range(len(shapes)) if k not in state]
+
+    def batch(axes) -> dict[int, NdSbp]:
+        return {k: _split(shapes[k], 0 if shapes[k] else None, axes, sizes) for k in data}
+
+    rep = {k: NdSbp((B,) * len(sizes)) for k in state}
+    matrices = [k for k in sorted(state) if len(shapes[k]) == 2]
+    cols_rows = dict(zip(matrices, _columns_rows([shapes[k] for k in matrices])))
+
+    def megatron(axes) -> dict[int, NdSbp]:
+        return {**rep, **{k: _split(shapes[k], d, axes, sizes) for k, d in cols_rows.items()}}
+
+    out: dict[str, dict[int, NdSbp] | str] = {
+        "data parallel": {**rep, **batch(every)},
+        "FSDP": {**{k: _split(shapes[k], _largest(shapes[k], n), every, sizes)
+                    for k in state}, **batch(every)},
+        "Megatron TP": {**megatron(every), **batch([])},
+    }
+    out["DP x TP"] = {**megatron(every[-1:]), **batch(every[:-1])} if len(sizes) > 1 else \
+        "needs a mesh of two or more axes"
+    return out
+
+
+def margins(graph: Graph, ties: Sequence[tuple[int, int]], plan: Plan,
+            state: set[int] | None = None) -> Margins:
+    """``plan``'s predicted step beside each generic layout's (module docstring) for the
+    program ``graph`` with ``ties`` (output, input) on the plan's mesh and cluster; the
+    state is the tied inputs unless ``state`` names them."""
+    sizes, names = plan.axis_sizes, plan.axis_names
+    state = set(state) if state is not None else {i for _, i in ties}
+    shapes = [v.shape for v in graph.inputs]
+    every = "+".join(names)
+    over = {"data parallel": every, "FSDP": every, "Megatron TP": every,
+            "DP x TP": f"dp {'+'.join(names[:-1])}, tp {names[-1]}"}
+    out = []
+    for name, layouts in generic_layouts(shapes, state, sizes).items():
+        if isinstance(layouts, str):
+            out.append(Baseline(name, "", None, layouts))
+            continue
+        cg = build(graph, sizes, names, plan.cluster, ties, fixed=Fixed(inputs=layouts))
+        cg.merge_followers()
+        x = descent.from_inputs(cg, layouts)
+        if x is None:  # no input kept a layout of its own (every one merged into a use)
+            x = descent.solve(cg)
+        priced = assemble(graph, cg, cg.decode(x), ties, {})
+        out.append(Baseline(name, over[name], priced.predicted))
+    return Margins(plan.predicted.step_time, plan.predicted.peak_memory, tuple(out))
