@@ -33,7 +33,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 from shardc.calling import Call, Convention, abstract_leaf, misplaced, place, placement
 from shardc.cost.cluster import DEFAULT_CLUSTER, Cluster
 from shardc.frontier import BUDGETS, Frontier, sweep
-from shardc.ir.sbp import NdSbp, from_partition_spec, to_partition_spec
+from shardc.ir.sbp import Broadcast, NdSbp, from_partition_spec, to_partition_spec
 from shardc.ir.trace import Traced, trace
 from shardc.lower.emit import explicit_axes, jit_plan
 from shardc.multihost import agree
@@ -193,13 +193,15 @@ class AutoSharded:
         return Fixed(inputs, self._typed_outputs(call))
 
     def _typed_outputs(self, call: Call) -> dict[int, NdSbp]:
-        """On a mesh with Explicit axes, arguments typed with shardings of it give the
-        results types too (``jax.eval_shape``, as ``jax.jit`` infers them): results are
-        placed so, and combine with the user's arrays as ``jax.jit``'s would."""
+        """On a mesh with Explicit axes the results get types as ``jax.jit`` infers them
+        (``jax.eval_shape``), from arguments typed with shardings of the mesh and from the
+        program's own ``reshard`` / ``out_sharding``: results are placed so, and combine
+        with the user's arrays as ``jax.jit``'s would. With no argument typed, a result
+        the program leaves untyped (replicated) keeps the plan's layout."""
         names = tuple(self.mesh.axis_names)
         typed = [isinstance(sh := placement(x), NamedSharding) and
                  tuple(sh.mesh.axis_names) == names for x in call.leaves]
-        if not explicit_axes(self.user_mesh) or not any(typed):
+        if not explicit_axes(self.user_mesh):
             return {}
         try:
             with jax.sharding.use_abstract_mesh(self.user_mesh.abstract_mesh):
@@ -218,7 +220,9 @@ class AutoSharded:
         for j, o in enumerate(jax.tree.leaves(outs)):
             sh = getattr(o, "sharding", None)
             if isinstance(sh, NamedSharding) and tuple(sh.mesh.axis_names) == names:
-                fixed[j] = from_partition_spec(sh.spec, len(o.shape), names)
+                nd = from_partition_spec(sh.spec, len(o.shape), names)
+                if any(typed) or any(not isinstance(p, Broadcast) for p in nd.sbps):
+                    fixed[j] = nd
         return fixed
 
     def _traced(self, call: Call) -> tuple[Any, _Traced]:
