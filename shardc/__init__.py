@@ -5,8 +5,10 @@ from shardc.api import AutoSharded as AutoSharded
 from shardc.api import NeedsDevicesError as NeedsDevicesError
 from shardc.api import Options as Options
 from shardc.api import auto_shard as auto_shard
+from shardc.api import device_sweep as device_sweep
 from shardc.api import pareto as pareto
 from shardc.cost.cluster import Cluster as Cluster
+from shardc.frontier import DeviceSweep as DeviceSweep
 from shardc.frontier import Frontier as Frontier
 from shardc.ir.sbp import B as B
 from shardc.ir.sbp import Broadcast as Broadcast
@@ -19,8 +21,9 @@ from shardc.plan import Predicted as Predicted
 from shardc.rules.registry import register as register
 from shardc.solve.search import MemoryBudgetError as MemoryBudgetError
 
-__all__ = ["AutoSharded", "B", "Broadcast", "Cluster", "Frontier", "MemoryBudgetError", "NdSbp",
-           "NeedsDevicesError", "Options", "Partial", "Plan", "PlanFormatError", "Predicted",
-           "Split", "auto_shard", "pareto", "register", "rules"]
+__all__ = ["AutoSharded", "B", "Broadcast", "Cluster", "DeviceSweep", "Frontier",
+           "MemoryBudgetError", "NdSbp", "NeedsDevicesError", "Options", "Partial", "Plan",
+           "PlanFormatError", "Predicted", "Split", "auto_shard", "device_sweep", "pareto",
+           "register", "rules"]
 
 __version__ = "0.1.0"

@@ -32,7 +32,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 from shardc.calling import Call, Convention, abstract_leaf, misplaced, place, placement
 from shardc.cost.cluster import DEFAULT_CLUSTER, Cluster
-from shardc.frontier import BUDGETS, Frontier, sweep
+from shardc.frontier import BUDGETS, DeviceCount, DeviceSweep, Frontier, device_counts, sweep
 from shardc.ir.sbp import Broadcast, NdSbp, from_partition_spec, to_partition_spec
 from shardc.ir.trace import Traced, trace
 from shardc.lower.emit import explicit_axes, jit_plan
@@ -45,7 +45,8 @@ from shardc.solve.problem import NOTHING_FIXED, Fixed
 from shardc.solve.search import MemoryBudgetError, SolveOptions, plan_graph
 from shardc.views import View, mesh_label, views
 
-__all__ = ["AutoSharded", "NeedsDevicesError", "Options", "auto_shard", "pareto"]
+__all__ = ["AutoSharded", "NeedsDevicesError", "Options", "auto_shard", "device_sweep",
+           "pareto"]
 
 log = logging.getLogger("shardc")
 
@@ -442,6 +443,37 @@ class AutoSharded:
         state = {i for _, i in tr.ties} or set(range(trees[0].num_leaves if trees else 0))
         return margins(tr.traced.graph, tr.ties, plan, state)
 
+    def device_sweep(self, *args, memory_budget: float | None = None, **kwargs
+                     ) -> DeviceSweep:
+        """The best plan for these arguments on each device count that divides the mesh
+        (:func:`shardc.frontier.device_counts`: the first devices, inner axes filled
+        first), within ``memory_budget`` bytes per device (default: this function's budget,
+        else the cluster's ``device_memory``): how many devices the program needs, and what
+        each more buys. Each count is planned on an AbstractMesh of its sub-mesh, its axes
+        priced at the links they have in the whole mesh, with this function's options but
+        its seeds and kept layouts (written for the whole mesh); a count where no plan fits
+        records the leanest plan's peak. Nothing is cached or run:
+        ``step.use_plan(count.plan, *args)`` adopts the whole mesh's."""
+        budget = memory_budget if memory_budget is not None else (
+            self.options.memory_budget or self.options.cluster.device_memory)
+        cluster = self.options.cluster
+        counts = []
+        for k, shape, names in device_counts(tuple(self.mesh.axis_sizes),
+                                             tuple(self.mesh.axis_names)):
+            sub = dataclasses.replace(
+                cluster, axis_bandwidth={a: cluster.bandwidth(a) for a in names},
+                axis_latency={a: cluster.latency(a) for a in names})
+            opts = dataclasses.replace(self.options, cluster=sub, memory_budget=budget,
+                                       seeds={}, in_shardings=None,
+                                       keep_input_shardings=False, cache_dir=None)
+            step = AutoSharded(self.fn, AbstractMesh(shape, names), opts, self.convention)
+            mesh = tuple(zip(names, shape))
+            try:
+                counts.append(DeviceCount(k, mesh, step.plan(*args, **kwargs)))
+            except MemoryBudgetError as exc:
+                counts.append(DeviceCount(k, mesh, None, exc.needed))
+        return DeviceSweep(tuple(counts), budget)
+
     def input_shardings(self, *args, **kwargs) -> tuple[tuple, dict]:
         """The shardings the plan gives the dynamic arguments (static ones left out), as
         ``(args, kwargs)`` pytrees of ``NamedSharding``, like ``jax.jit``'s
@@ -631,3 +663,11 @@ def pareto(fn: Callable, *args, mesh: Mesh, budgets: int = BUDGETS, **options) -
     ``auto_shard(fn, mesh=mesh, **options).pareto(*args)``. Keyword arguments of ``fn``
     go through ``auto_shard(...).pareto`` instead."""
     return auto_shard(fn, mesh=mesh, **options).pareto(*args, budgets=budgets)
+
+
+def device_sweep(fn: Callable, *args, mesh: Mesh | AbstractMesh,
+                 memory_budget: float | None = None, **options) -> DeviceSweep:
+    """The best plan of ``fn`` on these arguments for each device count that divides
+    ``mesh`` (:meth:`AutoSharded.device_sweep`): ``auto_shard(fn, mesh=mesh,
+    **options).device_sweep(*args, memory_budget=memory_budget)``."""
+    return auto_shard(fn, mesh=mesh, **options).device_sweep(*args, memory_budget=memory_budget)

@@ -258,6 +258,13 @@ def cmd_plan(args) -> None:
 def cmd_pareto(args) -> None:
     step, abstract = _planned_step(args, "pareto")
     t0 = time.perf_counter()
+    if args.devices:
+        budget = None if args.memory_budget is None else args.memory_budget * 2**30
+        counts = step.device_sweep(*abstract, memory_budget=budget)
+        print(f"the best plan on each device count that divides the mesh, found in "
+              f"{time.perf_counter() - t0:.2f} s (tracing included):")
+        print(counts)
+        return
     frontier = step.pareto(*abstract, budgets=args.budgets)
     print(f"{len(frontier.plans)} plans on the time-memory frontier, found in "
           f"{time.perf_counter() - t0:.2f} s (tracing included):")
@@ -520,6 +527,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="budgets planned between the leanest and the fastest plan")
     f.add_argument("--plot", default=None, help="save the time-memory plot (PNG) here")
     f.add_argument("--out", default=None, help="save the frontier's plans as a JSON list here")
+    f.add_argument("--devices", action="store_true",
+                   help="instead: the best plan on each device count that divides the mesh "
+                        "(1..N), and whether it fits the memory budget")
+    f.add_argument("--memory-budget", type=_positive(float), default=None, metavar="GIB",
+                   help="with --devices: GiB per device (default: the cluster's device memory)")
     f.set_defaults(func=cmd_pareto)
     c = sub.add_parser("calibrate", help="measure the devices at hand into a Cluster JSON")
     c.add_argument("--mesh", type=mesh_shape, default=(2, 4),

@@ -6,7 +6,9 @@ time does. :func:`sweep` plans a program at no budget (the fastest plan), at the
 budget a plan was found for (the leanest), and at budgets spaced geometrically between their
 peaks; the non-dominated plans form a :class:`Frontier`, each a full :class:`shardc.Plan`
 that runs (``step.use_plan(plan, ...)``). ``step.pareto(*args)`` and :func:`shardc.pareto`
-call it.
+call it. :func:`device_counts` and :class:`DeviceSweep` are TensorOpt's other axis: the
+best plan on each sub-mesh of the devices (``step.device_sweep(*args)``), to read how many
+devices a program needs.
 
 References:
   TensorOpt (Cai et al., TPDS 2022) §3: the Pareto set of (time, memory) strategies.
@@ -15,7 +17,7 @@ References:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from shardc.explain import fmt_bytes, fmt_time
@@ -23,7 +25,7 @@ from shardc.plan import Plan
 from shardc.solve.search import MemoryBudgetError
 from shardc.views import mesh_label
 
-__all__ = ["Frontier", "sweep"]
+__all__ = ["DeviceCount", "DeviceSweep", "Frontier", "device_counts", "sweep"]
 
 BUDGETS = 6
 """Budgets planned between the leanest and the fastest plan's peaks (besides those two)."""
@@ -126,3 +128,80 @@ def sweep(solve: Callable[[float | None], Plan], budgets: int = BUDGETS) -> Fron
             except MemoryBudgetError:
                 continue  # the sampled memory points let no plan through at this budget
     return Frontier(non_dominated(plans))
+
+
+def device_counts(shape: Sequence[int], names: Sequence[str]
+                  ) -> list[tuple[int, tuple[int, ...], tuple[str, ...]]]:
+    """``(devices, sub-mesh shape, its axis names)`` for each device count that divides the
+    mesh, fewest first: the first devices in row-major order, so a count fills the inner
+    (fastest) axes before the outer ones (4 of ``(node=2, gpu=4)`` is one node's ``gpu=4``).
+    Axes the count leaves at size 1 are dropped (one device keeps the innermost axis, size
+    1). A count whose devices are not a whole block of inner axes is skipped (6 of
+    ``(2, 4)``: it divides nothing, as does no count that is not a divisor)."""
+    n = math.prod(shape)
+    out = []
+    for k in range(1, n + 1):
+        if n % k:
+            continue
+        sub, rem = [], k
+        for size in reversed(shape):
+            take = math.gcd(size, rem)
+            if rem > 1 and take < min(size, rem):
+                break
+            sub.append(take)
+            rem //= take
+        else:
+            if rem != 1:
+                continue
+            sub.reverse()
+            kept = [(s, a) for s, a in zip(sub, names) if s > 1] or [(1, names[-1])]
+            out.append((k, tuple(s for s, _ in kept), tuple(a for _, a in kept)))
+    return out
+
+
+@dataclass(frozen=True)
+class DeviceCount:
+    """The best plan on ``devices`` devices (the sub-mesh ``mesh``), within the sweep's
+    budget; ``plan`` is None when none fits, and ``needed`` the leanest plan's peak."""
+
+    devices: int
+    mesh: tuple[tuple[str, int], ...]
+    plan: Plan | None
+    needed: int | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.plan is not None
+
+
+@dataclass(frozen=True)
+class DeviceSweep:
+    """One :class:`DeviceCount` per device count that divides the mesh, fewest first, each
+    planned within ``memory_budget`` bytes per device."""
+
+    counts: tuple[DeviceCount, ...]
+    memory_budget: float
+
+    def fewest(self) -> DeviceCount:
+        """The fewest devices on which a plan fits the budget; :class:`MemoryBudgetError`
+        naming the leanest plan on all of them if none does."""
+        for c in self.counts:
+            if c.fits:
+                return c
+        raise MemoryBudgetError(self.memory_budget, self.counts[-1].needed)
+
+    def table(self) -> str:
+        rows = ["devices   mesh                  predicted step   peak per device   fits "
+                f"{fmt_bytes(self.memory_budget)}"]
+        for c in self.counts:
+            if c.plan is None:
+                step, peak, fits = "-", f">= {fmt_bytes(c.needed, up=True)}", "no"
+            else:
+                step = fmt_time(c.plan.predicted.step_time)
+                peak, fits = fmt_bytes(c.plan.predicted.peak_memory), "yes"
+            rows.append(f"{c.devices:>7}   {mesh_label(c.mesh):<20}  {step:>14}   "
+                        f"{peak:>15}   {fits}")
+        return "\n".join(rows)
+
+    def __str__(self) -> str:
+        return self.table()
