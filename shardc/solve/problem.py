@@ -20,7 +20,6 @@ References:
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -92,8 +91,8 @@ class CostGraph:
     memory: list[dict[int, np.ndarray]] = field(default_factory=list)  # per sampled point
     producer: dict[int, tuple[int, int]] = field(default_factory=dict)  # value id -> node, slot
     follows: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)  # v -> (u, f[a])
-    spans: list = field(default_factory=list)  # Span: buffers and when they are live
-    converted: list = field(default_factory=list)  # Converted: copies made for one op
+    spans: list = field(default_factory=list)  # (first, last program point, node, slot, bytes)
+    stack_spans: list = field(default_factory=list)  # (first, last, enter, node, slot, bytes)
     conversions: dict = field(default_factory=dict)  # (src, dst) -> Conversion
     terms: dict = field(default_factory=dict)  # (srcs, dsts) -> reshard_matrix's cost terms
     carried: set = field(default_factory=set)  # input nodes tied to an output (the state)
@@ -560,227 +559,67 @@ def _value_mem(cg: CostGraph, node: int, slot: int, nbytes: int) -> np.ndarray:
     return np.array([nbytes * nd.shard_fraction(cg.axis_sizes) for nd in cg.out_sbps(node, slot)])
 
 
-@dataclass(frozen=True, slots=True)
-class Span:
-    """A buffer live over program points ``first..last`` (inclusive), laid out as node
-    ``node``'s output ``slot``. With ``unless`` (another (node, slot)), it is a copy that
-    exists only where the two layouts differ: a graph input or output converted once for
-    its uses (a parameter stored split and gathered for them)."""
-
-    first: int
-    last: int
-    node: int
-    slot: int
-    nbytes: int
-    unless: tuple[int, int] | None = None
-    result: bool = False  # a graph output's own buffer (see memory_profile)
-
-
-@dataclass(frozen=True, slots=True)
-class Converted:
-    """Op ``at`` reads a value of ``nbytes`` from ``src`` (node, slot) into its input
-    ``k``: where the layouts differ, the converted copy is live during the op."""
-
-    at: int
-    src: tuple[int, int]
-    node: int
-    k: int
-    nbytes: int
-
-
-def loop_starts(graph: Graph) -> dict[int, int]:
-    """Op index of a scan's stacked result (``scan_exit`` of ``ys``) -> the program point its
-    loop starts at (its first ``scan_enter``, else its body's first op): XLA allocates the
-    stacked buffer before the loop and writes an iteration's slice into it each time round.
-    The trace emits a scan as its enters, its body (ops of a higher ``weight``), its exits."""
-    out: dict[int, int] = {}
-    ops = graph.ops
-    t = 0
-    while t < len(ops):
-        if ops[t].prim is not SCAN_EXIT:
-            t += 1
-            continue
-        end, w = t, ops[t].weight
-        while end < len(ops) and ops[end].prim is SCAN_EXIT and ops[end].weight == w:
-            end += 1
-        s = t
-        while s > 0 and ops[s - 1].weight > w:
-            s -= 1
-        while s > 0 and ops[s - 1].prim is SCAN_ENTER and ops[s - 1].weight == w:
-            s -= 1
-        for e in range(t, end):
-            if ops[e].params.get("kind") == "ys":
-                out[e] = s
-        t = end
-    return out
-
-
-def _fused(graph: Graph, outputs: set[int]) -> set[int]:
-    """Values XLA never materialises: made by an elementwise op and read only by
-    elementwise ops of the same loop level, so loop fusion computes them inside their
-    readers (an optimizer's update chain is one fused loop per parameter, its
-    intermediates never in memory). Graph outputs are always written."""
-    readers: dict[int, list[Op]] = {}
-    for op in graph.ops:
-        for v in op.inputs:
-            readers.setdefault(v.id, []).append(op)
-    out = set()
-    for op in graph.ops:
-        if not facts(op.name).elementwise:
-            continue
-        for v in op.outputs:
-            uses = readers.get(v.id, ())
-            if v.id not in outputs and uses and all(
-                    facts(u.name).elementwise and u.weight == op.weight for u in uses):
-                out.add(v.id)
-    return out
-
-
 def _lifetimes(cg: CostGraph) -> None:
-    """The buffers of the program, as XLA allocates them:
-
-    * graph inputs (parameters, optimizer state, batch) live throughout; so do the graph
-      outputs: XLA gives results buffers of their own for the whole program (outside the
-      temporaries it packs: ``memory_analysis()``'s output size), so a new state takes its
-      memory before the update that writes it as after;
-    * a scan's stacked result (``ys``) lives from its loop's start (:func:`loop_starts`);
-    * any other op output lives from the op to its last use; one used by several ops in
-      another layout than it is made in (a settle node) is converted once, before its first
-      use, and that copy lives to the last use;
-    * a read converted for one op alone (:class:`Converted`) is live during that op.
-    """
+    """Graph inputs (parameters, optimizer state, batch) live throughout; an op's outputs
+    from the op to their last use (graph outputs: to the end)."""
     graph = cg.graph
     n = len(graph.ops)
-    outputs = {v.id for v in graph.outputs if not v.is_const}
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
+    last = {v.id: n for v in graph.outputs}
     for t, op in enumerate(graph.ops):
         for v in op.inputs:
-            first.setdefault(v.id, t)
             last[v.id] = max(last.get(v.id, t), t)
-    starts = loop_starts(graph)
-    fused = _fused(graph, outputs)
-    spans: list[Span] = []
-
-    def value(v: Value, node: int, slot: int, t0: int, t1: int, result: bool = False) -> None:
-        w = cg.settle.get(v.id)
-        if w is None or v.id not in first:
-            spans.append(Span(t0, t1, node, slot, v.nbytes, result=result))
-        elif t1 == n:  # a buffer to the end: the uses' copy where the layouts differ
-            spans.append(Span(t0, t1, node, slot, v.nbytes, result=result))
-            spans.append(Span(first[v.id], last[v.id], w, 0, v.nbytes, (node, slot)))
-        else:  # made, converted at its first use, the copy read to its last
-            spans.append(Span(t0, max(t0, first[v.id] - 1), node, slot, v.nbytes))
-            spans.append(Span(first[v.id], last[v.id], w, 0, v.nbytes))
-
+    cg.spans = []
     for v in graph.inputs:
         node, _ = cg.producer[v.id]
-        value(v, node, 0, 0, n)
-        if v.id in outputs:  # returned as it came: a copy in a result buffer
-            spans.append(Span(0, n, node, 0, v.nbytes, result=True))
+        cg.spans.append((0, n, node, 0, v.nbytes))
     for t, op in enumerate(graph.ops):
         for slot, v in enumerate(op.outputs):
-            if v.id in fused:
-                continue
-            if v.id in outputs:
-                value(v, cg.producer[v.id][0], slot, t, n, result=True)
-            else:
-                value(v, cg.producer[v.id][0], slot, starts.get(t, t), last.get(v.id, t))
-    cg.spans = spans
-    n_in = len(graph.inputs)
-    cg.converted = [Converted(t, cg.producer[v.id] if carry_exit(op) else
-                              ((cg.settle[v.id], 0) if v.id in cg.settle else cg.producer[v.id]),
-                              n_in + t, k, v.nbytes)
-                    for t, op in enumerate(graph.ops) for k, v in reads(op) if not v.is_const]
+            cg.spans.append((t, last.get(v.id, t), cg.producer[v.id][0], slot, v.nbytes))
+    cg.stack_spans = []
+    for t, end, val in stacked_reads(graph):
+        u, slot = (cg.settle[val.id], 0) if val.id in cg.settle else cg.producer[val.id]
+        cg.stack_spans.append((t, end, len(graph.inputs) + t, u, slot, val.nbytes))
+
+
+def stacked_reads(graph: Graph) -> list[tuple[int, int, Value]]:
+    """``(t, end, stacked value)`` per scan ``xs`` input (op ``t``, its ``scan_enter``):
+    the loop reads the whole stack in the enter's layout, so where that differs from the
+    stack's own (a stacked weight stored sharded, its slices read gathered) the converted
+    stack is a buffer of its own from the enter to the loop's last exit (``end``): XLA
+    gathers the stack before the loop, not a layer per iteration."""
+    exits = {op.where: k for k, op in enumerate(graph.ops) if op.prim is SCAN_EXIT}
+    return [(t, max(t, exits.get(op.where, t)), op.inputs[0])
+            for t, op in enumerate(graph.ops)
+            if op.prim is SCAN_ENTER and op.params.get("kind") == "xs"
+            and not op.inputs[0].is_const]
 
 
 def memory_point(cg: CostGraph, t: int) -> dict[int, np.ndarray]:
-    """Per-device bytes live at program point ``t``, as per-choice vectors of live nodes.
-    The copies that exist only where two nodes' layouts differ (:class:`Span` ``unless``,
-    :class:`Converted`) are not a sum over nodes; the solvers see them through the exact
-    profile (:func:`memory_profile`), which the search checks every plan against."""
+    """Per-device bytes live at program point ``t``, as per-choice vectors of live nodes."""
     point: dict[int, np.ndarray] = {}
-    for s in cg.spans:
-        if s.first <= t <= s.last and s.unless is None:
-            root, f = cg.resolve(s.node)
-            vec = _value_mem(cg, s.node, s.slot, s.nbytes)[f]
+    for start, end, node, slot, nbytes in cg.spans:
+        if start <= t <= end:
+            root, f = cg.resolve(node)
+            vec = _value_mem(cg, node, slot, nbytes)[f]
             point[root] = point[root] + vec if root in point else vec
     return point
 
 
 def memory_profile(cg: CostGraph, choice: Sequence[int]) -> np.ndarray:
-    """Per-device bytes at every program point for full per-node ``choice``, as XLA's
-    ``memory_analysis()`` adds them up (arguments + results + temporaries).
-
-    Results have buffers of their own for the whole program, and XLA's buffer assignment
-    puts temporaries into a result's buffer before the result is written when they fit in
-    it, one at a time (a data-parallel gradient lives in the buffer of the parameter it
-    updates; gathered weights do not fit in the sharded state an FSDP step returns). So at
-    point ``t`` the bytes are the inputs, every result, and the live temporaries less those
-    placed in the buffers of results not yet written (:func:`_packed`). Points are
-    evaluated from the highest bound down until none can exceed the peak; the others keep
-    their bound without the placing (below the peak either way)."""
+    """Exact per-device live bytes at every program point for full per-node ``choice``."""
     n = len(cg.graph.ops)
-    m = max(n, 1)
-    sizes = cg.axis_sizes
-    fixed = np.zeros(n + 2)  # inputs, and every result from the start
-    temps: list[tuple[int, int, float]] = []
-    results: list[tuple[int, float]] = []
-    for s in cg.spans:
-        nd = cg.out_sbp(s.node, s.slot, choice[s.node])
-        if s.unless is not None and nd == cg.out_sbp(*s.unless, choice[s.unless[0]]):
-            continue
-        b = s.nbytes * nd.shard_fraction(sizes)
-        if s.result:
-            results.append((s.first, b))
-            fixed[0] += b
-        elif s.first == 0 and s.last >= n:
-            fixed[0] += b
-        else:
-            temps.append((s.first, s.last, b))
-    for c in cg.converted:
-        dst = cg.choices[c.node][choice[c.node]].ins[c.k]
-        if dst != cg.out_sbp(*c.src, choice[c.src[0]]):
-            temps.append((c.at, c.at, c.nbytes * dst.shard_fraction(sizes)))
-    base = np.cumsum(fixed)[:m]
-    if not temps:
-        return base
-    first, last, size = (np.array(x) for x in zip(*temps))
-
-    def live(mask) -> np.ndarray:
-        delta = np.zeros(n + 2)
-        np.add.at(delta, first[mask], size[mask])
-        np.add.at(delta, last[mask] + 1, -size[mask])
-        return np.cumsum(delta)[:m]
-
-    upper = base + live(np.ones(len(size), dtype=bool))  # nothing put in a result's buffer
-    if not results:
-        return upper
-    r_first, r_size = (np.array(x) for x in zip(*results))
-    out = upper.copy()
-    peak = -np.inf
-    # each point from the highest bound down, until no bound can beat the peak found
-    for t in np.argsort(-upper, kind="stable"):
-        if upper[t] <= peak:
-            break
-        held = size[(first <= t) & (last >= t)]
-        out[t] = upper[t] - _packed(held, r_size[r_first > t])
-        peak = max(peak, out[t])
-    return out
-
-
-def _packed(temps: np.ndarray, buffers: np.ndarray) -> float:
-    """Bytes of ``temps`` placed one to a buffer among ``buffers`` no smaller than each (the
-    largest first, each into the smallest buffer that holds it: the most bytes placed)."""
-    free = sorted(buffers.tolist())
-    placed = 0.0
-    for b in sorted(temps.tolist(), reverse=True):
-        k = bisect.bisect_left(free, b)
-        if k == len(free):
-            continue
-        placed += b
-        free.pop(k)
-    return placed
+    delta = np.zeros(n + 2)
+    for start, end, node, slot, nbytes in cg.spans:
+        b = nbytes * cg.out_sbp(node, slot, choice[node]).shard_fraction(cg.axis_sizes)
+        delta[start] += b
+        delta[end + 1] -= b
+    for start, end, enter, node, slot, nbytes in cg.stack_spans:  # stacks converted for a loop
+        read = cg.choices[enter][choice[enter]].ins[0]
+        if read != cg.out_sbp(node, slot, choice[node]):
+            b = nbytes * read.shard_fraction(cg.axis_sizes)
+            delta[start] += b
+            delta[end + 1] -= b
+    return np.cumsum(delta)[: max(n, 1)]
 
 
 def _memory_points(cg: CostGraph) -> list[dict[int, np.ndarray]]:
