@@ -184,6 +184,7 @@ class CostGraph:
     def merge_followers(self) -> None:
         ins_of: dict[int, list[Edge]] = {}
         outs_of: dict[int, list[Edge]] = {}
+        fresh_of: dict[tuple, np.ndarray] = {}
         for e in self.edges:
             ins_of.setdefault(e.v, []).append(e)
             outs_of.setdefault(e.u, []).append(e)
@@ -217,7 +218,11 @@ class CostGraph:
             if not same.any(axis=1).all():
                 continue  # some layout of u must convert first: a decision of v's own
             f = np.argmin(local, axis=1)
-            fresh = _fresh_splits(self.choices[v], sorted({e.k for e in ins if e.k >= 0}))
+            ks = tuple(sorted({e.k for e in ins if e.k >= 0}))
+            key = (id(self.choices[v]), ks)  # ops of one signature share their strategy list
+            if key not in fresh_of:
+                fresh_of[key] = _fresh_splits(self.choices[v], ks)
+            fresh = fresh_of[key]
             for allowed in (same, same & ~fresh[None, :]):
                 masked = np.where(allowed, local, np.inf)
                 g = np.argmin(masked, axis=1)

@@ -41,6 +41,7 @@ MEMORY_ROUNDS = 6  # re-solves adding the worst violated program point
 ILP_FULL_TERMS = 40_000  # model terms up to which one ILP covers the whole graph
 BLOCK_TERMS = 40_000  # model terms per block when refining a larger graph block by block
 TAIL_BLOCK_TERMS = 200  # model terms per block of the tail's update chains
+AXIS_ROUNDS = 3  # sweeps over the mesh axes (:func:`axis_sweeps`)
 CROSS_ROUNDS = 6  # rounds of :func:`cross_sweeps`
 
 
@@ -281,9 +282,9 @@ def quotient_refine(cg: CostGraph, x: dict[int, int], memory_budget, deadline: f
     """Solve the repeated-layer quotient of ``cg`` from ``x``, expand it, refine it by
     descent on the full graph, and keep it if it beats ``x``. A quotient small enough (or
     on a 1-D mesh) is one exact ILP; a larger nd one starts from its 1-D seeds
-    (:func:`sub_mesh_seeds`) and is solved in one-axis neighbourhoods
-    (:func:`cross_sweeps`). Returns the plan and how the quotient was settled. ``folding``
-    is ``fold(cg)``."""
+    (:func:`sub_mesh_seeds`) and is solved axis by axis (:func:`axis_sweeps`), then in
+    cross neighbourhoods (:func:`cross_sweeps`). Returns the plan and how the quotient was
+    settled. ``folding`` is ``fold(cg)``."""
     q, cls = folding
     xq = {c: x[m[0]] for c, m in enumerate(members(cls))}
     if len(q.axis_sizes) == 1 or problem_size(q) <= ILP_FULL_TERMS:
@@ -300,7 +301,9 @@ def quotient_refine(cg: CostGraph, x: dict[int, int], memory_budget, deadline: f
         # 7.272; the MoE on two nodes x 8: cross from the seed 7.124, axis sweeps 6.700,
         # which cross keeps); and under a memory budget the axis steps' MIPs are a fraction
         # of a cross neighbourhood's (seconds on the 70B decoder on 1024 devices)
-        xq, status = axis_sweeps(q, xq, memory_budget, deadline)
+        # (without a budget one pass over the axes: a cross round holds every axis move)
+        xq, status = axis_sweeps(q, xq, memory_budget, deadline,
+                                 AXIS_ROUNDS if memory_budget is not None else 1)
         xq, crossed = cross_sweeps(q, xq, memory_budget, deadline)
         status = f"axes {'time-limit' if 'time-limit' in (status, crossed) else 'optimal'}"
     # a tail block of every layer is one block of the quotient
@@ -406,12 +409,12 @@ def cross_sweeps(q: CostGraph, xq: dict[int, int], memory_budget, deadline: floa
     return xq, status
 
 
-def axis_sweeps(q: CostGraph, xq: dict[int, int], memory_budget, deadline: float
-                ) -> tuple[dict[int, int], str]:
+def axis_sweeps(q: CostGraph, xq: dict[int, int], memory_budget, deadline: float,
+                rounds: int = AXIS_ROUNDS) -> tuple[dict[int, int], str]:
     """Coordinate descent over mesh axes on ``q`` (a graph without followers, such as the
     repeated-layer quotient; AutoDDL's per-axis search, made exact per step): hold every
     node's SBPs on all axes but one and solve that axis exactly with the ILP, for each axis
-    in turn, until a sweep moves nothing (at most ``AXIS_ROUNDS``) or the deadline passes.
+    in turn, until a sweep moves nothing (at most ``rounds``) or the deadline passes.
     One axis's choice sets are the size of a 1-D problem's, so each step is exact where the
     whole nd quotient is too large for one ILP; a step moves a plan from, say, data
     parallel over both axes to data parallel over the slow one with sharded state over the
@@ -419,7 +422,7 @@ def axis_sweeps(q: CostGraph, xq: dict[int, int], memory_budget, deadline: float
     on the slow one). Returns the plan and "optimal" or "time-limit"."""
     status = "optimal"
     moves, solved_at = 0, {}  # axis -> the move count when it was last solved
-    for _ in range(CROSS_ROUNDS):
+    for _ in range(rounds):
         moved = False
         for k in reversed(range(len(q.axis_sizes))):
             if solved_at.get(k) == moves:
