@@ -17,6 +17,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from shardc.cost.cluster import Cluster
@@ -29,9 +30,9 @@ from shardc.solve.problem import (
     carry_exit,
     feed_time,
     loop_ties,
+    memory_profile,
     read_runs,
     reads,
-    stacked_reads,
 )
 
 
@@ -423,11 +424,7 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
         if not v.is_const:
             record(v, -1 - j, src, dst)
         outputs.append(dst)
-    stacks = [(t, end, v.nbytes * cg.choices[n_in + t][choice[n_in + t]].ins[0]
-               .shard_fraction(sizes))
-              for t, end, v in stacked_reads(graph)
-              if cg.choices[n_in + t][choice[n_in + t]].ins[0] != read(v)]
-    peak = _peak_memory(graph, values, sizes, stacks)
+    peak = float(np.max(memory_profile(cg, choice)))  # the profile budgets are held to
     carried = set(tied.values())
     feed = sum(feed_time(v, values[v.id], sizes, cluster, k in carried)
                for k, v in enumerate(graph.inputs))
@@ -438,31 +435,3 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
                 tuple(v.ndim for v in graph.outputs), settled,
                 tuple(v.id for v in graph.inputs), tuple(v.type_str() for v in graph.inputs),
                 tuple(v.type_str() for v in graph.outputs))
-
-
-def _peak_memory(graph: Graph, values: dict, sizes, stacks=()) -> float:
-    """Per-device bytes: inputs throughout, plus the most intermediates live at once, with
-    ``stacks`` ((first, last program point, bytes)): the scans' stacked inputs converted
-    for the loop (:func:`shardc.solve.problem.stacked_reads`)."""
-    def b(v):
-        return v.nbytes * values[v.id].shard_fraction(sizes)
-
-    base = sum(b(v) for v in graph.inputs)
-    n = len(graph.ops)
-    last = {v.id: n for v in graph.outputs}
-    for t, op in enumerate(graph.ops):
-        for v in op.inputs:
-            last[v.id] = t if v.id not in last else max(last[v.id], t)
-    events = [0.0] * (n + 2)
-    for t, op in enumerate(graph.ops):
-        for v in op.outputs:
-            events[t] += b(v)
-            events[last.get(v.id, t) + 1] -= b(v)
-    for t, end, nbytes in stacks:
-        events[t] += nbytes
-        events[end + 1] -= nbytes
-    live = peak = 0.0
-    for t in range(n):
-        live += events[t]
-        peak = max(peak, live)
-    return base + peak
