@@ -354,16 +354,18 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
     comm = wire = compute = 0.0
 
     done: set = set()
+    folded = graph.constants()  # read partial, one is made so (as in the cost graph)
 
     def record(value, consumer, src, dst, times: int = 1) -> float:
         """Price converting ``value`` from ``src`` to ``dst`` for ``consumer``, ``times``
-        per call (every iteration of a loop body). The same conversion of the same value
-        for another consumer is free: XLA's CSE merges the identical collectives (a
-        parameter stored sharded and gathered for the forward and the backward dot
-        compiles to one all-gather)."""
+        per call (every iteration of a loop body). A constant read partial is free, as in
+        the cost graph. The same conversion of the same value for another consumer is
+        free: XLA's CSE merges the identical collectives (a parameter stored sharded and
+        gathered for the forward and the backward dot compiles to one all-gather)."""
         nonlocal comm, wire
         conv = conversion(src, dst, sizes, names, cluster)
-        if not conv.collectives or (value.id, src, dst) in done:
+        if not conv.collectives or (value.id, src, dst) in done or \
+                value.id in folded and dst.has_partial:
             return 0.0
         done.add((value.id, src, dst))
         t = conv.time(value.nbytes, scale.get(value.id, 1.0)) * times

@@ -34,8 +34,18 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 
 from shardc.cost.comm import conversion
 from shardc.ir.prims import facts
-from shardc.ir.sbp import NdSbp, Split, to_partition_spec
+from shardc.ir.sbp import B, NdSbp, Split, to_partition_spec
 from shardc.ir.trace import Loop, Region, Traced
+from shardc.lower.partial import (
+    Stacked,
+    lift,
+    stack,
+    stackable,
+    stacked_sharding,
+    sum_axes,
+    unstack,
+    vmapped,
+)
 from shardc.solve.problem import carry_exit, loop_ties, reads
 
 
@@ -65,17 +75,6 @@ def conversion_steps(plan, src: NdSbp | None, dst: NdSbp) -> list[NdSbp]:
     return [*steps, dst]
 
 
-def constant_values(graph) -> set[int]:
-    """Ids of values computed from constants only (a ``1/N`` broadcast, an ``iota``): XLA
-    folds them and makes them in whatever layout their users need, so the lowering leaves
-    them unconstrained (a constraint there would block the folding)."""
-    out: set[int] = set()
-    for op in graph.ops:
-        if not op.effects and all(v.is_const or v.id in out for v in op.inputs):
-            out.update(v.id for v in op.outputs)
-    return out
-
-
 def _read_as_made(graph, plan, by_op) -> set[int]:
     """Ids of values that every use (ops and graph outputs) reads in the layout they are
     made in: no settling, no conversion (a scan body's carry results are converted back to
@@ -95,17 +94,20 @@ def _read_as_made(graph, plan, by_op) -> set[int]:
 
 class _Lowering:
     """The interpreter: a plan, the Auto mesh it runs on, its ops by id, and the values
-    left unconstrained (:func:`constant_values`)."""
+    left unconstrained (:meth:`~shardc.ir.graph.Graph.constants`)."""
 
-    __slots__ = ("plan", "mesh", "by_op", "free", "read_whole", "shardings")
+    __slots__ = ("plan", "mesh", "by_op", "free", "read_whole", "shardings", "stacked")
 
     def __init__(self, plan, mesh: Mesh, graph):
         self.plan = plan
         self.mesh = mesh
         self.by_op = {o.id: o for o in plan.ops}
-        self.free = constant_values(graph)
+        self.free = graph.constants()
         self.read_whole = _read_as_made(graph, plan, self.by_op)
         self.shardings: dict = {}  # (NdSbp, rank) -> NamedSharding, made once
+        #: value id -> mesh axes: the partial sums of loop bodies held stacked
+        #: (:mod:`shardc.lower.partial`), filled per loop by :meth:`stack_plan`
+        self.stacked: dict[int, tuple[int, ...]] = {}
 
     def constrain(self, x, nd: NdSbp | None):
         if nd is None or nd.has_partial or not hasattr(x, "shape"):
@@ -123,6 +125,70 @@ class _Lowering:
             x = self.constrain(x, nd)
         return x
 
+    def constrain_stacked(self, x, axes: tuple[int, ...], nd: NdSbp):
+        sh = stacked_sharding(self.mesh, axes, nd, x.ndim - len(axes))
+        return x if sh is None else jax.lax.with_sharding_constraint(x, sh)
+
+    def to_layout(self, x, src: NdSbp | None, dst: NdSbp):
+        """``x`` (held stacked or not; ``src`` its layout, None for a constant) converted to
+        ``dst``, held stacked over ``dst``'s partial-sum axes if it has any. Stacked over
+        the same axes, it stays so (its other axes converted); otherwise it is summed, then
+        converted, then stacked again."""
+        want = sum_axes(dst)
+        if isinstance(x, Stacked) and x.axes == want:
+            arr = x.x
+            for nd in conversion_steps(self.plan, src, dst):
+                arr = self.constrain_stacked(arr, want, nd)
+            return Stacked(arr, want)
+        x = unstack(x)
+        if not want:
+            return x if src is None else self.convert(x, src, dst)
+        whole = NdSbp(tuple(B if a in want else s for a, s in enumerate(dst.sbps)))
+        if src is not None:
+            x = self.convert(x, src, whole)
+        arr = stack(x, want, self.plan.axis_sizes)
+        return Stacked(self.constrain_stacked(arr, want, dst), want)
+
+    def stack_plan(self, loop: Loop, carried: Sequence) -> None:
+        """Record which values of ``loop``'s body are held stacked: each carry the plan
+        keeps partial, and back from the value the body returns for it, every partial value
+        made by an op of the body (not of a call inside it) that :func:`stackable` allows."""
+        made = {v.id: op for op in loop.body.steps if not isinstance(op, (Region, Loop))
+                for v in op.outputs}
+        todo = []
+        for e in carried:
+            planned = self.by_op.get(e.id)
+            axes = sum_axes(planned.outs[0]) if planned is not None else ()
+            if axes and stacked_sharding(self.mesh, axes, planned.outs[0], 0) is not None:
+                self.stacked[e.outputs[0].id] = axes
+                todo.append(e.params["tie"])
+        while todo:
+            v = todo.pop()
+            op = made.get(v.id)
+            planned = self.by_op.get(op.id) if op is not None else None
+            if planned is None or v.id in self.stacked or len(op.outputs) != 1 or \
+                    not stackable(op.name, planned.ins, planned.outs[0]):
+                continue
+            self.stacked[v.id] = sum_axes(planned.outs[0])
+            todo.extend(u for k, u in enumerate(op.inputs)
+                        if not u.is_const and sum_axes(planned.ins[k]))
+
+    def _stacked_op(self, eqn, op, planned, args: list) -> Stacked:
+        """Each device's summand of ``op``'s partial output, under ``jax.vmap``."""
+        axes = self.stacked[op.outputs[0].id]
+        lifted, batched = [], []
+        for k, (v, x) in enumerate(zip(op.inputs, args)):
+            src = None if v.is_const or v.id in self.free else self.plan.read_as(v.id)
+            x = self.to_layout(x, src, planned.ins[k]) if hasattr(x, "shape") or \
+                isinstance(x, Stacked) else x
+            lead = x.axes if isinstance(x, Stacked) else ()
+            arr, b = lift(x.x if isinstance(x, Stacked) else x, lead, planned.ins[k], axes,
+                          self.plan.axis_sizes)
+            lifted.append(arr)
+            batched.append(b)
+        out = vmapped(lambda *xs: _bind(eqn, xs)[0], batched, axes)(*lifted)
+        return Stacked(self.constrain_stacked(out, axes, planned.outs[0]), axes)
+
     def settle(self, vid: int, x):
         """Convert a value used more than once to the layout its uses read, once."""
         nd = self.plan.settled.get(vid)
@@ -131,9 +197,11 @@ class _Lowering:
     def op(self, eqn, op, args: list) -> list:
         planned = self.by_op.get(op.id)
         if planned is None or op.outputs and all(v.id in self.free for v in op.outputs):
-            return _bind(eqn, args)  # dead in the planner's graph, or a constant
+            return _bind(eqn, [unstack(x) for x in args])  # dead in the plan, or a constant
+        if op.outputs and op.outputs[0].id in self.stacked:
+            return [self._stacked_op(eqn, op, planned, args)]
         args = [x if v.is_const or v.id in self.free
-                else self.convert(x, self.plan.read_as(v.id), planned.ins[k])
+                else self.convert(unstack(x), self.plan.read_as(v.id), planned.ins[k])
                 for k, (v, x) in enumerate(zip(op.inputs, args))]
         if facts(op.name).fixed and op.name == "sharding_constraint":
             outs = args  # the user's layout is the plan's: constrained just below
@@ -178,7 +246,7 @@ class _Lowering:
         key = facts(eqn.primitive.name).call
         sub = eqn.params[key]
         consts = tuple(sub.consts) if hasattr(sub, "consts") else ()
-        body = jax.make_jaxpr(lambda *xs: self.region(region, consts, xs))(
+        body = jax.make_jaxpr(lambda *xs: [unstack(x) for x in self.region(region, consts, xs)])(
             *(v.aval for v in region.jaxpr.invars))
         if hasattr(sub, "consts"):
             new = body
@@ -204,26 +272,55 @@ class _Lowering:
         """Bind a scan with its body rewritten: operands converted to the layouts the body
         reads them in, before the loop; inside, the body's ops as planned, each carry
         converted back to its carried layout and each ys to its stacked one every
-        iteration; the results pinned after the loop."""
+        iteration; the results pinned after the loop. A carry the plan keeps partial is
+        held stacked (:mod:`shardc.lower.partial`): its summands enter the loop, stay apart
+        through it and are reduced once after it."""
         p = eqn.params
         nc, nk = p["num_consts"], p["num_carry"]
         carried = loop.enters[nc:nc + nk]
+        self.stack_plan(loop, carried)
+        held = [()] * nc + [self.stacked.get(e.outputs[0].id, ()) for e in carried]
+        held += [()] * (len(loop.enters) - len(held))
 
         def body(*xs):
-            ins = [self._pass(e, x, into=False) for e, x in zip(loop.enters, xs)]
+            ins = [Stacked(self.constrain_stacked(x, axes, self.by_op[e.id].outs[0]), axes)
+                   if axes else self._pass(e, x, into=False)
+                   for e, x, axes in zip(loop.enters, xs, held)]
             outs = self.region(loop.body, p["jaxpr"].consts, ins)
-            back = [self.convert(x, self.plan.read_as(e.params["tie"].id),
-                                 self.by_op[e.id].outs[0])
-                    if e.id in self.by_op and not e.params["tie"].is_const else x
-                    for e, x in zip(carried, outs[:nk])]
-            return back + [self._pass(e, x, into=True)
+            back = []
+            for e, x, axes in zip(carried, outs[:nk], held[nc:]):
+                tie = e.params["tie"]
+                if e.id not in self.by_op or tie.is_const:
+                    back.append(unstack(x))
+                    continue
+                src = None if tie.id in self.free else self.plan.read_as(tie.id)
+                y = self.to_layout(x, src, self.by_op[e.id].outs[0])
+                back.append(y.x if axes else y)
+            return back + [self._pass(e, unstack(x), into=True)
                            for e, x in zip(loop.exits[nk:], outs[nk:])]
 
-        closed = jax.make_jaxpr(body)(*(v.aval for v in loop.body.jaxpr.invars))
-        args = [self._pass(e, x, into=True) for e, x in zip(loop.enters, args)]
-        outs = _bind(eqn, args, {**p, "jaxpr": closed})
-        return [self._pass(e, self._pass(e, x, into=True) if j < nk else x, into=False)
-                for j, (e, x) in enumerate(zip(loop.exits, outs))]
+        sizes = self.plan.axis_sizes
+        avals = [jax.ShapeDtypeStruct(tuple(sizes[a] for a in axes) + v.aval.shape,
+                                      v.aval.dtype) if axes else v.aval
+                 for v, axes in zip(loop.body.jaxpr.invars, held)]
+        closed = jax.make_jaxpr(body)(*avals)
+        ins = []
+        for e, x, axes in zip(loop.enters, args, held):
+            if axes:
+                v = reads(e)[0][1]
+                src = None if v.is_const or v.id in self.free else self.plan.read_as(v.id)
+                x = self.to_layout(x, src, self.by_op[e.id].ins[0]).x
+            else:
+                x = self._pass(e, x, into=True)
+            ins.append(x)
+        outs = _bind(eqn, ins, {**p, "jaxpr": closed})
+        result = []
+        for j, (e, x) in enumerate(zip(loop.exits, outs)):
+            if j < nk:  # a carry: read as the loop keeps it (summed if held stacked)
+                axes = held[nc + j]
+                x = self._pass(e, unstack(Stacked(x, axes)) if axes else x, into=True)
+            result.append(self._pass(e, x, into=False))
+        return result
 
     def region(self, region: Region, consts: Sequence, args: Sequence) -> list:
         env: dict = {}
@@ -237,9 +334,9 @@ class _Lowering:
         for eqn, step in zip(jaxpr.eqns, region.steps):
             ins = [read(a) for a in eqn.invars]
             if isinstance(step, Region):
-                outs = self.call(eqn, step, ins)
+                outs = self.call(eqn, step, [unstack(x) for x in ins])
             elif isinstance(step, Loop):
-                outs = self.loop(eqn, step, ins)
+                outs = self.loop(eqn, step, [unstack(x) for x in ins])
             else:
                 outs = self.op(eqn, step, ins)
             for var, x in zip(eqn.outvars, outs):

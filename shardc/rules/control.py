@@ -41,9 +41,9 @@ Signatures offered (per mesh axis, besides the all-broadcast one):
   must give the same placement of every output (a replicated result of one branch is sliced
   when another branch splits it).
 
-Not offered: partial inputs, outputs or carries. A partial carry is exact algebra, but
-lowering on Auto mesh axes cannot keep a loop carry unreduced, so XLA would all-reduce it
-every iteration.
+Not offered for ``while`` and ``cond``: partial inputs, outputs or carries. A ``scan``'s float
+carry may be partial (its ``scan_enter`` / ``scan_exit`` take ``P -> P``): the lowering holds
+each device's summand apart through the loop (``lower/partial.py``).
 
 FLOPs: a while loop one iteration of body and predicate (the trip count is unknown until it
 runs); a cond its costliest branch.
@@ -59,8 +59,10 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import jax.numpy as jnp
+
 from shardc.ir.graph import Graph, Op, Value
-from shardc.ir.sbp import B, Partial, Sbp, Split
+from shardc.ir.sbp import B, P, Partial, Sbp, Split
 from shardc.ir.trace import graph_from_jaxpr
 from shardc.rules.registry import Signature, op_flops, register, signatures
 
@@ -219,14 +221,28 @@ def scan_enter_rule(op: Op) -> list[Signature]:
     """An operand entering a scan body: a const or carry as it is, an xs per iteration
     (outer dim ``d + 1`` is the body's dim ``d``; the scanned axis is never split)."""
     k = _shift(op)
-    return [Signature((Split(d + k),), (Split(d),)) for d in range(op.outputs[0].ndim)]
+    sigs = [Signature((Split(d + k),), (Split(d),)) for d in range(op.outputs[0].ndim)]
+    return sigs + _partial_carry(op)
 
 
 @register("scan_exit", flops=_no_flops)
 def scan_exit_rule(op: Op) -> list[Signature]:
     """A scan result: a carry as it leaves the loop, ys stacked from the body's values."""
     k = _shift(op)
-    return [Signature((Split(d),), (Split(d + k),)) for d in range(op.inputs[0].ndim)]
+    sigs = [Signature((Split(d),), (Split(d + k),)) for d in range(op.inputs[0].ndim)]
+    return sigs + _partial_carry(op)
+
+
+def _partial_carry(op: Op) -> list[Signature]:
+    """A carry may stay a partial sum across iterations (an accumulator of partial
+    gradients, reduced once after the loop instead of every iteration): the lowering keeps
+    each device's summand in a leading dim of the carry (``lower/partial.py``). Float carries
+    only: an integer counter is never a sum of summands worth keeping apart."""
+    v = op.outputs[0]
+    if op.params["kind"] != "carry" or v.dtype is None or \
+            not jnp.issubdtype(v.dtype, jnp.inexact):
+        return []
+    return [Signature((P,), (P,))]
 
 
 # ---- while -------------------------------------------------------------------------------

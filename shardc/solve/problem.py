@@ -25,6 +25,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import jax.numpy as jnp
 import numpy as np
 
 from shardc.cost.cluster import Cluster
@@ -424,7 +425,10 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
     scale = alpha_scales(graph)
     ties_in = loop_ties(graph)
     uses: dict[int, int] = {}
-    read = [v for op in graph.ops for _, v in reads(op)] + [v for _, v in ties_in]
+    # a carry's exit reads the loop-carried value as made (:func:`carry_exit`), so it does
+    # not make that value shared: an accumulator read once in the body may stay partial
+    read = [v for op in graph.ops if not carry_exit(op) for _, v in reads(op)] + \
+        [v for _, v in ties_in]
     for val in read + list(graph.outputs):
         if not val.is_const:
             uses[val.id] = uses.get(val.id, 0) + 1
@@ -437,6 +441,7 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
         return (cg.settle[val.id], 0) if val.id in cg.settle else cg.producer[val.id]
 
     runs = graph.runs()
+    folded = graph.constants()
 
     def edge(u: int, slot: int, val: Value, v: int, k: int, dst, dst_owner, times: int
              ) -> Edge:
@@ -448,14 +453,19 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
             owner, src = cg.choices[u], cg.out_sbps(u, slot)
         mat = edge_matrix(owner, slot, src, dst_owner, k, dst, val.nbytes,
                           scale.get(val.id, 1.0))
+        if val.id in folded:  # a constant read partial is made so: no reduction to undo
+            mat = np.where([d.has_partial for d in dst], 0.0, mat)
         return Edge(u, v, mat * times, val, k, (u, slot))
 
+    consume = accumulators(graph)
     for op in graph.ops:
         node = len(cg.choices)
         key = _op_key(op)
+        if key is not None:
+            key = (key, op.id in consume)
         strats = cache.get(key) if key is not None else None
         if strats is None:
-            strats = strategies(op, axis_sizes, axis_names)
+            strats = strategies(op, axis_sizes, axis_names, consume_partial=op.id in consume)
             if key is not None:
                 cache[key] = strats
         cg.choices.append(strats)
@@ -540,6 +550,54 @@ def loop_ties(graph: Graph) -> list[tuple[Op, Value]]:
         if tie is not None and not tie.is_const and tie is not op.outputs[0]:
             out.append((op, tie))
     return out
+
+
+def accumulators(graph: Graph) -> set[int]:
+    """Ids of the ops that may read partial values: a scan's accumulator carries (a float
+    carry the body only adds to: ``acc + g``) with their exits, and the body's own ops that feed
+    the carry's next value. There the lowering keeps partial sums apart per device
+    (``lower/emit.py``), so micro-batches' partial gradients are reduced once after the loop,
+    not every iteration; each op's rule still decides which partial reads are exact.
+    Elsewhere XLA reduces a partial value before its next use, so a plan must not count on
+    reading one (:func:`shardc.rules.registry.strategies`)."""
+    out: set[int] = set()
+    users = graph.consumers()
+    for enter, tie in loop_ties(graph):
+        acc = enter.outputs[0]
+        depth = len(enter.where) + 1  # the body's own ops, not those of calls inside it
+        if not (jnp.issubdtype(acc.dtype, jnp.inexact) and _adds_to(tie, acc, depth)):
+            continue
+        if any(not carry_exit(op) and (op.name not in ("add", "add_any", "sub") or
+                                       op.name == "sub" and k == 1)
+               for op, k in users.get(acc.id, ())):
+            continue  # read by other work too (a residual stream's gradient): not an accumulator
+        out.add(enter.id)
+        todo = [tie]
+        while todo:
+            op = todo.pop().producer
+            if op is None or op.id in out or len(op.where) != depth or \
+                    op.prim in (SCAN_ENTER, SCAN_EXIT):
+                continue
+            out.add(op.id)
+            todo.extend(v for v in op.inputs if not v.is_const)
+    for op in graph.ops:
+        if carry_exit(op) and op.params["enter"].producer.id in out:
+            out.add(op.id)
+    return out
+
+
+def _adds_to(v: Value, acc: Value, depth: int) -> bool:
+    """``v`` is ``acc`` plus terms: a tree of adds (``add``, ``add_any``, the left operand
+    of ``sub``) of the body's own ops with ``acc`` among its leaves."""
+    todo = [v]
+    while todo:
+        v = todo.pop()
+        if v is acc:
+            return True
+        op = v.producer
+        if op is not None and len(op.where) == depth and op.name in ("add", "add_any", "sub"):
+            todo.extend(op.inputs[:1] if op.name == "sub" else op.inputs)
+    return False
 
 
 def _settle_choices(v: Value, axis_sizes: Sequence[int], layouts: dict) -> list[NdSbp]:
