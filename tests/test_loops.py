@@ -174,6 +174,12 @@ def test_gradient_accumulation_reduces_once():
         zeros = jax.tree.map(jnp.zeros_like, params)
         return jax.lax.scan(body, zeros, xs)[0]
 
+    def accumulate_fori(params, xs):  # a fori_loop with static bounds is a scan
+        def body(k, acc):
+            return jax.tree.map(jnp.add, acc, grads(params, xs[k]))
+
+        return jax.lax.fori_loop(0, micro, body, jax.tree.map(jnp.zeros_like, params))
+
     def accumulate_unrolled(params, xs):
         acc = jax.tree.map(jnp.zeros_like, params)
         for k in range(micro):
@@ -184,7 +190,8 @@ def test_gradient_accumulation_reduces_once():
     cluster = shardc.Cluster()
     priced = {}
     expect = accumulate_unrolled(params, xs)
-    for name, fn in (("loop", accumulate_loop), ("unrolled", accumulate_unrolled)):
+    for name, fn in (("loop", accumulate_loop), ("fori", accumulate_fori),
+                     ("unrolled", accumulate_unrolled)):
         s = shardc.auto_shard(fn, mesh=m, time_limit=3.0)
         priced[name] = price(s.lower(params, xs).compile(), m, cluster)
         for got, want in zip(jax.tree.leaves(s(params, xs)), jax.tree.leaves(expect)):
@@ -192,14 +199,15 @@ def test_gradient_accumulation_reduces_once():
     plan = shardc.auto_shard(accumulate_loop, mesh=m, time_limit=3.0).plan(params, xs)
     carries = [o for o in plan.ops if o.prim == "scan_enter" and o.outs[0].has_partial]
     assert len(carries) == 2, "both gradient accumulators stay partial through the loop"
-    loop = priced["loop"]
-    assert loop.runs and max(loop.runs) == 1, "no collective runs every iteration"
+    for loop in (priced["loop"], priced["fori"]):
+        assert loop.runs and max(loop.runs) == 1, "no collective runs every iteration"
     rep = jax.tree.map(lambda _: NamedSharding(m, Ps()), params)
     dp = jax.jit(accumulate_loop, in_shardings=(rep, NamedSharding(m, Ps(None, ("node", "gpu")))))
     priced["data-parallel"] = price(dp.lower(params, xs).compile(), m, cluster)
     times = {k: v.time for k, v in priced.items()}
-    assert times["loop"] <= times["data-parallel"] * 1.001, times
-    assert times["loop"] <= times["unrolled"] * 1.05, times
+    for name in ("loop", "fori"):
+        assert times[name] <= times["data-parallel"] * 1.001, times
+        assert times[name] <= times["unrolled"] * 1.05, times
 
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))
