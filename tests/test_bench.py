@@ -106,3 +106,42 @@ def test_planning_report_gives_the_depth_ratio(tmp_path):
         in md.read_text()
     assert [c["plan_s"] for c in json.loads(js.read_text())["cases"]] == [2.0, 5.0]
     assert json.loads(js.read_text())["loop_forms"][0]["unrolled_compiled_ms"] == 5.0
+
+
+def test_memory_bound_cells_mark_experts_over_and_shardc_fits():
+    """On a device too small for data parallelism (half its compiled peak), the harness marks
+    it as not fitting, the best expert is one that fits, and shardc's plan under the device
+    memory fits when compiled. On the preset's own mesh: with the mesh search this tiny
+    program's plan on (4, 2) is predicted at 0.99 MB and compiles to 1.55 MB, beyond the
+    margin (XLA's buffers hold the gathered stacked weights of both layers and their
+    gradients at once); the 1B cells' peaks, mostly the state, are predicted within it."""
+    import dataclasses
+
+    preset = PRESETS["node-8"]
+    free = dataclasses.replace(ZOO["llama"], name="llama-bound")
+    dp = harness.run_cell(free, preset, "data-parallel", "tiny", check=False, time_limit=5.0)
+    assert dp.error is None and dp.budget is None and dp.fits is None
+    bound = dataclasses.replace(free, device_memory=dp.peak_memory / 2)
+    got = {m: harness.run_cell(bound, preset, m, "tiny", check=False, time_limit=5.0,
+                               mesh_search=False)
+           for m in ("shardc", "data-parallel", "fsdp")}
+    for cell in got.values():
+        assert cell.error is None, cell.error
+        assert cell.budget == bound.device_memory
+    assert got["data-parallel"].fits is False and got["fsdp"].fits is True
+    assert got["shardc"].fits is True
+    row, = report.summary(list(got.values()))
+    assert row["best_expert"] == "fsdp" and row["not_fitting"] == {
+        "data-parallel": got["data-parallel"].peak_memory}
+    md = report.markdown(list(got.values()), ["shardc bench --models llama-bound"])
+    assert "## Memory-bound cells" in md and "| llama-bound | node-8 | data-parallel |" in md
+    assert "fsdp (of 1 that fit)" in md and " **over** |" in md
+
+
+def test_memory_bound_models_tiny_config_is_checked_elsewhere():
+    """The harness skips a memory-bound model's numerics check: its tiny config must be that
+    of a model without a bound, whose cells check it."""
+    for zm in ZOO.values():
+        if zm.device_memory is not None:
+            assert any(o.device_memory is None and o.module == zm.module and
+                       o.config("tiny") == zm.config("tiny") for o in ZOO.values()), zm.name

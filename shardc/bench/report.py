@@ -7,16 +7,21 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from shardc.bench.harness import Cell
+from shardc.bench.harness import MEMORY_MARGIN, Cell
 
 
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:.3f}"
 
 
+def _gib(x: float | None) -> str:
+    return "-" if x is None else f"{x / 2**30:.2f}"
+
+
 def summary(cells: list[Cell]) -> list[dict]:
     """Per (model, preset): shardc / best-expert compiled step time, predicted-vs-compiled
-    communication error."""
+    communication error. On a memory-bound cell the best expert is the best of those whose
+    compiled peak fits the device memory (a plan that does not fit does not run)."""
     groups: dict[tuple[str, str], list[Cell]] = defaultdict(list)
     for c in cells:
         groups[(c.model, c.preset)].append(c)
@@ -24,13 +29,17 @@ def summary(cells: list[Cell]) -> list[dict]:
     for (model, preset), cs in groups.items():
         ours = next((c for c in cs if c.method == "shardc" and c.compiled_s), None)
         experts = [c for c in cs if c.method != "shardc" and c.compiled_s]
-        best = min(experts, key=lambda c: c.compiled_s, default=None)
+        fitting = [c for c in experts if c.fits is not False]
+        best = min(fitting, key=lambda c: c.compiled_s, default=None)
         row = {"model": model, "preset": preset, "shardc_s": ours and ours.compiled_s,
                "shardc_mesh": ours and ours.mesh,
                "best_expert": best and best.method, "best_expert_mesh": best and best.mesh,
                "best_expert_s": best and best.compiled_s, "experts": len(experts),
                "ratio": None, "comm_error": None, "unplanned_share": None,
-               "saved_plan_ratio": None, "memory_error": None}
+               "saved_plan_ratio": None, "memory_error": None,
+               "budget": cs[0].budget, "shardc_peak": ours and ours.peak_memory,
+               "shardc_fits": ours and ours.fits, "best_expert_peak": best and best.peak_memory,
+               "not_fitting": {c.method: c.peak_memory for c in experts if c.fits is False}}
         if ours and best:
             row["ratio"] = ours.compiled_s / best.compiled_s
         if ours and ours.predicted_peak and ours.peak_memory:
@@ -83,7 +92,9 @@ def markdown(cells: list[Cell], commands: list[str], header: str = "") -> str:
         share = "-" if r["unplanned_share"] is None else f"{r['unplanned_share'] * 100:.1f}%"
         saved = "-" if r["saved_plan_ratio"] is None else f"{r['saved_plan_ratio']:.2f}x"
         mem = "-" if r["memory_error"] is None else f"{r['memory_error'] * 100:+.1f}%"
-        best = f"{r['best_expert']} (of {r['experts']})" if r["best_expert"] else "-"
+        fit = " that fit" if r["not_fitting"] else ""
+        best = f"{r['best_expert']} (of {r['experts'] - len(r['not_fitting'])}{fit})" \
+            if r["best_expert"] else "-"
         lines.append(f"| {r['model']} | {r['preset']} | {_ms(r['shardc_s'])} | "
                      f"{r['shardc_mesh'] or '-'} | {best} | {r['best_expert_mesh'] or '-'} | "
                      f"{_ms(r['best_expert_s'])} | {ratio} | {err} | {share} | {mem} | "
@@ -92,6 +103,7 @@ def markdown(cells: list[Cell], commands: list[str], header: str = "") -> str:
         gmean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
         lines.append(f"\nGeometric mean shardc / best expert: **{gmean:.3f}** over "
                      f"{len(ratios)} cells.\n")
+    lines += _memory_bound(summary(cells))
     lines += ["## All cells\n",
               "| model | preset | method | mesh | plan s | predicted ms | compiled ms | "
               "comm ms | compute ms | feed ms | wire MiB | collectives | predicted peak MiB | "
@@ -100,7 +112,8 @@ def markdown(cells: list[Cell], commands: list[str], header: str = "") -> str:
     for c in cells:
         colls = ", ".join(f"{k} {v}" for k, v in sorted(c.collectives.items())) or "-"
         wire = "-" if c.wire_bytes is None else f"{c.wire_bytes / 2**20:.1f}"
-        mem = "-" if c.peak_memory is None else f"{c.peak_memory / 2**20:.1f}"
+        mem = "-" if c.peak_memory is None else f"{c.peak_memory / 2**20:.1f}" + \
+            (" **over**" if c.fits is False else "")
         pmem = "-" if c.predicted_peak is None else f"{c.predicted_peak / 2**20:.1f}"
         plan = "-" if c.plan_s is None else f"{c.plan_s:.2f}"
         matched = {None: "-", True: "yes", False: "**NO**"}[c.matched]
@@ -110,6 +123,34 @@ def markdown(cells: list[Cell], commands: list[str], header: str = "") -> str:
                      f"{_ms(c.compiled_compute_s)} | {_ms(c.compiled_feed_s)} | {wire} | "
                      f"{colls} | {pmem} | {mem} | {matched} | {err} |")
     return "\n".join(lines) + "\n"
+
+
+def _memory_bound(rows: list[dict]) -> list[str]:
+    """The memory-bound cells' table: shardc's compiled peak against the device memory, the
+    best expert that fits, and the experts that do not fit with their peaks."""
+    rows = [r for r in rows if r["budget"] is not None]
+    if not rows:
+        return []
+    out = ["## Memory-bound cells\n",
+           "Models too large for data parallelism on the device (zoo `device_memory`): a "
+           "method fits when its compiled peak (`memory_analysis()`) is within the device "
+           "memory; *best expert* above and here is the fastest that fits. shardc plans "
+           f"with `memory_budget` = {1 - MEMORY_MARGIN:.2f} x the device memory (the margin "
+           "covers its predicted peak's worst error on the zoo, `harness.MEMORY_MARGIN`). "
+           "These cells skip the numerics check (their tiny config is another model's, "
+           "checked there) and the saved-plan timing.\n",
+           "| model | preset | device GiB | shardc ms | shardc peak GiB | fits | best expert "
+           "that fits | its ms | its peak GiB | shardc / expert | experts over (peak GiB) |",
+           "|---|---|---:|---:|---:|---|---|---:|---:|---:|---|"]
+    for r in rows:
+        fits = {None: "-", True: "yes", False: "**NO**"}[r["shardc_fits"]]
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
+        over = ", ".join(f"{m} ({_gib(p)})" for m, p in r["not_fitting"].items()) or "none"
+        out.append(f"| {r['model']} | {r['preset']} | {_gib(r['budget'])} | "
+                   f"{_ms(r['shardc_s'])} | {_gib(r['shardc_peak'])} | {fits} | "
+                   f"{r['best_expert'] or '-'} | {_ms(r['best_expert_s'])} | "
+                   f"{_gib(r['best_expert_peak'])} | {ratio} | {over} |")
+    return [*out, ""]
 
 
 def plot(cells: list[Cell], path: Path) -> None:

@@ -4,6 +4,12 @@ Weak scaling: a model's ``bench`` and ``quick`` configurations give the global b
 :data:`REFERENCE_DEVICES` devices; on a preset with more devices the batch grows with them
 (the per-device batch stays), so every expert can split the batch over every device, as a
 practitioner running more GPUs would.
+
+Memory-bound cells: a model with a ``device_memory`` runs on every preset with that much
+memory per device instead of the preset's own. A method whose compiled peak exceeds it does
+not fit (it stays in the report, marked), the best expert is the best that fits, and shardc
+plans under that budget. It is the model's, not a preset's, because a memory bound is a
+model too large for a device: the smaller zoo models fit any of these devices whole.
 """
 
 from __future__ import annotations
@@ -50,6 +56,12 @@ PRESETS = {
 }
 
 
+SMALL_DEVICE_MEMORY = 24 * 2**30
+"""The memory-bound cells' device (issue "Memory": 24 GiB, an L4 / A10-class card's memory),
+on the presets' H100 links and FLOPs: the cells compare plans under a memory bound, not
+hardware."""
+
+
 @dataclass(frozen=True)
 class ZooModel:
     name: str
@@ -58,6 +70,7 @@ class ZooModel:
     bench: str
     quick: str
     moe: bool = False
+    device_memory: float | None = None  # memory-bound: bytes per device (module doc)
 
     def load(self):
         return importlib.import_module(self.module)
@@ -95,6 +108,9 @@ ZOO = {
     "wrn": ZooModel("wrn", "shardc.models.wrn", "tiny", "realistic", "tiny"),
     "vit": ZooModel("vit", "shardc.models.vit", "tiny", "realistic", "tiny"),
     "llama": ZooModel("llama", "shardc.models.llama", "tiny", "realistic", "realistic(n_layers=2)"),
+    # its quick config (2 layers, 0.65B params, mostly the two vocab tables) fits whole
+    "llama-1b": ZooModel("llama-1b", "shardc.models.llama", "tiny", "llama32_1b",
+                         "llama32_1b(n_layers=2)", device_memory=SMALL_DEVICE_MEMORY),
 }
 
 DEFAULT_PRESETS = ("node-8", "2nodes-2x8")

@@ -97,6 +97,16 @@ class LlamaConfig:
         return cls()
 
     @classmethod
+    def llama32_1b(cls, n_layers: int = 16) -> LlamaConfig:
+        """The shape of Meta's Llama 3.2 1B (its ``config.json``: hidden 2048, 16 layers, 32
+        heads over 8 kv heads, intermediate 8192, vocab 128256) with this model's untied
+        output projection: 1.50B params at 16 layers, 24 GB of float32 weights and Adam
+        moments, so data parallelism's step does not fit a 24 GiB device (the bench's
+        memory-bound cells). Sequence 2048, batch 8 (one sequence per device on 8)."""
+        return cls(vocab=128256, seq_len=2048, d_model=2048, n_heads=32, n_kv_heads=8,
+                   d_ff=8192, n_layers=n_layers, batch=8, learning_rate=3e-4)
+
+    @classmethod
     def realistic(cls, n_layers: int = 8) -> LlamaConfig:
         """Benchmark preset: d 1024, 16 heads over 4 kv heads, d_ff 2816, seq 512, vocab 32000
         (156M params at 8 layers)."""
