@@ -245,8 +245,8 @@ class AutoSharded:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._compatible(key, tr.fixed) or self._cached_or_solved(tr, call)
-            plan = self._named(call, tr, plan)
-            agree(plan)  # under jax.distributed: every process must run this plan
+            # under jax.distributed: every process runs the same plan (process 0's)
+            plan = agree(self._named(call, tr, plan))
             self._plans[key] = plan
         return key, tr, plan
 
@@ -509,8 +509,7 @@ class AutoSharded:
             raise ValueError(f"the plan has no strategy for {missing[0]} (and "
                              f"{len(missing) - 1} more): it was edited or is damaged; plan "
                              "again")
-        plan = self._named(call, tr, plan)
-        agree(plan)
+        plan = agree(self._named(call, tr, plan))
         self._plans[key] = plan
         self._execs.pop(key, None)
 

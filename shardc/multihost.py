@@ -1,13 +1,17 @@
 """Running a planned step under ``jax.distributed``: one process per host, every process
 executing the same plan on the global mesh.
 
-Every process plans for itself; plans are deterministic (:func:`shardc.auto_shard`'s
-``time_limit``), so they agree when the processes plan the same program with the same
-cluster and options. :func:`agree` checks that they did: every process's
-:func:`plan_digest` is gathered to all (``multihost_utils.process_allgather``), and any
-difference raises :class:`PlanMismatchError` on every process at once, before a step runs
-(processes running different programs would otherwise wait on each other's collectives
-forever). ``auto_shard`` calls it for each plan it adopts when ``jax.process_count() > 1``.
+Every process plans for itself; plans are deterministic when they run to their end
+(:func:`shardc.auto_shard`'s ``time_limit``), so they agree when the processes plan the same
+program with the same cluster and options. :func:`agree` makes sure they run the same one:
+every process's :func:`plan_digest` is gathered to all (``multihost_utils.process_allgather``).
+Where the digests differ but the program is the same (a process priced another
+cluster, or a memory budget's search stopped at its time limit on a loaded host), every
+process adopts process 0's plan (``multihost_utils.broadcast_one_to_all`` of its JSON), with
+one warning: any plan of the program runs correctly, and processes running different plans
+would wait on each other's collectives forever. Different programs raise
+:class:`PlanMismatchError` on every process at once, before a step runs. ``auto_shard`` calls
+it for each plan it adopts when ``jax.process_count() > 1``.
 
 :func:`global_batch` assembles global arrays from each process's part of the batch
 (``jax.make_array_from_process_local_data``) in the shardings the plan gives them
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from collections.abc import Sequence
 
 import jax
@@ -41,24 +46,52 @@ def plan_digest(plan: Plan) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def agree(plan: Plan) -> None:
-    """Raise :class:`PlanMismatchError` on every process unless all processes hold the same
-    plan; a no-op in a single process. Every process must call it (a collective)."""
-    if jax.process_count() == 1:
-        return
+def _gathered(digest: str) -> list[str]:
+    """Every process's hex ``digest`` (one collective)."""
     from jax.experimental import multihost_utils
 
-    mine = plan_digest(plan)
-    gathered = multihost_utils.process_allgather(np.frombuffer(bytes.fromhex(mine), np.uint8))
-    digests = [bytes(row).hex() for row in np.asarray(gathered).reshape(jax.process_count(), -1)]
-    if len(set(digests)) > 1:
+    rows = multihost_utils.process_allgather(np.frombuffer(bytes.fromhex(digest), np.uint8))
+    return [bytes(row).hex() for row in np.asarray(rows).reshape(jax.process_count(), -1)]
+
+
+def _from_process_0(text: str) -> str:
+    """Process 0's ``text`` on every process (two collectives: its length, its bytes)."""
+    from jax.experimental import multihost_utils
+
+    data = text.encode()
+    n = int(multihost_utils.broadcast_one_to_all(np.int64(len(data))))
+    buf = np.zeros(n, np.uint8)
+    if jax.process_index() == 0:
+        buf[:] = np.frombuffer(data, np.uint8)
+    return bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf))).decode()
+
+
+def agree(plan: Plan) -> Plan:
+    """The plan every process runs: ``plan`` where all processes hold the same one, else
+    process 0's (one warning); :class:`PlanMismatchError` on every process where they plan
+    different programs. ``plan`` itself in a single process. Every process must
+    call it (a collective)."""
+    if jax.process_count() == 1:
+        return plan
+    digests = _gathered(plan_digest(plan))
+    if len(set(digests)) == 1:
+        return plan
+    program = hashlib.sha256(plan.fingerprint.encode()).hexdigest()[:16]
+    if len(set(_gathered(program))) > 1:
         listing = ", ".join(f"process {i}: {d}" for i, d in enumerate(digests))
         raise PlanMismatchError(
-            f"the processes made different plans for program {plan.fingerprint} ({listing}). "
-            "A plan depends on the program, its argument shapes, the mesh, the cluster and "
-            "the auto_shard options: give every process the same ones (a calibrated Cluster "
-            "from one file, not measured per process), or plan once, save plan.to_json() "
-            "and load it on every process with step.use_plan(Plan.from_json(text), ...)")
+            f"the processes planned different programs (plan digests {listing}; "
+            f"this process's program is {plan.fingerprint}). Every process must call the "
+            "step with the same program and argument shapes")
+    adopted = Plan.from_json(_from_process_0(plan.to_json()))
+    warnings.warn(
+        f"the processes made different plans for program {plan.fingerprint} (digests "
+        f"{', '.join(digests)}); every process runs process 0's. Plans differ when the "
+        "processes' clusters or auto_shard options differ (calibrate one Cluster and load it "
+        "from one file) or when the solver stops at time_limit (a memory budget's search on a "
+        "loaded host): raise time_limit, or plan once and load it with step.use_plan(...)",
+        stacklevel=3)
+    return adopted
 
 
 def global_batch(local, shardings, global_shapes=None):

@@ -2,14 +2,17 @@
 per process, gloo collectives, the tiny GPT's train step under auto_shard on a (2, 4) mesh
 over every process's devices. Prints one JSON line: the losses and the plan's digests.
 
-    python tests/multihost_worker.py PROCESS_ID NUM_PROCESSES PORT STEPS [--skew]
+    python tests/multihost_worker.py PROCESS_ID NUM_PROCESSES PORT STEPS [--skew] [--other]
 
 ``--skew`` (on one process) prices the plan on another cluster, so the processes plan
-differently: the job must stop with PlanMismatchError on every process.
+differently: every process must run process 0's plan. ``--other`` (on one process) plans
+another program (one more layer): the job must stop with PlanMismatchError on every
+process.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -19,7 +22,7 @@ LOCAL_DEVICES = 4
 
 def main(argv: list[str]) -> None:
     process_id, num_processes, port, steps = (int(a) for a in argv[:4])
-    skew = "--skew" in argv[4:]
+    skew, other = "--skew" in argv[4:], "--other" in argv[4:]
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
                                f"device_count={LOCAL_DEVICES}")
     import jax
@@ -37,7 +40,10 @@ def main(argv: list[str]) -> None:
     from shardc.multihost import PlanMismatchError, global_batch, plan_digest, process_slice
 
     assert len(jax.devices()) == LOCAL_DEVICES * num_processes
-    step_fn, (state, batch) = gpt.make_train_step(gpt.GPTConfig.tiny())
+    cfg = gpt.GPTConfig.tiny()
+    if other:
+        cfg = dataclasses.replace(cfg, n_layers=cfg.n_layers + 1)
+    step_fn, (state, batch) = gpt.make_train_step(cfg)
     mesh = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
     step = shardc.auto_shard(step_fn, mesh=mesh, cluster=cluster(skew))
     state = jax.tree.map(np.asarray, state)  # the same values in every process

@@ -1,7 +1,8 @@
 """Multi-host: 2 processes x 4 CPU devices under jax.distributed (gloo collectives) run the
 tiny GPT's step under auto_shard on one (2, 4) mesh of all 8 devices, with the same plan
-and losses as one process with 8 devices; processes that plan differently stop with
-PlanMismatchError instead of hanging."""
+and losses as one process with 8 devices; processes that plan differently run process 0's
+plan, and processes planning different programs stop with PlanMismatchError instead of
+hanging."""
 
 from __future__ import annotations
 
@@ -47,8 +48,19 @@ def test_two_processes_match_one():
     np.testing.assert_allclose(r1["losses"], losses, rtol=1e-5)
 
 
-def test_processes_with_different_plans_stop():
-    for r in run_job([], ["--skew"]):
+def test_processes_with_different_plans_run_process_0s():
+    """Process 1 prices another cluster, so it plans differently: both run process 0's plan
+    (one warning on each), and their losses agree."""
+    r0, r1 = run_job([], ["--skew"])
+    for r in (r0, r1):
+        assert r.code == 0 and r.last is not None, (r.code, r.stderr)
+        assert "every process runs process 0's" in r.stderr
+    assert r0.last["digest"] == r1.last["digest"]
+    np.testing.assert_allclose(r0.last["losses"], r1.last["losses"], rtol=1e-6)
+
+
+def test_processes_planning_different_programs_stop():
+    for r in run_job([], ["--other"]):
         assert r.code == 3 and r.last is not None, (r.code, r.stderr)
-        assert "made different plans" in r.last["error"]
+        assert "planned different programs" in r.last["error"]
         assert "process 0" in r.last["error"] and "process 1" in r.last["error"]
