@@ -82,6 +82,9 @@ def test_a_partial_accumulator_matches_the_unsharded_loop():
     step = shardc.auto_shard(accumulate, mesh=mesh,
                              in_shardings=(spec(), spec(None, ("node", "gpu"))))
     plan = step.plan(w, xs)
-    assert any(o.prim == "scan_enter" and o.outs[0].has_partial for o in plan.ops)
+    carry = [o for o in plan.ops if o.prim == "scan_enter" and o.outs[0].has_partial]
+    assert len(carry) == 1 and str(carry[0].outs[0]) == "(P, P)"
+    # the loop carries each device's summand: one leading dim per mesh axis
+    assert "tensor<2x4x128x128xf32>" in step.lower(w, xs).as_text()
     np.testing.assert_allclose(np.asarray(step(w, xs)), np.asarray(jax.jit(accumulate)(w, xs)),
                                rtol=1e-4, atol=1e-3)
