@@ -363,10 +363,11 @@ def _unique(items: Sequence) -> tuple[list, np.ndarray]:
 
 
 def input_choices(v: Value, axis_sizes: Sequence[int]) -> list[NdSbp]:
-    """Every even layout of a graph input: broadcast or split on any dim, per axis."""
+    """Every even layout of a graph input: broadcast or split on any dim, per axis (an axis
+    of size 1 only broadcast: a split over one device is the same placement)."""
     per_axis = [B] + [Split(d) for d in range(v.ndim)]
     out = []
-    for combo in itertools.product(per_axis, repeat=len(axis_sizes)):
+    for combo in itertools.product(*([B] if n == 1 else per_axis for n in axis_sizes)):
         nd = NdSbp(tuple(combo))
         if nd.fits(v.shape, axis_sizes):
             out.append(nd)
