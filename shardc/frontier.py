@@ -134,10 +134,12 @@ def device_counts(shape: Sequence[int], names: Sequence[str]
                   ) -> list[tuple[int, tuple[int, ...], tuple[str, ...]]]:
     """``(devices, sub-mesh shape, its axis names)`` for each device count that divides the
     mesh, fewest first: the first devices in row-major order, so a count fills the inner
-    (fastest) axes before the outer ones (4 of ``(node=2, gpu=4)`` is one node's ``gpu=4``).
-    Axes the count leaves at size 1 are dropped (one device keeps the innermost axis, size
-    1). A count whose devices are not a whole block of inner axes is skipped (6 of
-    ``(2, 4)``: it divides nothing, as does no count that is not a divisor)."""
+    (fastest) axes before the outer ones (4 of ``(node=2, gpu=4)`` is ``(node=1, gpu=4)``).
+    Every axis keeps its name, at size 1 where the count leaves it: the program's own
+    ``with_sharding_constraint`` may name any of the mesh's axes, and a spec naming an axis
+    of size 1 places the value as if it named none. A count whose devices are not a whole
+    block of inner axes is skipped (6 of ``(2, 4)``: it divides nothing, as does no count
+    that is not a divisor)."""
     n = math.prod(shape)
     out = []
     for k in range(1, n + 1):
@@ -154,8 +156,7 @@ def device_counts(shape: Sequence[int], names: Sequence[str]
             if rem != 1:
                 continue
             sub.reverse()
-            kept = [(s, a) for s, a in zip(sub, names) if s > 1] or [(1, names[-1])]
-            out.append((k, tuple(s for s, _ in kept), tuple(a for _, a in kept)))
+            out.append((k, tuple(sub), tuple(names)))
     return out
 
 

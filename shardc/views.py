@@ -98,11 +98,13 @@ def _factorizations(n: int, max_axes: int) -> list[tuple[int, ...]]:
 def views(shape: Sequence[int], names: Sequence[str], cluster: Cluster,
           max_axes: int = 2) -> list[View]:
     """The physical mesh first, then every 1-D and 2-D logical cut of it (each axis at least
-    2 devices) that cuts the physical axes evenly."""
+    2 devices) that cuts the physical axes evenly. Physical axes of size 1 (a sub-mesh of
+    :func:`shardc.frontier.device_counts`) hold no devices to cut: the cut that only drops
+    them is the physical mesh again, and one device has no cut at all."""
     shape, names = tuple(shape), tuple(names)
     out = [View(shape, names, cluster)]
     for logical in _factorizations(math.prod(shape), max_axes):
-        if logical == shape:
+        if logical == tuple(s for s in shape if s > 1) or min(logical) < 2:
             continue
         cut = _cut(shape, logical)
         if cut is None:

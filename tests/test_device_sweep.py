@@ -1,7 +1,10 @@
 """The device-count sweep: the best plan on each device count that divides the mesh."""
 
+import jax
+import jax.numpy as jnp
 import pytest
-from jax.sharding import AbstractMesh
+from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import shardc
 from shardc.frontier import device_counts
@@ -15,11 +18,34 @@ GIB = float(2**30)
 
 
 def test_device_counts_fill_the_inner_axes_first():
-    assert device_counts((2, 4), ("node", "gpu")) == [
-        (1, (1,), ("gpu",)), (2, (2,), ("gpu",)), (4, (4,), ("gpu",)),
-        (8, (2, 4), ("node", "gpu"))]
+    # every axis keeps its name, at size 1 where the count leaves it
+    names = ("node", "gpu")
+    assert device_counts((2, 4), names) == [
+        (1, (1, 1), names), (2, (1, 2), names), (4, (1, 4), names), (8, (2, 4), names)]
     # 2 of (2, 3) is no block of the inner axis: skipped
-    assert [k for k, _, _ in device_counts((2, 3), ("node", "gpu"))] == [1, 3, 6]
+    assert [k for k, _, _ in device_counts((2, 3), names)] == [1, 3, 6]
+
+
+def test_the_sweep_keeps_the_axes_the_programs_constraints_name():
+    # regression: the sub-meshes dropped "node" (size 1 below 8 devices), and planning the
+    # user's constraint naming it failed with a LayoutError
+    def fn(w, x):
+        h = jax.lax.with_sharding_constraint(x @ w, NamedSharding(MESH, P("node", "gpu")))
+        return jnp.sum(jnp.tanh(h))
+
+    args = (jax.ShapeDtypeStruct((64, 64), jnp.float32),
+            jax.ShapeDtypeStruct((32, 64), jnp.float32))
+    step = shardc.auto_shard(fn, mesh=MESH, cluster=shardc.Cluster.multi_node(),
+                             mesh_search=True)
+    sweep = step.device_sweep(*args, memory_budget=GIB)
+    assert [c.mesh for c in sweep.counts] == [
+        (("node", 1), ("gpu", 1)), (("node", 1), ("gpu", 2)), (("node", 1), ("gpu", 4)),
+        (("node", 2), ("gpu", 4))]
+    for c in sweep.counts:
+        pinned = [str(o.outs[0]) for o in c.plan.ops if o.prim == "sharding_constraint"]
+        assert pinned == ["(S(0), S(1))"]
+    step_times = [c.plan.predicted.step_time for c in sweep.counts]
+    assert step_times[0] < step_times[1]  # one device moves nothing
 
 
 def test_the_sweep_says_how_many_devices_the_model_needs(capsys):

@@ -32,6 +32,14 @@ def test_views_skip_cuts_that_split_an_axis_unevenly():
     assert shapes == [(3, 2), (6,)]
 
 
+def test_axes_of_size_one_are_not_cut():
+    # a device-sweep sub-mesh: dropping node=1 is the same mesh, and one device has no cut
+    two = Cluster.multi_node()
+    assert [v.label for v in views((1, 4), ("node", "gpu"), two)] == ["node=1 x gpu=4"]
+    assert [v.label for v in views((1, 1), ("node", "gpu"), two)] == ["node=1 x gpu=1"]
+    assert [v.shape for v in views((1, 8), ("node", "gpu"), two)] == [(1, 8), (2, 4), (4, 2)]
+
+
 def test_view_mesh_keeps_the_device_order():
     mesh = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
     v = next(v for v in views((2, 4), ("node", "gpu"), Cluster()) if v.shape == (4, 2))

@@ -176,7 +176,8 @@ def strategies(op: Op, axis_sizes: Sequence[int], axis_names: Sequence[str] | No
                 or (keep and all(isinstance(x, Partial) for x in (*s.ins[:1], *s.outs)))]
     result: list[Strategy] = []
     seen = set()
-    for combo in itertools.product(sigs, repeat=len(axis_sizes)):
+    only = [replicated_signature(op)]  # an axis of size 1: every signature places alike
+    for combo in itertools.product(*(only if n == 1 else sigs for n in axis_sizes)):
         ins = tuple(NdSbp(tuple(s.ins[k] for s in combo)) for k in range(len(op.inputs)))
         outs = tuple(NdSbp(tuple(s.outs[k] for s in combo)) for k in range(len(op.outputs)))
         key = (ins, outs)

@@ -20,6 +20,7 @@ References:
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -38,6 +39,9 @@ from shardc.ir.trace import SCAN_ENTER, SCAN_EXIT
 from shardc.rules.registry import strategies
 
 MEMORY_POINTS = 4  # program points sampled for the memory constraint (Alpa samples too)
+FUSING_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
+"""Reductions XLA fuses their elementwise operands into (an input fusion): a softmax's
+``exp`` read by its sum and its normalisation is never stored."""
 
 
 @dataclass
@@ -94,6 +98,9 @@ class CostGraph:
     follows: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)  # v -> (u, f[a])
     spans: list = field(default_factory=list)  # (first, last program point, node, slot, bytes)
     stack_spans: list = field(default_factory=list)  # (first, last, enter, node, slot, bytes)
+    results: set = field(default_factory=set)  # indices of spans holding a graph result
+    read_spans: list = field(default_factory=list)  # (t, op node, input k, node, slot, bytes)
+    settle_spans: list = field(default_factory=list)  # (first, last, settle, node, slot, bytes)
     conversions: dict = field(default_factory=dict)  # (src, dst) -> Conversion
     terms: dict = field(default_factory=dict)  # (srcs, dsts) -> reshard_matrix's cost terms
     carried: set = field(default_factory=set)  # input nodes tied to an output (the state)
@@ -364,10 +371,11 @@ def _unique(items: Sequence) -> tuple[list, np.ndarray]:
 
 
 def input_choices(v: Value, axis_sizes: Sequence[int]) -> list[NdSbp]:
-    """Every even layout of a graph input: broadcast or split on any dim, per axis."""
+    """Every even layout of a graph input: broadcast or split on any dim, per axis (an axis
+    of size 1 only broadcast: a split over one device is the same placement)."""
     per_axis = [B] + [Split(d) for d in range(v.ndim)]
     out = []
-    for combo in itertools.product(per_axis, repeat=len(axis_sizes)):
+    for combo in itertools.product(*([B] if n == 1 else per_axis for n in axis_sizes)):
         nd = NdSbp(tuple(combo))
         if nd.fits(v.shape, axis_sizes):
             out.append(nd)
@@ -622,22 +630,75 @@ def _value_mem(cg: CostGraph, node: int, slot: int, nbytes: int) -> np.ndarray:
     return np.array([nbytes * nd.shard_fraction(cg.axis_sizes) for nd in cg.out_sbps(node, slot)])
 
 
+def fused_values(graph: Graph) -> set[int]:
+    """Ids of the values XLA never stores: made by an elementwise op or a broadcast and read
+    only by such ops or by a reduction (:data:`FUSING_REDUCTIONS`), not a result. XLA's
+    fusion pass computes such a value inside each consumer's loop (a loop or input fusion;
+    several consumers each recompute it or share a multi-output fusion), so no buffer holds
+    it, and its operands are read where its consumers run instead. An optimizer's chains
+    (Adam's bias-corrected moments and update) are made of these: counted as buffers, a
+    train step's tail held two extra copies of the parameters that the compiled program
+    never allocates; so are a loss's logits-sized broadcasts and ``exp``."""
+    outs = {v.id for v in graph.outputs}
+    readers: dict[int, list[Op]] = {}
+    for op in graph.ops:
+        for v in op.inputs:
+            readers.setdefault(v.id, []).append(op)
+
+    def made_in_loop(name: str) -> bool:
+        return facts(name).elementwise or name == "broadcast_in_dim"
+
+    return {v.id for op in graph.ops if made_in_loop(op.name) for v in op.outputs
+            if v.id not in outs and v.id in readers
+            and all(made_in_loop(r.name) or r.name in FUSING_REDUCTIONS
+                    for r in readers[v.id])}
+
+
 def _lifetimes(cg: CostGraph) -> None:
     """Graph inputs (parameters, optimizer state, batch) live throughout; an op's outputs
-    from the op to their last use (graph outputs: to the end)."""
+    from the op to their last use (graph outputs: to the end); a fused value
+    (:func:`fused_values`) has no buffer, and its operands live to its last use instead."""
     graph = cg.graph
     n = len(graph.ops)
     last = {v.id: n for v in graph.outputs}
     for t, op in enumerate(graph.ops):
         for v in op.inputs:
             last[v.id] = max(last.get(v.id, t), t)
+    fused = fused_values(graph)
+    for t in range(n - 1, -1, -1):  # consumers first: a chain of fused values extends back
+        op = graph.ops[t]
+        end = max((last[v.id] for v in op.outputs if v.id in fused), default=t)
+        for v in op.inputs:
+            last[v.id] = max(last[v.id], end)
     cg.spans = []
     for v in graph.inputs:
         node, _ = cg.producer[v.id]
         cg.spans.append((0, n, node, 0, v.nbytes))
+    results = {v.id for v in graph.outputs}
+    cg.results = set()
     for t, op in enumerate(graph.ops):
         for slot, v in enumerate(op.outputs):
-            cg.spans.append((t, last.get(v.id, t), cg.producer[v.id][0], slot, v.nbytes))
+            if v.id in results:
+                cg.results.add(len(cg.spans))
+            if v.id not in fused:
+                cg.spans.append((t, last.get(v.id, t), cg.producer[v.id][0], slot, v.nbytes))
+    first_read: dict[int, int] = {}
+    cg.read_spans = []
+    for t, op in enumerate(graph.ops):
+        for k, val in reads(op):
+            if val.is_const:
+                continue
+            first_read.setdefault(val.id, t)
+            u, slot = cg.producer[val.id] if carry_exit(op) or val.id not in cg.settle \
+                else (cg.settle[val.id], 0)
+            cg.read_spans.append((t, len(graph.inputs) + t, k, u, slot, val.nbytes))
+    cg.settle_spans = []
+    for vid, w in cg.settle.items():
+        if vid in first_read:
+            node, slot = cg.producer[vid]
+            val = cg.refs[w].value
+            cg.settle_spans.append((first_read[vid], last.get(vid, n), w, node, slot,
+                                    val.nbytes))
     cg.stack_spans = []
     for t, end, val in stacked_reads(graph):
         u, slot = (cg.settle[val.id], 0) if val.id in cg.settle else cg.producer[val.id]
@@ -669,20 +730,79 @@ def memory_point(cg: CostGraph, t: int) -> dict[int, np.ndarray]:
 
 
 def memory_profile(cg: CostGraph, choice: Sequence[int]) -> np.ndarray:
-    """Exact per-device live bytes at every program point for full per-node ``choice``."""
-    n = len(cg.graph.ops)
-    delta = np.zeros(n + 2)
-    for start, end, node, slot, nbytes in cg.spans:
+    """Per-device bytes at every program point for full per-node ``choice``, as XLA's
+    buffer assignment counts them (``memory_analysis()``: arguments + results +
+    temporaries): every argument and every result (XLA reserves a result's buffer for the
+    whole program), and the temporaries live at the point that no result buffer holds
+    (:func:`host`). A temporary is an op's value that is not a result, or a value's copy
+    a collective converted (a shared value's settled layout, an operand's for its op, a
+    stack's for its loop); the collectives' copies are never held in a result buffer: XLA's
+    combined all-reduce of a data-parallel step's gradients (ViT on 8 devices) lands in
+    the temporary pool, not in the buffers the optimizer writes later."""
+    n = max(len(cg.graph.ops), 1)
+    nin = len(cg.graph.inputs)
+    held = 0.0
+    results = []  # (bytes, first point)
+    made = []  # an op's temporaries: (first, last, bytes)
+    moved = []  # the collectives' copies: (first, last, bytes)
+    for k, (start, end, node, slot, nbytes) in enumerate(cg.spans):
         b = nbytes * cg.out_sbp(node, slot, choice[node]).shard_fraction(cg.axis_sizes)
-        delta[start] += b
-        delta[end + 1] -= b
+        if k < nin or k in cg.results:
+            held += b
+            if k >= nin:
+                results.append((b, start))
+        else:
+            made.append((start, end, b))
     for start, end, enter, node, slot, nbytes in cg.stack_spans:  # stacks converted for a loop
         read = cg.choices[enter][choice[enter]].ins[0]
         if read != cg.out_sbp(node, slot, choice[node]):
-            b = nbytes * read.shard_fraction(cg.axis_sizes)
-            delta[start] += b
-            delta[end + 1] -= b
-    return np.cumsum(delta)[: max(n, 1)]
+            moved.append((start, end, nbytes * read.shard_fraction(cg.axis_sizes)))
+    for start, end, w, node, slot, nbytes in cg.settle_spans:  # a shared value's converted copy
+        kept = cg.choices[w][choice[w]]
+        if _moves(cg, cg.out_sbp(node, slot, choice[node]), kept):
+            moved.append((start, end, nbytes * kept.shard_fraction(cg.axis_sizes)))
+    for t, op_node, k, node, slot, nbytes in cg.read_spans:  # an operand converted for its op
+        want = cg.choices[op_node][choice[op_node]].ins[k]
+        if _moves(cg, cg.out_sbp(node, slot, choice[node]), want):
+            moved.append((t, t, nbytes * want.shard_fraction(cg.axis_sizes)))
+    delta = np.zeros(n + 2)
+    for start, end, b in host(made, results) + moved:
+        delta[start] += b
+        delta[end + 1] -= b
+    return held + np.cumsum(delta)[:n]
+
+
+def host(temps: list[tuple[int, int, float]], results: list[tuple[float, int]]
+         ) -> list[tuple[int, int, float]]:
+    """The temporaries ``(first, last, bytes)`` no result buffer ``(bytes, first point)``
+    holds. XLA's buffer assignment puts a temporary that dies before a result is written
+    into that result's buffer when it fits and overlaps no other temporary held there (on a
+    data-parallel train step, the forward pass's activations live in the buffers of the
+    parameters the optimizer writes at the end); like its heap, largest temporary first,
+    each into the smallest buffer that takes it."""
+    order = sorted(range(len(results)), key=lambda j: results[j][0])
+    sizes = [results[j][0] for j in order]
+    busy: list[list[tuple[int, int]]] = [[] for _ in order]  # each buffer's held spans
+    out = []
+    for first, last, b in sorted(temps, key=lambda x: -x[2]):
+        j = bisect.bisect_left(sizes, b)
+        while j < len(order):
+            spans = busy[j]
+            p = bisect.bisect_left(spans, (first, -1))
+            if results[order[j]][1] > last and (p == len(spans) or spans[p][0] > last) \
+                    and (p == 0 or spans[p - 1][1] < first):
+                spans.insert(p, (first, last))
+                break
+            j += 1
+        else:
+            out.append((first, last, b))
+    return out
+
+
+def _moves(cg: CostGraph, src: NdSbp, dst: NdSbp) -> bool:
+    """Converting ``src`` to ``dst`` runs a collective: its result is a buffer of its own
+    (a local slice is fused into its reader)."""
+    return src != dst and bool(cg._conversion(src, dst).collectives)
 
 
 def _memory_points(cg: CostGraph) -> list[dict[int, np.ndarray]]:
