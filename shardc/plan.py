@@ -14,8 +14,9 @@ import dataclasses
 import hashlib
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 from jax.sharding import PartitionSpec
@@ -216,20 +217,49 @@ class Plan:
 
     # ---- JSON ---------------------------------------------------------------------------------
     def to_json(self) -> str:
+        """The plan as JSON (version 2): every layout written once, in a table the values,
+        ops and reshards index, and the ops and reshards as columns. A large program's plan
+        holds a few dozen distinct layouts and a few hundred distinct type strings over
+        thousands of ops, so this is a third of the size of writing each in place, and
+        reading it (:meth:`from_json`, on every ``use_plan`` of a saved plan) builds each
+        layout once instead of parsing it per use."""
+        layouts: dict[NdSbp, int] = {}
+        strings: dict[str, int] = {}
+
+        def lay(nd: NdSbp) -> int:
+            return layouts.setdefault(nd, len(layouts))
+
+        def text(s: str) -> int:
+            return strings.setdefault(s, len(strings))
+
+        ops, res = self.ops, self.reshards
         d = {
-            "version": 1,
+            "version": 2,
             "mesh_axes": [list(a) for a in self.mesh_axes],
             "cluster": self.cluster.to_json(),
-            "inputs": [nd.to_json() for nd in self.inputs],
-            "outputs": [nd.to_json() for nd in self.outputs],
+            "inputs": [lay(nd) for nd in self.inputs],
+            "outputs": [lay(nd) for nd in self.outputs],
             "input_ranks": list(self.input_ranks),
             "output_ranks": list(self.output_ranks),
-            "values": {str(k): nd.to_json() for k, nd in self.values.items()},
-            "settled": {str(k): nd.to_json() for k, nd in self.settled.items()},
-            "ops": [{**asdict(o), "ins": [nd.to_json() for nd in o.ins],
-                     "outs": [nd.to_json() for nd in o.outs]} for o in self.ops],
-            "reshards": [{**asdict(r), "src": r.src.to_json(), "dst": r.dst.to_json()}
-                         for r in self.reshards],
+            "values": {"ids": list(self.values), "layouts": list(map(lay, self.values.values()))},
+            "settled": {"ids": list(self.settled),
+                        "layouts": list(map(lay, self.settled.values()))},
+            "ops": {"id": [o.id for o in ops], "prim": [text(o.prim) for o in ops],
+                    "types": [text(o.types) for o in ops],
+                    "ins": [list(map(lay, o.ins)) for o in ops],
+                    "outs": [list(map(lay, o.outs)) for o in ops],
+                    "compute_time": [o.compute_time for o in ops],
+                    "comm_time": [o.comm_time for o in ops],
+                    "reads": [list(o.reads) for o in ops],
+                    "writes": [list(o.writes) for o in ops],
+                    "source": [text(o.source) for o in ops],
+                    "where": [list(o.where) for o in ops]},
+            "reshards": {"value": [r.value for r in res], "consumer": [r.consumer for r in res],
+                         "src": [lay(r.src) for r in res], "dst": [lay(r.dst) for r in res],
+                         "time": [r.time for r in res],
+                         "wire_bytes": [r.wire_bytes for r in res],
+                         "collectives": [list(r.collectives) for r in res],
+                         "collective_bytes": [list(r.collective_bytes) for r in res]},
             "predicted": asdict(self.predicted),
             "solver": self.solver,
             "fingerprint": self.fingerprint,
@@ -239,12 +269,15 @@ class Plan:
             "input_names": list(self.input_names),
             "output_names": list(self.output_names),
         }
-        return json.dumps(d)
+        d["layouts"] = [nd.to_json() for nd in layouts]
+        d["strings"] = list(strings)
+        return json.dumps(d, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        """Read a plan saved with :meth:`to_json`; a damaged file raises
-        :class:`PlanFormatError` naming the field that is missing or wrong."""
+        """Read a plan saved with :meth:`to_json`, in this version's format or version 1's
+        (each layout written in place); a damaged file raises :class:`PlanFormatError`
+        naming the field that is missing or wrong."""
         try:
             d = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -252,9 +285,10 @@ class Plan:
                                   f"{exc.colno}); was the file truncated or edited?") from exc
         if not isinstance(d, dict):
             raise PlanFormatError(f"expected a JSON object, got {type(d).__name__}")
-        if d.get("version") != 1:
-            raise PlanFormatError(f"unknown plan version {d.get('version')!r}; expected 1")
-        missing = [k for k in _FIELDS if k not in d]
+        version = d.get("version")
+        if version not in (1, 2):
+            raise PlanFormatError(f"unknown plan version {version!r}; expected 1 or 2")
+        missing = [k for k in _FIELDS + (_FIELDS_V2 if version == 2 else ()) if k not in d]
         if missing:
             raise PlanFormatError(f"missing field(s) {missing}")
         with _field("mesh_axes"):
@@ -267,31 +301,26 @@ class Plan:
                 raise ValueError(f"{x} has {len(out)} mesh axes, the plan's mesh {n_axes}")
             return out
 
+        if version == 2:
+            with _field("layouts"):
+                table = [nd(x) for x in d["layouts"]]
+            with _field("strings"):
+                strings = [str(s) for s in d["strings"]]
+            read = _Columns(table, strings)
+        else:
+            read = _InPlace(nd)
         with _field("cluster"):
             cluster = Cluster.from_json(d["cluster"])
         with _field("inputs"):
-            inputs = tuple(nd(x) for x in d["inputs"])
+            inputs = read.layouts(d["inputs"])
         with _field("outputs"):
-            outputs = tuple(nd(x) for x in d["outputs"])
+            outputs = read.layouts(d["outputs"])
         with _field("values"):
-            values = {int(k): nd(v) for k, v in d["values"].items()}
+            values = read.by_id(d["values"])
         with _field("settled"):
-            settled = {int(k): nd(v) for k, v in d.get("settled", {}).items()}
-        ops = []
-        for i, o in enumerate(d["ops"]):
-            with _field(f"ops[{i}]"):
-                ops.append(OpPlan(**{**o, "ins": tuple(nd(x) for x in o["ins"]),
-                                     "outs": tuple(nd(x) for x in o["outs"]),
-                                     "reads": tuple(o.get("reads", ())),
-                                     "writes": tuple(o.get("writes", ())),
-                                     "source": str(o.get("source", "")),
-                                     "where": tuple(int(i) for i in o.get("where", ()))}))
-        reshards = []
-        for i, r in enumerate(d["reshards"]):
-            with _field(f"reshards[{i}]"):
-                reshards.append(Reshard(**{**r, "src": nd(r["src"]), "dst": nd(r["dst"]),
-                                           "collectives": tuple(r["collectives"]),
-                                           "collective_bytes": tuple(r["collective_bytes"])}))
+            settled = read.by_id(d["settled"]) if "settled" in d else {}
+        ops = read.ops(d["ops"])
+        reshards = read.reshards(d["reshards"])
         with _field("predicted"):
             predicted = Predicted(**d["predicted"])
         with _field("input_ranks / output_ranks"):
@@ -311,10 +340,111 @@ class Plan:
                 described[key] = tuple(int(x) for x in got) if key == "input_ids" else \
                     tuple(str(x) for x in got)
         return cls(mesh_axes=mesh_axes, cluster=cluster, inputs=inputs, outputs=outputs,
-                   values=values, settled=settled, ops=tuple(ops), reshards=tuple(reshards),
+                   values=values, settled=settled, ops=ops, reshards=reshards,
                    predicted=predicted, solver=dict(d["solver"]),
                    fingerprint=str(d["fingerprint"]), input_ranks=input_ranks,
                    output_ranks=output_ranks, **described)
+
+
+class _InPlace:
+    """Reads version 1 plans: every layout written in place, ops and reshards as objects."""
+
+    def __init__(self, nd: Callable[[Any], NdSbp]):
+        self.nd = nd
+
+    def layouts(self, xs) -> tuple[NdSbp, ...]:
+        return tuple(map(self.nd, xs))
+
+    def by_id(self, d: dict) -> dict[int, NdSbp]:
+        return {int(k): self.nd(v) for k, v in d.items()}
+
+    def ops(self, rows) -> tuple[OpPlan, ...]:
+        out = []
+        for i, o in enumerate(rows):
+            with _field(f"ops[{i}]"):
+                out.append(OpPlan(**{**o, "ins": self.layouts(o["ins"]),
+                                     "outs": self.layouts(o["outs"]),
+                                     "reads": tuple(o.get("reads", ())),
+                                     "writes": tuple(o.get("writes", ())),
+                                     "source": str(o.get("source", "")),
+                                     "where": tuple(int(i) for i in o.get("where", ()))}))
+        return tuple(out)
+
+    def reshards(self, rows) -> tuple[Reshard, ...]:
+        out = []
+        for i, r in enumerate(rows):
+            with _field(f"reshards[{i}]"):
+                out.append(Reshard(**{**r, "src": self.nd(r["src"]), "dst": self.nd(r["dst"]),
+                                      "collectives": tuple(r["collectives"]),
+                                      "collective_bytes": tuple(r["collective_bytes"])}))
+        return tuple(out)
+
+
+class _Columns:
+    """Reads version 2 plans: layouts and strings by index into the file's tables, ops and
+    reshards as columns (one list per field, all of one length)."""
+
+    def __init__(self, table: list[NdSbp], strings: list[str]):
+        self.table = table
+        self.strings = strings
+        #: an op's input / output layouts as written (a list of indices) -> the layouts:
+        #: thousands of ops share a few hundred such lists, each resolved once
+        self.tuples: dict[tuple, tuple[NdSbp, ...]] = {}
+
+    def at(self, k) -> NdSbp:
+        if not isinstance(k, int) or k < 0:
+            raise ValueError(f"layout index {k!r}")
+        return self.table[k]
+
+    def layouts(self, xs) -> tuple[NdSbp, ...]:
+        key = tuple(xs)
+        got = self.tuples.get(key)
+        if got is None:
+            got = self.tuples[key] = tuple(map(self.at, key))
+        return got
+
+    def by_id(self, d: dict) -> dict[int, NdSbp]:
+        return dict(zip(map(int, d["ids"]), map(self.at, d["layouts"]), strict=True))
+
+    @staticmethod
+    def _rows(d: dict, required: tuple[str, ...]) -> int:
+        """The number of rows of the table ``d`` (its columns by name), checking that it
+        has the ``required`` columns and that all have as many rows."""
+        if not isinstance(d, dict):
+            raise TypeError(f"expected columns by name, got {type(d).__name__}")
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise KeyError(missing[0])
+        n = len(d[required[0]])
+        bad = [k for k, col in d.items() if len(col) != n]
+        if bad:
+            raise ValueError(f"columns of unequal lengths ({required[0]} {n} rows, {bad[0]} "
+                             f"{len(d[bad[0]])})")
+        return n
+
+    def ops(self, d) -> tuple[OpPlan, ...]:
+        with _field("ops"):
+            n = self._rows(d, ("id", "prim", "types", "ins", "outs", "compute_time",
+                               "comm_time"))
+            s, lay, none, c = self.strings, self.layouts, [()] * n, d
+            return tuple(
+                OpPlan(int(i), s[p], s[t], lay(ins), lay(outs), float(ct), float(mt),
+                       tuple(r), tuple(w), s[src] if src is not None else "", tuple(wh))
+                for i, p, t, ins, outs, ct, mt, r, w, src, wh in zip(
+                    c["id"], c["prim"], c["types"], c["ins"], c["outs"], c["compute_time"],
+                    c["comm_time"], c.get("reads", none), c.get("writes", none),
+                    c.get("source", [None] * n), c.get("where", none), strict=True))
+
+    def reshards(self, d) -> tuple[Reshard, ...]:
+        with _field("reshards"):
+            self._rows(d, ("value", "consumer", "src", "dst", "time", "wire_bytes",
+                           "collectives", "collective_bytes"))
+            return tuple(
+                Reshard(int(v), None if k is None else int(k), self.at(a), self.at(b),
+                        float(t), float(w), tuple(map(str, cs)), tuple(map(float, bs)))
+                for v, k, a, b, t, w, cs, bs in zip(
+                    d["value"], d["consumer"], d["src"], d["dst"], d["time"], d["wire_bytes"],
+                    d["collectives"], d["collective_bytes"], strict=True))
 
 
 class PlanFormatError(ValueError):
@@ -327,6 +457,7 @@ class PlanFormatError(ValueError):
 
 _FIELDS = ("mesh_axes", "cluster", "inputs", "outputs", "input_ranks", "output_ranks",
            "values", "ops", "reshards", "predicted", "solver", "fingerprint")
+_FIELDS_V2 = ("layouts", "strings")  # the tables a version 2 plan's fields index
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ AUTO = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
 EXPLICIT = jax.make_mesh((2, 4), ("node", "gpu"))  # jax.make_mesh's default: Explicit axes
 W = jnp.asarray(np.random.default_rng(0).normal(size=(8, 8)), jnp.float32)
 X = jnp.asarray(np.random.default_rng(1).normal(size=(16, 8)), jnp.float32)
+DATA = Path(__file__).parent / "data"
 
 
 def shard(fn, **kw):
@@ -430,16 +432,45 @@ def test_a_plan_for_another_program_is_refused():
         shard(lambda w, x: jnp.tanh(x @ w.T)).use_plan(plan, W, X)
 
 
+def _edited(text: str, **fields) -> str:
+    return json.dumps({**json.loads(text), **fields})
+
+
+def _edited_ops(text: str, **columns) -> str:
+    d = json.loads(text)
+    return _edited(text, ops={**d["ops"], **columns})
+
+
 @pytest.mark.parametrize("damage, field", [
     (lambda t: t[: len(t) // 2], "not valid JSON"),
     (lambda t: json.dumps({k: v for k, v in json.loads(t).items() if k != "ops"}), "'ops'"),
-    (lambda t: json.dumps({**json.loads(t), "inputs": [["B"]] * 2}), "inputs"),
-    (lambda t: json.dumps({**json.loads(t), "ops": [{"id": 0}]}), r"ops\[0\]"),
+    (lambda t: json.dumps({k: v for k, v in json.loads(t).items() if k != "layouts"}),
+     "'layouts'"),
+    (lambda t: _edited(t, inputs=[["B"]] * 2), "inputs"),  # a layout written in place
+    (lambda t: _edited(t, inputs=[0, 99]), "inputs"),  # an index past the layout table
+    (lambda t: _edited(t, layouts=[["B"]]), "layouts"),  # a layout of another mesh
+    (lambda t: _edited(t, ops=[{"id": 0}]), "ops"),  # rows, not columns
+    (lambda t: _edited_ops(t, id=[0, 1, 2]), "ops is malformed: columns of unequal"),
 ])
 def test_a_damaged_plan_file_names_the_field(damage, field):
     text = shard(lambda w, x: x @ w).plan(W, X).to_json()
     with pytest.raises(PlanFormatError, match=field):
         shardc.Plan.from_json(damage(text))
+
+
+def test_a_plan_saved_in_the_first_format_still_runs():
+    """``data/plan_v1.json``: this program's plan as shardc wrote plans before the layout
+    table (version 1, every layout in place); it loads, runs, and saves in the new format
+    as the same plan."""
+    def f(w, x):
+        return jnp.tanh(x @ w) @ w.T, x.sum(1)
+
+    old = shardc.Plan.from_json((DATA / "plan_v1.json").read_text())
+    assert old.settled and old.input_names == ("w", "x")
+    assert shardc.Plan.from_json(old.to_json()) == old
+    s = shard(f)
+    s.use_plan(old, W, X)
+    close(s(W, X), f(W, X))
 
 
 # ---- errors that name the fix ------------------------------------------------------------

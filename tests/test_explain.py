@@ -69,8 +69,8 @@ def test_plans_saved_without_names_still_load_and_explain(gpt12):
     d = json.loads(gpt12.to_json())
     for key in ("input_ids", "input_types", "output_types", "input_names", "output_names"):
         del d[key]
-    for o in d["ops"]:
-        del o["reads"], o["writes"], o["source"], o["where"]
+    for column in ("reads", "writes", "source", "where"):
+        del d["ops"][column]
     old = Plan.from_json(json.dumps(d))
     assert old.input_names == () and old.ops[0].reads == () and old.ops[0].source == ""
     assert "input 0 " in old.explain(max_rows=5)

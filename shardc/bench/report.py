@@ -7,7 +7,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from shardc.bench.harness import MEMORY_MARGIN, Cell
+from shardc.bench.harness import MEMORY_MARGIN, TIMING_RUNS, Cell
 
 
 def _ms(x: float | None) -> str:
@@ -77,7 +77,8 @@ def markdown(cells: list[Cell], commands: list[str], header: str = "") -> str:
              "against `memory_analysis()` (arguments + outputs + temporaries - aliased); "
              "*saved plan* the wall time of running a saved plan (`use_plan`, lower, "
              "compile: no solver) over tracing once plus `jax.jit` lowering and compiling "
-             "the same program with the plan's shardings (each the fastest of three runs).\n",
+             f"the same program with the plan's shardings (each the fastest of {TIMING_RUNS} "
+             "runs).\n",
              "## Summary\n",
              "| model | preset | shardc ms | shardc mesh | best of N experts | its mesh | "
              "expert ms | shardc / expert | predicted vs compiled comm | unplanned comm | "
