@@ -39,8 +39,8 @@ zero moves by up to ``lr`` and a reassociated (sharded) sum can change that move
 MEMORY_MARGIN = 0.2
 """shardc's budget on a memory-bound model is the device memory less this fraction: room for
 the error of its predicted peak against the compiled one. The zoo's worst under-prediction
-is -18.4% (llama on 2nodes-2x8, docs/benchmarks/results.md; llama-1b's cells: -11.9% and
--15.9%), so a plan predicted within 0.8 of the device memory compiles within 0.98 of it."""
+is -14.9% (vit on 2nodes-2x8, docs/benchmarks/results.md; llama-1b's cells: +8.9% and
+-9.0%), so a plan predicted within 0.8 of the device memory compiles within 0.94 of it."""
 TIMING_RUNS = 5
 """Saved-plan and ``jax.jit`` compile timings are each the fastest of this many runs,
 interleaved, which goes first alternating: on a shared machine one compile of the same
