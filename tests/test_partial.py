@@ -10,7 +10,15 @@ from jax.sharding import AxisType
 
 import shardc
 from shardc.ir.sbp import B, NdSbp, P, Partial, S
-from shardc.lower.partial import Stacked, lift, stack, stackable, unstack, vmapped
+from shardc.lower.partial import (
+    Stacked,
+    lift,
+    stack,
+    stackable,
+    stacked_sharding,
+    unstack,
+    vmapped,
+)
 
 SIZES = (2, 4)  # mesh (node, gpu)
 RNG = np.random.default_rng(0)
@@ -52,6 +60,13 @@ def test_summands_of_a_dot_over_the_split_dim_add_up_to_the_dot():
     out = vmapped(lambda a, b: a.T @ b, [b for _, b in lifted], (0, 1))(*[a for a, _ in lifted])
     assert out.shape == (2, 4, 3, 5)
     np.testing.assert_allclose(unstack(Stacked(out, (0, 1))), x.T @ y, rtol=1e-5, atol=1e-5)
+
+
+def test_a_stacked_value_names_its_partial_axes_first():
+    mesh = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
+    spec = stacked_sharding(mesh, (0,), NdSbp((P, S(1))), 2).spec
+    assert tuple(spec) == ("node", None, "gpu")
+    assert stacked_sharding(mesh, (0,), NdSbp((Partial("max"), B)), 2) is None
 
 
 def test_stackable_needs_every_partial_axis_fed():

@@ -162,7 +162,8 @@ class _Lowering:
         for e in carried:
             planned = self.by_op.get(e.id)
             axes = sum_axes(planned.outs[0]) if planned is not None else ()
-            if axes and stacked_sharding(self.mesh, axes, planned.outs[0], 0) is not None:
+            if axes and stacked_sharding(self.mesh, axes, planned.outs[0],
+                                         e.outputs[0].ndim) is not None:
                 self.stacked[e.outputs[0].id] = axes
                 todo.append(e.params["tie"])
         while todo:
