@@ -128,6 +128,10 @@ class _Lowering:
             x = self.constrain(x, nd)
         return x
 
+    def source(self, v) -> NdSbp | None:
+        """The layout ``v``'s uses read it from; None for a constant (left to XLA)."""
+        return None if v.is_const or v.id in self.free else self.plan.read_as(v.id)
+
     def constrain_stacked(self, x, axes: tuple[int, ...], nd: NdSbp):
         sh = stacked_sharding(self.mesh, axes, nd, x.ndim - len(axes))
         return x if sh is None else jax.lax.with_sharding_constraint(x, sh)
@@ -182,8 +186,7 @@ class _Lowering:
         axes = self.stacked[op.outputs[0].id]
         lifted, batched = [], []
         for k, (v, x) in enumerate(zip(op.inputs, args)):
-            src = None if v.is_const or v.id in self.free else self.plan.read_as(v.id)
-            x = self.to_layout(x, src, planned.ins[k]) if hasattr(x, "shape") or \
+            x = self.to_layout(x, self.source(v), planned.ins[k]) if hasattr(x, "shape") or \
                 isinstance(x, Stacked) else x
             lead = x.axes if isinstance(x, Stacked) else ()
             arr, b = lift(x.x if isinstance(x, Stacked) else x, lead, planned.ins[k], axes,
@@ -297,8 +300,7 @@ class _Lowering:
                 if e.id not in self.by_op or tie.is_const:
                     back.append(unstack(x))
                     continue
-                src = None if tie.id in self.free else self.plan.read_as(tie.id)
-                y = self.to_layout(x, src, self.by_op[e.id].outs[0])
+                y = self.to_layout(x, self.plan.read_as(tie.id), self.by_op[e.id].outs[0])
                 back.append(y.x if axes else y)
             return back + [self._pass(e, unstack(x), into=True)
                            for e, x in zip(loop.exits[nk:], outs[nk:])]
@@ -311,9 +313,7 @@ class _Lowering:
         ins = []
         for e, x, axes in zip(loop.enters, args, held):
             if axes:
-                v = reads(e)[0][1]
-                src = None if v.is_const or v.id in self.free else self.plan.read_as(v.id)
-                x = self.to_layout(x, src, self.by_op[e.id].ins[0]).x
+                x = self.to_layout(x, self.source(reads(e)[0][1]), self.by_op[e.id].ins[0]).x
             else:
                 x = self._pass(e, x, into=True)
             ins.append(x)
