@@ -32,9 +32,11 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 from shardc.calling import Call, Convention, abstract_leaf, misplaced, place, placement
 from shardc.cost.cluster import DEFAULT_CLUSTER, Cluster
+from shardc.explain import fmt_bytes
 from shardc.frontier import BUDGETS, DeviceCount, DeviceSweep, Frontier, device_counts, sweep
+from shardc.ir.remat import levels
 from shardc.ir.sbp import Broadcast, NdSbp, from_partition_spec, to_partition_spec
-from shardc.ir.trace import Traced, trace
+from shardc.ir.trace import Traced, rematerialized, trace
 from shardc.lower.emit import explicit_axes, jit_plan
 from shardc.multihost import agree
 from shardc.names import input_names, output_names
@@ -226,8 +228,18 @@ class AutoSharded:
                     fixed[j] = nd
         return fixed
 
-    def _traced(self, call: Call) -> tuple[Any, _Traced]:
+    def _traced(self, call: Call, remat: tuple[int, ...] = ()) -> tuple[Any, _Traced]:
+        """The call's signature key and its traced program; with ``remat``, the program
+        that recomputes those forward segments (:mod:`shardc.ir.remat`)."""
         key = self._key(call)
+        if remat:
+            rkey = (key, tuple(sorted(set(remat))))
+            hit = self._traces.get(rkey)
+            if hit is None:
+                base = self._traced(call)[1]
+                hit = dataclasses.replace(base, traced=rematerialized(base.traced, remat))
+                self._traces[rkey] = hit
+            return key, hit
         hit = self._traces.get(key)
         if hit is None:
             t0 = time.perf_counter()
@@ -241,6 +253,8 @@ class AutoSharded:
         return key, hit
 
     def _plan(self, call: Call) -> tuple[Any, _Traced, Plan]:
+        """The call's key, its plan, and the program the plan runs (the traced one, or the
+        one recomputing the segments the plan chose)."""
         key, tr = self._traced(call)
         plan = self._plans.get(key)
         if plan is None:
@@ -248,6 +262,8 @@ class AutoSharded:
             # under jax.distributed: every process runs the same plan (process 0's)
             plan = agree(self._named(call, tr, plan))
             self._plans[key] = plan
+        if plan.remat:
+            _, tr = self._traced(call, plan.remat)
         return key, tr, plan
 
     def _named(self, call: Call, tr: _Traced, plan: Plan) -> Plan:
@@ -259,15 +275,15 @@ class AutoSharded:
         candidates, seeds = self._problem(call, tr)
         store = PlanCache.at(self.options.cache_dir)
         if store is None:
-            return self._solve(tr, candidates, seeds, self.options)
+            return self._solve(call, tr, candidates, seeds, self.options)
         program = fingerprint(tr.traced.graph)
         flat = {f"{view.label}: {name}": layouts
                 for view, named in zip(candidates, seeds) for name, layouts in named.items()}
         key = store.key(program, tr.traced.graph.inputs, self.mesh, self.options, flat,
                         tr.ties, tr.fixed)
-        plan = store.load(key, program)
+        plan = store.load(key, lambda p: fingerprint(self._traced(call, p.remat)[1].traced.graph))
         if plan is None:
-            plan = self._solve(tr, candidates, seeds, self.options)
+            plan = self._solve(call, tr, candidates, seeds, self.options)
             store.save(key, plan)
         return plan
 
@@ -323,8 +339,47 @@ class AutoSharded:
                 return plan
         return None
 
-    def _solve(self, tr: _Traced, candidates: list[View],
+    def _solve(self, call: Call, tr: _Traced, candidates: list[View],
                seeds: list[dict[str, dict[int, NdSbp]]], opts: Options) -> Plan:
+        """The fastest plan within ``opts.memory_budget``. Where the budget binds (no plan
+        that keeps every activation for the backward pass fits, or the one that does is
+        slower than the plan at no budget), the programs recomputing forward segments are
+        planned too (:func:`shardc.ir.remat.levels`: all of them, then the half that saves
+        the most bytes per recomputed FLOP), and the fastest plan that fits wins; the error
+        names the smallest peak any of them reached."""
+        recomputed = levels(tr.traced.segments)
+        budget = opts.memory_budget
+        try:
+            plan = self._solve_views(tr, candidates, seeds, opts)
+        except MemoryBudgetError as exc:
+            if budget is None or not recomputed:
+                raise
+            plan, failure = None, exc
+        if budget is None or not recomputed:
+            return plan
+        if plan is not None:
+            free = self._solve_views(tr, candidates, seeds,
+                                     dataclasses.replace(opts, memory_budget=None))
+            if plan.predicted.step_time <= free.predicted.step_time:
+                return plan  # the budget does not bind
+        fits = [] if plan is None else [plan]
+        for remat in recomputed:  # most recomputed first: fewer fit no better
+            log.info("shardc: the budget %s binds; planning with %d of %d forward segments "
+                     "recomputed", fmt_bytes(budget), len(remat), len(tr.traced.segments))
+            try:
+                fits.append(self._solve_views(self._traced(call, remat)[1], candidates,
+                                              seeds, opts))
+            except MemoryBudgetError as again:
+                if plan is None:
+                    failure = min(failure, again, key=lambda e: e.needed)
+                break
+        if not fits:
+            raise MemoryBudgetError(failure.budget, failure.needed) from None
+        return min(fits, key=lambda p: p.predicted.step_time)
+
+    def _solve_views(self, tr: _Traced, candidates: list[View],
+                     seeds: list[dict[str, dict[int, NdSbp]]], opts: Options) -> Plan:
+        """The fastest plan of ``tr``'s program over the meshes ``candidates``."""
         graph = tr.traced.graph
         names = tuple(self.mesh.axis_names)
         t0 = time.perf_counter()
@@ -346,7 +401,8 @@ class AutoSharded:
             for name, cost in sol.stats.pop("seeds", {}).items():
                 priced[name if is_physical else f"{name} on {view.label}"] = cost
             solver = {"status": sol.status.value, "objective": sol.objective, **sol.stats}
-            plan = assemble(graph, cg, sol.choice, tr.ties, solver)
+            plan = assemble(graph, cg, sol.choice, tr.ties, solver, tr.traced.remat,
+                            len(tr.traced.segments))
             tried.append({"mesh": view.label, "predicted_s": plan.predicted.step_time,
                           "plan_s": time.perf_counter() - t})
             if best is None or plan.predicted.step_time < best.predicted.step_time:
@@ -419,17 +475,20 @@ class AutoSharded:
     def pareto(self, *args, budgets: int = BUDGETS, **kwargs) -> Frontier:
         """The time-memory frontier for these arguments (:mod:`shardc.frontier`): plans at no
         memory budget, at the smallest one a plan was found for, and at ``budgets`` budgets
-        between; the non-dominated ones, each a plan ``use_plan`` runs. Nothing is cached:
+        between, and plans that recompute forward segments' activations (the fastest and
+        the leanest that do); the non-dominated ones, each a plan ``use_plan`` runs.
+        Nothing is cached:
         ``step.use_plan(frontier.pick(budget), *args)`` adopts one."""
         call = self.convention.split(args, kwargs)
         _, tr = self._traced(call)
         candidates, seeds = self._problem(call, tr)
 
-        def solve(budget: float | None) -> Plan:
+        def solve(budget: float | None, remat: tuple[int, ...] = ()) -> Plan:
             opts = dataclasses.replace(self.options, memory_budget=budget)
-            return self._named(call, tr, self._solve(tr, candidates, seeds, opts))
+            rtr = self._traced(call, remat)[1]
+            return self._named(call, rtr, self._solve_views(rtr, candidates, seeds, opts))
 
-        return sweep(solve, budgets)
+        return sweep(solve, budgets, levels(tr.traced.segments))
 
     def margins(self, *args, **kwargs):
         """The plan for these arguments beside generic data-parallel, FSDP, Megatron and
@@ -490,7 +549,7 @@ class AutoSharded:
         and compile, but do not solve. A plan made for another program or mesh is refused;
         one made on an AbstractMesh runs on a concrete mesh of the same shape and names."""
         call = self.convention.split(args, kwargs)
-        key, tr = self._traced(call)
+        key, tr = self._traced(call, plan.remat)
         want = fingerprint(tr.traced.graph)
         if plan.fingerprint != want:
             raise ValueError(f"the plan was made for a different program (fingerprint "

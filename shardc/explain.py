@@ -268,6 +268,10 @@ def explain_report(plan, max_rows: int | None = 60, top: int = 10, margins=None,
         f"input feed {fmt_time(p.feed_time)}; "
         f"peak memory {fmt_bytes(p.peak_memory)} per device",
     ]
+    if plan.remat:
+        blocks.append(f"remat: recomputes the activations of {len(plan.remat)} of "
+                      f"{plan.segments} forward segments in the backward pass (segments "
+                      f"{', '.join(map(str, plan.remat))}) instead of keeping them")
     tried = plan.solver.get("mesh_search")
     if tried:
         blocks.append("mesh search (predicted step per view of the devices): " + "; ".join(

@@ -103,7 +103,16 @@ def _table(per_op: dict, args: dict) -> str:
 
 def python_module(plan, source: str = "") -> str:
     """The text of a Python module that runs ``plan`` with ``jax.jit`` (see the module
-    docstring of the result for its API). ``source`` names where the plan came from."""
+    docstring of the result for its API). ``source`` names where the plan came from. A
+    plan that recomputes activations (``plan.remat``) runs a rewritten program plain code
+    does not hold: refused, with the way out."""
+    if plan.remat:
+        raise ValueError(
+            f"this plan recomputes {len(plan.remat)} of {plan.segments} forward segments in "
+            "the backward pass, a rewrite of the program that exported code cannot carry; "
+            "run it with shardc (step.use_plan(plan, *args)), or export a plan that keeps "
+            "its activations (one of the frontier's without remat, or one planned with a "
+            "larger memory_budget). The partition rules (rules_module) export either way")
     n_in, n_out = len(plan.inputs), len(plan.outputs)
     names_in = [plan.input_name(k) for k in range(n_in)]
     names_out = [plan.output_name(j) for j in range(n_out)]

@@ -4,8 +4,9 @@ predicted peak memory per device.
 TensorOpt's point is that no single plan is right: with few devices memory binds, with many
 time does. :func:`sweep` plans a program at no budget (the fastest plan), at the smallest
 budget a plan was found for (the leanest), and at budgets spaced geometrically between their
-peaks; the non-dominated plans form a :class:`Frontier`, each a full :class:`shardc.Plan`
-that runs (``step.use_plan(plan, ...)``). ``step.pareto(*args)`` and :func:`shardc.pareto`
+peaks, and plans that recompute forward segments' activations in the backward pass
+(:mod:`shardc.ir.remat`); the non-dominated plans form a :class:`Frontier`, each a full
+:class:`shardc.Plan` that runs (``step.use_plan(plan, ...)``). ``step.pareto(*args)`` and :func:`shardc.pareto`
 call it. :func:`device_counts` and :class:`DeviceSweep` are TensorOpt's other axis: the
 best plan on each sub-mesh of the devices (``step.device_sweep(*args)``), to read how many
 devices a program needs.
@@ -54,10 +55,11 @@ class Frontier:
         return min(fits, key=lambda p: p.predicted.step_time)
 
     def table(self) -> str:
-        rows = ["predicted step   peak per device   mesh"]
+        rows = ["predicted step   peak per device       recomputes   mesh"]
         for p in self.plans:
             rows.append(f"{fmt_time(p.predicted.step_time):>14}   "
-                        f"{fmt_bytes(p.predicted.peak_memory):>15}   {mesh_label(p.mesh_axes)}")
+                        f"{fmt_bytes(p.predicted.peak_memory):>15}   {recomputes(p):>14}   "
+                        f"{mesh_label(p.mesh_axes)}")
         return "\n".join(rows)
 
     def __str__(self) -> str:
@@ -84,7 +86,13 @@ class Frontier:
         t = [s * 1e3 for s, _ in self.points()]
         m = [b / mib for _, b in self.points()]
         ax.step(m, t, where="post", color="C0", alpha=0.5)
-        ax.scatter(m, t, color="C0", label="shardc frontier", zorder=3)
+        kept = [k for k, p in enumerate(self.plans) if not p.remat]
+        again = [k for k, p in enumerate(self.plans) if p.remat]
+        for idx, marker, label in ((kept, "o", "shardc frontier"),
+                                   (again, "s", "shardc frontier, with remat")):
+            if idx:
+                ax.scatter([m[k] for k in idx], [t[k] for k in idx], marker=marker, color="C0",
+                           label=label, zorder=3)
         for name, (s, b) in sorted((experts or {}).items()):
             ax.scatter([b / mib], [s * 1e3], marker="x", color="C3", zorder=3)
             ax.annotate(name, (b / mib, s * 1e3), textcoords="offset points", xytext=(4, 4),
@@ -98,6 +106,12 @@ class Frontier:
         return ax
 
 
+def recomputes(plan: Plan) -> str:
+    """``"3/24 segments"``: the forward segments whose activations ``plan`` recomputes in
+    the backward pass; ``"-"`` when it keeps them all."""
+    return f"{len(plan.remat)}/{plan.segments} segments" if plan.remat else "-"
+
+
 def non_dominated(plans: list[Plan]) -> tuple[Plan, ...]:
     """The plans no other plan beats on both time and memory (ties keep the first), leanest
     first."""
@@ -109,15 +123,16 @@ def non_dominated(plans: list[Plan]) -> tuple[Plan, ...]:
     return tuple(out)
 
 
-def sweep(solve: Callable[[float | None], Plan], budgets: int = BUDGETS) -> Frontier:
-    """Plans from ``solve(memory_budget)`` (None: no budget) at no budget, at the smallest
-    budget one was found for, and at ``budgets`` budgets spaced geometrically between the
-    two plans' peaks; their non-dominated set."""
+def sweep(solve: Callable[..., Plan], budgets: int = BUDGETS,
+          remat: Sequence[tuple[int, ...]] = ()) -> Frontier:
+    """Plans from ``solve(memory_budget, remat=())`` (None: no budget; ``remat``: the
+    forward segments the program recomputes) at no budget, at the smallest budget one was
+    found for, and at ``budgets`` budgets spaced geometrically between the two plans'
+    peaks; then, for each remat choice in ``remat`` (most recomputed first), the fastest
+    plan recomputing those segments, and for the first the leanest; their non-dominated
+    set."""
     fastest = solve(None)
-    try:
-        leanest = solve(1.0)  # no plan fits a byte: the error names the leanest found
-    except MemoryBudgetError as exc:
-        leanest = solve(float(exc.needed))
+    leanest = _leanest(solve, ())
     plans = [fastest, leanest]
     lo, hi = leanest.predicted.peak_memory, fastest.predicted.peak_memory
     if hi > lo:
@@ -127,7 +142,19 @@ def sweep(solve: Callable[[float | None], Plan], budgets: int = BUDGETS) -> Fron
                 plans.append(solve(lo * ratio ** k))
             except MemoryBudgetError:
                 continue  # the sampled memory points let no plan through at this budget
+    for k, segments in enumerate(remat):
+        plans.append(solve(None, segments))
+        if k == 0:
+            plans.append(_leanest(solve, segments))
     return Frontier(non_dominated(plans))
+
+
+def _leanest(solve: Callable[..., Plan], remat: tuple[int, ...]) -> Plan:
+    """The plan at the smallest budget one was found for."""
+    try:
+        return solve(1.0, remat)  # no plan fits a byte: the error names the leanest found
+    except MemoryBudgetError as exc:
+        return solve(float(exc.needed), remat)
 
 
 def device_counts(shape: Sequence[int], names: Sequence[str]

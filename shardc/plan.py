@@ -142,6 +142,10 @@ class Plan:
     #: empty where the plan was made without the call (names then read ``input 3``)
     input_names: tuple[str, ...] = ()
     output_names: tuple[str, ...] = ()
+    #: the program's forward segments whose activations this plan recomputes in the
+    #: backward pass (indices, :mod:`shardc.ir.remat`), of ``segments`` it has
+    remat: tuple[int, ...] = ()
+    segments: int = 0
 
     def read_as(self, value_id: int) -> NdSbp | None:
         """The layout the uses of a value read it from: settled, else as produced."""
@@ -268,6 +272,8 @@ class Plan:
             "output_types": list(self.output_types),
             "input_names": list(self.input_names),
             "output_names": list(self.output_names),
+            "remat": list(self.remat),
+            "segments": self.segments,
         }
         d["layouts"] = [nd.to_json() for nd in layouts]
         d["strings"] = list(strings)
@@ -339,6 +345,12 @@ class Plan:
                     raise ValueError(f"{len(got)} entries for {len(per)} leaves")
                 described[key] = tuple(int(x) for x in got) if key == "input_ids" else \
                     tuple(str(x) for x in got)
+        with _field("remat"):  # a plan saved before remat was a choice recomputes nothing
+            described["remat"] = tuple(int(k) for k in d.get("remat", ()))
+            described["segments"] = int(d.get("segments", 0))
+            if any(not 0 <= k < described["segments"] for k in described["remat"]):
+                raise ValueError(f"segments {list(described['remat'])} of "
+                                 f"{described['segments']}")
         return cls(mesh_axes=mesh_axes, cluster=cluster, inputs=inputs, outputs=outputs,
                    values=values, settled=settled, ops=ops, reshards=reshards,
                    predicted=predicted, solver=dict(d["solver"]),
@@ -472,8 +484,9 @@ def _field(name: str):
 
 
 def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[tuple[int, int]],
-             solver: dict) -> Plan:
-    """Build the Plan from per-node choices of a cost graph ``cg`` (solve.problem.CostGraph)."""
+             solver: dict, remat: tuple[int, ...] = (), segments: int = 0) -> Plan:
+    """Build the Plan from per-node choices of a cost graph ``cg`` (solve.problem.CostGraph)
+    of ``graph``, a program that recomputes its segments ``remat`` of ``segments``."""
     sizes, names, cluster = cg.axis_sizes, cg.axis_names, cg.cluster
     rate = cluster.device_flops * cluster.utilization
     values: dict[int, NdSbp] = {}
@@ -567,4 +580,5 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
                 fingerprint(graph), tuple(v.ndim for v in graph.inputs),
                 tuple(v.ndim for v in graph.outputs), settled,
                 tuple(v.id for v in graph.inputs), tuple(v.type_str() for v in graph.inputs),
-                tuple(v.type_str() for v in graph.outputs))
+                tuple(v.type_str() for v in graph.outputs), remat=tuple(remat),
+                segments=segments)

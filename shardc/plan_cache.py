@@ -22,7 +22,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,9 +83,10 @@ class PlanCache:
     def path(self, key: str) -> Path:
         return self.root / f"{key}.json"
 
-    def load(self, key: str, program: str) -> Plan | None:
-        """The plan stored under ``key`` for the program with fingerprint ``program``; None
-        when there is none usable."""
+    def load(self, key: str, program: Callable[[Plan], str]) -> Plan | None:
+        """The plan stored under ``key``; None when there is none usable: damaged, or its
+        fingerprint is not ``program(plan)``, the fingerprint of the program it runs (the
+        traced one, or the one recomputing the segments ``plan.remat``)."""
         path = self.path(key)
         try:
             text = path.read_text()
@@ -97,7 +98,7 @@ class PlanCache:
             log.warning("shardc: ignoring the damaged cached plan %s (%s); planning again",
                         path, exc)
             return None
-        if plan.fingerprint != program:
+        if plan.fingerprint != program(plan):
             log.warning("shardc: the cached plan %s was made for another program; planning "
                         "again", path)
             return None

@@ -19,6 +19,7 @@ bodies.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from collections.abc import Callable, Sequence
@@ -30,6 +31,7 @@ from jax.extend import core as jcore
 
 from shardc.ir.graph import Graph, Op, Value, check_graph
 from shardc.ir.prims import facts
+from shardc.ir.remat import Segment, rematerialize, segments
 
 try:  # the frames of an equation's traceback; jax.extend exports only ``summarize``
     from jax._src.source_info_util import is_user_filename, raw_frame_to_frame
@@ -83,6 +85,12 @@ class Traced:
     out_tree: Any
     region: Region  # the top-level jaxpr, for the lowering
     consts: tuple  # its closed-over constants
+    #: the program as traced, before any remat: :func:`rematerialized` rewrites it
+    jaxpr: Any = None
+    #: its forward segments whose activations can be recomputed (:mod:`shardc.ir.remat`)
+    segments: tuple[Segment, ...] = ()
+    #: the segments this program recomputes (indices into ``segments``)
+    remat: tuple[int, ...] = ()
 
 
 def call_body(eqn) -> tuple[Any, tuple]:
@@ -235,4 +243,21 @@ def trace(fn: Callable, *args) -> Traced:
     in_tree = jax.tree.structure(args)
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     graph, region = _build(closed)
-    return Traced(graph, in_tree, jax.tree.structure(out_shape), region, tuple(closed.consts))
+    return Traced(graph, in_tree, jax.tree.structure(out_shape), region, tuple(closed.consts),
+                  closed, segments(closed))
+
+
+def rematerialized(traced: Traced, remat: Sequence[int]) -> Traced:
+    """``traced`` with the activations of its segments ``remat`` recomputed in the backward
+    pass (:func:`shardc.ir.remat.rematerialize`), traced again to a Graph; ``traced``
+    itself when ``remat`` is empty."""
+    remat = tuple(sorted(set(remat)))
+    if remat == traced.remat:
+        return traced
+    bad = [k for k in remat if not 0 <= k < len(traced.segments)]
+    if bad:
+        raise ValueError(f"remat segment(s) {bad} do not exist: this program has "
+                         f"{len(traced.segments)} segments that can be recomputed")
+    closed = rematerialize(traced.jaxpr, traced.segments, remat)
+    graph, region = _build(closed)
+    return dataclasses.replace(traced, graph=graph, region=region, remat=remat)

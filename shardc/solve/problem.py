@@ -99,7 +99,8 @@ class CostGraph:
     spans: list = field(default_factory=list)  # (first, last program point, node, slot, bytes)
     stack_spans: list = field(default_factory=list)  # (first, last, enter, node, slot, bytes)
     results: set = field(default_factory=set)  # indices of spans holding a graph result
-    read_spans: list = field(default_factory=list)  # (t, op node, input k, node, slot, bytes)
+    #: (t, op node, input k, node, slot, bytes, value id) per operand read
+    read_spans: list = field(default_factory=list)
     settle_spans: list = field(default_factory=list)  # (first, last, settle, node, slot, bytes)
     conversions: dict = field(default_factory=dict)  # (src, dst) -> Conversion
     terms: dict = field(default_factory=dict)  # (srcs, dsts) -> reshard_matrix's cost terms
@@ -691,7 +692,7 @@ def _lifetimes(cg: CostGraph) -> None:
             first_read.setdefault(val.id, t)
             u, slot = cg.producer[val.id] if carry_exit(op) or val.id not in cg.settle \
                 else (cg.settle[val.id], 0)
-            cg.read_spans.append((t, len(graph.inputs) + t, k, u, slot, val.nbytes))
+            cg.read_spans.append((t, len(graph.inputs) + t, k, u, slot, val.nbytes, val.id))
     cg.settle_spans = []
     for vid, w in cg.settle.items():
         if vid in first_read:
@@ -738,7 +739,10 @@ def memory_profile(cg: CostGraph, choice: Sequence[int]) -> np.ndarray:
     a collective converted (a shared value's settled layout, an operand's for its op, a
     stack's for its loop); the collectives' copies are never held in a result buffer: XLA's
     combined all-reduce of a data-parallel step's gradients (ViT on 8 devices) lands in
-    the temporary pool, not in the buffers the optimizer writes later."""
+    the temporary pool, not in the buffers the optimizer writes later. An operand converted
+    alike for several ops is one copy, from its first reader to its last: XLA's CSE merges
+    the identical collectives, so an activation gathered for a forward dot stays gathered
+    until the backward's weight-gradient dot reads it (a plan splitting the hidden dim)."""
     n = max(len(cg.graph.ops), 1)
     nin = len(cg.graph.inputs)
     held = 0.0
@@ -761,10 +765,16 @@ def memory_profile(cg: CostGraph, choice: Sequence[int]) -> np.ndarray:
         kept = cg.choices[w][choice[w]]
         if _moves(cg, cg.out_sbp(node, slot, choice[node]), kept):
             moved.append((start, end, nbytes * kept.shard_fraction(cg.axis_sizes)))
-    for t, op_node, k, node, slot, nbytes in cg.read_spans:  # an operand converted for its op
+    copies: dict[tuple[int, NdSbp], list] = {}  # an operand converted for its ops
+    for t, op_node, k, node, slot, nbytes, vid in cg.read_spans:
         want = cg.choices[op_node][choice[op_node]].ins[k]
         if _moves(cg, cg.out_sbp(node, slot, choice[node]), want):
-            moved.append((t, t, nbytes * want.shard_fraction(cg.axis_sizes)))
+            held_copy = copies.get((vid, want))
+            if held_copy is None:
+                copies[(vid, want)] = [t, t, nbytes * want.shard_fraction(cg.axis_sizes)]
+            else:
+                held_copy[1] = t
+    moved.extend(map(tuple, copies.values()))
     delta = np.zeros(n + 2)
     for start, end, b in host(made, results) + moved:
         delta[start] += b

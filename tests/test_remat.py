@@ -1,0 +1,128 @@
+"""Remat as a choice: forward segments recomputed in the backward pass (shardc.ir.remat)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+import shardc
+from shardc.export import python_module
+from shardc.ir import remat
+from shardc.ir.trace import rematerialized, trace
+
+L, B, D, H = 6, 512, 64, 256
+
+
+def _loss(ws, x):
+    for w1, w2 in ws:
+        x = x + jnp.tanh(x @ w1) @ w2
+    return jnp.mean(x ** 2)
+
+
+def _step(ws, x):
+    loss, g = jax.value_and_grad(_loss)(ws, x)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, ws, g), loss
+
+
+def _args(layers=L, batch=B):
+    k = jax.random.split(jax.random.key(0), 2 * layers + 1)
+    ws = [(jax.random.normal(k[2 * i], (D, H)) / 8, jax.random.normal(k[2 * i + 1], (H, D)) / 16)
+          for i in range(layers)]
+    return ws, jax.random.normal(k[-1], (batch, D))
+
+
+def _peak(compiled) -> float:
+    m = compiled.memory_analysis()
+    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - m.alias_size_in_bytes)
+
+
+def test_segments_are_the_residual_blocks_and_the_rewrite_recomputes_them():
+    ws, x = _args(layers=2, batch=8)
+    closed = jax.make_jaxpr(_step)(ws, x)
+    segs = remat.segments(closed)
+    # one per block; the loss is left out (its backward reads its residuals at once)
+    assert len(segs) == 2
+    # the second keeps tanh(x @ w1) and the 1 - tanh^2 factor the backward reads, [8, 256]
+    # each; in the first block (its input is an argument, kept anyway) only the tanh
+    # crosses to the second dot, so it is a cut, kept, and the segment recomputes the factor
+    assert [s.kept for s in segs] == [8 * H * 4, 2 * 8 * H * 4]
+    assert segs[0].flops < 2 * 8 * D * H < segs[1].flops  # only the second recomputes a dot
+    text = str(remat.rematerialize(closed, segs, [1]))
+    assert text.count("remat2[") == 1 and text.count("dot_general") == \
+        str(closed).count("dot_general") + 1
+    # the copy waits for the backward's cotangent through an elementwise select
+    assert "select_n" in text and " ne " in text.replace("\n", " ")
+    assert remat.rematerialize(closed, segs, []) is closed
+    assert remat.levels(segs) == [(0, 1), (0,)] or remat.levels(segs) == [(0, 1), (1,)]
+
+
+def test_the_rewritten_program_computes_the_same_bits_and_needs_less_memory():
+    ws, x = _args()
+    closed = jax.make_jaxpr(_step)(ws, x)
+    segs = remat.segments(closed)
+    again = remat.rematerialize(closed, segs, range(len(segs)))
+    leaves = jax.tree.leaves((ws, x))
+    run = [jax.jit(jax.extend.core.jaxpr_as_fun(c)) for c in (closed, again)]
+    for a, b in zip(run[0](*leaves), run[1](*leaves), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    kept, recomputed = (_peak(f.lower(*leaves).compile()) for f in run)
+    # the blocks' tanh outputs, [512, 256] (512 KiB) each, no longer wait for the backward
+    # (XLA fuses the 1 - tanh^2 factor into its reader either way)
+    assert recomputed < kept - 1.5 * 2 ** 20
+
+
+def test_no_backward_no_segments_and_a_bad_choice_is_named():
+    closed = jax.make_jaxpr(_loss)(*_args(layers=2, batch=8))
+    assert remat.segments(closed) == ()
+    traced = trace(_step, *_args(layers=2, batch=8))
+    with pytest.raises(ValueError, match=r"segment\(s\) \[5\] do not exist.*2 segments"):
+        rematerialized(traced, [5])
+
+
+MESH = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
+
+
+def test_the_frontier_holds_a_remat_point_leaner_than_any_plan_without(tmp_path):
+    ws, x = _args()
+    step = shardc.auto_shard(_step, mesh=MESH, time_limit=2.0)
+    frontier = step.pareto(ws, x, budgets=2)
+    assert any(p.remat for p in frontier.plans) and any(not p.remat for p in frontier.plans)
+    assert "segments" in str(frontier)
+    ref = jax.jit(_step)(ws, x)
+    compiled = []
+    for plan in frontier.plans:
+        run = shardc.auto_shard(_step, mesh=MESH)
+        run.use_plan(shardc.Plan.from_json(plan.to_json()), ws, x)  # remat survives JSON
+        out = run(ws, x)
+        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+        compiled.append(_peak(run.lower(ws, x).compile()))
+    # on the fast side (data parallel), recomputing saves what the model says it saves
+    plans = frontier.plans
+    kept = len(plans) - 1
+    assert not plans[kept].remat
+    again = min((k for k, p in enumerate(plans) if len(p.remat) == L),
+                key=lambda k: plans[k].predicted.step_time)  # the fastest recomputing all
+    assert compiled[again] < compiled[kept] - 1.5 * 2 ** 20
+    for k in (kept, again):
+        assert plans[k].predicted.peak_memory == pytest.approx(compiled[k], rel=0.15)
+    frontier.plot(str(tmp_path / "f.png"))
+
+
+def test_a_budget_only_remat_meets_plans_with_remat():
+    ws, x = _args()
+    fastest = shardc.auto_shard(_step, mesh=MESH, time_limit=2.0).plan(ws, x)
+    budget = 0.8 * fastest.predicted.peak_memory  # data parallel does not fit; with remat it does
+    step = shardc.auto_shard(_step, mesh=MESH, time_limit=2.0, memory_budget=budget)
+    plan = step.plan(ws, x)
+    assert plan.remat and plan.segments == L
+    assert plan.predicted.peak_memory <= budget
+    assert _peak(step.lower(ws, x).compile()) <= 1.15 * budget
+    ref = jax.jit(_step)(ws, x)
+    for a, b in zip(jax.tree.leaves(step(ws, x)), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    assert f"of {L} forward segments in the backward pass" in str(plan.report())
+    with pytest.raises(ValueError, match="exported code cannot carry"):
+        python_module(plan)
