@@ -6,10 +6,10 @@ time does. :func:`sweep` plans a program at no budget (the fastest plan), at the
 budget a plan was found for (the leanest), and at budgets spaced geometrically between their
 peaks, and plans that recompute forward segments' activations in the backward pass
 (:mod:`shardc.ir.remat`); the non-dominated plans form a :class:`Frontier`, each a full
-:class:`shardc.Plan` that runs (``step.use_plan(plan, ...)``). ``step.pareto(*args)`` and :func:`shardc.pareto`
-call it. :func:`device_counts` and :class:`DeviceSweep` are TensorOpt's other axis: the
-best plan on each sub-mesh of the devices (``step.device_sweep(*args)``), to read how many
-devices a program needs.
+:class:`shardc.Plan` that runs (``step.use_plan(plan, ...)``). ``step.pareto(*args)`` and
+:func:`shardc.pareto` call it. :func:`device_counts` and :class:`DeviceSweep` are
+TensorOpt's other axis: the best plan on each sub-mesh of the devices
+(``step.device_sweep(*args)``), to read how many devices a program needs.
 
 References:
   TensorOpt (Cai et al., TPDS 2022) §3: the Pareto set of (time, memory) strategies.

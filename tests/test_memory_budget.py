@@ -95,3 +95,14 @@ def test_fused_values_hold_no_buffer():
     for op in graph.ops:
         if op.name == "dot_general":
             assert all(v.id not in fused for v in op.outputs)
+
+
+def test_the_gradients_all_reduces_are_one_buffer_from_the_last_gradient_on():
+    # XLA:CPU combines a data-parallel step's gradient all-reduces into one tuple
+    # all-reduce: it waits for the last gradient, and every reduced gradient lives from
+    # there to its reader; a copy read before the last gradient is made runs alone
+    from shardc.solve.problem import combined
+
+    copies = [[10, 12, 100.0, 5, True], [11, 11, 100.0, 8, True], [6, 9, 50.0, 2, True],
+              [3, 4, 10.0, 1, False]]
+    assert combined(copies) == [(9, 12, 100.0), (9, 11, 100.0), (6, 9, 50.0), (3, 4, 10.0)]

@@ -11,7 +11,7 @@ from shardc.export import python_module
 from shardc.ir import remat
 from shardc.ir.trace import rematerialized, trace
 
-L, B, D, H = 6, 512, 64, 256
+L, B, D, H = 6, 4096, 64, 256
 
 
 def _loss(ws, x):
@@ -68,9 +68,9 @@ def test_the_rewritten_program_computes_the_same_bits_and_needs_less_memory():
     for a, b in zip(run[0](*leaves), run[1](*leaves), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     kept, recomputed = (_peak(f.lower(*leaves).compile()) for f in run)
-    # the blocks' tanh outputs, [512, 256] (512 KiB) each, no longer wait for the backward
+    # the blocks' tanh outputs, [4096, 256] (4 MiB) each, no longer wait for the backward
     # (XLA fuses the 1 - tanh^2 factor into its reader either way)
-    assert recomputed < kept - 1.5 * 2 ** 20
+    assert recomputed < kept - 12 * 2 ** 20
 
 
 def test_no_backward_no_segments_and_a_bad_choice_is_named():
@@ -99,15 +99,14 @@ def test_the_frontier_holds_a_remat_point_leaner_than_any_plan_without(tmp_path)
         for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
         compiled.append(_peak(run.lower(ws, x).compile()))
-    # on the fast side (data parallel), recomputing saves what the model says it saves
-    plans = frontier.plans
-    kept = len(plans) - 1
-    assert not plans[kept].remat
-    again = min((k for k, p in enumerate(plans) if len(p.remat) == L),
-                key=lambda k: plans[k].predicted.step_time)  # the fastest recomputing all
-    assert compiled[again] < compiled[kept] - 1.5 * 2 ** 20
-    for k in (kept, again):
-        assert plans[k].predicted.peak_memory == pytest.approx(compiled[k], rel=0.15)
+    # activations dominate (data parallel is the fastest plan and the leanest that keeps
+    # them): a remat point is leaner, as compiled, than every plan without remat, and every
+    # point's predicted peak is what XLA allocates, within 15%
+    kept = [c for c, p in zip(compiled, frontier.plans) if not p.remat]
+    again = [c for c, p in zip(compiled, frontier.plans) if p.remat]
+    assert min(again) < min(kept) - 1.5 * 2 ** 20
+    for c, p in zip(compiled, frontier.plans):
+        assert p.predicted.peak_memory == pytest.approx(c, rel=0.15)
     frontier.plot(str(tmp_path / "f.png"))
 
 

@@ -38,7 +38,11 @@ import jax
 from jax._src import ad_checkpoint, source_info_util
 from jax.extend import core as jcore
 
-__all__ = ["Segment", "levels", "order", "rematerialize", "segments"]
+__all__ = ["GATE", "Segment", "is_gate", "levels", "order", "rematerialize", "segments"]
+
+GATE = "shardc_remat_gate"
+"""The name scope of :func:`_gate`'s equations: the lowering runs a gate's select in its
+gated operand's own layout (:func:`is_gate`)."""
 
 REMAT = ad_checkpoint.remat_p
 """The primitive ``jax.checkpoint`` binds (``remat2`` in JAX 0.10; a call the trace inlines
@@ -250,6 +254,15 @@ def _tautology(w):
     return (w == w) | (w != w)
 
 
+def is_gate(eqn) -> bool:
+    """``eqn`` is the select of a recomputation's gate (:func:`_gate`): its third operand is
+    the gated value. The lowering converts the select's result, not that operand, to the
+    plan's layout: a collective on the operand would depend on the forward alone, and
+    XLA's scheduler hoists it there, holding a converted copy of every gated activation
+    through the backward."""
+    return eqn.primitive.name == "select_n" and GATE in str(eqn.source_info.name_stack)
+
+
 def _gate(args: list, wait: list) -> list:
     """``args`` made to depend on ``wait`` without changing a bit: each argument of the
     shape and dtype of a waited value ``w`` is read through ``select(w == w | w != w, arg,
@@ -259,6 +272,11 @@ def _gate(args: list, wait: list) -> list:
     and a data dependence holds on every backend."""
     if not wait:
         return list(args)
+    with jax.named_scope(GATE):
+        return _gated(args, wait)
+
+
+def _gated(args: list, wait: list) -> list:
     like = {(tuple(w.shape), w.dtype): w for w in wait}
     out = [jax.lax.select(_tautology(like[(tuple(a.shape), a.dtype)]), a,
                           like[(tuple(a.shape), a.dtype)])

@@ -34,6 +34,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 
 from shardc.cost.comm import conversion
 from shardc.ir.prims import facts
+from shardc.ir.remat import is_gate
 from shardc.ir.sbp import B, NdSbp, Split, to_partition_spec
 from shardc.ir.trace import Loop, Region, Traced
 from shardc.lower.partial import (
@@ -207,6 +208,8 @@ class _Lowering:
             return _bind(eqn, [unstack(x) for x in args])  # dead in the plan, or a constant
         if op.outputs and op.outputs[0].id in self.stacked:
             return [self._stacked_op(eqn, op, planned, args)]
+        if is_gate(eqn):
+            return self._gate(eqn, op, planned, args)
         args = [x if v.is_const or v.id in self.free
                 else self.convert(unstack(x), self.plan.read_as(v.id), planned.ins[k])
                 for k, (v, x) in enumerate(zip(op.inputs, args))]
@@ -218,6 +221,19 @@ class _Lowering:
             return [self.settle(v.id, x) for v, x in zip(op.outputs, outs)]
         return [self.settle(v.id, self.constrain(x, nd))
                 for v, x, nd in zip(op.outputs, outs, planned.outs)]
+
+    def _gate(self, eqn, op, planned, args: list) -> list:
+        """A recomputation's gate (:func:`shardc.ir.remat.is_gate`): the select runs in the
+        layout its gated operand is read from, and its result is converted to the plan's:
+        the same collective the plan priced on the operand, run after the gate."""
+        here = self.source(op.inputs[2])
+        if here is None:
+            here = planned.ins[2]
+        args = [x if v.is_const or v.id in self.free
+                else self.convert(unstack(x), self.plan.read_as(v.id), here)
+                for v, x in zip(op.inputs, args)]
+        out = self.convert(_bind(eqn, args)[0], here, planned.outs[0])
+        return [self.settle(op.outputs[0].id, out)]
 
     def _follows(self, op, planned) -> bool:
         """The partitioner gives this op's output its planned layout on its own, so the

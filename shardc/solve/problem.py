@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardc.cost.cluster import Cluster
-from shardc.cost.combine import alpha_scales
+from shardc.cost.combine import COMBINED_KINDS, alpha_scales, tail_values
 from shardc.cost.comm import Conversion, conversion
 from shardc.ir.graph import Graph, Op, Value
 from shardc.ir.prims import facts
@@ -99,7 +99,9 @@ class CostGraph:
     spans: list = field(default_factory=list)  # (first, last program point, node, slot, bytes)
     stack_spans: list = field(default_factory=list)  # (first, last, enter, node, slot, bytes)
     results: set = field(default_factory=set)  # indices of spans holding a graph result
-    #: (t, op node, input k, node, slot, bytes, value id) per operand read
+    #: (t, op node, input k, node, slot, bytes, value id, made) per operand read, ``made``
+    #: the program point that makes the value and ``combined`` whether its collectives join
+    #: XLA's combined tuple collective (a tail value's: see ``cost/combine.py``)
     read_spans: list = field(default_factory=list)
     settle_spans: list = field(default_factory=list)  # (first, last, settle, node, slot, bytes)
     conversions: dict = field(default_factory=dict)  # (src, dst) -> Conversion
@@ -684,6 +686,8 @@ def _lifetimes(cg: CostGraph) -> None:
             if v.id not in fused:
                 cg.spans.append((t, last.get(v.id, t), cg.producer[v.id][0], slot, v.nbytes))
     first_read: dict[int, int] = {}
+    made = {v.id: t for t, op in enumerate(graph.ops) for v in op.outputs}
+    tail = tail_values(graph)
     cg.read_spans = []
     for t, op in enumerate(graph.ops):
         for k, val in reads(op):
@@ -692,7 +696,8 @@ def _lifetimes(cg: CostGraph) -> None:
             first_read.setdefault(val.id, t)
             u, slot = cg.producer[val.id] if carry_exit(op) or val.id not in cg.settle \
                 else (cg.settle[val.id], 0)
-            cg.read_spans.append((t, len(graph.inputs) + t, k, u, slot, val.nbytes, val.id))
+            cg.read_spans.append((t, len(graph.inputs) + t, k, u, slot, val.nbytes, val.id,
+                                  made.get(val.id, 0), val.id in tail))
     cg.settle_spans = []
     for vid, w in cg.settle.items():
         if vid in first_read:
@@ -763,23 +768,63 @@ def memory_profile(cg: CostGraph, choice: Sequence[int]) -> np.ndarray:
             moved.append((start, end, nbytes * read.shard_fraction(cg.axis_sizes)))
     for start, end, w, node, slot, nbytes in cg.settle_spans:  # a shared value's converted copy
         kept = cg.choices[w][choice[w]]
-        if _moves(cg, cg.out_sbp(node, slot, choice[node]), kept):
+        src = cg.out_sbp(node, slot, choice[node])
+        if _moves(cg, src, kept):
             moved.append((start, end, nbytes * kept.shard_fraction(cg.axis_sizes)))
+            moved.append((start, start, _steps_over(cg, src, kept, nbytes)))
     copies: dict[tuple[int, NdSbp], list] = {}  # an operand converted for its ops
-    for t, op_node, k, node, slot, nbytes, vid in cg.read_spans:
+    for t, op_node, k, node, slot, nbytes, vid, born, tail in cg.read_spans:
         want = cg.choices[op_node][choice[op_node]].ins[k]
-        if _moves(cg, cg.out_sbp(node, slot, choice[node]), want):
+        src = cg.out_sbp(node, slot, choice[node])
+        if _moves(cg, src, want):
             held_copy = copies.get((vid, want))
             if held_copy is None:
-                copies[(vid, want)] = [t, t, nbytes * want.shard_fraction(cg.axis_sizes)]
+                joins = tail and all(c.kind in COMBINED_KINDS
+                                     for c in cg._conversion(src, want).collectives)
+                moved.append((t, t, _steps_over(cg, src, want, nbytes)))
+                copies[(vid, want)] = [t, t, nbytes * want.shard_fraction(cg.axis_sizes),
+                                       born, joins]
             else:
                 held_copy[1] = t
-    moved.extend(map(tuple, copies.values()))
+    moved.extend(combined(list(copies.values())))
     delta = np.zeros(n + 2)
     for start, end, b in host(made, results) + moved:
         delta[start] += b
         delta[end + 1] -= b
     return held + np.cumsum(delta)[:n]
+
+
+COMBINE_COUNT = 256
+"""Collectives per combined tuple collective: XLA:CPU's all-reduce combiner joins any
+number of bytes, at most 256 operands (``cpu_compiler.cc``: ``kCombineBytes`` = int64 max,
+``kCombineCount`` = 256; XLA:GPU stops at 30 MiB, ``xla_gpu_all_reduce_combine_threshold_
+bytes``)."""
+
+
+def combined(copies: list[list]) -> list[tuple[int, int, float]]:
+    """``(first, last, bytes)`` of each converted copy ``[first read, last read, bytes,
+    made, joins]``. The copies that join XLA's combined collective (a tail value's
+    all-reduce: the gradients on their way into the optimizer) are made by one tuple
+    collective per :data:`COMBINE_COUNT`, which runs once its last operand is made, and
+    all live from there to their last reads: on a data-parallel step the whole gradient
+    sits in temporaries at once, where separate all-reduces would each live at their
+    reader. A copy read before the others are made cannot wait for them: it runs alone."""
+    group = [c for c in copies if c[4]]
+    while group:  # drop the copies read before the group's last operand is made
+        at = max(c[3] for c in group)
+        early = [c for c in group if c[0] <= at]
+        if not early:
+            break
+        for c in early:
+            c[4] = False
+        group = [c for c in group if c[4]]
+    group.sort(key=lambda c: c[3])
+    for i in range(0, len(group), COMBINE_COUNT):
+        chunk = group[i:i + COMBINE_COUNT]
+        at = max(c[3] for c in chunk) + 1
+        for c in chunk:
+            c[0] = min(c[0], at)
+    return [(c[0], c[1], c[2]) for c in copies]
 
 
 def host(temps: list[tuple[int, int, float]], results: list[tuple[float, int]]
@@ -807,6 +852,19 @@ def host(temps: list[tuple[int, int, float]], results: list[tuple[float, int]]
         else:
             out.append((first, last, b))
     return out
+
+
+def _steps_over(cg: CostGraph, src: NdSbp, dst: NdSbp, nbytes: int) -> float:
+    """Bytes a conversion holds while it runs beyond its result: a step's input and
+    output live together, so a conversion of several steps (a gather in two, one mesh axis
+    each) peaks at the largest two consecutive layouts, more than its result alone (a
+    GPT's logits gathered over both axes of a (2, 4) mesh: a quarter and the whole at
+    once). The source is counted as its own value."""
+    sizes = [nbytes * nd.shard_fraction(cg.axis_sizes)
+             for nd in cg._conversion(src, dst).layouts]
+    if len(sizes) < 2:
+        return 0.0
+    return max(0.0, max(a + b for a, b in zip(sizes, sizes[1:])) - sizes[-1])
 
 
 def _moves(cg: CostGraph, src: NdSbp, dst: NdSbp) -> bool:
