@@ -125,3 +125,30 @@ def test_a_budget_only_remat_meets_plans_with_remat():
     assert f"of {L} forward segments in the backward pass" in str(plan.report())
     with pytest.raises(ValueError, match="exported code cannot carry"):
         python_module(plan)
+
+
+def test_layers_the_user_remats_stay_as_written():
+    # a jax.checkpoint'd block keeps only its input for the backward, so nothing of it is a
+    # segment; the plain block beside it is, and recomputing it leaves the user's
+    # recomputation as written
+    def block(x, w1, w2):
+        return x + jnp.tanh(x @ w1) @ w2
+
+    def loss(ws, x):
+        for k, (w1, w2) in enumerate(ws):
+            x = (block if k == 1 else jax.checkpoint(block))(x, w1, w2)
+        return jnp.mean(x ** 2)
+
+    def step(ws, x):
+        value, g = jax.value_and_grad(loss)(ws, x)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, ws, g), value
+
+    ws, x = _args(layers=3, batch=8)
+    closed = jax.make_jaxpr(step)(ws, x)
+    user = [e for e in closed.jaxpr.eqns if e.primitive.name == "remat2"]
+    assert len(user) == 2
+    segs = remat.segments(closed)
+    assert len(segs) == 1  # the plain block's
+    again = remat.rematerialize(closed, segs, [0])
+    assert all(e in again.jaxpr.eqns for e in user)
+    assert sum(e.primitive.name == "remat2" for e in again.jaxpr.eqns) == 3
