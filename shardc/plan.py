@@ -26,15 +26,8 @@ from shardc.cost.combine import alpha_scales
 from shardc.cost.comm import conversion
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Partial, to_partition_spec
-from shardc.solve.problem import (
-    CostGraph,
-    carry_exit,
-    feed_time,
-    loop_ties,
-    memory_profile,
-    read_runs,
-    reads,
-)
+from shardc.solve.memory import carry_exit, memory_profile, reads
+from shardc.solve.problem import CostGraph, feed_time, loop_ties, read_runs
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,7 @@ def test_fused_values_hold_no_buffer():
     # Adam's chains: the bias-corrected moments and the update are computed inside the
     # fusion that writes the new parameter; the gradient and the new moments are stored
     from shardc.ir.trace import trace
-    from shardc.solve.problem import fused_values
+    from shardc.solve.memory import fused_values
 
     def step(w, x):
         g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
@@ -101,7 +101,7 @@ def test_the_gradients_all_reduces_are_one_buffer_from_the_last_gradient_on():
     # XLA:CPU combines a data-parallel step's gradient all-reduces into one tuple
     # all-reduce: it waits for the last gradient, and every reduced gradient lives from
     # there to its reader; a copy read before the last gradient is made runs alone
-    from shardc.solve.problem import combined
+    from shardc.solve.memory import combined
 
     copies = [[10, 12, 100.0, 5, True], [11, 11, 100.0, 8, True], [6, 9, 50.0, 2, True],
               [3, 4, 10.0, 1, False]]

@@ -47,7 +47,8 @@ from shardc.lower.partial import (
     unstack,
     vmapped,
 )
-from shardc.solve.problem import carry_exit, loop_ties, reads
+from shardc.solve.memory import carry_exit, reads
+from shardc.solve.problem import loop_ties
 
 
 def sharding(mesh: Mesh, nd: NdSbp, ndim: int) -> NamedSharding:

@@ -3,7 +3,7 @@
 One node per graph input (its choices: the NdSbps it may be laid out with) and per op (its
 choices: the rule's strategies); one edge per producer→consumer value with a resharding
 cost matrix ``R[a, b]`` (seconds). Memory is a list of sampled program points, each a sum of
-per-node, per-choice byte vectors that must stay under the budget.
+per-node, per-choice byte vectors that must stay under the budget (:mod:`shardc.solve.memory`).
 
 ``merge_followers`` shrinks the problem before any search:
 
@@ -20,7 +20,6 @@ References:
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -30,18 +29,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardc.cost.cluster import Cluster
-from shardc.cost.combine import COMBINED_KINDS, alpha_scales, tail_values
+from shardc.cost.combine import alpha_scales
 from shardc.cost.comm import Conversion, conversion
 from shardc.ir.graph import Graph, Op, Value
 from shardc.ir.prims import facts
 from shardc.ir.sbp import B, Broadcast, NdSbp, Partial, Split
 from shardc.ir.trace import SCAN_ENTER, SCAN_EXIT
 from shardc.rules.registry import strategies
-
-MEMORY_POINTS = 4  # program points sampled for the memory constraint (Alpa samples too)
-FUSING_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
-"""Reductions XLA fuses their elementwise operands into (an input fusion): a softmax's
-``exp`` read by its sum and its normalisation is never stored."""
+from shardc.solve.memory import carry_exit, memory_points, reads
 
 
 @dataclass
@@ -526,23 +521,10 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
             fix = cg.reshard_matrix(src, [_unreduce(s) for s in src], val.nbytes,
                                     scale.get(val.id, 1.0))
             cg.cost[u] = cg.cost[u] + np.diag(fix)
-    cg.memory = _memory_points(cg)
+    cg.memory = memory_points(cg)
     return cg
 
 
-def carry_exit(op: Op) -> bool:
-    """``op`` is a scan's carry result: it reads the loop-carried value (its
-    ``scan_enter``'s output) as the loop keeps it, made, not settled for the body's uses."""
-    return op.prim is SCAN_EXIT and op.params["kind"] == "carry"
-
-
-def reads(op: Op) -> list[tuple[int, Value]]:
-    """(input slot, value) pairs the cost graph prices for ``op``: its inputs, except that a
-    scan's carry result is read from the loop-carried value (:func:`carry_exit`), not from
-    the body's last value."""
-    if carry_exit(op):
-        return [(0, op.params["enter"])]
-    return list(enumerate(op.inputs))
 
 
 def read_runs(runs: Mapping[int, int], val: Value, op: Op) -> int:
@@ -627,256 +609,3 @@ def _op_key(op: Op):
     ins = tuple((v.shape, str(v.dtype), v.is_const) for v in op.inputs)
     outs = tuple((v.shape, str(v.dtype)) for v in op.outputs)
     return op.name, ins, outs, params
-
-
-def _value_mem(cg: CostGraph, node: int, slot: int, nbytes: int) -> np.ndarray:
-    return np.array([nbytes * nd.shard_fraction(cg.axis_sizes) for nd in cg.out_sbps(node, slot)])
-
-
-def fused_values(graph: Graph) -> set[int]:
-    """Ids of the values XLA never stores: made by an elementwise op or a broadcast and read
-    only by such ops or by a reduction (:data:`FUSING_REDUCTIONS`), not a result. XLA's
-    fusion pass computes such a value inside each consumer's loop (a loop or input fusion;
-    several consumers each recompute it or share a multi-output fusion), so no buffer holds
-    it, and its operands are read where its consumers run instead. An optimizer's chains
-    (Adam's bias-corrected moments and update) are made of these: counted as buffers, a
-    train step's tail held two extra copies of the parameters that the compiled program
-    never allocates; so are a loss's logits-sized broadcasts and ``exp``."""
-    outs = {v.id for v in graph.outputs}
-    readers: dict[int, list[Op]] = {}
-    for op in graph.ops:
-        for v in op.inputs:
-            readers.setdefault(v.id, []).append(op)
-
-    def made_in_loop(name: str) -> bool:
-        return facts(name).elementwise or name == "broadcast_in_dim"
-
-    return {v.id for op in graph.ops if made_in_loop(op.name) for v in op.outputs
-            if v.id not in outs and v.id in readers
-            and all(made_in_loop(r.name) or r.name in FUSING_REDUCTIONS
-                    for r in readers[v.id])}
-
-
-def _lifetimes(cg: CostGraph) -> None:
-    """Graph inputs (parameters, optimizer state, batch) live throughout; an op's outputs
-    from the op to their last use (graph outputs: to the end); a fused value
-    (:func:`fused_values`) has no buffer, and its operands live to its last use instead."""
-    graph = cg.graph
-    n = len(graph.ops)
-    last = {v.id: n for v in graph.outputs}
-    for t, op in enumerate(graph.ops):
-        for v in op.inputs:
-            last[v.id] = max(last.get(v.id, t), t)
-    fused = fused_values(graph)
-    for t in range(n - 1, -1, -1):  # consumers first: a chain of fused values extends back
-        op = graph.ops[t]
-        end = max((last[v.id] for v in op.outputs if v.id in fused), default=t)
-        for v in op.inputs:
-            last[v.id] = max(last[v.id], end)
-    cg.spans = []
-    for v in graph.inputs:
-        node, _ = cg.producer[v.id]
-        cg.spans.append((0, n, node, 0, v.nbytes))
-    results = {v.id for v in graph.outputs}
-    cg.results = set()
-    for t, op in enumerate(graph.ops):
-        for slot, v in enumerate(op.outputs):
-            if v.id in results:
-                cg.results.add(len(cg.spans))
-            if v.id not in fused:
-                cg.spans.append((t, last.get(v.id, t), cg.producer[v.id][0], slot, v.nbytes))
-    first_read: dict[int, int] = {}
-    made = {v.id: t for t, op in enumerate(graph.ops) for v in op.outputs}
-    tail = tail_values(graph)
-    cg.read_spans = []
-    for t, op in enumerate(graph.ops):
-        for k, val in reads(op):
-            if val.is_const:
-                continue
-            first_read.setdefault(val.id, t)
-            u, slot = cg.producer[val.id] if carry_exit(op) or val.id not in cg.settle \
-                else (cg.settle[val.id], 0)
-            cg.read_spans.append((t, len(graph.inputs) + t, k, u, slot, val.nbytes, val.id,
-                                  made.get(val.id, 0), val.id in tail))
-    cg.settle_spans = []
-    for vid, w in cg.settle.items():
-        if vid in first_read:
-            node, slot = cg.producer[vid]
-            val = cg.refs[w].value
-            cg.settle_spans.append((first_read[vid], last.get(vid, n), w, node, slot,
-                                    val.nbytes))
-    cg.stack_spans = []
-    for t, end, val in stacked_reads(graph):
-        u, slot = (cg.settle[val.id], 0) if val.id in cg.settle else cg.producer[val.id]
-        cg.stack_spans.append((t, end, len(graph.inputs) + t, u, slot, val.nbytes))
-
-
-def stacked_reads(graph: Graph) -> list[tuple[int, int, Value]]:
-    """``(t, end, stacked value)`` per scan ``xs`` input (op ``t``, its ``scan_enter``):
-    the loop reads the whole stack in the enter's layout, so where that differs from the
-    stack's own (a stacked weight stored sharded, its slices read gathered) the converted
-    stack is a buffer of its own from the enter to the loop's last exit (``end``): XLA
-    gathers the stack before the loop, not a layer per iteration."""
-    exits = {op.where: k for k, op in enumerate(graph.ops) if op.prim is SCAN_EXIT}
-    return [(t, max(t, exits.get(op.where, t)), op.inputs[0])
-            for t, op in enumerate(graph.ops)
-            if op.prim is SCAN_ENTER and op.params.get("kind") == "xs"
-            and not op.inputs[0].is_const]
-
-
-def memory_point(cg: CostGraph, t: int) -> dict[int, np.ndarray]:
-    """Per-device bytes live at program point ``t``, as per-choice vectors of live nodes."""
-    point: dict[int, np.ndarray] = {}
-    for start, end, node, slot, nbytes in cg.spans:
-        if start <= t <= end:
-            root, f = cg.resolve(node)
-            vec = _value_mem(cg, node, slot, nbytes)[f]
-            point[root] = point[root] + vec if root in point else vec
-    return point
-
-
-def memory_profile(cg: CostGraph, choice: Sequence[int]) -> np.ndarray:
-    """Per-device bytes at every program point for full per-node ``choice``, as XLA's
-    buffer assignment counts them (``memory_analysis()``: arguments + results +
-    temporaries): every argument and every result (XLA reserves a result's buffer for the
-    whole program), and the temporaries live at the point that no result buffer holds
-    (:func:`host`). A temporary is an op's value that is not a result, or a value's copy
-    a collective converted (a shared value's settled layout, an operand's for its op, a
-    stack's for its loop); the collectives' copies are never held in a result buffer: XLA's
-    combined all-reduce of a data-parallel step's gradients (ViT on 8 devices) lands in
-    the temporary pool, not in the buffers the optimizer writes later. An operand converted
-    alike for several ops is one copy, from its first reader to its last: XLA's CSE merges
-    the identical collectives, so an activation gathered for a forward dot stays gathered
-    until the backward's weight-gradient dot reads it (a plan splitting the hidden dim)."""
-    n = max(len(cg.graph.ops), 1)
-    nin = len(cg.graph.inputs)
-    held = 0.0
-    results = []  # (bytes, first point)
-    made = []  # an op's temporaries: (first, last, bytes)
-    moved = []  # the collectives' copies: (first, last, bytes)
-    for k, (start, end, node, slot, nbytes) in enumerate(cg.spans):
-        b = nbytes * cg.out_sbp(node, slot, choice[node]).shard_fraction(cg.axis_sizes)
-        if k < nin or k in cg.results:
-            held += b
-            if k >= nin:
-                results.append((b, start))
-        else:
-            made.append((start, end, b))
-    for start, end, enter, node, slot, nbytes in cg.stack_spans:  # stacks converted for a loop
-        read = cg.choices[enter][choice[enter]].ins[0]
-        if read != cg.out_sbp(node, slot, choice[node]):
-            moved.append((start, end, nbytes * read.shard_fraction(cg.axis_sizes)))
-    for start, end, w, node, slot, nbytes in cg.settle_spans:  # a shared value's converted copy
-        kept = cg.choices[w][choice[w]]
-        src = cg.out_sbp(node, slot, choice[node])
-        if _moves(cg, src, kept):
-            moved.append((start, end, nbytes * kept.shard_fraction(cg.axis_sizes)))
-            moved.append((start, start, _steps_over(cg, src, kept, nbytes)))
-    copies: dict[tuple[int, NdSbp], list] = {}  # an operand converted for its ops
-    for t, op_node, k, node, slot, nbytes, vid, born, tail in cg.read_spans:
-        want = cg.choices[op_node][choice[op_node]].ins[k]
-        src = cg.out_sbp(node, slot, choice[node])
-        if _moves(cg, src, want):
-            held_copy = copies.get((vid, want))
-            if held_copy is None:
-                joins = tail and all(c.kind in COMBINED_KINDS
-                                     for c in cg._conversion(src, want).collectives)
-                moved.append((t, t, _steps_over(cg, src, want, nbytes)))
-                copies[(vid, want)] = [t, t, nbytes * want.shard_fraction(cg.axis_sizes),
-                                       born, joins]
-            else:
-                held_copy[1] = t
-    moved.extend(combined(list(copies.values())))
-    delta = np.zeros(n + 2)
-    for start, end, b in host(made, results) + moved:
-        delta[start] += b
-        delta[end + 1] -= b
-    return held + np.cumsum(delta)[:n]
-
-
-COMBINE_COUNT = 256
-"""Collectives per combined tuple collective: XLA:CPU's all-reduce combiner joins any
-number of bytes, at most 256 operands (``cpu_compiler.cc``: ``kCombineBytes`` = int64 max,
-``kCombineCount`` = 256; XLA:GPU stops at 30 MiB, ``xla_gpu_all_reduce_combine_threshold_
-bytes``)."""
-
-
-def combined(copies: list[list]) -> list[tuple[int, int, float]]:
-    """``(first, last, bytes)`` of each converted copy ``[first read, last read, bytes,
-    made, joins]``. The copies that join XLA's combined collective (a tail value's
-    all-reduce: the gradients on their way into the optimizer) are made by one tuple
-    collective per :data:`COMBINE_COUNT`, which runs once its last operand is made, and
-    all live from there to their last reads: on a data-parallel step the whole gradient
-    sits in temporaries at once, where separate all-reduces would each live at their
-    reader. A copy read before the others are made cannot wait for them: it runs alone."""
-    group = [c for c in copies if c[4]]
-    while group:  # drop the copies read before the group's last operand is made
-        at = max(c[3] for c in group)
-        early = [c for c in group if c[0] <= at]
-        if not early:
-            break
-        for c in early:
-            c[4] = False
-        group = [c for c in group if c[4]]
-    group.sort(key=lambda c: c[3])
-    for i in range(0, len(group), COMBINE_COUNT):
-        chunk = group[i:i + COMBINE_COUNT]
-        at = max(c[3] for c in chunk) + 1
-        for c in chunk:
-            c[0] = min(c[0], at)
-    return [(c[0], c[1], c[2]) for c in copies]
-
-
-def host(temps: list[tuple[int, int, float]], results: list[tuple[float, int]]
-         ) -> list[tuple[int, int, float]]:
-    """The temporaries ``(first, last, bytes)`` no result buffer ``(bytes, first point)``
-    holds. XLA's buffer assignment puts a temporary that dies before a result is written
-    into that result's buffer when it fits and overlaps no other temporary held there (on a
-    data-parallel train step, the forward pass's activations live in the buffers of the
-    parameters the optimizer writes at the end); like its heap, largest temporary first,
-    each into the smallest buffer that takes it."""
-    order = sorted(range(len(results)), key=lambda j: results[j][0])
-    sizes = [results[j][0] for j in order]
-    busy: list[list[tuple[int, int]]] = [[] for _ in order]  # each buffer's held spans
-    out = []
-    for first, last, b in sorted(temps, key=lambda x: -x[2]):
-        j = bisect.bisect_left(sizes, b)
-        while j < len(order):
-            spans = busy[j]
-            p = bisect.bisect_left(spans, (first, -1))
-            if results[order[j]][1] > last and (p == len(spans) or spans[p][0] > last) \
-                    and (p == 0 or spans[p - 1][1] < first):
-                spans.insert(p, (first, last))
-                break
-            j += 1
-        else:
-            out.append((first, last, b))
-    return out
-
-
-def _steps_over(cg: CostGraph, src: NdSbp, dst: NdSbp, nbytes: int) -> float:
-    """Bytes a conversion holds while it runs beyond its result: a step's input and
-    output live together, so a conversion of several steps (a gather in two, one mesh axis
-    each) peaks at the largest two consecutive layouts, more than its result alone (a
-    GPT's logits gathered over both axes of a (2, 4) mesh: a quarter and the whole at
-    once). The source is counted as its own value."""
-    sizes = [nbytes * nd.shard_fraction(cg.axis_sizes)
-             for nd in cg._conversion(src, dst).layouts]
-    if len(sizes) < 2:
-        return 0.0
-    return max(0.0, max(a + b for a, b in zip(sizes, sizes[1:])) - sizes[-1])
-
-
-def _moves(cg: CostGraph, src: NdSbp, dst: NdSbp) -> bool:
-    """Converting ``src`` to ``dst`` runs a collective: its result is a buffer of its own
-    (a local slice is fused into its reader)."""
-    return src != dst and bool(cg._conversion(src, dst).collectives)
-
-
-def _memory_points(cg: CostGraph) -> list[dict[int, np.ndarray]]:
-    """The program points with the most live data when everything is replicated."""
-    _lifetimes(cg)
-    replicated = [0] * len(cg.choices)  # choice 0 is all-broadcast everywhere
-    live = memory_profile(cg, replicated)
-    picks = sorted(np.argsort(-live, kind="stable")[:MEMORY_POINTS].tolist())
-    return [memory_point(cg, t) for t in picks]

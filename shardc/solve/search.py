@@ -28,14 +28,8 @@ from shardc.ir.sbp import B, NdSbp
 from shardc.solve import descent
 from shardc.solve.fold import expand, fold, members, restrict
 from shardc.solve.ilp import problem_size, solve_ilp
-from shardc.solve.problem import (
-    NOTHING_FIXED,
-    CostGraph,
-    Fixed,
-    build,
-    memory_point,
-    memory_profile,
-)
+from shardc.solve.memory import memory_point, memory_profile
+from shardc.solve.problem import NOTHING_FIXED, CostGraph, Fixed, build
 
 MEMORY_ROUNDS = 6  # re-solves adding the worst violated program point
 ILP_FULL_TERMS = 40_000  # model terms up to which one ILP covers the whole graph
