@@ -35,7 +35,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import jax
-from jax._src import ad_checkpoint, source_info_util
+from jax._src import ad_checkpoint
 from jax.extend import core as jcore
 
 __all__ = ["GATE", "Segment", "is_gate", "levels", "order", "rematerialize", "segments"]
@@ -56,14 +56,13 @@ class Segment:
     ``kept``: the residuals' bytes (whole arrays) held from the forward to the backward
     when it is not recomputed; ``flops``: the recomputation's work (whole arrays; dots
     ``2mnk``, other equations one per output element), to order segments by bytes saved
-    per FLOP; ``source``: the user's line of its first equation."""
+    per FLOP."""
 
     index: int
     eqns: tuple[int, ...]
     residuals: tuple[int, ...]  # positions of the residual vars among eqns' outvars (see _res)
     kept: int
     flops: float
-    source: str
 
     @property
     def price(self) -> float:
@@ -171,18 +170,15 @@ def segments(closed) -> tuple[Segment, ...]:
         idx = tuple(sorted(need))
         flat = [v for i in idx for v in eqns[i].outvars]
         pos = {v: k for k, v in enumerate(flat)}
-        src = source_info_util.summarize(eqns[run[0]].source_info)
         out.append(Segment(len(out), idx, tuple(pos[v] for v in res),
-                           sum(_nbytes(v) for v in res),
-                           sum(_flops(eqns[i]) for i in idx), src))
+                           sum(_nbytes(v) for v in res), sum(_flops(eqns[i]) for i in idx)))
     if not out:
         return ()
     first_bwd = {s.index: min(u for v in _res(jaxpr, s) for u in uses[v] if _backward(eqns[u]))
                  for s in out}
     loss = min(first_bwd, key=first_bwd.get)  # the segment whose backward runs first
     kept = [s for s in out if s.index != loss]
-    return tuple(Segment(k, s.eqns, s.residuals, s.kept, s.flops, s.source)
-                 for k, s in enumerate(kept))
+    return tuple(Segment(k, s.eqns, s.residuals, s.kept, s.flops) for k, s in enumerate(kept))
 
 
 def order(segs: Sequence[Segment]) -> list[int]:
