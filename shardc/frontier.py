@@ -17,6 +17,7 @@ References:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -150,10 +151,14 @@ def sweep(solve: Callable[..., Plan], budgets: int = BUDGETS,
 
 
 def _leanest(solve: Callable[..., Plan], remat: tuple[int, ...]) -> Plan:
-    """The plan at the smallest budget one was found for."""
+    """The plan at the smallest budget one was found for: the search's leanest peak where
+    planning at it succeeds, else the lean start's (which always does)."""
     try:
         return solve(1.0, remat)  # no plan fits a byte: the error names the leanest found
     except MemoryBudgetError as exc:
+        if exc.found < exc.needed:
+            with contextlib.suppress(MemoryBudgetError):
+                return solve(float(math.ceil(exc.found)), remat)
         return solve(float(exc.needed), remat)
 
 

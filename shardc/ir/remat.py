@@ -21,7 +21,9 @@ activations' shorter lives by the memory model.
 
 Scope: the top-level jaxpr's forward and backward. A scanned stack of layers (its residuals
 are the forward scan's stacked outputs) and layers the user already wrapped in
-``jax.checkpoint`` (their residuals are their inputs) are left as they are.
+``jax.checkpoint`` (their residuals are their inputs) are not segments. The user's own
+checkpoints get the same gate (:func:`gate_checkpoints`): without it XLA's CPU scheduler
+runs their recomputation in the forward too, and they save nothing.
 
 References:
   Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost" (segment checkpoints);
@@ -38,7 +40,8 @@ import jax
 from jax._src import ad_checkpoint
 from jax.extend import core as jcore
 
-__all__ = ["GATE", "Segment", "is_gate", "levels", "order", "rematerialize", "segments"]
+__all__ = ["GATE", "Segment", "gate_checkpoints", "is_gate", "levels", "order", "rematerialize",
+           "segments"]
 
 GATE = "shardc_remat_gate"
 """The name scope of :func:`_gate`'s equations: the lowering runs a gate's select in its
@@ -242,6 +245,48 @@ def rematerialize(closed, segs: Sequence[Segment], chosen: Iterable[int]):
         out.append(e)
     new = jaxpr.replace(eqns=out)
     return jcore.ClosedJaxpr(new, closed.consts)
+
+
+def gate_checkpoints(closed):
+    """``closed`` with each top-level ``checkpoint`` of its backward pass (the call
+    ``jax.checkpoint`` leaves where the user's remat'd layer is recomputed) reading its
+    saved inputs through :func:`_gate` on the cotangents it also reads, so its
+    recomputation runs where the backward needs it, as on a backend that keeps
+    ``jax.checkpoint``'s barrier. The values are unchanged, bit for bit."""
+    eqns = closed.jaxpr.eqns
+    by_backward = {v for e in eqns if _backward(e) for v in e.outvars}
+    out, changed = [], False
+    for e in eqns:
+        if e.primitive is REMAT and _backward(e):
+            wait = [k for k, v in enumerate(e.invars)
+                    if isinstance(v, jcore.Var) and v in by_backward]
+            if wait and len(wait) < len(e.invars):
+                e = e.replace(params={**e.params, "jaxpr": _gated_body(e.params["jaxpr"], wait)})
+                changed = True
+        out.append(e)
+    if not changed:
+        return closed
+    return jcore.ClosedJaxpr(closed.jaxpr.replace(eqns=out), closed.consts)
+
+
+def _gated_body(body, wait: list[int]):
+    """The checkpoint body ``body`` (an open jaxpr) with its inputs other than ``wait``
+    (positions of the cotangents) read through :func:`_gate` on those."""
+    ins = body.invars
+    args = [k for k in range(len(ins)) if k not in set(wait)]
+    g = jax.make_jaxpr(_gate)([jax.ShapeDtypeStruct(ins[k].aval.shape, ins[k].aval.dtype)
+                              for k in args],
+                             [jax.ShapeDtypeStruct(ins[k].aval.shape, ins[k].aval.dtype)
+                              for k in wait])
+    assert not g.consts, "the gate closes over no constants"
+    fresh = dict(zip(args + wait, g.jaxpr.invars))
+    env = {ins[k]: g.jaxpr.outvars[j] for j, k in enumerate(args)}
+    env.update({ins[k]: fresh[k] for k in wait})
+    sub = [e.replace(invars=[env.get(v, v) if isinstance(v, jcore.Var) else v
+                             for v in e.invars]) for e in body.eqns]
+    outs = [env.get(v, v) if isinstance(v, jcore.Var) else v for v in body.outvars]
+    return body.replace(invars=[fresh[k] for k in range(len(ins))],
+                        eqns=list(g.jaxpr.eqns) + sub, outvars=outs)
 
 
 def _tautology(w):

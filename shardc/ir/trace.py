@@ -31,7 +31,7 @@ from jax.extend import core as jcore
 
 from shardc.ir.graph import Graph, Op, Value, check_graph
 from shardc.ir.prims import facts
-from shardc.ir.remat import Segment, rematerialize, segments
+from shardc.ir.remat import Segment, gate_checkpoints, rematerialize, segments
 
 try:  # the frames of an equation's traceback; jax.extend exports only ``summarize``
     from jax._src.source_info_util import is_user_filename, raw_frame_to_frame
@@ -242,6 +242,7 @@ def trace(fn: Callable, *args) -> Traced:
     """Trace ``fn(*args)`` (arrays or ``jax.ShapeDtypeStruct`` leaves) to a Graph."""
     in_tree = jax.tree.structure(args)
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    closed = gate_checkpoints(closed)
     graph, region = _build(closed)
     return Traced(graph, in_tree, jax.tree.structure(out_shape), region, tuple(closed.consts),
                   closed, segments(closed))

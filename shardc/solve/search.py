@@ -41,10 +41,13 @@ CROSS_ROUNDS = 6  # rounds of :func:`cross_sweeps`
 
 class MemoryBudgetError(ValueError):
     """No plan fits ``memory_budget``; ``needed`` is the smallest budget (bytes per device)
-    for which one was found: planning again with it succeeds."""
+    for which one was found: planning again with it succeeds. ``found``: the smallest peak
+    the search reached (at most ``needed``; planning at it is likely, not sure, to succeed:
+    the planner tries it before naming a budget, :meth:`AutoSharded._solve`)."""
 
-    def __init__(self, budget: float, needed: int):
+    def __init__(self, budget: float, needed: int, found: float | None = None):
         self.budget, self.needed = budget, needed
+        self.found = needed if found is None else min(found, needed)
         super().__init__(
             f"no plan fits memory_budget={fmt_bytes(budget)} per device; the leanest plan "
             f"found needs {fmt_bytes(needed, up=True)} (memory_budget={needed}). Raise the "
@@ -107,12 +110,13 @@ def solve(cg: CostGraph, options: SolveOptions = SolveOptions()) -> Solution:
     for y in starts:
         x = _better(cg, x, y, memory_budget)
     t2 = time.perf_counter()
-    status, stages = Status.DESCENT_ONLY, ""
+    status, stages, found = Status.DESCENT_ONLY, "", math.inf
     for _ in range(MEMORY_ROUNDS):
         x, status, stages = _solve_once(cg, x, memory_budget,
                                         options.time_limit if use_ilp else None, folding)
         if memory_budget is None or _peak(cg, x) <= memory_budget:
             break
+        found = min(found, _peak(cg, x))
         profile = memory_profile(cg, cg.decode(x))
         cg.memory.append(memory_point(cg, int(np.argmax(profile))))  # constrain it too
         folding = fold(cg) if large else None  # the quotient's memory points were stale
@@ -127,7 +131,7 @@ def solve(cg: CostGraph, options: SolveOptions = SolveOptions()) -> Solution:
             # named from the starts alone: they are planned again at any budget (a plan the
             # search reached may not be), so the budget named is met when asked for
             needed = min(_peak(cg, y) for y in starts)
-            raise MemoryBudgetError(memory_budget, math.ceil(needed))
+            raise MemoryBudgetError(memory_budget, math.ceil(needed), found)
         x = min(fits, key=lambda y: descent.objective(cg, y))
     stats = {"nodes": n_all, "live_nodes": len(cg.live), "edges": len(cg.edges),
              "merge_s": t1 - t0, "descent_s": t2 - t1, "ilp_s": time.perf_counter() - t2}
