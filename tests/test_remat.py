@@ -1,5 +1,8 @@
 """Remat as a choice: forward segments recomputed in the backward pass (shardc.ir.remat)."""
 
+import re
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -206,3 +209,26 @@ def test_an_infeasible_budget_names_the_leanest_plan_the_search_reached():
     assert needed <= 1.01 * leanest
     plan = shardc.auto_shard(_step, mesh=MESH, time_limit=2.0, memory_budget=needed).plan(ws, x)
     assert plan.predicted.peak_memory <= needed
+
+
+def test_a_value_converted_alike_for_several_readers_is_converted_once():
+    # the leanest remat plan of the frontier at batch 512 (weights split, the residual stream
+    # gathered over both mesh axes in two steps): the loss's cotangent, read replicated by
+    # three ops, was gathered three times in the second step (the partitioner merges only
+    # the first), 256 KiB over the predicted peak
+    ws, x = _args(batch=512)
+    plan = shardc.Plan.from_json((Path(__file__).parent / "data" / "remat_lean_plan.json")
+                                 .read_text())
+    assert plan.remat == tuple(range(L))
+    step = shardc.auto_shard(_step, mesh=MESH)
+    step.use_plan(plan, ws, x)
+    compiled = step.lower(ws, x).compile()
+    # (a recomputation's body converts its own inputs: a conversion there is not shared)
+    gathers = re.findall(r"all-gather\((%[\w.-]+)\), channel_id=\d+, (replica_groups=\S+)"
+                         r".*op_name=\"jit\(tree_fn\)/(?!jvp\(\)/checkpoint/)",
+                         compiled.as_text())
+    assert len(gathers) >= 20 and len(set(gathers)) == len(gathers)
+    assert plan.predicted.peak_memory == pytest.approx(_peak(compiled), rel=0.15)
+    ref = jax.jit(_step)(ws, x)
+    for a, b in zip(jax.tree.leaves(step(ws, x)), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)

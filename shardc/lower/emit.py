@@ -101,7 +101,8 @@ class _Lowering:
     """The interpreter: a plan, the Auto mesh it runs on, its ops by id, and the values
     left unconstrained (:meth:`~shardc.ir.graph.Graph.constants`)."""
 
-    __slots__ = ("plan", "mesh", "by_op", "free", "read_whole", "shardings", "stacked")
+    __slots__ = ("plan", "mesh", "by_op", "free", "read_whole", "shardings", "stacked",
+                 "converted")
 
     def __init__(self, plan, mesh: Mesh, graph):
         self.plan = plan
@@ -113,6 +114,8 @@ class _Lowering:
         #: value id -> mesh axes: the partial sums of loop bodies held stacked
         #: (:mod:`shardc.lower.partial`), filled per loop by :meth:`stack_plan`
         self.stacked: dict[int, tuple[int, ...]] = {}
+        #: (id of a traced value, source, target) -> (that value, its converted copy)
+        self.converted: dict = {}
 
     def constrain(self, x, nd: NdSbp | None):
         if nd is None or nd.has_partial or not hasattr(x, "shape"):
@@ -125,10 +128,24 @@ class _Lowering:
 
     def convert(self, x, src: NdSbp | None, dst: NdSbp):
         """Pin each layout of the planned conversion in turn (:mod:`shardc.cost.comm`), so
-        XLA runs the collectives the plan priced, one mesh axis at a time."""
-        for nd in conversion_steps(self.plan, src, dst):
-            x = self.constrain(x, nd)
-        return x
+        XLA runs the collectives the plan priced, one mesh axis at a time. A value
+        converted alike for several readers is converted once, its copy shared (as the
+        memory model counts it): the partitioner merges the first steps of identical
+        conversions, but not the later ones, whose operands are distinct constraints (a
+        cotangent gathered over both axes of a (2, 4) mesh for three readers held three
+        gathered copies)."""
+        steps = conversion_steps(self.plan, src, dst)
+        if not steps:
+            return x
+        key = (id(x), src, dst)
+        hit = self.converted.get(key)
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        y = x
+        for nd in steps:
+            y = self.constrain(y, nd)
+        self.converted[key] = (x, y)  # x held: its id is not reused while the entry lives
+        return y
 
     def source(self, v) -> NdSbp | None:
         """The layout ``v``'s uses read it from; None for a constant (left to XLA)."""
