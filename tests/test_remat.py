@@ -52,10 +52,12 @@ def _same_bits_peaks(closed, rewritten, args) -> tuple[float, float]:
 
 
 def test_segments_are_the_residual_blocks_and_the_rewrite_recomputes_them():
-    ws, x = _args(layers=2, batch=8)
+    ws, x = _args(layers=3, batch=8)
     closed = jax.make_jaxpr(_step)(ws, x)
     segs = remat.segments(closed)
-    # one per block; the loss is left out (its backward reads its residuals at once)
+    # one per block but the last: the loss is left out (its backward reads its residuals at
+    # once), and so is the last block, whose backward runs next, when only the loss's
+    # [8, 64] input is free: recomputed there, its values would join the step's peak
     assert len(segs) == 2
     # the second keeps tanh(x @ w1) and the 1 - tanh^2 factor the backward reads, [8, 256]
     # each; in the first block (its input is an argument, kept anyway) only the tanh
@@ -85,7 +87,7 @@ def test_the_rewritten_program_computes_the_same_bits_and_needs_less_memory():
 def test_no_backward_no_segments_and_a_bad_choice_is_named():
     closed = jax.make_jaxpr(_loss)(*_args(layers=2, batch=8))
     assert remat.segments(closed) == ()
-    traced = trace(_step, *_args(layers=2, batch=8))
+    traced = trace(_step, *_args(layers=3, batch=8))
     with pytest.raises(ValueError, match=r"segment\(s\) \[5\] do not exist.*2 segments"):
         rematerialized(traced, [5])
 
@@ -125,13 +127,13 @@ def test_a_budget_only_remat_meets_plans_with_remat():
     budget = 0.8 * fastest.predicted.peak_memory  # data parallel does not fit; with remat it does
     step = shardc.auto_shard(_step, mesh=MESH, time_limit=2.0, memory_budget=budget)
     plan = step.plan(ws, x)
-    assert plan.remat and plan.segments == L
+    assert plan.remat and plan.segments == L - 1  # the last block pays nothing back
     assert plan.predicted.peak_memory <= budget
     assert _peak(step.lower(ws, x).compile()) <= 1.15 * budget
     ref = jax.jit(_step)(ws, x)
     for a, b in zip(jax.tree.leaves(step(ws, x)), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
-    assert f"of {L} forward segments in the backward pass" in str(plan.report())
+    assert f"of {L - 1} forward segments in the backward pass" in str(plan.report())
     with pytest.raises(ValueError, match="exported code cannot carry"):
         python_module(plan)
 
@@ -212,14 +214,14 @@ def test_an_infeasible_budget_names_the_leanest_plan_the_search_reached():
 
 
 def test_a_value_converted_alike_for_several_readers_is_converted_once():
-    # the leanest remat plan of the frontier at batch 512 (weights split, the residual stream
-    # gathered over both mesh axes in two steps): the loss's cotangent, read replicated by
-    # three ops, was gathered three times in the second step (the partitioner merges only
-    # the first), 256 KiB over the predicted peak
+    # a remat plan at batch 512 (planned with memory_budget=1.6e6: weights split, the
+    # residual stream gathered over both mesh axes in two steps): a cotangent read
+    # replicated by several ops was gathered once per reader in the second step (the
+    # partitioner merges only the first): 28 all-gathers, 8 of them repeats
     ws, x = _args(batch=512)
     plan = shardc.Plan.from_json((Path(__file__).parent / "data" / "remat_lean_plan.json")
                                  .read_text())
-    assert plan.remat == tuple(range(L))
+    assert plan.remat == tuple(range(L - 1))  # every block but the last
     step = shardc.auto_shard(_step, mesh=MESH)
     step.use_plan(plan, ws, x)
     compiled = step.lower(ws, x).compile()
@@ -231,4 +233,48 @@ def test_a_value_converted_alike_for_several_readers_is_converted_once():
     assert plan.predicted.peak_memory == pytest.approx(_peak(compiled), rel=0.15)
     ref = jax.jit(_step)(ws, x)
     for a, b in zip(jax.tree.leaves(step(ws, x)), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+V, E = 2048, 64  # a tied language model's vocabulary and width
+
+
+def _lm_loss(p, tok, y):
+    x = p["emb"][tok]
+    for w1, w2 in p["blocks"]:
+        x = x + jnp.tanh(x @ w1) @ w2
+    logits = x @ p["emb"].T  # the output layer is the embedding, transposed
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[..., None], -1))
+
+
+def _lm_step(p, tok, y):
+    loss, g = jax.value_and_grad(_lm_loss)(p, tok, y)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), loss
+
+
+def test_a_tied_output_layer_recomputes_without_gathering_its_cotangent():
+    # recomputing the embedding's transpose waits on the logits' cotangent, which no operand
+    # matches in shape: the gate reads a reduction of it (each device its part, one scalar
+    # combined); reading its first element gathered the batch-split cotangent whole (on
+    # GPT-2 small, 2.7 GiB more per device than keeping every activation)
+    k = jax.random.split(jax.random.key(1), 11)
+    p = {"emb": jax.random.normal(k[0], (V, E)) / 8,
+         "blocks": [(jax.random.normal(k[2 * i + 1], (E, H)) / 8,
+                     jax.random.normal(k[2 * i + 2], (H, E)) / 16) for i in range(4)]}
+    tok, y = (jax.random.randint(k[j], (16, 64), 0, V) for j in (9, 10))
+    closed = jax.make_jaxpr(_lm_step)(p, tok, y)
+    segs = remat.segments(closed)
+    # the blocks and the transpose; not the log-softmax (its backward runs first but for
+    # the loss's: recomputed there, it adds to the peak)
+    assert [len(s.eqns) for s in segs] == [3, 3, 3, 3, 1]
+    fastest = shardc.auto_shard(_lm_step, mesh=MESH, time_limit=2.0).plan(p, tok, y)
+    budget = 0.95 * fastest.predicted.peak_memory
+    step = shardc.auto_shard(_lm_step, mesh=MESH, time_limit=2.0, memory_budget=budget)
+    plan = step.plan(p, tok, y)
+    assert 4 in plan.remat  # the transpose is recomputed
+    compiled = step.lower(p, tok, y).compile()
+    assert _peak(compiled) <= 1.15 * budget
+    assert plan.predicted.step_time <= 1.2 * fastest.predicted.step_time
+    ref = jax.jit(_lm_step)(p, tok, y)
+    for a, b in zip(jax.tree.leaves(step(p, tok, y)), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)

@@ -257,8 +257,9 @@ def rematerialized(traced: Traced, remat: Sequence[int]) -> Traced:
         return traced
     bad = [k for k in remat if not 0 <= k < len(traced.segments)]
     if bad:
-        raise ValueError(f"remat segment(s) {bad} do not exist: this program has "
-                         f"{len(traced.segments)} segments that can be recomputed")
+        n = len(traced.segments)
+        raise ValueError(f"remat segment(s) {bad} do not exist: this program has {n} "
+                         f"segment{'' if n == 1 else 's'} that can be recomputed")
     closed = rematerialize(traced.jaxpr, traced.segments, remat)
     graph, region = _build(closed)
     return dataclasses.replace(traced, graph=graph, region=region, remat=remat)
