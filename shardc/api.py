@@ -32,7 +32,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 from shardc.calling import Call, Convention, abstract_leaf, misplaced, place, placement
 from shardc.cost.cluster import DEFAULT_CLUSTER, Cluster
-from shardc.explain import fmt_bytes
+from shardc.explain import fmt_bytes, fmt_time
 from shardc.frontier import BUDGETS, DeviceCount, DeviceSweep, Frontier, device_counts, sweep
 from shardc.ir.remat import levels
 from shardc.ir.sbp import Broadcast, NdSbp, from_partition_spec, to_partition_spec
@@ -561,6 +561,9 @@ class AutoSharded:
                 counts.append(DeviceCount(k, mesh, step.plan(*args, **kwargs)))
             except MemoryBudgetError as exc:
                 counts.append(DeviceCount(k, mesh, None, exc.needed))
+            log.info("shardc: %d devices (%s): %s", k, mesh_label(mesh),
+                     "no plan fits" if counts[-1].plan is None else
+                     fmt_time(counts[-1].plan.predicted.step_time) + " step")
         return DeviceSweep(tuple(counts), budget)
 
     def input_shardings(self, *args, **kwargs) -> tuple[tuple, dict]:

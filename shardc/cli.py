@@ -18,7 +18,9 @@ the devices at hand into a Cluster JSON that ``shardc plan --cluster`` and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import math
 import os
 import sys
@@ -201,6 +203,22 @@ def cmd_demo(args) -> None:
     print(f"max |param difference| after 3 steps: {diff:.3g}")
 
 
+@contextlib.contextmanager
+def _progress():
+    """shardc's INFO lines (what a long search is doing: each frontier plan, a budget that
+    binds) printed on stderr while the command runs."""
+    logger = logging.getLogger("shardc")
+    handler, level = logging.StreamHandler(sys.stderr), logger.level
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 def _planned_step(args, cmd: str):
     """``(auto_shard step, abstract args)`` for ``shardc plan`` / ``pareto``: a zoo model or
     the user's program, on an AbstractMesh (planning needs no devices: any size plans)."""
@@ -245,7 +263,8 @@ def show(report, plain: bool = False) -> None:
 def cmd_plan(args) -> None:
     step, abstract = _planned_step(args, "plan")
     t0 = time.perf_counter()
-    plan = step.plan(*abstract)
+    with _progress():
+        plan = step.plan(*abstract)
     print(f"planned in {time.perf_counter() - t0:.2f} s (tracing included)")
     margins = step.margins(*abstract) if args.margins else None
     show(plan.report(max_rows=args.rows, margins=margins), args.plain)
@@ -260,12 +279,14 @@ def cmd_pareto(args) -> None:
     t0 = time.perf_counter()
     if args.devices:
         budget = None if args.memory_budget is None else args.memory_budget * 2**30
-        counts = step.device_sweep(*abstract, memory_budget=budget)
+        with _progress():
+            counts = step.device_sweep(*abstract, memory_budget=budget)
         print(f"the best plan on each device count that divides the mesh, found in "
               f"{time.perf_counter() - t0:.2f} s (tracing included):")
         print(counts)
         return
-    frontier = step.pareto(*abstract, budgets=args.budgets)
+    with _progress():
+        frontier = step.pareto(*abstract, budgets=args.budgets)
     print(f"{len(frontier.plans)} plans on the time-memory frontier, found in "
           f"{time.perf_counter() - t0:.2f} s (tracing included):")
     print(frontier)

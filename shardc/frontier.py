@@ -18,6 +18,7 @@ References:
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from shardc.solve.search import MemoryBudgetError
 from shardc.views import mesh_label
 
 __all__ = ["DeviceCount", "DeviceSweep", "Frontier", "device_counts", "sweep"]
+
+log = logging.getLogger("shardc")
 
 BUDGETS = 6
 """Budgets planned between the leanest and the fastest plan's peaks (besides those two)."""
@@ -127,26 +130,53 @@ def non_dominated(plans: list[Plan]) -> tuple[Plan, ...]:
 def sweep(solve: Callable[..., Plan], budgets: int = BUDGETS,
           remat: Sequence[tuple[int, ...]] = ()) -> Frontier:
     """Plans from ``solve(memory_budget, remat=())`` (None: no budget; ``remat``: the
-    forward segments the program recomputes) at no budget, at the smallest budget one was
-    found for, and at ``budgets`` budgets spaced geometrically between the two plans'
-    peaks; then, for each remat choice in ``remat`` (most recomputed first), the fastest
-    plan recomputing those segments, and for the first the leanest; their non-dominated
-    set."""
-    fastest = solve(None)
-    leanest = _leanest(solve, ())
-    plans = [fastest, leanest]
-    lo, hi = leanest.predicted.peak_memory, fastest.predicted.peak_memory
-    if hi > lo:
-        ratio = (hi / lo) ** (1.0 / (budgets + 1))
-        for k in range(1, budgets + 1):
-            try:
-                plans.append(solve(lo * ratio ** k))
-            except MemoryBudgetError:
-                continue  # the sampled memory points let no plan through at this budget
+    forward segments the program recomputes): at no budget and at the smallest budget one
+    was found for; for each remat choice in ``remat`` (most recomputed first) the fastest
+    plan recomputing those segments, and for the first the leanest; then at ``budgets``
+    budgets spaced geometrically between the leanest and the fastest plans' peaks, each
+    planned with the choice that recomputes least among those the budget binds (its
+    fastest plan does not fit) and whose leanest plan, where known, fits; a budget no
+    choice can place a new plan in is skipped. Their non-dominated set."""
+    plans: list[Plan] = []
+    tried, total = 0, 2 + budgets + len(remat) + bool(remat)
+
+    def found(what: str, plan: Plan | None) -> Plan | None:
+        """Keep ``plan`` and say so at INFO (``shardc pareto`` prints these lines: a large
+        model's frontier takes minutes)."""
+        nonlocal tried
+        tried += 1
+        if plan is not None:
+            plans.append(plan)
+        log.info("shardc: frontier plan %d of %d (%s): %s", tried, total, what,
+                 "none fits" if plan is None else f"{fmt_time(plan.predicted.step_time)} "
+                 f"step, {fmt_bytes(plan.predicted.peak_memory)} peak")
+        return plan
+
+    def peak(plan: Plan) -> float:
+        return plan.predicted.peak_memory
+
+    fastest = {(): found("no budget", solve(None))}
+    leanest = {(): found("the leanest", _leanest(solve, ()))}
     for k, segments in enumerate(remat):
-        plans.append(solve(None, segments))
+        fastest[segments] = found(f"{len(segments)} segments recomputed", solve(None, segments))
         if k == 0:
-            plans.append(_leanest(solve, segments))
+            leanest[segments] = found(f"the leanest with {len(segments)} segments "
+                                      "recomputed", _leanest(solve, segments))
+    lo, hi = min(map(peak, plans)), peak(fastest[()])
+    ratio = (hi / lo) ** (1.0 / (budgets + 1)) if hi > lo else 1.0
+    for k in range(1, budgets + 1):
+        budget = lo * ratio ** k
+        useful = [c for c in ((), *reversed(remat)) if peak(fastest[c]) > budget and
+                  (c not in leanest or peak(leanest[c]) <= budget)]
+        if not useful:
+            total -= 1  # every choice's fastest plan fits, or none of its plans can
+            continue
+        try:
+            plan = solve(budget, useful[0])
+        except MemoryBudgetError:
+            plan = None  # the sampled memory points let no plan through at this budget
+        found(f"budget {fmt_bytes(budget)}" + (
+            f", {len(useful[0])} segments recomputed" if useful[0] else ""), plan)
     return Frontier(non_dominated(plans))
 
 

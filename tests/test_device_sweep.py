@@ -72,6 +72,8 @@ def test_the_cli_prints_the_sweep(capsys):
 
     main(["pareto", "mlp", "--mesh", "2x4", "--layers", "2", "--devices",
           "--memory-budget", "0.25"])
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "each device count" in printed and "node=2 x gpu=4" in printed
     assert "fits 256.00 MiB" in printed
+    assert "shardc: 8 devices (node=2 x gpu=4): " in captured.err  # progress, as it goes

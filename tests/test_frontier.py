@@ -84,8 +84,11 @@ def test_the_cli_prints_plots_and_saves_the_frontier(tmp_path, capsys):
     out, png = tmp_path / "f.json", tmp_path / "f.png"
     main(["pareto", "mlp", "--mesh", "2x4", "--budgets", "2", "--plot", str(png),
           "--out", str(out)])
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "plans on the time-memory frontier" in printed and "peak per device" in printed
+    # progress: each plan on stderr as it is found
+    assert "shardc: frontier plan 1 of " in captured.err and "(no budget)" in captured.err
     plans = [shardc.Plan.from_json(json.dumps(d)) for d in json.loads(out.read_text())]
     assert len(plans) >= 2 and png.stat().st_size > 10_000
     peaks = [p.predicted.peak_memory for p in plans]
