@@ -114,9 +114,10 @@ def _res(jaxpr, seg: Segment) -> list:
 
 def segments(closed) -> tuple[Segment, ...]:
     """The forward segments of ``closed`` (a ClosedJaxpr) whose residuals can be recomputed,
-    in forward order; empty when it has no backward pass at the top level. The segment
-    whose backward runs first (the loss, its residuals read at once) is left out: holding
-    its residuals costs nothing a recomputation would save."""
+    in forward order; empty when it has no backward pass at the top level. Only segments
+    whose recomputation can lower the peak are kept (:func:`_pays`): not the loss, whose
+    residuals the backward reads at once, nor one recomputed before the backward has freed
+    as much as it recomputes."""
     jaxpr = closed.jaxpr
     eqns = jaxpr.eqns
     fwd = [i for i, e in enumerate(eqns) if _forward(e)]
