@@ -551,7 +551,9 @@ class AutoSharded:
                                              tuple(self.mesh.axis_names)):
             sub = dataclasses.replace(
                 cluster, axis_bandwidth={a: cluster.bandwidth(a) for a in names},
-                axis_latency={a: cluster.latency(a) for a in names})
+                axis_latency={a: cluster.latency(a) for a in names},
+                axis_link={a: cluster.link(a) for a in names},
+                axis_nodes={a: n for a, n in cluster.axis_nodes.items() if a in names})
             opts = dataclasses.replace(self.options, cluster=sub, memory_budget=budget,
                                        seeds={}, in_shardings=None,
                                        keep_input_shardings=False, cache_dir=None)

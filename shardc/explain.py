@@ -8,6 +8,7 @@ import bisect
 import math
 import os
 import re
+import textwrap
 from collections import Counter
 
 from shardc.tables import Report, Table
@@ -289,8 +290,10 @@ def explain_report(plan, max_rows: int | None = 60, top: int = 10, margins=None,
     names = _Names(plan)
     blocks.append(op_table(plan, names, max_rows))
     kinds = Counter(c for r in plan.reshards for c in r.collectives)
-    blocks.append("collectives planned: " + (
-        ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())) or "none"))
+    blocks.append(textwrap.fill(
+        "collectives planned: " + (", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))
+                                   or "none"), width=100, subsequent_indent="  ",
+        break_on_hyphens=False))
     if plan.reshards:
         blocks.append(Table(
             f"top {min(top, len(plan.reshards))} resharding edges:",

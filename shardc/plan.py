@@ -22,7 +22,8 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from shardc.cost.cluster import Cluster
-from shardc.cost.combine import alpha_scales
+from shardc.cost.collectives import seconds
+from shardc.cost.combine import COMBINED_KINDS, alpha_scales
 from shardc.cost.comm import conversion
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Partial, to_partition_spec
@@ -476,6 +477,35 @@ def _field(name: str):
         raise PlanFormatError(f"field {name} is malformed: {exc}") from exc
 
 
+def _combine(reshards: list, ops: list, comm: float, combined: dict, model: str
+             ) -> tuple[list, list, float]:
+    """Price each group of collectives XLA combines into one tuple collective (the tail
+    values' all-reduces of one loop level and group: :mod:`shardc.cost.combine`) as that
+    one collective: NCCL picks its algorithm and protocol for the whole buffer, and it pays
+    one latency. Each member's reshard (and its reader's comm time) gets its part of the
+    group's time in proportion to its bytes, in place of the share it was charged."""
+    delta: dict[int, float] = {}
+    for (kind, group, times), members in combined.items():
+        whole = sum(b for _, b, _ in members)
+        if not whole:
+            continue
+        t = seconds(kind, group, whole, model) * times
+        for index, nbytes, charged in members:
+            delta[index] = delta.get(index, 0.0) + t * nbytes / whole - charged
+    if not delta:
+        return reshards, ops, comm
+    by_op: dict[int, float] = {}
+    out = list(reshards)
+    for index, d in delta.items():
+        r = out[index]
+        out[index] = dataclasses.replace(r, time=r.time + d)
+        if r.consumer is not None and r.consumer >= 0:
+            by_op[r.consumer] = by_op.get(r.consumer, 0.0) + d
+    ops = [dataclasses.replace(o, comm_time=o.comm_time + by_op[o.id]) if o.id in by_op else o
+           for o in ops]
+    return out, ops, comm + sum(delta.values())
+
+
 def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[tuple[int, int]],
              solver: dict, remat: tuple[int, ...] = (), segments: int = 0) -> Plan:
     """Build the Plan from per-node choices of a cost graph ``cg`` (solve.problem.CostGraph)
@@ -492,6 +522,9 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
 
     done: set = set()
     folded = graph.constants()  # read partial, one is made so (as in the cost graph)
+    #: (kind, group, runs) -> (reshard index, buffer bytes, seconds charged) of the
+    #: collectives XLA combines into one tuple collective (see :func:`_combine`)
+    combined: dict[tuple, list[tuple[int, float, float]]] = {}
 
     def record(value, consumer, src, dst, times: int = 1) -> float:
         """Price converting ``value`` from ``src`` to ``dst`` for ``consumer``, ``times``
@@ -505,7 +538,14 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
                 value.id in folded and dst.has_partial:
             return 0.0
         done.add((value.id, src, dst))
-        t = conv.time(value.nbytes, scale.get(value.id, 1.0)) * times
+        share = scale.get(value.id, 1.0)
+        t = conv.time(value.nbytes, share) * times
+        if share < 1.0:
+            for c in conv.collectives:
+                if c.group is not None and c.kind in COMBINED_KINDS:
+                    combined.setdefault((c.kind, c.group, times), []).append(
+                        (len(reshards), c.buffer_factor * value.nbytes,
+                         c.seconds(value.nbytes, cluster.collective_model, share) * times))
         comm += t
         wire += conv.wire_bytes(value.nbytes) * times
         reshards.append(Reshard(value.id, consumer, src, dst, t,
@@ -563,6 +603,7 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
         if not v.is_const:
             record(v, -1 - j, src, dst)
         outputs.append(dst)
+    reshards, ops, comm = _combine(reshards, ops, comm, combined, cluster.collective_model)
     peak = float(np.max(memory_profile(cg, choice)))  # the profile budgets are held to
     carried = set(tied.values())
     feed = sum(feed_time(v, values[v.id], sizes, cluster, k in carried)

@@ -112,12 +112,35 @@ def views(shape: Sequence[int], names: Sequence[str], cluster: Cluster,
         lnames = tuple(_name(names, shape, parts) for parts in cut)
         if len(set(lnames)) != len(lnames):
             continue
-        bw = {ln: min(cluster.bandwidth(names[k]) for k, _ in parts)
-              for ln, parts in zip(lnames, cut)}
-        lat = {ln: max(cluster.latency(names[k]) for k, _ in parts)
-               for ln, parts in zip(lnames, cut)}
-        view = dataclasses.replace(cluster, axis_bandwidth=bw, axis_latency=lat)
-        out.append(View(logical, lnames, view))
+        out.append(View(logical, lnames, _view_cluster(cluster, names, lnames, cut)))
     return out
 
 
+
+
+def _view_cluster(cluster: Cluster, names: Sequence[str], lnames: Sequence[str],
+                  cut: Sequence[Sequence[tuple[int, int]]]) -> Cluster:
+    """The cluster of a view: a logical axis made of parts of physical axes has the link of
+    its slowest part (a network where any part crosses nodes), spans the nodes its parts
+    span, and runs its steps inside a node over its other parts' links."""
+    bw, lat, link, nodes = {}, {}, {}, {}
+    inside = dataclasses.asdict(cluster)  # node_* fields: the link inside a node
+    for ln, parts in zip(lnames, cut):
+        kinds = [cluster.link(names[k]) for k, _ in parts]
+        net = [(k, take) for (k, take), kind in zip(parts, kinds) if kind == "net"]
+        mine = net or parts
+        bw[ln] = min(cluster.bandwidth(names[k]) for k, _ in mine)
+        lat[ln] = max(cluster.latency(names[k]) for k, _ in mine)
+        link[ln] = "net" if net else max(kinds, key=("nvlink", "pcie", "ici").index)
+        nodes[ln] = math.prod(cluster.nodes(names[k], take) for k, take in parts)
+        local = [k for (k, _), kind in zip(parts, kinds) if kind in ("nvlink", "pcie")]
+        if net and local:
+            inside = {"node_bandwidth": min(cluster.bandwidth(names[k]) for k in local),
+                      "node_latency": max(cluster.latency(names[k]) for k in local),
+                      "node_link": max((cluster.link(names[k]) for k in local),
+                                       key=("nvlink", "pcie").index)}
+    return dataclasses.replace(cluster, axis_bandwidth=bw, axis_latency=lat, axis_link=link,
+                               axis_nodes={a: n for a, n in nodes.items() if n > 1},
+                               node_bandwidth=inside["node_bandwidth"],
+                               node_latency=inside["node_latency"],
+                               node_link=inside["node_link"])

@@ -2,6 +2,8 @@
 with no such devices present; its plan saves, explains, and runs where a concrete mesh of
 the same shape adopts it. Three-level (pod, node, GPU) clusters and their logical views."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -71,29 +73,32 @@ def _small():
     return mlp.make_train_step(cfg)
 
 
+#: nodes of slow devices: the small MLP's compute outweighs NCCL's latency, so it shards
+SLOW = dataclasses.replace(Cluster.multi_node(), device_flops=1e12)
+
+
 def test_a_plan_made_on_an_abstract_mesh_runs_on_a_concrete_one():
     """Planned on AbstractMesh((2, 4)) and adopted on 8 CPU devices: the same plan as one
     made on the devices, and it runs to the unsharded step's values; a concrete mesh of
     another shape refuses it, and the abstract step cannot run it."""
     step_fn, (state, data) = _small()
     names = ("node", "gpu")
-    abstract = shardc.auto_shard(step_fn, mesh=AbstractMesh((2, 4), names),
-                                 cluster=Cluster.multi_node())
+    abstract = shardc.auto_shard(step_fn, mesh=AbstractMesh((2, 4), names), cluster=SLOW)
     plan = Plan.from_json(abstract.plan(state, data).to_json())
     assert _sharded(plan)
     mesh = jax.make_mesh((2, 4), names, axis_types=(AxisType.Auto,) * 2)
-    step = shardc.auto_shard(step_fn, mesh=mesh, cluster=Cluster.multi_node())
+    step = shardc.auto_shard(step_fn, mesh=mesh, cluster=SLOW)
     assert plan_digest(step.plan(state, data)) == plan_digest(plan)  # no device in planning
 
-    adopting = shardc.auto_shard(step_fn, mesh=mesh, cluster=Cluster.multi_node())
+    adopting = shardc.auto_shard(step_fn, mesh=mesh, cluster=SLOW)
     adopting.use_plan(plan, state, data)
     new_state, loss = adopting(state, data)
     ref_state, ref = jax.jit(step_fn)(state, data)
     np.testing.assert_allclose(float(loss), float(ref), rtol=1e-5)
     # Adam divides by the gradient's scale: a near-zero gradient summed in another order
-    # (sharded) moves its parameter by ~1e-5 (lr 1e-2)
+    # (sharded) moves its parameter by up to ~1e-4 (lr 1e-2)
     for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(ref_state), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=5e-5)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1.5e-4)
     # the results come back in the adopted plan's layouts
     out_specs = [x.sharding.spec for x in jax.tree.leaves((new_state, loss))]
     assert out_specs == plan.output_specs()

@@ -10,6 +10,7 @@ from collections import Counter
 import jax
 import numpy as np
 import pytest
+from clusters import SLOW_NODES
 
 import shardc
 from shardc.cli import main
@@ -57,8 +58,9 @@ def planned(tmp_path_factory):
     folder = tmp_path_factory.mktemp("program")
     (folder / "prog.py").write_text(PROGRAM)
     out = folder / "p.json"
+    (folder / "cluster.json").write_text(json.dumps(SLOW_NODES.to_json()))
     main(["plan", f"{folder / 'prog.py'}:make", "--mesh", "2x4", "--rows", "5",
-          "--out", str(out)])
+          "--cluster", str(folder / "cluster.json"), "--out", str(out)])
     return folder, out
 
 

@@ -1,4 +1,4 @@
-"""The α-β resharding costs and the cluster object."""
+"""The resharding costs (priced α-β, the model these formulas pin) and the cluster object."""
 
 import pytest
 
@@ -6,7 +6,8 @@ from shardc.cost.cluster import Cluster
 from shardc.cost.comm import conversion
 from shardc.ir.sbp import WHOLE, B, NdSbp, P, S
 
-CL = Cluster(axis_bandwidth={"a": 100e9, "b": 10e9}, axis_latency={"a": 1e-6, "b": 5e-6})
+CL = Cluster(axis_bandwidth={"a": 100e9, "b": 10e9}, axis_latency={"a": 1e-6, "b": 5e-6},
+             collective_model="alpha-beta")
 SIZES, NAMES = (2, 4), ("a", "b")
 MB = 1e6
 

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from clusters import SLOW_DEVICES
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as Ps
 
@@ -27,6 +28,8 @@ DATA = Path(__file__).parent / "data"
 
 
 def shard(fn, **kw):
+    """auto_shard on slow devices (tests/clusters.py): these small steps shard there."""
+    kw.setdefault("cluster", SLOW_DEVICES)
     return shardc.auto_shard(fn, mesh=kw.pop("mesh", AUTO), time_limit=kw.pop("time_limit", 2.0),
                              **kw)
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from clusters import SLOW_DEVICES
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as Ps
@@ -22,6 +23,8 @@ MESH = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
 
 
 def shard(fn, **kw):
+    """auto_shard on slow devices (tests/clusters.py): these small steps shard there."""
+    kw.setdefault("cluster", SLOW_DEVICES)
     return shardc.auto_shard(fn, mesh=MESH, time_limit=kw.pop("time_limit", 3.0), **kw)
 
 

@@ -370,7 +370,7 @@ def test_group_axes_requires_full_lines(mesh):
 
 CLUSTER = Cluster(axis_bandwidth={"node": 1e9, "gpu": 1e11},
                   axis_latency={"node": 1e-5, "gpu": 1e-6},
-                  device_flops=1e12, utilization=0.5)
+                  device_flops=1e12, utilization=0.5, collective_model="alpha-beta")
 
 
 def test_price_by_hand(mesh):
@@ -397,15 +397,16 @@ def test_price_by_hand(mesh):
                                 + stats.output_size_in_bytes - stats.alias_size_in_bytes)
 
 
-def test_price_multi_axis_and_unaligned_groups_run_at_the_slowest_link(mesh):
+def test_price_multi_axis_at_the_slowest_link_and_unaligned_groups_on_the_links_they_cross(mesh):
     found = {c.name: c for c in collectives(THREE_SPELLINGS, mesh)}
     nbytes = 32 * 64 * F32
     both = HloCollective("all-reduce", "x", nbytes, ("f32[32,64]",), 8,
                          ((0, 1, 2, 3, 4, 5, 6, 7),), ("node", "gpu"))
     assert collective_seconds(both, mesh, CLUSTER) == pytest.approx(
         1e-5 + 2 * 7 / 8 * nbytes / 1e9)
+    assert found["ar.half"].axes is None  # groups of 2 inside a node: part of the gpu axis
     assert collective_seconds(found["ar.half"], mesh, CLUSTER) == pytest.approx(
-        1e-5 + 2 * 1 / 2 * nbytes / 1e9)  # axes None: the mesh's slowest axis (node)
+        1e-6 + 2 * 1 / 2 * nbytes / 1e11)
     assert collective_seconds(found["ar.explicit"], mesh, CLUSTER) == pytest.approx(
         1e-6 + 2 * 3 / 4 * nbytes / 1e11)
 

@@ -86,18 +86,22 @@ def test_scanned_train_step_matches_the_unsharded_run(mesh_name):
 
 
 def test_the_backward_scan_is_not_replicated():
+    """On devices slow enough that this small model's compute outweighs NCCL's latency
+    (on H100s it is cheapest replicated)."""
     step, state = _step(_loss_scanned)
-    plan = shardc.auto_shard(step, mesh=mesh("8"), time_limit=3.0).plan(state, X)
+    slow = shardc.Cluster(device_flops=1e12)
+    plan = shardc.auto_shard(step, mesh=mesh("8"), time_limit=3.0, cluster=slow).plan(state, X)
     dots = [o for o in plan.ops if o.prim == "dot_general"]
     assert len(dots) == 3 and all(not o.outs[0].is_replicated for o in dots)
 
 
 def test_scanned_and_unrolled_steps_plan_and_compile_alike():
-    """Predicted and compiled step within 5% of the same layers unrolled, at a size where
+    """Predicted and compiled step within 7% of the same layers unrolled, at a size where
     the layers' compute decides (abstract arguments: planned and compiled, not run). The
     scanned program does a little more by nature: its gradient all-reduces run once per
-    iteration (XLA combines the unrolled ones into one), and its backward body computes
-    the first layer's input gradient too."""
+    iteration (XLA combines the unrolled ones into one; under NCCL's model each of the 16
+    pays ring/Simple's 56 µs latency, 0.5 ms of the 8.2 ms step), and its backward body
+    computes the first layer's input gradient too."""
     layers, width, batch = 16, 2048, 32768
     f32 = jnp.float32
     x = jax.ShapeDtypeStruct((batch, width), f32)
@@ -128,7 +132,7 @@ def test_scanned_and_unrolled_steps_plan_and_compile_alike():
         cost = price(s.lower(*args[name]).compile(), s.mesh_for(plan), plan.cluster)
         got[name] = (plan.predicted.step_time, cost.time + plan.predicted.feed_time)
     for k in range(2):
-        assert got["scan"][k] == pytest.approx(got["unrolled"][k], rel=0.05), got
+        assert got["scan"][k] == pytest.approx(got["unrolled"][k], rel=0.07), got
 
 
 def test_compiled_compute_counts_loop_bodies_by_trip_count():

@@ -172,8 +172,10 @@ def test_2d_mesh_is_data_parallel_on_the_slow_axis_and_megatron_on_the_fast_one(
     step_fn, (state, data) = mlp.make_train_step(cfg)
     mesh = jax.make_mesh((2, 2), ("slow", "fast"), axis_types=(AxisType.Auto,) * 2,
                          devices=jax.devices()[:4])
+    # priced α-β: the trade-off pinned here is bandwidth against one latency per collective
     cluster = Cluster(axis_bandwidth={"slow": 5e9, "fast": 50e9},
-                      axis_latency={"slow": 5e-6, "fast": 5e-6}, device_flops=2e11)
+                      axis_latency={"slow": 5e-6, "fast": 5e-6}, device_flops=2e11,
+                      collective_model="alpha-beta")
     step = shardc.auto_shard(step_fn, mesh=mesh, cluster=cluster, time_limit=30.0)
     plan = step.plan(state, data)
     layout = {jax.tree_util.keystr(p): nd for (p, _), nd in

@@ -15,7 +15,9 @@ a per-device message of ``L`` bytes on an axis of ``n`` devices: all-gather ``(n
 all-reduce ``2(n−1)/n·L``, all-to-all ``(n−1)/n·L``. ``α`` and ``β = 1/bandwidth`` are fit
 per axis by least squares over every (collective, size) sample, weighted by ``1/time`` so
 the small messages that carry ``α`` count as much as the large ones that carry ``β``; the
-fit reports R² and each sample's relative residual.
+fit reports R² and each sample's relative residual. The calibrated Cluster prices with the
+model it was fit with (``collective_model="alpha-beta"``): NCCL's tables describe NCCL on
+GPUs, not whatever runs the collectives of the devices measured.
 
 Achievable FLOP/s is a ``matmul_size`` square float32 matmul on every device at once (the
 fastest of ``reps`` runs after a warm-up), so the Cluster's ``utilization`` is 1: the
@@ -175,7 +177,8 @@ def calibrate(mesh: Mesh, options: CalibrateOptions | None = None
     flops = 2 * side ** 3 / float(seconds[-1])
     cluster = Cluster(axis_bandwidth={f.axis: f.bandwidth for f in fits},
                       axis_latency={f.axis: f.latency for f in fits},
-                      device_flops=flops, device_memory=memory, utilization=1.0)
+                      device_flops=flops, device_memory=memory, utilization=1.0,
+                      collective_model="alpha-beta")
     return cluster, Calibration(cluster, tuple(fits), flops, source, opts)
 
 

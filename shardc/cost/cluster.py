@@ -1,15 +1,19 @@
 """The cluster a plan is priced on: per-mesh-axis links, device FLOP/s and memory.
 
-Every constant carries its source. Bandwidths are bytes/s per device in one direction, the
-``β⁻¹`` of the α-β model; latencies are the ``α`` of one collective step.
+Every constant carries its source. Each mesh axis has a link kind (``axis_link``: NVLink,
+PCIe, a network, a TPU ICI axis), a bandwidth (bytes/s per device in one direction) and a
+latency (seconds: the ring/Simple per-step latency NCCL's tables give that kind, which
+scales the kind's other protocols, and the ``α`` of the α-β model). A collective is priced
+over the links its group crosses with the model ``collective_model`` names
+(:mod:`shardc.cost.collectives`: NCCL's own by default).
 
 References:
   NVIDIA H100 SXM5 datasheet (2023): NVLink 4 at 900 GB/s bidirectional per GPU (450 GB/s
     per direction); 989 TFLOP/s dense BF16, 494 TFLOP/s dense TF32; 80 GB HBM3.
   NVIDIA ConnectX-7 / Quantum-2 NDR InfiniBand: 400 Gb/s = 50 GB/s per port, one per GPU in
     a DGX H100.
-  PaddlePaddle ``auto_parallel/static/cost/comm_op_cost.py``: ring latencies 3.4 µs intra-node
-    (NVLink) and 9.6 µs inter-node.
+  NVIDIA NCCL ``src/graph/tuning.cc`` ``hwLat``: ring/Simple per-step latency 3.4 µs on
+    NVLink and 9.6 µs over the network (PaddlePaddle's ``comm_op_cost.py`` uses the same).
   PCI-SIG PCIe 5.0 specification: 32 GT/s per lane, x16 ~ 64 GB/s per direction (the H100
     SXM host link).
   Dubey et al., "The Llama 3 Herd of Models" (2024) §3.3.1: H100 servers of 8 GPUs on
@@ -26,13 +30,16 @@ import math
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
+
+from shardc.cost.collectives import COLLECTIVE_MODELS, LINK_KINDS, Group, seconds
 
 NVLINK_BW = 450e9  # H100 NVLink 4, per direction per GPU
-NVLINK_LAT = 3.4e-6  # PaddlePaddle intra-node ring latency
+NVLINK_LAT = 3.4e-6  # NCCL hwLat: ring/Simple step on NVLink
 IB_BW = 50e9  # NDR InfiniBand, one 400 Gb/s port per GPU
-IB_LAT = 9.6e-6  # PaddlePaddle inter-node ring latency
+IB_LAT = 9.6e-6  # NCCL hwLat: ring/Simple step over the network
 CROSS_POD_BW = IB_BW / 7  # Llama 3: the per-GPU link, oversubscribed 1:7 between pods
-# PaddlePaddle's inter-node latency: no published figure separates the aggregation layer's
+# NCCL's network step latency: no published figure separates the aggregation layer's
 # extra switch hops from the end points' software latency
 CROSS_POD_LAT = IB_LAT
 H100_TF32_FLOPS = 494e12
@@ -45,13 +52,21 @@ TPU_V4_MEMORY = 32 * 2**30
 
 @dataclass(frozen=True)
 class Cluster:
-    """α-β links per mesh axis plus device compute and memory.
+    """Links per mesh axis plus device compute and memory.
 
-    ``axis_bandwidth`` / ``axis_latency`` map mesh axis names to bytes/s per device and
-    seconds. An axis missing from the maps uses ``default_bandwidth`` / ``default_latency``
-    (an NVLink link by default). ``utilization`` is the fraction of ``device_flops`` that
-    real kernels reach (PaddlePaddle's cost model uses the same factor). ``host_bandwidth``
-    prices feeding inputs that are not carried from step to step (the batch) to devices.
+    ``axis_bandwidth`` / ``axis_latency`` / ``axis_link`` map mesh axis names to bytes/s per
+    device, seconds (the ring/Simple per-step latency of the link) and a link kind
+    (``"nvlink"``, ``"pcie"``, ``"net"``, ``"ici"``). An axis missing from the maps uses
+    ``default_bandwidth`` / ``default_latency`` / ``default_link`` (an NVLink link by
+    default). ``axis_nodes`` says how many nodes an axis spans where that is not its size
+    (a network axis) or one (any other): a flattened view axis over nodes and their GPUs;
+    ``node_bandwidth`` / ``node_latency`` / ``node_link`` are then the link inside a node.
+    ``collective_model`` picks how a collective is priced: ``"nccl"`` (NCCL's tuning
+    model, the default), ``"ring"`` (ring/Simple, every step paying its latency) or
+    ``"alpha-beta"`` (one latency per collective); see :mod:`shardc.cost.collectives`.
+    ``utilization`` is the fraction of ``device_flops`` that real kernels reach
+    (PaddlePaddle's cost model uses the same factor). ``host_bandwidth`` prices feeding
+    inputs that are not carried from step to step (the batch) to devices.
     """
 
     axis_bandwidth: Mapping[str, float] = field(default_factory=dict)
@@ -62,12 +77,20 @@ class Cluster:
     host_bandwidth: float = PCIE5_BW
     default_bandwidth: float = NVLINK_BW
     default_latency: float = NVLINK_LAT
+    axis_link: Mapping[str, str] = field(default_factory=dict)
+    axis_nodes: Mapping[str, int] = field(default_factory=dict)
+    default_link: str = "nvlink"
+    node_bandwidth: float = NVLINK_BW
+    node_latency: float = NVLINK_LAT
+    node_link: str = "nvlink"
+    collective_model: str = "nccl"
 
     def __post_init__(self):
-        for name in ("axis_bandwidth", "axis_latency"):
+        for name in ("axis_bandwidth", "axis_latency", "axis_link", "axis_nodes"):
             object.__setattr__(self, name, dict(sorted(dict(getattr(self, name)).items())))
         positive = {**{f"axis_bandwidth[{a!r}]": v for a, v in self.axis_bandwidth.items()},
                     "default_bandwidth": self.default_bandwidth,
+                    "node_bandwidth": self.node_bandwidth,
                     "device_flops": self.device_flops, "device_memory": self.device_memory,
                     "host_bandwidth": self.host_bandwidth}
         for k, v in positive.items():
@@ -75,10 +98,26 @@ class Cluster:
                 raise ValueError(f"Cluster: {k} must be positive (a number of bytes/s, FLOP/s "
                                  f"or bytes), got {v!r}")
         latencies = {**{f"axis_latency[{a!r}]": v for a, v in self.axis_latency.items()},
-                     "default_latency": self.default_latency}
+                     "default_latency": self.default_latency,
+                     "node_latency": self.node_latency}
         for k, v in latencies.items():
             if not _number(v) or not v >= 0:
                 raise ValueError(f"Cluster: {k} must be seconds >= 0, got {v!r}")
+        links = {**{f"axis_link[{a!r}]": v for a, v in self.axis_link.items()},
+                 "default_link": self.default_link, "node_link": self.node_link}
+        for k, v in links.items():
+            if v not in LINK_KINDS:
+                raise ValueError(f"Cluster: {k} must be one of {LINK_KINDS}, got {v!r}")
+        if self.node_link in ("net", "ici"):
+            raise ValueError(f"Cluster: node_link is the link inside a node ('nvlink' or "
+                             f"'pcie'), got {self.node_link!r}")
+        for a, v in self.axis_nodes.items():
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"Cluster: axis_nodes[{a!r}] must be a whole number of "
+                                 f"nodes >= 1, got {v!r}")
+        if self.collective_model not in COLLECTIVE_MODELS:
+            raise ValueError(f"Cluster: collective_model must be one of {COLLECTIVE_MODELS}, "
+                             f"got {self.collective_model!r}")
         if not _number(self.utilization) or not 0 < self.utilization <= 1:
             raise ValueError(f"Cluster: utilization is the share of device_flops that kernels "
                              f"reach, in (0, 1]; got {self.utilization!r} (0.5 is typical)")
@@ -89,7 +128,9 @@ class Cluster:
     def key(self) -> tuple:
         return (tuple(self.axis_bandwidth.items()), tuple(self.axis_latency.items()),
                 self.device_flops, self.device_memory, self.utilization, self.host_bandwidth,
-                self.default_bandwidth, self.default_latency)
+                self.default_bandwidth, self.default_latency, tuple(self.axis_link.items()),
+                tuple(self.axis_nodes.items()), self.default_link, self.node_bandwidth,
+                self.node_latency, self.node_link, self.collective_model)
 
     def bandwidth(self, axis: str) -> float:
         return self.axis_bandwidth.get(axis, self.default_bandwidth)
@@ -97,13 +138,36 @@ class Cluster:
     def latency(self, axis: str) -> float:
         return self.axis_latency.get(axis, self.default_latency)
 
+    def link(self, axis: str) -> str:
+        return self.axis_link.get(axis, self.default_link)
+
+    def nodes(self, axis: str, count: int) -> int:
+        """Nodes that ``count`` devices along ``axis`` span."""
+        if axis in self.axis_nodes:
+            return min(self.axis_nodes[axis], count)
+        return count if self.link(axis) == "net" else 1
+
+    def group(self, spans: Sequence[tuple[str, int]]) -> Group:
+        """The :class:`~shardc.cost.collectives.Group` of a collective whose devices take
+        ``count`` positions along each ``(axis, count)`` of ``spans``."""
+        return _group(self, tuple((a, int(k)) for a, k in spans if k > 1))
+
+    def collective_seconds(self, kind: str, spans: Sequence[tuple[str, int]], nbytes: float,
+                           share: float = 1.0) -> float:
+        """Seconds of one collective over ``spans`` (see :meth:`group`) on NCCL's buffer of
+        ``nbytes`` (:func:`shardc.cost.collectives.seconds`), under this cluster's
+        ``collective_model``."""
+        return seconds(kind, self.group(spans), float(nbytes), self.collective_model, share)
+
     def check_axes(self, axis_names: Sequence[str]) -> None:
-        unknown = set(self.axis_bandwidth) | set(self.axis_latency)
+        unknown = (set(self.axis_bandwidth) | set(self.axis_latency) | set(self.axis_link)
+                   | set(self.axis_nodes))
         unknown -= set(axis_names)
         if unknown:
             raise ValueError(
                 f"Cluster names mesh axes {sorted(unknown)} that the mesh {list(axis_names)} "
-                "does not have; key axis_bandwidth/axis_latency by the mesh's axis names"
+                "does not have; key axis_bandwidth/axis_latency/axis_link/axis_nodes by the "
+                "mesh's axis names"
             )
 
     def to_json(self) -> dict:
@@ -112,7 +176,11 @@ class Cluster:
                 "device_flops": self.device_flops, "device_memory": self.device_memory,
                 "utilization": self.utilization, "host_bandwidth": self.host_bandwidth,
                 "default_bandwidth": self.default_bandwidth,
-                "default_latency": self.default_latency}
+                "default_latency": self.default_latency,
+                "axis_link": dict(self.axis_link), "axis_nodes": dict(self.axis_nodes),
+                "default_link": self.default_link, "node_bandwidth": self.node_bandwidth,
+                "node_latency": self.node_latency, "node_link": self.node_link,
+                "collective_model": self.collective_model}
 
     @classmethod
     def from_json(cls, d: Mapping) -> Cluster:
@@ -133,13 +201,15 @@ class Cluster:
     @classmethod
     def nvlink_node(cls, axis_names: Sequence[str] = ("gpu",)) -> Cluster:
         """One 8-GPU H100 node: every mesh axis runs over NVLink."""
-        return cls({a: NVLINK_BW for a in axis_names}, {a: NVLINK_LAT for a in axis_names})
+        return cls({a: NVLINK_BW for a in axis_names}, {a: NVLINK_LAT for a in axis_names},
+                   axis_link={a: "nvlink" for a in axis_names})
 
     @classmethod
     def multi_node(cls, node_axis: str = "node", gpu_axis: str = "gpu") -> Cluster:
         """H100 nodes joined by NDR InfiniBand: ``node_axis`` over IB, ``gpu_axis`` NVLink."""
         return cls({node_axis: IB_BW, gpu_axis: NVLINK_BW},
-                   {node_axis: IB_LAT, gpu_axis: NVLINK_LAT})
+                   {node_axis: IB_LAT, gpu_axis: NVLINK_LAT},
+                   axis_link={node_axis: "net", gpu_axis: "nvlink"})
 
     @classmethod
     def multi_pod(cls, pod_axis: str = "pod", node_axis: str = "node",
@@ -149,12 +219,44 @@ class Cluster:
         the 1:7 oversubscribed aggregation layer (64 nodes of 8 GPUs in pods of 16 nodes:
         the mesh ``(pod=4, node=16, gpu=8)``)."""
         return cls({pod_axis: CROSS_POD_BW, node_axis: IB_BW, gpu_axis: NVLINK_BW},
-                   {pod_axis: CROSS_POD_LAT, node_axis: IB_LAT, gpu_axis: NVLINK_LAT})
+                   {pod_axis: CROSS_POD_LAT, node_axis: IB_LAT, gpu_axis: NVLINK_LAT},
+                   axis_link={pod_axis: "net", node_axis: "net", gpu_axis: "nvlink"})
 
     @classmethod
     def tpu_v4(cls, axis_names: Sequence[str] = ("x", "y")) -> Cluster:
+        """A TPU v4 slice: every mesh axis an ICI torus axis (1 µs per hop: Austin et al.,
+        "How to Scale Your Model", 2025)."""
         return cls({a: TPU_V4_ICI_BW for a in axis_names}, {a: 1e-6 for a in axis_names},
-                   device_flops=TPU_V4_FLOPS, device_memory=TPU_V4_MEMORY)
+                   device_flops=TPU_V4_FLOPS, device_memory=TPU_V4_MEMORY,
+                   axis_link={a: "ici" for a in axis_names})
+
+
+#: intra-node link kinds, fastest first: a group over several picks the slowest
+_LOCAL_ORDER = ("nvlink", "pcie")
+
+
+@lru_cache(maxsize=1 << 14)
+def _group(cluster: Cluster, spans: tuple[tuple[str, int], ...]) -> Group:
+    ranks = math.prod(k for _, k in spans)
+    nodes = math.prod(cluster.nodes(a, k) for a, k in spans)
+    net = [a for a, _ in spans if cluster.link(a) == "net"]
+    local = [a for a, _ in spans if cluster.link(a) != "net"]
+    alpha = max((cluster.latency(a) for a, _ in spans), default=cluster.default_latency)
+    if local:
+        kinds = {cluster.link(a) for a in local}
+        intra = "ici" if "ici" in kinds else max(kinds, key=_LOCAL_ORDER.index)
+        intra_bw = min(cluster.bandwidth(a) for a in local)
+        intra_lat = max(cluster.latency(a) for a in local)
+    else:
+        intra, intra_bw, intra_lat = (cluster.node_link, cluster.node_bandwidth,
+                                      cluster.node_latency)
+    if not net or nodes <= 1:
+        return Group(ranks, 1, intra, intra, intra_bw, alpha, intra_lat, intra_lat)
+    inter_bw = min(cluster.bandwidth(a) for a in net)
+    inter_lat = max(cluster.latency(a) for a in net)
+    per_node = max(ranks // nodes, 1)
+    return Group(ranks, nodes, intra, "net", min(intra_bw, per_node * inter_bw), alpha,
+                 intra_lat, inter_lat)
 
 
 def _number(v) -> bool:

@@ -1,4 +1,4 @@
-"""Resharding (boxing) in the α-β model: a conversion is a sequence of collectives.
+"""Resharding (boxing): a conversion is a sequence of collectives.
 
 A conversion ``src -> dst`` of an NdSbp runs as the steps XLA compiles predictably, each a
 layout the lowering pins with one sharding constraint (:attr:`Conversion.layouts`):
@@ -24,9 +24,13 @@ gathers first.
 Each step moves ``wire`` bytes per device computed on the value's *current* local size
 ``L`` (a partial axis holds the full size): all-gather ``(n−1)·L`` (the result is ``n·L``),
 all-reduce ``2(n−1)/n·L``, reduce-scatter and all-to-all ``(n−1)/n·L``. A collective over
-several mesh axes runs at the slowest of their links with ``n`` their product, as the
-compiled program is priced (:mod:`shardc.inspect.hlo`). Time is ``α + wire / bandwidth``.
-``B -> P`` (a local zeroing) costs ``α``: it poisons consumers; ``S -> P`` gathers first.
+several mesh axes runs over the group those axes make (``n`` their product; its links and
+nodes from the Cluster), as the compiled program is priced (:mod:`shardc.inspect.hlo`).
+Each collective's time is the Cluster's collective model on NCCL's buffer for it
+(:mod:`shardc.cost.collectives`: the per-device array, or the gathered result of an
+all-gather); the path is chosen by bandwidth alone (the wire bytes over each step's bus
+bandwidth), so it does not depend on the value's size. ``B -> P`` (a local zeroing) costs
+one latency of the axis: it poisons consumers; ``S -> P`` gathers first.
 
 References:
   Thakur, Rabenseifner, Gropp, "Optimization of Collective Communication Operations in
@@ -44,6 +48,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from shardc.cost.cluster import Cluster
+from shardc.cost.collectives import Group, seconds, wire_factor
 from shardc.cost.combine import COMBINED_KINDS
 from shardc.ir.sbp import WHOLE, B, Broadcast, NdSbp, Partial, Split
 
@@ -53,32 +58,40 @@ class Collective:
     kind: str  # all-gather | all-reduce | reduce-scatter | all-to-all | local
     axes: tuple[int, ...]  # mesh axes the group spans
     bytes_factor: float  # wire bytes per device = bytes_factor * logical bytes
+    buffer_factor: float = 0.0  # NCCL's buffer = buffer_factor * logical bytes
+    group: Group | None = None  # None for a local step
+
+    def seconds(self, nbytes: float, model: str, share: float = 1.0) -> float:
+        """Seconds on a value of ``nbytes`` logical bytes; ``share`` scales the latency of a
+        kind XLA combines (:data:`shardc.cost.combine.COMBINED_KINDS`)."""
+        if self.group is None:
+            return 0.0
+        share = share if self.kind in COMBINED_KINDS else 1.0
+        return seconds(self.kind, self.group, self.buffer_factor * nbytes, model, share)
 
 
 @dataclass(frozen=True, slots=True)
 class Conversion:
-    """Cost of a conversion as ``alpha + per_byte * logical_bytes`` seconds.
+    """Cost of a conversion: its collectives priced with the Cluster's ``model``, plus
+    ``local`` seconds for local steps (``B -> P``).
 
-    ``combinable_alpha`` is the part of ``alpha`` paid by collectives XLA may combine with
-    independent ones of their kind (:data:`shardc.cost.combine.COMBINED_KINDS`).
     ``layouts`` are the layouts to pin one after the other to run it (see the module doc)."""
 
-    alpha: float
-    per_byte: float
-    wire_per_byte: float
     collectives: tuple[Collective, ...]
-    combinable_alpha: float = 0.0
+    model: str = "nccl"
+    local: float = 0.0
     layouts: tuple[NdSbp, ...] = ()
 
     def time(self, nbytes: float, alpha_scale: float = 1.0) -> float:
         """Seconds; ``alpha_scale`` < 1 when XLA combines the combinable collectives of this
-        conversion with others."""
+        conversion with others (they share one latency)."""
         if not self.collectives:
             return 0.0
-        return self.alpha - self.combinable_alpha * (1.0 - alpha_scale) + self.per_byte * nbytes
+        return self.local + sum(c.seconds(nbytes, self.model, alpha_scale)
+                                for c in self.collectives)
 
     def wire_bytes(self, nbytes: float) -> float:
-        return self.wire_per_byte * nbytes
+        return sum(c.bytes_factor for c in self.collectives) * nbytes
 
 
 class _Builder:
@@ -88,7 +101,7 @@ class _Builder:
                  cluster: Cluster):
         self.cur = list(src.sbps)
         self.sizes, self.names, self.cluster = axis_sizes, axis_names, cluster
-        self.alpha = self.per_byte = self.wire = self.combinable = 0.0
+        self.local_seconds = 0.0
         self.colls: list[Collective] = []
         self.layouts: list[NdSbp] = []
 
@@ -96,20 +109,23 @@ class _Builder:
         """Current bytes per device per logical byte."""
         return 1.0 / math.prod(n for s, n in zip(self.cur, self.sizes) if isinstance(s, Split))
 
+    def group(self, axes: Sequence[int]) -> Group:
+        return self.cluster.group([(self.names[a], self.sizes[a]) for a in axes])
+
     def collective(self, kind: str, axes: Sequence[int], factor: float) -> None:
         """One collective over ``axes`` moving ``factor`` x the current local bytes."""
         n = math.prod(self.sizes[a] for a in axes)
         if n == 1:
             return
-        wire = factor * self.local()
-        lat = max(self.cluster.latency(self.names[a]) for a in axes)
-        bw = min(self.cluster.bandwidth(self.names[a]) for a in axes)
-        self.alpha += lat
-        if kind in COMBINED_KINDS:
-            self.combinable += lat
-        self.per_byte += wire / bw
-        self.wire += wire
-        self.colls.append(Collective(kind, tuple(axes), wire))
+        local = self.local()
+        buffer = n * local if kind == "all-gather" else local
+        self.colls.append(Collective(kind, tuple(axes), factor * local, buffer,
+                                     self.group(axes)))
+
+    def zeroing(self, axis: int) -> None:
+        """``B -> P`` on ``axis``: a local step priced at one latency of the axis."""
+        self.local_seconds += self.cluster.latency(self.names[axis])
+        self.colls.append(Collective("local", (axis,), 0.0))
 
     def pin(self) -> None:
         nd = NdSbp(tuple(self.cur))
@@ -117,8 +133,8 @@ class _Builder:
             self.layouts.append(nd)
 
     def result(self) -> Conversion:
-        return Conversion(self.alpha, self.per_byte, self.wire, tuple(self.colls),
-                          self.combinable, tuple(self.layouts))
+        return Conversion(tuple(self.colls), self.cluster.collective_model, self.local_seconds,
+                          tuple(self.layouts))
 
 
 def _split_axes(sbps: Sequence) -> dict[int, frozenset[int]]:
@@ -181,7 +197,7 @@ def _moves(cur: tuple, src: NdSbp, dst: NdSbp, b: _Builder):
     per logical byte)``; slices cost nothing, gathers and all-to-alls move the local data."""
     local = 1.0 / math.prod(n for s, n in zip(cur, b.sizes) if isinstance(s, Split))
     for a, s in enumerate(cur):
-        n, bw = b.sizes[a], b.cluster.bandwidth(b.names[a])
+        n, bw = b.sizes[a], b.group([a]).bandwidth
         if isinstance(s, Broadcast):
             for d in {x.dim for x in dst.sbps if isinstance(x, Split)}:
                 nxt = cur[:a] + (Split(d),) + cur[a + 1:]
@@ -266,8 +282,7 @@ def _into_partial(b: _Builder, src: NdSbp, dst: NdSbp) -> Conversion:
             b.collective("reduce-scatter" if isinstance(d, Split) else "all-reduce", [a],
                          (n - 1) / n if isinstance(d, Split) else 2 * (n - 1) / n)
         elif isinstance(d, Partial):
-            b.alpha += b.cluster.latency(b.names[a])
-            b.colls.append(Collective("local", (a,), 0.0))
+            b.zeroing(a)
         b.cur[a] = d
     return b.result()
 
@@ -282,17 +297,12 @@ def wire_bytes(kind: str, n: int, result_bytes: float) -> float:
     *result* size as XLA prints it (the same formulas as the planner's conversions)."""
     if n <= 1:
         return 0.0
-    f = (n - 1) / n
-    factor = {"all-reduce": 2 * f, "all-gather": f, "reduce-scatter": float(n - 1),
-              "all-to-all": f, "collective-permute": 1.0}
-    if kind not in factor:
-        raise ValueError(f"unknown collective kind {kind!r}; expected one of {sorted(factor)}")
-    return factor[kind] * result_bytes
+    return collective_buffer(kind, n, result_bytes) * wire_factor(kind, n)
 
 
-def collective_time(kind: str, n: int, result_bytes: float, bandwidth: float,
-                    latency: float) -> float:
-    """α-β time of one collective over ``n`` devices (see :func:`wire_bytes`)."""
-    if n <= 1:
-        return 0.0
-    return latency + wire_bytes(kind, n, result_bytes) / bandwidth
+def collective_buffer(kind: str, n: int, result_bytes: float) -> float:
+    """NCCL's buffer (``nBytes``) of a collective over ``n`` devices whose per-device result
+    XLA prints as ``result_bytes``: a reduce-scatter's input is ``n`` results, every other
+    kind's buffer is its result (an all-gather's is the gathered array)."""
+    wire_factor(kind, n)  # names the kinds it knows
+    return n * result_bytes if kind == "reduce-scatter" else result_bytes

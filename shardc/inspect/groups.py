@@ -185,6 +185,19 @@ def instruction_groups(instr: Instruction, num_devices: int) -> Groups:
         raise ValueError(f"{instr.opcode} %{instr.name}: {e}") from None
 
 
+def group_spans(groups: Groups, mesh: Mesh) -> tuple[tuple[str, int], ...]:
+    """``(axis, count)`` for every mesh axis along which the first group's devices take
+    ``count > 1`` distinct positions: the links a collective of these groups crosses (a
+    group of 2 or 4 devices inside one mesh axis spans that axis only). Ids are positions
+    in ``mesh.devices.flat``; XLA's groups of one collective all have the same shape."""
+    if not groups or not groups[0]:
+        return ()
+    shape = mesh.devices.shape
+    coords = np.array(np.unravel_index(list(groups[0]), shape)).T
+    return tuple((mesh.axis_names[i], len(set(coords[:, i]))) for i in range(len(shape))
+                 if len(set(coords[:, i])) > 1)
+
+
 def group_axes(groups: Groups, mesh: Mesh) -> tuple[str, ...] | None:
     """Mesh axes (in mesh order) the groups span, or None unless every group is exactly a
     full line/plane of those axes. Ids are positions in ``mesh.devices.flat``."""

@@ -3,10 +3,11 @@
 :func:`collectives` walks every computation of an optimized HLO module (the text of
 ``jax.jit(f).lower(...).compile().as_text()``) and returns one :class:`HloCollective` per
 collective instruction: its kind, per-device result size, replica groups, and the mesh axes
-those groups run over. :func:`price` turns them into α-β seconds on a
-:class:`~shardc.cost.cluster.Cluster` with the planner's own formulas
-(:func:`shardc.cost.comm.collective_time`), and adds compute time from XLA's
-``cost_analysis`` and peak memory from ``memory_analysis``.
+those groups run over. :func:`price` turns them into seconds on a
+:class:`~shardc.cost.cluster.Cluster` with the planner's own collective model
+(:meth:`~shardc.cost.cluster.Cluster.collective_seconds`, over the links each group
+actually crosses: :func:`shardc.inspect.groups.group_spans`), and adds compute time from
+XLA's ``cost_analysis`` and peak memory from ``memory_analysis``.
 
 Replica groups
 --------------
@@ -66,7 +67,7 @@ from jax.sharding import Mesh
 
 from shardc.cost import comm
 from shardc.cost.cluster import Cluster
-from shardc.inspect.groups import Groups, group_axes, instruction_groups
+from shardc.inspect.groups import Groups, group_axes, group_spans, instruction_groups
 from shardc.inspect.hlotext import (
     Computation,
     Instruction,
@@ -113,7 +114,7 @@ class HloCollective:
 class CompiledCost:
     """A compiled program priced on a cluster.
 
-    ``times`` are the α-β seconds of ``collectives``, index by index, each times ``runs``
+    ``times`` are the seconds of ``collectives``, index by index, each times ``runs``
     (how often its computation runs per call: the trip counts of the loops around it);
     ``comm_time`` is their sum (no overlap). ``flops`` are per device from
     ``compiled.cost_analysis()`` with loop bodies by trip count;
@@ -274,19 +275,16 @@ def collectives(compiled_or_hlo_text: Any, mesh: Mesh) -> list[HloCollective]:
 # ---- pricing ---------------------------------------------------------------------------------
 
 
-def _link(c: HloCollective, mesh: Mesh, cluster: Cluster) -> tuple[float, float]:
-    """(bandwidth, latency) a collective runs at: the slowest bandwidth and largest latency
-    among its axes; the mesh's slowest axis when its groups match no mesh axes."""
-    if c.axes:
-        return (min(cluster.bandwidth(a) for a in c.axes),
-                max(cluster.latency(a) for a in c.axes))
-    slowest = min(mesh.axis_names, key=lambda a: (cluster.bandwidth(a), -cluster.latency(a)))
-    return cluster.bandwidth(slowest), cluster.latency(slowest)
-
-
 def collective_seconds(c: HloCollective, mesh: Mesh, cluster: Cluster) -> float:
-    bw, lat = _link(c, mesh, cluster)
-    return comm.collective_time(c.kind, c.group_size, c.result_bytes, bw, lat)
+    """Seconds of one run of ``c`` under ``cluster``'s collective model, over the mesh axes
+    its groups cross (a group of 2 of a node's 8 GPUs crosses NVLink only) on NCCL's buffer
+    for it (:func:`shardc.cost.comm.collective_buffer`)."""
+    spans = group_spans(c.groups, mesh) if c.groups else tuple(
+        (a, dict(mesh.shape)[a]) for a in c.axes or ())
+    if not spans and c.group_size > 1:  # no groups printed: every device
+        spans = tuple(mesh.shape.items())
+    return cluster.collective_seconds(
+        c.kind, spans, comm.collective_buffer(c.kind, c.group_size, c.result_bytes))
 
 
 def compiled_flops(compiled: Any) -> float:
@@ -322,7 +320,7 @@ def compiled_peak_memory(compiled: Any) -> float | None:
 
 def price(compiled: Any, mesh: Mesh, cluster: Cluster) -> CompiledCost:
     """Price a ``jax`` Compiled on ``cluster``: each collective with
-    :func:`~shardc.cost.comm.collective_time`, times the runs of the loop bodies around it;
+    :func:`collective_seconds`, times the runs of the loop bodies around it;
     compute as ``flops / (device_flops * utilization)``, loop bodies by trip count."""
     text = _hlo_text(compiled)  # printed once, parsed once (parse_module keeps the last few)
     found = tuple(collectives(text, mesh))

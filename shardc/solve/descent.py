@@ -41,9 +41,13 @@ def _node_memory(cg: CostGraph) -> dict[int, np.ndarray]:
 
 
 def descend(cg: CostGraph, start: dict[int, int], memory_weight: float = 0.0,
-            max_sweeps: int = 50) -> dict[int, int]:
+            max_sweeps: int = 50, mem: Mapping[int, np.ndarray] | None = None
+            ) -> dict[int, int]:
+    """Coordinate descent from ``start`` on time plus ``memory_weight`` x each node's bytes
+    (``mem``: per node, per choice; by default its bytes at the sampled memory points)."""
     adj = _adjacency(cg)
-    mem = _node_memory(cg) if memory_weight else {}
+    if mem is None:
+        mem = _node_memory(cg) if memory_weight else {}
     x = dict(start)
     order = cg.live
     # a node is looked at again only once a neighbour has moved: otherwise its local cost
@@ -219,15 +223,44 @@ def starts(cg: CostGraph) -> list[dict[int, int]]:
 #: seconds a byte per device weighs in :func:`lean`: far above any step time a byte could
 #: save, so memory decides and time only breaks ties
 LEAN_WEIGHT = 1.0
+#: seconds a byte a node's results hold weighs in :func:`lean`: far below a byte at the
+#: sampled memory points, far above any step time
+TIE_WEIGHT = 1e-3
 
 
 def lean(cg: CostGraph) -> dict[int, int]:
     """The leanest plan descent finds: every input split as far as it goes, the rest
-    greedy (tail first), then descent on bytes at the sampled memory points with time only
-    breaking ties. Deterministic, so the budget it meets holds when asked for again."""
+    greedy (tail first), then descent on bytes at the sampled memory points; ties there go
+    to the choice whose results hold fewer bytes (:data:`TIE_WEIGHT`), time breaking the
+    rest. (With time alone breaking them, an optimizer update whose buffers the sampled
+    points miss stayed replicated where NCCL's latency made that the faster step.)
+    Deterministic, so the budget it meets holds when asked for again."""
     reach = _reach(cg)
     inputs = {i: _split_most(cg, i, reach) for i in cg.live if isinstance(cg.refs[i], Value)}
-    return descend(cg, greedy(cg, inputs, tail_nodes(cg)), LEAN_WEIGHT)
+    mem = _node_memory(cg)
+    for i, held in _held_bytes(cg).items():  # ties at the sampled points go to the smaller
+        mem[i] = mem[i] + TIE_WEIGHT * held if i in mem else TIE_WEIGHT * held
+    return descend(cg, greedy(cg, inputs, tail_nodes(cg)), LEAN_WEIGHT, mem=mem)
+
+
+def _held_bytes(cg: CostGraph) -> dict[int, np.ndarray]:
+    """Per live node, per choice: the bytes per device that its results and those of the
+    nodes following it hold."""
+    out: dict[int, np.ndarray] = {}
+    for i, ref in enumerate(cg.refs):
+        if isinstance(ref, Op):
+            held = np.array([sum(v.nbytes * nd.shard_fraction(cg.axis_sizes)
+                                 for v, nd in zip(ref.outputs, c.outs))
+                             for c in cg.choices[i]])
+        elif isinstance(ref, Value | Settle):
+            value = ref if isinstance(ref, Value) else ref.value
+            held = np.array([value.nbytes * nd.shard_fraction(cg.axis_sizes)
+                             for nd in cg.choices[i]])
+        else:
+            continue
+        root, f = cg.resolve(i)
+        out[root] = out[root] + held[f] if root in out else held[f]
+    return out
 
 
 def solve(cg: CostGraph, memory_budget: float | None = None) -> dict[int, int]:

@@ -121,14 +121,23 @@ class CostGraph:
         udst, di = _unique(dst)
         key = (tuple(usrc), tuple(udst))
         terms = self.terms.get(key)
-        if terms is None:  # Conversion.time's terms per pair, for any size and scale
-            convs = [[self._conversion(a, b) for b in udst] for a in usrc]
-            terms = tuple(np.array([[getattr(c, f) if c.collectives else 0.0 for c in row]
-                                    for row in convs]).reshape(len(usrc), len(udst))
-                          for f in ("alpha", "combinable_alpha", "per_byte"))
+        if terms is None:  # the pairs' distinct collectives, and how often each pair runs one
+            convs = [self._conversion(a, b) for a in usrc for b in udst]
+            steps: dict = {}
+            for c in convs:
+                for step in c.collectives:
+                    steps.setdefault(step, len(steps))
+            runs = np.zeros((len(convs), max(len(steps), 1)))
+            for i, c in enumerate(convs):
+                for step in c.collectives:
+                    runs[i, steps[step]] += 1
+            local = np.array([c.local if c.collectives else 0.0 for c in convs])
+            terms = (tuple(steps), runs, local)
             self.terms[key] = terms
-        alpha, combinable, per_byte = terms
-        small = alpha - combinable * (1.0 - alpha_scale) + per_byte * nbytes
+        steps, runs, local = terms
+        model = self.cluster.collective_model
+        t = np.array([c.seconds(nbytes, model, alpha_scale) for c in steps] or [0.0])
+        small = (runs @ t + local).reshape(len(usrc), len(udst))
         return small[np.ix_(si, di)]
 
     def _conversion(self, a: NdSbp, b: NdSbp) -> Conversion:
