@@ -1,8 +1,8 @@
-"""Batched linear algebra, ``complex`` and collectives over a vmapped axis name: the
-expected signatures are present (batch dims only for the matrix ops), EVERY signature is
-checked numerically with the family checker on 2 simulated devices, FLOPs follow the cited
-counts, and programs using each op, planned on 8 devices, split the batch and give jax.jit's
-values.
+"""Batched linear algebra, FFT, ``complex`` and collectives over a vmapped axis name: the
+expected signatures are present (batch dims only for the matrix ops, untransformed dims only
+for the FFT), EVERY signature is checked numerically with the family checker on 2 simulated
+devices, FLOPs follow the cited counts, and programs using each op, planned on 8 devices,
+split the batch and give jax.jit's values.
 """
 
 from __future__ import annotations
@@ -158,7 +158,28 @@ def test_custom_linear_solve_mixing_the_batch_is_not_split():
     assert not any(isinstance(s, Split) and s.dim == 0 for g in signatures(op) for s in g.ins)
 
 
-# ---- complex ---------------------------------------------------------------------------
+# ---- fft and complex ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("fn,arg,untouched", [
+    (lambda x: jnp.fft.fft(x), c64(4, 2, 8), (0, 1)),
+    (lambda x: jnp.fft.ifft2(x), c64(4, 2, 8), (0,)),
+    (lambda x: jnp.fft.rfft(x), f32(4, 2, 8), (0, 1)),
+    (lambda x: jnp.fft.irfft(x, 8), c64(4, 2, 5), (0, 1)),
+])
+def test_fft_splits_untransformed_dims_and_passes_partial(fn, arg, untouched):
+    sigs = check_all(fn, arg, name="fft")
+    assert sig([P], [P]) in sigs
+    for d in untouched:
+        assert sig([S(d)], [S(d)]) in sigs
+    assert all(g.ins[0] in (B, P) or g.ins[0].dim in untouched for g in sigs)
+
+
+def test_fft_flops_are_5_n_log2_n_per_signal():
+    op, _ = op_inputs(lambda x: jnp.fft.fft(x), c64(4, 2, 8), name="fft")
+    assert op_flops(op) == pytest.approx(4 * 2 * 5 * 8 * 3)
+    op, _ = op_inputs(lambda x: jnp.fft.rfft2(x), f32(4, 2, 8), name="fft")
+    assert op_flops(op) == pytest.approx(4 * 2.5 * 16 * 4)
+
 
 def test_complex_is_elementwise_and_linear():
     sigs = check_all(lambda x, y: lax.complex(x, y), f32(4, 6), f32(4, 6), name="complex")
@@ -255,3 +276,17 @@ def test_batched_programs_split_the_batch_on_8_devices(name, mesh):
     lapack = [line for line in text.splitlines() if 'custom_call_target="lapack' in line]
     assert all("[8," not in line and "[1," in line for line in lapack), lapack
     assert _flops(compiled) <= 0.25 * _flops(jax.jit(fn).lower(*args).compile())
+
+
+def test_batched_fft_plans_the_batch_split(mesh):
+    """The plan splits the signals (its FLOPs are 1/8); XLA's partitioner (``HandleFft``)
+    partitions only the transformed last dim, so the compiled program still gathers the
+    operand until the lowering runs the fft per device."""
+    x = f32(8, 16, 16)
+    fn = jnp.fft.fft
+    sharded = shardc.auto_shard(fn, mesh=mesh, time_limit=1.0)
+    plan = sharded.plan(x)
+    assert plan.inputs[0].sbps == (S(0),) and plan.outputs[0].sbps == (S(0),)
+    fft_op = [o for o in plan.ops if o.prim == "fft"][0]
+    assert fft_op.ins[0].sbps == (S(0),)
+    _close(sharded(x), jax.jit(fn)(x))
