@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax._src.lax import linalg as linalg_internal  # geqrf, geqp3: no public wrapper
 from jax.sharding import AxisType
 from test_rules_conv_control import Retraced
 from test_rules_families import (
@@ -80,6 +81,15 @@ LINALG = {
         lambda dl, d, du, b: lax.linalg.tridiagonal_solve(dl.at[:, 0].set(0), d + 4.0,
                                                           du.at[:, -1].set(0), b),
         (f32(4, 6), f32(4, 6), f32(4, 6), f32(4, 6, 3)), (0,)),
+    "eig": (lax.linalg.eig, (f32(4, 6, 6),), (0,)),
+    "schur": (lax.linalg.schur, (f32(4, 6, 6),), (0,)),
+    "hessenberg": (lax.linalg.hessenberg, (f32(4, 6, 6),), (0,)),
+    "tridiagonal": (lax.linalg.tridiagonal, (spd(4),), (0,)),
+    "symmetric_product": (lax.linalg.symmetric_product, (f32(4, 6, 5), spd(4)), (0,)),
+    "ormqr": (lax.linalg.ormqr, (f32(4, 6, 5), f32(4, 5), f32(4, 6, 3)), (0,)),
+    "geqrf": (linalg_internal.geqrf, (f32(4, 6, 5),), (0,)),
+    "geqp3": (lambda a: linalg_internal.geqp3(a, jnp.zeros((4, 5), jnp.int32)),
+              (f32(4, 6, 5),), (0,)),
 }
 
 
@@ -109,6 +119,10 @@ def test_linalg_flops_follow_the_standard_counts():
     assert flops(lambda a: lax.linalg.qr(a, full_matrices=False), spd(4),
                  name="qr") == pytest.approx(4 * 8 * n ** 3 / 3)
     assert flops(lambda a: lax.linalg.eigh(a), spd(4), name="eigh") == pytest.approx(4 * 9 * n ** 3)
+    assert flops(lambda a: lax.linalg.eig(a, compute_left_eigenvectors=False), spd(4),
+                 name="eig") == pytest.approx(4 * 25 * n ** 3)
+    assert flops(lax.linalg.svd, f32(4, 6, 5), name="svd") == pytest.approx(
+        4 * (4 * 36 * 5 + 8 * 6 * 25 + 9 * 125))  # full U: 4 m^2 n + 8 m n^2 + 9 n^3
     tri = flops(lambda a, b: lax.linalg.triangular_solve(a, b, left_side=True, lower=True),
                 spd(4), f32(4, 6, 3), name="triangular_solve")
     assert tri == pytest.approx(4 * n * n * 3)

@@ -32,8 +32,12 @@ eigen- and singular value solvers):
 * ``eigh`` (tridiagonalisation and the symmetric QR algorithm with eigenvectors): 9 n^3;
 * ``svd`` (Golub-Reinsch, m >= n else transposed): 4 m n^2 - 4 n^3 / 3 for the singular
   values only, 14 m n^2 + 8 n^3 with thin U, V, 4 m^2 n + 8 m n^2 + 9 n^3 with full U;
-* ``eig`` (Hessenberg reduction and the Francis QR steps): 10 n^3 for the eigenvalues,
-  25 n^3 with eigenvectors.
+* ``eig`` and ``schur`` (Hessenberg reduction and the Francis QR steps): 10 n^3 for the
+  eigenvalues, 25 n^3 with eigenvectors (Schur vectors);
+* ``hessenberg`` (``gehrd``): 10 n^3 / 3; ``tridiagonal`` (``sytrd``): 4 n^3 / 3;
+* ``ormqr`` (apply Q of k reflectors to an m x n C): 4 m n k - 2 n k^2 from the left,
+  4 m n k - 2 m k^2 from the right; ``symmetric_product`` (``syrk``, C = A A^T for an
+  n x k A): n^2 k.
 
 ``custom_linear_solve`` (``jnp.linalg.solve``, ``jax.scipy.sparse.linalg.cg`` & co.) holds its
 linear map as jaxprs; run, it evaluates its ``solve`` jaxpr on ``b`` (the others, ``matvec``,
@@ -46,9 +50,11 @@ Its FLOPs are the solve jaxpr's.
 
 References:
   L. S. Blackford and J. J. Dongarra, "Installation Guide for LAPACK", LAPACK Working Note
-  41, Appendix C (operation counts of xPOTRF, xGETRF, xTRSM, xGEQRF, xORGQR);
+  41, Appendix C (operation counts of xPOTRF, xGETRF, xTRSM, xGEQRF, xORGQR, xORMQR, xGEHRD,
+  xSYTRD, xSYRK);
   G. H. Golub and C. F. Van Loan, Matrix Computations, 4th ed. (2013), §8.3 (symmetric QR:
-  9 n^3), §8.6.3 (Golub-Reinsch SVD counts), §7.5.6 (the QR algorithm: 10 n^3, 25 n^3);
+  9 n^3), §8.6.3 (Golub-Reinsch SVD counts), §7.5.6 (the QR algorithm: 10 n^3, 25 n^3),
+  §7.4.3 (Hessenberg reduction), §8.3.1 (tridiagonalisation);
   OneFlow ``user/ops/matmul_op.cpp`` (batch splits); jax ``_src/lax/linalg.py`` (the
   primitives, shapes and params), ``_src/lax/control_flow/solves.py``
   (``custom_linear_solve``).
@@ -74,7 +80,7 @@ from shardc.rules.registry import Signature, op_flops, register
 CORE_RANK = {
     "cholesky": 2, "triangular_solve": 2, "lu": 2, "qr": 2, "geqrf": 2, "geqp3": 2,
     "householder_product": 2, "eigh": 2, "svd": 2, "eig": 2, "schur": 2, "hessenberg": 2,
-    "tridiagonal": 2, "symmetric_product": 2, "lu_pivots_to_permutation": 1,
+    "tridiagonal": 2, "symmetric_product": 2, "ormqr": 2, "lu_pivots_to_permutation": 1,
     "tridiagonal_solve": 1,
 }
 
@@ -153,10 +159,38 @@ def eig_flops(op: Op) -> float:
     return b * (25.0 if vectors else 10.0) * n ** 3
 
 
+def schur_flops(op: Op) -> float:
+    b, n, _ = _matrix(op.inputs[0])
+    return b * (25.0 if op.params.get("compute_schur_vectors", True) else 10.0) * n ** 3
+
+
+def hessenberg_flops(op: Op) -> float:
+    b, n, _ = _matrix(op.inputs[0])
+    return b * 10 * n ** 3 / 3
+
+
+def tridiagonal_flops(op: Op) -> float:
+    b, n, _ = _matrix(op.inputs[0])
+    return b * 4 * n ** 3 / 3
+
+
+def ormqr_flops(op: Op) -> float:
+    b, m, n = _matrix(op.inputs[2])
+    k = op.inputs[1].shape[-1]
+    return b * (4 * m * n * k - 2 * (n if op.params.get("left", True) else m) * k * k)
+
+
+def symmetric_product_flops(op: Op) -> float:
+    b, n, k = _matrix(op.inputs[0])
+    return float(b * n * n * k)
+
+
 FLOPS = {
     "cholesky": cholesky_flops, "lu": lu_flops, "triangular_solve": triangular_solve_flops,
     "geqrf": geqrf_flops, "geqp3": geqrf_flops, "householder_product": householder_product_flops,
     "qr": qr_flops, "eigh": eigh_flops, "svd": svd_flops, "eig": eig_flops,
+    "schur": schur_flops, "hessenberg": hessenberg_flops, "tridiagonal": tridiagonal_flops,
+    "ormqr": ormqr_flops, "symmetric_product": symmetric_product_flops,
 }
 
 
