@@ -100,7 +100,7 @@ def test_linalg_splits_batch_dims_only(case):
     batch_only(check_all(fn, *args, name=name), batch)
 
 
-def test_linalg_needs_equal_batch_dims():
+def test_a_batch_dim_of_size_one_is_not_split():
     """A batch dim of size 1 is not split (nothing to divide)."""
     op, _ = op_inputs(lambda a: lax.linalg.cholesky(a, symmetrize_input=False), spd(1, 4),
                       name="cholesky")
