@@ -105,8 +105,9 @@ def _assert_close(got, want, what: str) -> None:
         np.testing.assert_array_equal(got, want, err_msg=what)
         return
     tol = 1e-4 if jnp.finfo(want.dtype).bits >= 32 else 3e-2
-    finite = np.where(np.isfinite(want), np.abs(want.astype(np.float64)), 0.0)
-    np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=tol,
+    wide = np.complex128 if np.iscomplexobj(want) else np.float64  # complex: both parts
+    finite = np.where(np.isfinite(want), np.abs(want.astype(wide)), 0.0)
+    np.testing.assert_allclose(got.astype(wide), want.astype(wide), rtol=tol,
                                atol=tol * (1.0 + finite.max(initial=0.0)), equal_nan=True,
                                err_msg=what)
 
@@ -407,6 +408,7 @@ def test_iota():
     ("select_n", lambda x, y: jnp.where(x > y, x, y)),
     ("convert_element_type", lambda x, y: x.astype(jnp.float16)),
     ("convert_element_type", lambda x, y: x.astype(jnp.int32)),
+    ("complex", lambda x, y: jax.lax.complex(x, y)),
 ])
 def test_elementwise_signatures_are_exact(name, fn):
     sigs = check_all(fn, f32(4, 6), f32(4, 6), name=name)

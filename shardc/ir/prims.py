@@ -54,7 +54,7 @@ UNARY = (
 ).split()
 BINARY = (
     "add sub mul div rem pow max min atan2 nextafter and or xor eq ne lt le gt ge "
-    "shift_left shift_right_logical shift_right_arithmetic add_any select_n clamp"
+    "shift_left shift_right_logical shift_right_arithmetic add_any select_n clamp complex"
 ).split()
 LINEAR_UNARY = ("neg copy copy_p reduce_precision real imag conj stop_gradient "
                 "convert_element_type").split()

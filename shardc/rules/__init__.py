@@ -5,8 +5,10 @@ from shardc.rules import control as control
 from shardc.rules import conv as conv
 from shardc.rules import dot as dot  # noqa: F401  (registration)
 from shardc.rules import elementwise as elementwise
+from shardc.rules import fft as fft
 from shardc.rules import fixed as fixed
 from shardc.rules import indexing as indexing
+from shardc.rules import linalg as linalg
 from shardc.rules import misc as misc
 from shardc.rules import random as random
 from shardc.rules import reduce as reduce

@@ -6,6 +6,10 @@ split on every operand that has it at full size; operands that broadcast along d
 rank 0) are broadcast. Partial signatures only
 where the algebra allows them (OneFlow's tables): linear unary ops P->P; add/sub (P,P)->P;
 mul (P,B)->P and (B,P)->P; div (P,B)->P; select_n (B,P,P)->P.
+
+``complex(x, y) = x + i y`` (``lax.complex``, the one elementwise op whose output dtype is
+complex while its operands are real) is linear in the pair, (P,P)->P like add. A complex64
+element is 8 bytes (``Value.nbytes`` reads the dtype's itemsize).
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ def split_signatures(op: Op) -> list[Signature]:
 
 
 def _partial_signatures(op: Op) -> list[Signature]:
+    if op.name == "complex":
+        return [Signature((P, P), (P,))] if all(
+            _floating(v.dtype) and v.ndim == op.outputs[0].ndim for v in op.inputs) else []
     if not _is_float(op) or not all(_floating(v.dtype) for v in op.inputs
                                     if op.name != "select_n" or v is not op.inputs[0]):
         return []

@@ -11,11 +11,24 @@ other non-sum reductions keep dims only (a product's partial is not what XLA emi
 needs the value with its index). Scans (``cumsum`` & co.) split any dim except the scanned
 one; ``cumsum`` is linear (P->P). FLOPs of a reduction = input elements.
 
+Collectives over a ``jax.vmap`` axis name (pmap-style code run under ``jax.vmap(...,
+axis_name=...)``): vmap's batching rules turn ``all_gather`` into a ``broadcast_in_dim``,
+``axis_index`` into an ``iota``, ``ppermute`` / ``all_to_all`` / ``psum_scatter`` into
+gathers, reshapes and sums, and ``pmean`` into a ``psum`` and a ``div``; ``psum``, ``pmax``
+and ``pmin`` stay, with the vmapped dim as a *positional* axis (``axes=(0,)``), where they
+are ``reduce_sum`` / ``reduce_max`` / ``reduce_min`` over it (jax's ``_psum_lowering`` lowers
+positional axes to a reduce). Their rules are the reductions' for one operand; an operand
+tuple gets the same signature on every operand when all share a shape. Named (mesh) axes
+only occur inside a ``shard_map`` region, whose layout is fixed: no signature for those.
+
 References:
-  OneFlow ``user/ops/reduce_ops.cpp``, ``cum_ops.cpp``.
+  OneFlow ``user/ops/reduce_ops.cpp``, ``cum_ops.cpp``; jax ``_src/lax/parallel.py``
+  (the collectives' batching rules and the positional-axis lowering).
 """
 
 from __future__ import annotations
+
+from jax import lax
 
 from shardc.ir.graph import Op
 from shardc.ir.sbp import P, Partial, Split
@@ -68,3 +81,25 @@ def scan_rule(op: Op) -> list[Signature]:
     if op.name == "cumsum" and is_numeric(x.dtype):
         sigs.append(Signature((P,), (P,)))
     return sigs
+
+
+#: collectives over a vmapped (positional) axis and the reduction each one is
+POSITIONAL = {"psum": lax.reduce_sum_p, "pmax": lax.reduce_max_p, "pmin": lax.reduce_min_p}
+
+
+def positional_flops(op: Op) -> float:
+    return float(sum(v.size for v in op.inputs))
+
+
+@register(*POSITIONAL, flops=positional_flops)
+def positional_collective_rule(op: Op) -> list[Signature]:
+    if op.params.get("axis_index_groups") is not None or \
+            not all(isinstance(a, int) for a in op.params["axes"]):
+        return []
+    first = op.inputs[0]
+    if any(v.shape != first.shape or v.dtype != first.dtype for v in op.inputs):
+        return []
+    one = op.replace(prim=POSITIONAL[op.name], inputs=op.inputs[:1], outputs=op.outputs[:1])
+    rule = reduce_sum_rule if op.name == "psum" else reduce_keep_rule
+    n = len(op.inputs)
+    return [Signature(s.ins * n, s.outs * n) for s in rule(one)]
