@@ -1,0 +1,200 @@
+"""shardc.inspect.schedule: the compiled program priced with communication overlapped.
+
+Real programs are compiled on the 8 simulated CPU devices of ``conftest.py`` (synchronous
+collectives); GPU's ``-start`` / ``-done`` pairs and library matmuls are checked on literal
+HLO. Every collective time comes from ``collective_seconds``, whatever its formula.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardc.cost.cluster import Cluster
+from shardc.inspect import collectives, price
+from shardc.inspect.hlo import collective_seconds
+from shardc.inspect.schedule import schedule
+
+LAYERS, WIDTH, BATCH = 3, 256, 256
+REL = 1e-9
+
+
+@pytest.fixture(scope="module")
+def mesh8() -> Mesh:
+    return jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+
+
+@pytest.fixture(scope="module")
+def mesh2x4() -> Mesh:
+    return jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
+
+
+def _forward(ws, x):
+    h = x
+    for w in ws:
+        h = jnp.tanh(h @ w)
+    return h
+
+
+def _scanned(ws, x):
+    return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+
+
+def _train(forward):
+    def step(ws, x):
+        g = jax.grad(lambda ws, x: jnp.mean(forward(ws, x) ** 2))(ws, x)
+        return jax.tree.map(lambda w, gw: w - 0.1 * gw, ws, g)
+    return step
+
+
+def _fsdp(mesh: Mesh, fn, ws, spec_w: P, spec_x: P):
+    """``fn(ws, x)`` jitted with every weight stored as ``spec_w`` and the batch as
+    ``spec_x`` (FSDP: both split on the same axis, weights gathered per layer)."""
+    x = jnp.ones((BATCH, WIDTH), jnp.float32)
+    w_sh = jax.tree.map(lambda _: NamedSharding(mesh, spec_w), ws)
+    return jax.jit(fn, in_shardings=(w_sh, NamedSharding(mesh, spec_x))).lower(ws, x).compile()
+
+
+def _layers():
+    return [jnp.ones((WIDTH, WIDTH), jnp.float32) for _ in range(LAYERS)]
+
+
+def _overlap(compiled, mesh, cluster):
+    """price() of ``compiled`` and the schedule behind its overlapped time."""
+    cost = price(compiled, mesh, cluster)
+    text = compiled.as_text()
+    found = collectives(text, mesh)
+    seconds = [collective_seconds(c, mesh, cluster) for c in found]
+    return cost, schedule(text, found, seconds, cost.compute_time)
+
+
+SLOW_NODE = Cluster(axis_bandwidth={"node": 50e9}, axis_latency={"node": 9.6e-6})
+
+
+def _programs(mesh8, mesh2x4):
+    stacked = jnp.ones((LAYERS, WIDTH, WIDTH), jnp.float32)
+    return {
+        "fsdp step": (_fsdp(mesh8, _train(_forward), _layers(), P("x", None), P("x", None)),
+                      mesh8),
+        "scanned fsdp step": (_fsdp(mesh8, _train(_scanned), stacked, P(None, "x", None),
+                                    P("x", None)), mesh8),
+        "dp x tp step": (_fsdp(mesh2x4, _train(_forward), _layers(), P(None, "gpu"),
+                               P("node", None)), mesh2x4),
+    }
+
+
+@pytest.mark.parametrize("flops", [494e12, 1e11, 1e9])
+def test_overlapped_lies_between_the_longer_stream_and_the_serial_sum(mesh8, mesh2x4, flops):
+    cluster = Cluster(axis_bandwidth=SLOW_NODE.axis_bandwidth,
+                      axis_latency=SLOW_NODE.axis_latency, device_flops=flops)
+    for name, (compiled, mesh) in _programs(mesh8, mesh2x4).items():
+        cost, ov = _overlap(compiled, mesh, cluster)
+        assert cost.comm_time > 0 and cost.compute_time > 0, name
+        # the schedule carries the serial pricing's compute and collectives, run by run
+        assert ov.compute == cost.compute_time and ov.time == cost.overlapped_time, name
+        assert ov.comm == pytest.approx(cost.comm_time, rel=REL), name
+        longer = max(cost.comm_time, cost.compute_time)
+        assert longer * (1 - REL) <= cost.overlapped_time <= cost.time * (1 + REL), name
+        assert ov.exposed == pytest.approx(cost.overlapped_time - cost.compute_time)
+
+
+def test_a_chain_of_collectives_each_feeding_the_next_matmul_hides_nothing(mesh8):
+    """Every all-reduce reads the matmul before it and the next matmul reads it: no
+    collective has compute beside it, so overlapped == serial."""
+    def chain(x, ws):
+        h = x
+        for w in ws:
+            h = jax.lax.psum(jnp.tanh(h) @ w, "x")
+        return h
+
+    fn = jax.shard_map(chain, mesh=mesh8, in_specs=(P(), P()), out_specs=P())
+    x = jnp.ones((64, WIDTH), jnp.float32)
+    compiled = jax.jit(fn).lower(x, _layers()).compile()
+    for flops in (494e12, 1e9):
+        cost = price(compiled, mesh8, Cluster(device_flops=flops))
+        assert cost.counts == {"all-reduce": LAYERS}
+        assert cost.overlapped_time == pytest.approx(cost.time, rel=REL)
+
+
+@pytest.mark.parametrize("ratio", [2.0, 0.5])
+def test_fsdp_gathers_run_ahead_of_the_layers(mesh8, ratio):
+    """Forward of 3 FSDP layers: the 3 weight gathers read parameters only, so they run
+    back to back from the start while the layers compute. Each layer computes ``d``, each
+    gather takes ``g``; by hand, layer k starts at ``max((k+1) g, g + k d)``:
+    ``d = 2g``: g + 3d (one gather exposed, two hidden);
+    ``d = g/2``: 3g + d (the last layer waits for the last gather)."""
+    compiled = _fsdp(mesh8, _forward, _layers(), P("x", None), P("x", None))
+    found = collectives(compiled, mesh8)
+    assert [c.kind for c in found] == ["all-gather"] * LAYERS
+    g = collective_seconds(found[0], mesh8, Cluster())
+    assert g > 0
+    flops = price(compiled, mesh8, Cluster()).flops
+    # the device speed at which one layer computes ratio * g (gathers do not depend on it)
+    cluster = Cluster(device_flops=flops / (Cluster().utilization * LAYERS * ratio * g))
+    cost = price(compiled, mesh8, cluster)
+    d = cost.compute_time / LAYERS
+    assert d == pytest.approx(ratio * g) and cost.comm_time == pytest.approx(LAYERS * g)
+    want = g + LAYERS * d if d >= g else LAYERS * g + d
+    assert cost.overlapped_time == pytest.approx(want, rel=1e-6)
+    assert cost.overlapped_time < cost.time
+    hidden = cost.time - cost.overlapped_time
+    assert hidden == pytest.approx((LAYERS - 1) * (g if d >= g else d), rel=1e-6)
+
+
+def test_scan_iterations_are_sync_points(mesh8):
+    """The scanned forward's gather of layer k+1 cannot run during layer k (a loop
+    iteration starts when the previous one's compute ends): nothing hides but the loop
+    counter's increment (1 FLOP of a layer's millions), unlike the unrolled layers, where
+    two of the three gathers hide (each layer computing ``d = 2g``)."""
+    stacked = jnp.ones((LAYERS, WIDTH, WIDTH), jnp.float32)
+    scanned = _fsdp(mesh8, _scanned, stacked, P(None, "x", None), P("x", None))
+    unrolled = _fsdp(mesh8, _forward, _layers(), P("x", None), P("x", None))
+    g = collective_seconds(collectives(unrolled, mesh8)[0], mesh8, Cluster())
+    flops = price(unrolled, mesh8, Cluster()).flops
+    cluster = Cluster(device_flops=flops / (Cluster().utilization * LAYERS * 2 * g))
+    cost = price(scanned, mesh8, cluster)
+    assert cost.runs == (LAYERS,)
+    assert cost.comm_time == pytest.approx(LAYERS * g)
+    assert cost.compute_time == pytest.approx(LAYERS * 2 * g, rel=1e-2)  # + loop counters
+    assert cost.overlapped_time == pytest.approx(cost.time, rel=1e-5)
+    ahead = price(unrolled, mesh8, cluster)
+    assert ahead.time - ahead.overlapped_time == pytest.approx((LAYERS - 1) * g, rel=1e-5)
+
+
+GPU_FSDP = """\
+HloModule gpu_fsdp, is_scheduled=true, num_partitions=8
+
+ENTRY %main (x: f32[64,256], w0: f32[32,256], w1: f32[32,256]) -> f32[64,256] {
+  %x = f32[64,256]{1,0} parameter(0)
+  %w0 = f32[32,256]{1,0} parameter(1)
+  %w1 = f32[32,256]{1,0} parameter(2)
+  %ag0 = (f32[32,256]{1,0}, f32[256,256]{1,0}) all-gather-start(f32[32,256]{1,0} %w0), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, use_global_device_ids=true
+  %ag1 = (f32[32,256]{1,0}, f32[256,256]{1,0}) all-gather-start(f32[32,256]{1,0} %w1), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, use_global_device_ids=true
+  %w0.full = f32[256,256]{1,0} all-gather-done((f32[32,256]{1,0}, f32[256,256]{1,0}) %ag0)
+  %w1.full = f32[256,256]{1,0} all-gather-done((f32[32,256]{1,0}, f32[256,256]{1,0}) %ag1)
+  %h0 = f32[64,256]{1,0} dot(f32[64,256]{1,0} %x, f32[256,256]{1,0} %w0.full), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %gemm = (f32[64,256]{1,0}, s8[1024]{0}) custom-call(f32[64,256]{1,0} %h0, f32[256,256]{1,0} %w1.full), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"alpha_real":1,"beta":0,"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  ROOT %h1 = f32[64,256]{1,0} get-tuple-element((f32[64,256]{1,0}, s8[1024]{0}) %gemm), index=0
+}
+"""  # noqa: E501
+
+
+def test_gpu_async_pairs_are_awaited_at_first_use(mesh8):
+    """Two gathers started up front, both ``-done`` printed before the first matmul: the
+    first matmul waits for its own gather only (first use, not the ``-done``'s place), the
+    second (a cuBLAS custom-call, 2 * 64 * 256 * 256 FLOPs like the dot) for the other. With
+    each matmul ``d = 2g``: g + 2d, against 2g + 2d serially."""
+    found = collectives(GPU_FSDP, mesh8)
+    assert [(c.kind, c.name, c.group_size) for c in found] == \
+        [("all-gather", "ag0", 8), ("all-gather", "ag1", 8)]
+    g = collective_seconds(found[0], mesh8, Cluster())
+    d = 2 * g
+    ov = schedule(GPU_FSDP, found, [g, g], 2 * d)
+    assert ov.time == pytest.approx(g + 2 * d)
+    assert (ov.comm, ov.exposed, ov.hidden) == pytest.approx((2 * g, g, g))
+    # the matmuls are weighed by their FLOPs: a compute time split 1:1 between them
+    slow = schedule(GPU_FSDP, found, [4 * g, 4 * g], 2 * d)
+    assert slow.time == pytest.approx(8 * g + d)  # the second matmul waits for gather 2
