@@ -198,3 +198,61 @@ def test_gpu_async_pairs_are_awaited_at_first_use(mesh8):
     # the matmuls are weighed by their FLOPs: a compute time split 1:1 between them
     slow = schedule(GPU_FSDP, found, [4 * g, 4 * g], 2 * d)
     assert slow.time == pytest.approx(8 * g + d)  # the second matmul waits for gather 2
+
+
+# ---- bench columns ---------------------------------------------------------------------------
+
+
+def test_bench_cell_reports_the_overlapped_step_beside_the_serial_one(mesh8):
+    from shardc.bench.harness import Cell, _fill_compiled
+
+    compiled = _fsdp(mesh8, _forward, _layers(), P("x", None), P("x", None))
+    cluster = Cluster(device_flops=1e9)
+    cell = Cell("fsdp", "node-8", "fsdp")
+    _fill_compiled(cell, compiled, mesh8, cluster, jnp.ones((BATCH, WIDTH), jnp.float32))
+    cost = price(compiled, mesh8, cluster)
+    assert cell.compiled_overlap_s == cost.overlapped_time + cell.compiled_feed_s
+    assert cell.compiled_feed_s < cell.compiled_overlap_s < cell.compiled_s
+
+
+def _cell(method, serial, overlapped, **kw):
+    from shardc.bench.harness import Cell
+
+    return Cell("gpt", "node-8", method, compiled_s=serial, compiled_overlap_s=overlapped,
+                mesh="8", **kw)
+
+
+def test_summary_ranks_the_experts_under_each_pricing():
+    """FSDP communicates more than data parallelism but hides most of it: the best expert
+    is data-parallel serially and FSDP with overlap."""
+    from shardc.bench import report
+
+    cells = [_cell("shardc", 1.0, 0.8, predicted_s=1.0, predicted_comm_s=0.1,
+                   compiled_comm_s=0.1),
+             _cell("data-parallel", 1.25, 1.0), _cell("fsdp", 2.0, 0.5)]
+    row, = report.summary(cells)
+    assert (row["best_expert"], row["ratio"]) == ("data-parallel", 0.8)
+    assert (row["best_overlap_expert"], row["overlap_ratio"]) == ("fsdp", 1.6)
+    md = report.markdown(cells, ["shardc bench --models gpt"])
+    assert "## With communication overlapped" in md
+    assert "| gpt | node-8 | 800.000 | 1000.000 | fsdp | 8 | 500.000 | 1.600 |" in md
+    assert "Geometric mean shardc / best expert with overlap: **1.600** over 1 cells." in md
+
+
+def test_results_made_before_the_overlap_column_still_load_and_render(tmp_path):
+    import json
+
+    from shardc.bench import report
+
+    old = [_cell("shardc", 1.0, None).to_json(), _cell("fsdp", 2.0, None).to_json()]
+    for c in old:
+        del c["compiled_overlap_s"]
+    (tmp_path / "results.json").write_text(json.dumps({"commands": ["shardc bench"],
+                                                       "cells": old}))
+    cells, commands = report.load(tmp_path)
+    assert [c.compiled_overlap_s for c in cells] == [None, None]
+    row, = report.summary(cells)
+    assert row["ratio"] == 0.5 and row["overlap_ratio"] is None
+    md = report.markdown(cells, commands)
+    assert "## With communication overlapped" not in md
+    assert "| gpt | node-8 | fsdp | 8 | - | - | 2000.000 | - |" in md
