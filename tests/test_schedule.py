@@ -200,6 +200,34 @@ def test_gpu_async_pairs_are_awaited_at_first_use(mesh8):
     assert slow.time == pytest.approx(8 * g + d)  # the second matmul waits for gather 2
 
 
+CPU_ORDER = """\
+HloModule cpu_order, is_scheduled=true, num_partitions=8
+
+ENTRY %main (x: f32[64,256], late: f32[32,256], soon: f32[32,256]) -> f32[64,256] {
+  %x = f32[64,256]{1,0} parameter(0)
+  %late = f32[32,256]{1,0} parameter(1)
+  %soon = f32[32,256]{1,0} parameter(2)
+  %ag.late = f32[256,256]{1,0} all-gather(f32[32,256]{1,0} %late), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, use_global_device_ids=true
+  %ag.soon = f32[256,256]{1,0} all-gather(f32[32,256]{1,0} %soon), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, use_global_device_ids=true
+  %view = f32[256,256]{0,1} copy(f32[256,256]{1,0} %ag.soon)
+  %h0 = f32[64,256]{1,0} dot(f32[64,256]{1,0} %x, f32[256,256]{0,1} %view), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %h1 = f32[64,256]{1,0} dot(f32[64,256]{1,0} %h0, f32[256,256]{1,0} %ag.late), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""  # noqa: E501
+
+
+def test_the_communication_stream_runs_first_what_is_needed_first(mesh8):
+    """XLA:CPU printed the gather used last first. A latency-hiding scheduler issues the
+    one the first matmul needs (through a free copy) first: ``g + d + d`` with the other
+    gather (``g``) behind the first matmul (``d = 2g``), where text order would expose both
+    (``2g + 2d``)."""
+    found = collectives(CPU_ORDER, mesh8)
+    assert [c.name for c in found] == ["ag.late", "ag.soon"]
+    g = collective_seconds(found[0], mesh8, Cluster())
+    ov = schedule(CPU_ORDER, found, [g, g], 4 * g)
+    assert ov.time == pytest.approx(5 * g) and ov.hidden == pytest.approx(g)
+
+
 # ---- bench columns ---------------------------------------------------------------------------
 
 

@@ -9,14 +9,21 @@ weight all-gathers and gradient reduce-scatters mostly hide behind its matmuls).
 - **compute**: one stream, the program's instructions in its (scheduled) text order; an
   instruction starts when the stream is free and its operands are ready;
 - **communication**: one stream (NCCL runs a stream's collectives one after another, in the
-  order they are issued), the collectives in text order; a collective starts when the
-  stream is free and its operands are ready, and its result is ready when it ends. Its
-  first use waits for it: the instruction reading it (through any free view of it, below)
-  starts no earlier.
+  order they are issued). A collective can start once its operands are ready; whenever the
+  stream is free it runs, of the collectives that can start, the one needed first (by the
+  text position of its first use), and when none can start, the one that can soonest. Its
+  result is ready when it ends, and its first use waits for it: the instruction reading it
+  (through any free view of it, below) starts no earlier.
+
+The order the communication stream picks is a latency-hiding scheduler's: XLA:CPU places
+its synchronous collectives anywhere before their uses (an FSDP step's every weight gather
+at the top, the embedding's among them), and running them in that text order would expose
+what a scheduler hides by issuing each ahead of its use. GPU's scheduled ``-start`` ops
+are usually issued in the order of their uses already.
 
 XLA:CPU compiles synchronous collectives (``all-reduce``, ...); GPU compiles
 ``<kind>-start`` / ``<kind>-done`` pairs (and ``async-start`` wrapping a collective's
-computation). Both are one collective here: a synchronous one or a ``-start`` is placed
+computation). Both are one collective here: a synchronous one or a ``-start`` may start
 when its operands are ready, a ``-done`` is free and passes the result on to its first
 use. The step ends when both streams are idle.
 
@@ -68,7 +75,7 @@ import math
 import re
 from collections import Counter, defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from shardc.inspect.hlotext import Computation, Instruction, leaves, parse_module, shape_tree
@@ -146,6 +153,7 @@ class _Replay:
         self.memo: dict = {}  # loops._flops's
         self.weights: dict[tuple[str, str], float] = {}
         self.totals: dict[str, float] = {}
+        self.first_use: dict[str, dict[str, int]] = {}
         self.scale = 0.0  # seconds per FLOP of weight
         self.compute = self.comm = 0.0  # when each stream is next free
         self.ran: Counter = Counter()  # (computation, instruction) -> collective runs
@@ -194,19 +202,67 @@ class _Replay:
         comp = self.comps.get(name)
         if comp is None:
             return 0.0
-        ready: dict[str, Ready] = {}
+        frame = _Frame(comp, floor, self.deadlines(comp))
         for instr in comp.instructions.values():
-            ready[instr.name] = self.step(comp, instr, ready, args, floor)
+            runs = self.collective(comp, instr)
+            if runs is not None:
+                frame.pending[instr.name] = runs
+            else:
+                frame.ready[instr.name] = self.step(comp, instr, frame, args)
+        self.drain(frame)
         result = _result(comp)
-        return ready[result] if result is not None else 0.0
+        return frame.ready[result] if result is not None else 0.0
 
-    def step(self, comp: Computation, instr: Instruction, ready: dict[str, Ready],
-             args: Sequence[Ready], floor: float) -> Ready:
+    def deadlines(self, comp: Computation) -> dict[str, int]:
+        """Instruction -> text position of its first use that waits (a compute instruction,
+        a collective, a loop or call; a free one passes the wait on to its own uses), or
+        past the end when nothing waits for it."""
+        if comp.name not in self.first_use:
+            index = {n: i for i, n in enumerate(comp.instructions)}
+            out: dict[str, int] = {}
+            for instr in reversed(comp.instructions.values()):
+                waits = [index[u] if self.waits(comp, comp.instructions[u]) else out[u]
+                         for u in comp.users.get(instr.name, ())]
+                out[instr.name] = min(waits, default=len(index))
+            self.first_use[comp.name] = out
+        return self.first_use[comp.name]
+
+    def waits(self, comp: Computation, instr: Instruction) -> bool:
+        return instr.opcode in ("while", "call") or self.weight(comp, instr) > 0 or \
+            self.collective(comp, instr) is not None
+
+    def read(self, frame: _Frame, name: str) -> Ready:
+        """The ready time of ``name``, running the communication stream up to it first
+        when it is a collective not yet run."""
+        if name in frame.pending:
+            self.drain(frame, name)
+        return frame.ready.get(name, 0.0)
+
+    def drain(self, frame: _Frame, until: str | None = None) -> None:
+        """Run ``frame``'s collectives on the communication stream, the one needed first
+        of those that can start (module docstring), until ``until`` has run (all: None)."""
+        while frame.pending and (until is None or until in frame.pending):
+            start: dict[str, float] = {}
+            for name in frame.pending:
+                ops = frame.comp.instructions[name].operands
+                if not any(o in frame.pending for o in ops):
+                    start[name] = max(frame.floor, _latest(tuple(frame.ready.get(o, 0.0)
+                                                                for o in ops)))
+            now = [n for n, t in start.items() if t <= self.comm]
+            pick = min(now, key=frame.deadline.__getitem__) if now else \
+                min(start, key=lambda n: (start[n], frame.deadline[n]))
+            runs = frame.pending.pop(pick)
+            self.ran.update(runs.keys())
+            self.comm = max(self.comm, start[pick]) + sum(runs.values())
+            frame.ready[pick] = self.comm
+
+    def step(self, comp: Computation, instr: Instruction, frame: _Frame,
+             args: Sequence[Ready]) -> Ready:
         op = instr.opcode
         if op == "parameter":
             k = int(instr.operands[0]) if instr.operands and instr.operands[0].isdigit() else -1
             return args[k] if 0 <= k < len(args) else 0.0
-        ins = [ready.get(o, 0.0) for o in instr.operands]
+        ins = [self.read(frame, o) for o in instr.operands]
         if op == "tuple":
             return tuple(ins)
         if op == "get-tuple-element":
@@ -221,18 +277,25 @@ class _Replay:
                 state = self.run(body.group(1), [state], floor=self.compute)
             return state
         if op == "call" and (callee := _CALLS.search(instr.attrs)):
-            return self.run(callee.group(1), ins, floor)
+            return self.run(callee.group(1), ins, frame.floor)
         operands_ready = _latest(tuple(ins))
-        runs = self.collective(comp, instr)
-        if runs is not None:
-            self.ran.update(runs.keys())
-            self.comm = max(self.comm, floor, operands_ready) + sum(runs.values())
-            return self.comm
         w = self.weight(comp, instr)
         if w == 0.0:
             return operands_ready
         self.compute = max(self.compute, operands_ready) + w * self.scale
         return self.compute
+
+
+@dataclass
+class _Frame:
+    """One replay of a computation: ready times so far, its collectives not yet run, the
+    time they may start from, and their deadlines (:meth:`_Replay.deadlines`)."""
+
+    comp: Computation
+    floor: float
+    deadline: dict[str, int]
+    ready: dict[str, Ready] = field(default_factory=dict)
+    pending: dict[str, dict] = field(default_factory=dict)
 
 
 def schedule(hlo_text: str, collectives: Sequence[HloCollective], seconds: Sequence[float],
