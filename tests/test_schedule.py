@@ -284,3 +284,63 @@ def test_results_made_before_the_overlap_column_still_load_and_render(tmp_path):
     md = report.markdown(cells, commands)
     assert "## With communication overlapped" not in md
     assert "| gpt | node-8 | fsdp | 8 | - | - | 2000.000 | - |" in md
+
+
+# ---- a plan's own overlap estimate -----------------------------------------------------------
+
+
+def _plan(ops, reshards, values):
+    from shardc.plan import Plan, Predicted
+
+    return Plan(mesh_axes=(("x", 8),), cluster=Cluster(), inputs=(), outputs=(),
+                values=values, ops=tuple(ops), reshards=tuple(reshards),
+                predicted=Predicted(sum(r.time for r in reshards),
+                                    sum(o.compute_time for o in ops), 0.0, 0.0))
+
+
+def test_plan_overlap_gathers_ahead_and_settles_beside_independent_ops():
+    """By hand, g = 1, d = 2. FSDP: two weights (values 0, 1) gathered for the two layers
+    that read them: gather 1 runs during layer 0, g + 2d = 5 against 2g + 2d = 6. A value
+    produced partial and settled (all-reduced once, for every reader) runs beside the op
+    between its producer and its reader: 3d = 6 against 3d + g = 7."""
+    from shardc.ir.sbp import B, NdSbp, P, S
+    from shardc.plan import OpPlan, Reshard
+    from shardc.plan_overlap import plan_overlap
+
+    s0, b, p = NdSbp((S(0),)), NdSbp((B,)), NdSbp((P,))
+
+    def op(i, reads, ins, writes, outs):
+        return OpPlan(i, "dot_general", "", ins, outs, 2.0, 0.0, reads, writes)
+
+    fsdp = _plan([op(0, (2, 0), (b, b), (3,), (b,)), op(1, (3, 1), (b, b), (4,), (b,))],
+                 [Reshard(0, 0, s0, b, 1.0, 0.0, ("all-gather@x",)),
+                  Reshard(1, 1, s0, b, 1.0, 0.0, ("all-gather@x",))],
+                 {0: s0, 1: s0, 2: b, 3: b, 4: b})
+    got = plan_overlap(fsdp)
+    assert (got.time, got.compute, got.comm, got.hidden) == (5.0, 4.0, 2.0, 1.0)
+    settle = _plan([op(0, (0, 1), (b, b), (3,), (p,)), op(1, (0, 2), (b, b), (4,), (b,)),
+                    op(2, (3, 4), (b, b), (5,), (b,))],
+                   [Reshard(3, None, p, b, 2.0, 0.0, ("all-reduce@x",))],
+                   {0: b, 1: b, 2: b, 3: p, 4: b, 5: b})
+    assert plan_overlap(settle).time == 6.0
+    # the reader first, then the independent op: nothing between producer and reader
+    serial = _plan([settle.ops[0], settle.ops[2], settle.ops[1]], settle.reshards,
+                   settle.values)
+    assert plan_overlap(serial).time == 8.0
+
+
+def test_plan_overlap_of_a_planned_fsdp_step_lies_within_the_bounds(mesh8):
+    import shardc
+    from shardc.plan_overlap import plan_overlap
+
+    ws, x = _layers(), jnp.ones((BATCH, WIDTH), jnp.float32)
+    for flops in (1e9, 1e8):  # slow devices: splitting pays for its communication
+        step = shardc.auto_shard(_train(_forward), mesh=mesh8, cluster=Cluster(device_flops=flops),
+                                 time_limit=5.0, mesh_search=False)
+        plan = step.plan(ws, x)
+        got = plan_overlap(plan)
+        pred = plan.predicted
+        assert (got.compute, got.comm) == (pred.compute_time, pred.comm_time)
+        assert pred.comm_time > 0, plan.explain()
+        assert max(pred.comm_time, pred.compute_time) * (1 - REL) <= got.time
+        assert got.time <= (pred.comm_time + pred.compute_time) * (1 + REL)

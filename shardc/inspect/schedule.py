@@ -74,9 +74,9 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from shardc.inspect.hlotext import Computation, Instruction, leaves, parse_module, shape_tree
 from shardc.inspect.loops import _entry, _flops, instruction_flops, multiplicity, trip_count
@@ -84,9 +84,10 @@ from shardc.inspect.loops import _entry, _flops, instruction_flops, multiplicity
 if TYPE_CHECKING:
     from shardc.inspect.hlo import HloCollective
 
-__all__ = ["Overlap", "schedule"]
+__all__ = ["Overlap", "next_collective", "schedule"]
 
 Ready = float | tuple["Ready", ...]
+K = TypeVar("K")
 
 _CALLS = re.compile(r"(?:calls|to_apply)=%?([^\s,}]+)")
 _BODY = re.compile(r"\bbody=%?([^\s,}]+)")
@@ -114,6 +115,16 @@ class Overlap:
     def hidden(self) -> float:
         """Communication seconds that ran beside compute."""
         return self.comm - self.exposed
+
+
+def next_collective(startable: Mapping[K, tuple[float, float]], free_at: float) -> K:
+    """Which collective a communication stream free at ``free_at`` runs next, of
+    ``startable`` ones by (earliest start, deadline): of those that can start by then,
+    the one needed first; when none can, the one that can soonest."""
+    now = [k for k, (t, _) in startable.items() if t <= free_at]
+    if now:
+        return min(now, key=lambda k: startable[k][1])
+    return min(startable, key=startable.__getitem__)
 
 
 def _latest(r: Ready) -> float:
@@ -248,9 +259,8 @@ class _Replay:
                 if not any(o in frame.pending for o in ops):
                     start[name] = max(frame.floor, _latest(tuple(frame.ready.get(o, 0.0)
                                                                 for o in ops)))
-            now = [n for n, t in start.items() if t <= self.comm]
-            pick = min(now, key=frame.deadline.__getitem__) if now else \
-                min(start, key=lambda n: (start[n], frame.deadline[n]))
+            pick = next_collective({n: (t, frame.deadline[n]) for n, t in start.items()},
+                                   self.comm)
             runs = frame.pending.pop(pick)
             self.ran.update(runs.keys())
             self.comm = max(self.comm, start[pick]) + sum(runs.values())
