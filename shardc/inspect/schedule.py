@@ -79,7 +79,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 from shardc.inspect.hlotext import Computation, Instruction, leaves, parse_module, shape_tree
-from shardc.inspect.loops import _entry, _flops, instruction_flops, multiplicity, trip_count
+from shardc.inspect.loops import (
+    _dims,
+    _entry,
+    _flops,
+    instruction_flops,
+    multiplicity,
+    trip_count,
+)
 
 if TYPE_CHECKING:
     from shardc.inspect.hlo import HloCollective
@@ -98,9 +105,9 @@ _GEMM_CONTRACT = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
 
 @dataclass(frozen=True, slots=True)
 class Overlap:
-    """A compiled program priced with its communication overlapped: ``time`` seconds end to
-    end, ``compute`` seconds of compute (the serial pricing's), ``comm`` seconds of
-    collectives run one after another (the serial pricing's)."""
+    """A program (compiled, or a plan) priced with its communication overlapped: ``time``
+    seconds end to end, ``compute`` seconds of compute and ``comm`` seconds of collectives
+    run one after another (both the serial pricing's)."""
 
     time: float
     compute: float
@@ -145,15 +152,10 @@ def _gemm_flops(comp: Computation, instr: Instruction) -> float:
     src = comp.instructions.get(instr.operands[0]) if instr.operands else None
     if contract is None or src is None or not _GEMM.search(instr.attrs):
         return 0.0
-    lhs = _dims(leaves(shape_tree(src.shape))[0])
-    out = _dims(leaves(shape_tree(instr.shape))[0])
+    lhs = _dims(leaves(shape_tree(src.shape))[0]) or []
+    out = _dims(leaves(shape_tree(instr.shape))[0]) or []
     dims = [int(d.strip().strip('"')) for d in contract.group(1).split(",") if d.strip()]
     return 2.0 * math.prod(out) * math.prod(lhs[d] for d in dims if d < len(lhs))
-
-
-def _dims(leaf: str) -> list[int]:
-    inner = leaf[leaf.index("[") + 1:leaf.index("]")]
-    return [int(d.strip().removeprefix("<=")) for d in inner.split(",") if d.strip()]
 
 
 class _Replay:
