@@ -261,6 +261,8 @@ class _Replay:
                 if not any(o in frame.pending for o in ops):
                     start[name] = max(frame.floor, _latest(tuple(frame.ready.get(o, 0.0)
                                                                 for o in ops)))
+            if not start:  # a cycle (none in valid HLO): charged serially, as never reached
+                return
             pick = next_collective({n: (t, frame.deadline[n]) for n, t in start.items()},
                                    self.comm)
             runs = frame.pending.pop(pick)
