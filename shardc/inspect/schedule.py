@@ -32,12 +32,13 @@ Costs
 A collective costs exactly what :func:`~shardc.inspect.hlo.collective_seconds` gives the
 serial pricing, per run. An instruction's compute weight is its FLOPs as
 :func:`shardc.inspect.loops.instruction_flops` counts them (``dot`` and ``convolution``
-from shapes and dimension numbers, elementwise arithmetic one per element), a fusion's
-those of the instructions it fuses, and a GPU library matmul (a ``custom-call`` whose
-target names a gemm or matmul) ``2 * result elements * contracted size`` from its
-``dot_dimension_numbers``. Weights are scaled so that they sum to the serial pricing's
-compute time (``cost_analysis`` FLOPs, loop bodies by trip count), so both pricings carry
-the same compute. Every other instruction (copies, slices, transposes, broadcasts, tuples,
+from shapes and dimension numbers, elementwise arithmetic one per element, a reduction
+its reducer's once: reductions weigh little here), a fusion's those of the instructions
+it fuses, and a GPU library matmul (a ``custom-call`` whose target names a gemm or
+matmul) ``2 * result elements * contracted size`` from its ``dot_dimension_numbers``.
+Weights are scaled so that they sum to the serial pricing's compute time
+(``cost_analysis`` FLOPs, loop bodies by trip count), so both pricings carry the same
+compute. Every other instruction (copies, slices, transposes, broadcasts, tuples,
 ``-done`` ops) is free and off the streams: it is ready when its operands are, as
 ``cost_analysis`` counts it no FLOPs either. A program in which no instruction has
 FLOPs this reader counts but whose serial compute is not zero runs its compute as one
