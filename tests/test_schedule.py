@@ -228,6 +228,60 @@ def test_the_communication_stream_runs_first_what_is_needed_first(mesh8):
     assert ov.time == pytest.approx(5 * g) and ov.hidden == pytest.approx(g)
 
 
+PIPELINED = """\
+HloModule pipelined, is_scheduled=true, num_partitions=8
+
+%body (param: (s32[], f32[64,256], f32[256,256], f32[4,32,256])) -> (s32[], f32[64,256], f32[256,256], f32[4,32,256]) {
+  %param = (s32[], f32[64,256]{1,0}, f32[256,256]{1,0}, f32[4,32,256]{2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%param), index=0
+  %h = f32[64,256]{1,0} get-tuple-element(%param), index=1
+  %w = f32[256,256]{1,0} get-tuple-element(%param), index=2
+  %ws = f32[4,32,256]{2,1,0} get-tuple-element(%param), index=3
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  %zero = s32[] constant(0)
+  %slice = f32[1,32,256]{2,1,0} dynamic-slice(%ws, %next, %zero, %zero), dynamic_slice_sizes={1,32,256}
+  %shard = f32[32,256]{1,0} bitcast(%slice)
+  %ag = f32[256,256]{1,0} all-gather(%shard), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, use_global_device_ids=true
+  %h2 = f32[64,256]{1,0} dot(%h, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %out = (s32[], f32[64,256]{1,0}, f32[256,256]{1,0}, f32[4,32,256]{2,1,0}) tuple(%next, %h2, %ag, %ws)
+}
+
+%cond (param.1: (s32[], f32[64,256], f32[256,256], f32[4,32,256])) -> pred[] {
+  %param.1 = (s32[], f32[64,256]{1,0}, f32[256,256]{1,0}, f32[4,32,256]{2,1,0}) parameter(0)
+  %i.1 = s32[] get-tuple-element(%param.1), index=0
+  %three = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i.1, %three), direction=LT
+}
+
+ENTRY %main (x: f32[64,256], ws: f32[4,32,256]) -> f32[64,256] {
+  %x = f32[64,256]{1,0} parameter(0)
+  %ws.0 = f32[4,32,256]{2,1,0} parameter(1)
+  %first = f32[1,32,256]{2,1,0} slice(%ws.0), slice={[0:1], [0:32], [0:256]}
+  %shard.0 = f32[32,256]{1,0} bitcast(%first)
+  %ag.0 = f32[256,256]{1,0} all-gather(%shard.0), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, use_global_device_ids=true
+  %start = s32[] constant(0)
+  %init = (s32[], f32[64,256]{1,0}, f32[256,256]{1,0}, f32[4,32,256]{2,1,0}) tuple(%start, %x, %ag.0, %ws.0)
+  %loop = (s32[], f32[64,256]{1,0}, f32[256,256]{1,0}, f32[4,32,256]{2,1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %result = f32[64,256]{1,0} get-tuple-element(%loop), index=1
+}
+"""  # noqa: E501
+
+
+def test_a_loop_carrying_the_next_layers_gather_overlaps_it_with_this_layer():
+    """The collective pipeliner's form: each iteration gathers the next layer's weight
+    and carries it to the next iteration through the loop state. Replayed iteration by
+    iteration with the state element by element, the gather runs beside this
+    iteration's matmul (d = 2g): g (the prologue's) + 3d, against 4g + 3d serially."""
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+    found = collectives(PIPELINED, mesh)
+    assert [(c.name, c.computation) for c in found] == [("ag", "body"), ("ag.0", "main")]
+    g = collective_seconds(found[0], mesh, Cluster())
+    ov = schedule(PIPELINED, found, [g, g], 6 * g)
+    assert ov.comm == pytest.approx(4 * g)  # the body's gather runs 3 times
+    assert ov.time == pytest.approx(7 * g, rel=1e-6)
+
+
 # ---- bench columns ---------------------------------------------------------------------------
 
 
