@@ -61,6 +61,9 @@ class Cell:
     compiled_comm_s: float | None = None
     compiled_compute_s: float | None = None
     compiled_feed_s: float | None = None
+    #: compiled step with each collective beside the compute that does not wait for it
+    #: (``CompiledCost.overlapped_time``) plus the feed; None in results made before it
+    compiled_overlap_s: float | None = None
     wire_bytes: float | None = None
     collectives: dict = field(default_factory=dict)
     peak_memory: float | None = None  # compiled: memory_analysis() bytes per device
@@ -135,6 +138,7 @@ def _fill_compiled(cell: Cell, compiled, mesh, cluster, batch) -> None:
     cell.compiled_compute_s = cost.compute_time
     cell.compiled_feed_s = feed_seconds(compiled, batch, cluster)
     cell.compiled_s = cost.comm_time + cost.compute_time + cell.compiled_feed_s
+    cell.compiled_overlap_s = cost.overlapped_time + cell.compiled_feed_s
     cell.wire_bytes = cost.wire_bytes
     cell.collectives = dict(cost.counts)
     cell.peak_memory = cost.peak_memory

@@ -77,6 +77,7 @@ from shardc.inspect.hlotext import (
     shape_tree,
 )
 from shardc.inspect.loops import loop_extra_flops, multiplicity
+from shardc.inspect.schedule import schedule
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -120,7 +121,10 @@ class CompiledCost:
     ``compiled.cost_analysis()`` with loop bodies by trip count;
     ``peak_memory`` is ``temp + argument + output - alias`` bytes from
     ``compiled.memory_analysis()`` (generated code and host-side sizes excluded), None when
-    the backend gives no memory analysis.
+    the backend gives no memory analysis. ``overlapped_time`` is ``time`` with each
+    collective run beside the compute that does not wait for it
+    (:func:`shardc.inspect.schedule.schedule`; the same collectives and compute, so
+    ``max(comm_time, compute_time) <= overlapped_time <= time``); None where not priced.
     """
 
     comm_time: float
@@ -132,6 +136,7 @@ class CompiledCost:
     counts: dict[str, int] = field(default_factory=dict)
     times: tuple[float, ...] = ()
     runs: tuple[int, ...] = ()
+    overlapped_time: float | None = None
 
     @property
     def time(self) -> float:
@@ -321,16 +326,19 @@ def compiled_peak_memory(compiled: Any) -> float | None:
 def price(compiled: Any, mesh: Mesh, cluster: Cluster) -> CompiledCost:
     """Price a ``jax`` Compiled on ``cluster``: each collective with
     :func:`collective_seconds`, times the runs of the loop bodies around it;
-    compute as ``flops / (device_flops * utilization)``, loop bodies by trip count."""
+    compute as ``flops / (device_flops * utilization)``, loop bodies by trip count; and
+    the same with communication overlapped (:func:`shardc.inspect.schedule.schedule`)."""
     text = _hlo_text(compiled)  # printed once, parsed once (parse_module keeps the last few)
     found = tuple(collectives(text, mesh))
     every = multiplicity(text)
     runs = tuple(every.get(c.computation, 1) for c in found)
-    times = tuple(collective_seconds(c, mesh, cluster) * n for c, n in zip(found, runs))
+    seconds = tuple(collective_seconds(c, mesh, cluster) for c in found)
+    times = tuple(t * n for t, n in zip(seconds, runs))
     flops = _analysed_flops(compiled) + loop_extra_flops(text)
+    compute_time = flops / (cluster.device_flops * cluster.utilization)
     return CompiledCost(
         comm_time=sum(times),
-        compute_time=flops / (cluster.device_flops * cluster.utilization),
+        compute_time=compute_time,
         wire_bytes=sum(c.wire_bytes * n for c, n in zip(found, runs)),
         flops=flops,
         peak_memory=compiled_peak_memory(compiled),
@@ -338,4 +346,5 @@ def price(compiled: Any, mesh: Mesh, cluster: Cluster) -> CompiledCost:
         counts=dict(Counter(c.kind for c in found)),
         times=times,
         runs=runs,
+        overlapped_time=schedule(text, found, seconds, compute_time).time,
     )
