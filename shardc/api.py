@@ -36,8 +36,8 @@ from shardc.calling import (
     Dispatch,
     Miss,
     abstract_leaf,
+    dispatch_key,
     misplaced,
-    missed,
     place,
     placement,
 )
@@ -174,7 +174,7 @@ class AutoSharded:
         self._plans: dict[Any, Plan] = {}
         self._execs: dict[Any, Callable] = {}
         self._dispatch: dict[Any, Dispatch] = {}
-        #: (dynamic arguments' treedef, statics) -> the Dispatch the last such call ran
+        #: calls' :func:`~shardc.calling.dispatch_key` -> the Dispatch the last such call ran
         self._fast: dict[Any, Dispatch] = {}
         self._moved: set = set()
         _check_specs(options.in_shardings, self.mesh)
@@ -533,7 +533,7 @@ class AutoSharded:
                 dispatch = self._dispatch[key] = Dispatch.of(jitted, call, shardings,
                                                              self._out_shardings(key))
                 out = dispatch(*placed)
-        self._fast[call.tree, call.statics] = dispatch
+        self._fast[dispatch_key(*self.convention.dynamic(args, kwargs))] = dispatch
         return out
 
     def _report_moves(self, call: Call, shardings: list[NamedSharding], key) -> None:
@@ -693,19 +693,20 @@ class AutoSharded:
             return jitted.lower(*dyn_args, **dyn_kwargs)
 
     def __call__(self, *args, **kwargs):
-        """A call like the last one of its pytree and statics goes straight to that call's
-        executable through ``jax.jit``'s dispatch, which checks the arguments' types and
-        placements in C++; any other call takes the full path (:meth:`_call`)."""
+        """A call goes straight to the executable of the last call with its statics and
+        argument names through ``jax.jit``'s dispatch, which checks the arguments' pytree,
+        types and placements in C++; a call that executable was not made for takes the full
+        path (:meth:`_call`)."""
         statics, dyn_args, dyn_kwargs = self.convention.dynamic(args, kwargs)
         try:
-            dispatch = self._fast.get((jax.tree.structure((dyn_args, dyn_kwargs)), statics))
+            dispatch = self._fast.get(dispatch_key(statics, dyn_args, dyn_kwargs))
         except TypeError:  # unhashable statics: the full path says what to do
             dispatch = None
         if dispatch is not None:
             try:
                 return dispatch(dyn_args, dyn_kwargs)
             except Exception as exc:
-                if not missed(exc):
+                if not dispatch.missed(exc, dyn_args, dyn_kwargs):
                     raise
         return self._call(args, kwargs)
 

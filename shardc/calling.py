@@ -30,8 +30,8 @@ try:  # how JAX names a traced function and its arguments in its errors
 except ImportError:  # another JAX: its errors then name shardc's wrapper
     _debug_info = None
 
-__all__ = ["Call", "Convention", "Dispatch", "Miss", "abstract_leaf", "misplaced", "missed",
-           "place", "placement"]
+__all__ = ["Call", "Convention", "Dispatch", "Miss", "abstract_leaf", "dispatch_key",
+           "misplaced", "place", "placement"]
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
@@ -282,11 +282,11 @@ class Miss(Exception):  # noqa: N818 (a signal, not an error the user sees)
 _NOT_FITTING = ("Sharding passed to jit does not match", "One of pjit arguments")
 
 
-def missed(exc: Exception) -> bool:
-    """Whether ``exc``, raised calling a :class:`Dispatch`, means the call is one its
-    executable was not made for (the full path handles it) rather than the user's error."""
-    return isinstance(exc, Miss) or \
-        isinstance(exc, ValueError) and str(exc).startswith(_NOT_FITTING)
+def dispatch_key(statics: tuple, dyn_args: tuple, dyn_kwargs: dict) -> tuple:
+    """What picks a call's :class:`Dispatch`: its statics and how many dynamic positional
+    and which keyword arguments it has; cheap (no pytree is walked: the Dispatch's
+    ``jax.jit`` checks the rest)."""
+    return statics, len(dyn_args), tuple(sorted(dyn_kwargs)) if dyn_kwargs else ()
 
 
 @dataclass(frozen=True)
@@ -297,10 +297,13 @@ class Dispatch:
     the positional, by name). JAX checks each call's argument types and placements itself:
     a call that matches the first costs what a ``jax.jit`` call does; one with other shapes,
     dtypes or typed placements retraces, which raises :class:`Miss`, and a committed
-    argument placed elsewhere raises ``jax.jit``'s ValueError (:func:`missed` tells both)."""
+    argument placed elsewhere, or a pytree of another structure, raises ``jax.jit``'s
+    ValueError, and a leaf that is no array its TypeError (:meth:`missed` tells these from
+    the user's errors; the full path raises the latter in the user's words)."""
 
     jitted: Callable
     kw_names: tuple[str, ...]
+    tree: Any  # the treedef of the dynamic arguments ((positional, ...), {keyword: ...})
 
     @classmethod
     def of(cls, jitted: Callable, call: Call, shardings: Sequence[NamedSharding],
@@ -321,10 +324,20 @@ class Dispatch:
 
         in_shardings = (*dyn_args, *(dyn_kwargs[k] for k in kw_names))
         return cls(jax.jit(positional, in_shardings=in_shardings, out_shardings=out_shardings,
-                           donate_argnums=donate), kw_names)
+                           donate_argnums=donate), kw_names, call.tree)
 
     def __call__(self, dyn_args: Sequence, dyn_kwargs: dict):
         return self.jitted(*dyn_args, *(dyn_kwargs[k] for k in self.kw_names))
+
+    def missed(self, exc: Exception, dyn_args: Sequence, dyn_kwargs: dict) -> bool:
+        """Whether ``exc``, raised calling this Dispatch with these arguments, means the call
+        is one its executable was not made for (the full path handles it), not the user's
+        error."""
+        if isinstance(exc, Miss | TypeError):  # TypeError: a leaf that is no array
+            return True
+        return isinstance(exc, ValueError) and (
+            str(exc).startswith(_NOT_FITTING)
+            or jax.tree.structure((tuple(dyn_args), dyn_kwargs)) != self.tree)
 
 
 def _type(x) -> tuple:

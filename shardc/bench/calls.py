@@ -2,8 +2,8 @@
 ``jax.jit`` of the same function with the same shardings.
 
 The function takes a pytree of ``n`` small arrays (f32[8, 16], 20 to 1,000 leaves) and
-returns it doubled, so dispatch (flattening the arguments, checking their types and
-placements, launching the executable) is most of a call. Its arguments are placed where
+returns one of them doubled, so dispatch (flattening the arguments, checking their types
+and placements, launching the executable) is nearly all of a call. Its arguments are placed where
 the plan wants them (``step.input_shardings``), as a training loop's state is after its
 first step; ``jax.jit`` gets the plan's input and output shardings. Each repeat times
 ``CALLS`` calls of one then the other, the order alternating between repeats, and each keeps
@@ -65,17 +65,15 @@ def measure(leaves: int) -> CallCase:
     mesh = Mesh(devices, ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
     tree = {f"w{k:04d}": jnp.full((8, 16), k, jnp.float32) for k in range(leaves)}
 
-    def double(tree):
-        return jax.tree.map(lambda a: a * 2.0, tree)
+    def first(tree):
+        return tree["w0001"] * 2.0
 
-    step = shardc.auto_shard(double, mesh=mesh, time_limit=0.0)
+    step = shardc.auto_shard(first, mesh=mesh, time_limit=0.0)
     (shardings,), _ = step.input_shardings(tree)
     placed = jax.device_put(tree, shardings)
     out = step(placed)
-    jitted = jax.jit(double, in_shardings=(shardings,),
-                     out_shardings=jax.tree.map(lambda a: a.sharding, out))
-    np.testing.assert_array_equal(np.asarray(jitted(placed)["w0001"]),
-                                  np.asarray(out["w0001"]))
+    jitted = jax.jit(first, in_shardings=(shardings,), out_shardings=out.sharding)
+    np.testing.assert_array_equal(np.asarray(jitted(placed)), np.asarray(out))
     best = {"jit": float("inf"), "shardc": float("inf")}
     fns = {"jit": jitted, "shardc": step}
     for r in range(REPEATS + 1):  # the first round warms both up and is not kept
@@ -94,9 +92,10 @@ def markdown(cases: list[CallCase], command: str) -> str:
              f"`{command}` on {jax.devices()[0].platform.upper()} ({len(jax.devices())} "
              f"devices, mesh node=2 x gpu=4), JAX {jax.__version__}. A steady-state call of "
              "an `auto_shard` step against `jax.jit` of the same function with the plan's "
-             "shardings (a pytree of f32[8,16] leaves, doubled; arguments placed as the plan "
-             f"wants); per call, the fastest of {REPEATS} repeats of {CALLS} calls, the two "
-             "timed side by side in alternating order. Target: 1.1x jax.jit + 50 us.", "",
+             "shardings (a pytree of f32[8,16] leaves, one of them doubled; arguments "
+             f"placed as the plan wants); per call, the fastest of {REPEATS} repeats of "
+             f"{CALLS} calls, the two timed side by side in alternating order. Target: 1.1x "
+             "jax.jit + 50 us.", "",
              "| leaves | jax.jit | shardc | ratio | target | within |",
              "|---:|---:|---:|---:|---:|:---:|"]
     for c in cases:

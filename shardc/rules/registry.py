@@ -126,15 +126,17 @@ class NoRuleWarning(UserWarning):
     """A primitive without a sharding rule runs replicated."""
 
 
-# once per primitive per process, where the user's warning filters do not say otherwise
-# (a filter added later, or ``pytest.warns``, comes first)
-warnings.filterwarnings("once", category=NoRuleWarning, append=True)
+#: the warnings shown (Python's per-module warning registry, shardc's own): under the
+#: default filters each primitive's warning shows once per line of the user's that made it,
+#: however many step objects plan it; a change of the filters (``warnings.catch_warnings``,
+#: ``pytest.warns``) shows it again
+_SHOWN: dict = {}
 
 
 def warn_missing(ops: Sequence[Op]) -> None:
     """One :class:`NoRuleWarning` per primitive without a rule among ``ops`` (called once
-    per plan; the warning filter shows each primitive once per process), pointing at the
-    user's line that made its first op, else at the first caller outside shardc."""
+    per plan), pointing at the user's line that made its first op, else at the first caller
+    outside shardc; shown once per primitive and line in a process (:data:`_SHOWN`)."""
     first: dict[str, Op] = {}
     for op in ops:
         first.setdefault(op.name, op)
@@ -145,7 +147,8 @@ def warn_missing(ops: Sequence[Op]) -> None:
         warnings.warn_explicit(
             f"shardc has no sharding rule for primitive {name!r}; it runs replicated. "
             f"Register one with @shardc.register({name!r}).",
-            NoRuleWarning, path, int(line), module=os.path.splitext(os.path.basename(path))[0])
+            NoRuleWarning, path, int(line),
+            module=os.path.splitext(os.path.basename(path))[0], registry=_SHOWN)
 
 
 def _caller() -> tuple[str, int]:
