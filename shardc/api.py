@@ -490,12 +490,9 @@ class AutoSharded:
         return [NamedSharding(mesh, to_partition_spec(nd, v.ndim, mesh.axis_names))
                 for nd, v in zip(plan.inputs, tr.traced.graph.inputs)]
 
-    def _out_shardings(self, key) -> Any:
-        """The result pytree's shardings under ``key``'s plan: on the user's mesh, with its
-        axis types (the types ``jax.jit`` gives the results)."""
-        tr, plan = self._traces[key], self._plans[key]
-        if plan.remat:
-            tr = self._traces[key, tuple(sorted(set(plan.remat)))]
+    def _out_shardings(self, tr: _Traced, plan: Plan) -> Any:
+        """The result pytree's shardings under ``plan`` (of ``tr``'s program): on the user's
+        mesh, with its axis types (the types ``jax.jit`` gives the results)."""
         mesh = self._out_mesh(plan)
         return jax.tree.unflatten(tr.traced.out_tree, [
             NamedSharding(mesh, to_partition_spec(nd, v.ndim, mesh.axis_names))
@@ -530,8 +527,9 @@ class AutoSharded:
                 except Miss:  # arguments typed otherwise than its first call's (tracers)
                     dispatch = None
             if dispatch is None:
+                _, tr, plan = self._plan(call)
                 dispatch = self._dispatch[key] = Dispatch.of(jitted, call, shardings,
-                                                             self._out_shardings(key))
+                                                             self._out_shardings(tr, plan))
                 out = dispatch(*placed)
         self._fast[dispatch_key(*self.convention.dynamic(args, kwargs))] = dispatch
         return out

@@ -15,6 +15,7 @@ References:
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +23,8 @@ from pathlib import Path
 __all__ = ["CALLS", "LEAVES", "REPEATS", "CallCase", "markdown", "measure", "write"]
 
 LEAVES = (20, 200, 1000)
-CALLS = 200  # calls per repeat
-REPEATS = 7
+CALLS = 50  # calls per repeat
+REPEATS = 30  # many short repeats: the fastest is robust to a busy machine
 
 
 @dataclass(frozen=True)
@@ -90,12 +91,12 @@ def markdown(cases: list[CallCase], command: str) -> str:
 
     lines = ["# Call overhead", "",
              f"`{command}` on {jax.devices()[0].platform.upper()} ({len(jax.devices())} "
-             f"devices, mesh node=2 x gpu=4), JAX {jax.__version__}. A steady-state call of "
-             "an `auto_shard` step against `jax.jit` of the same function with the plan's "
-             "shardings (a pytree of f32[8,16] leaves, one of them doubled; arguments "
-             f"placed as the plan wants); per call, the fastest of {REPEATS} repeats of "
-             f"{CALLS} calls, the two timed side by side in alternating order. Target: 1.1x "
-             "jax.jit + 50 us.", "",
+             f"devices on {os.cpu_count()} cores, mesh node=2 x gpu=4), JAX "
+             f"{jax.__version__}. A steady-state call of an `auto_shard` step against "
+             "`jax.jit` of the same function with the plan's shardings (a pytree of "
+             "f32[8,16] leaves, one of them doubled; arguments placed as the plan wants); "
+             f"per call, the fastest of {REPEATS} repeats of {CALLS} calls, the two timed "
+             "side by side in alternating order. Target: 1.1x jax.jit + 50 us.", "",
              "| leaves | jax.jit | shardc | ratio | target | within |",
              "|---:|---:|---:|---:|---:|:---:|"]
     for c in cases:
