@@ -226,3 +226,14 @@ def test_grad_and_an_outer_jit_through_a_step_on_its_fast_path():
     close(jax.grad(loss)(PARAMS, X, step), jax.grad(loss)(PARAMS, X, mlp))
     close(jax.jit(lambda p, x: step(p, x) * 2)(PARAMS, X), jax.jit(mlp)(PARAMS, X) * 2)
     close(step(PARAMS, X), jax.jit(mlp)(PARAMS, X))
+
+
+def test_the_calls_bench_table_marks_each_row_against_the_target():
+    from shardc.bench.calls import CallCase, markdown
+
+    text = markdown([CallCase(20, 100.0, 150.0), CallCase(1000, 1000.0, 1200.0)],
+                    "shardc bench --calls")
+    rows = [line for line in text.splitlines() if line.startswith("| 20") or
+            line.startswith("| 1000")]
+    assert rows == ["| 20 | 100 us | 150 us | 1.50x | 160 us | yes |",
+                    "| 1000 | 1000 us | 1200 us | 1.20x | 1150 us | no |"]
