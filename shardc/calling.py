@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import AxisType, NamedSharding
 
 try:  # how JAX names a traced function and its arguments in its errors
@@ -258,18 +257,13 @@ def misplaced(leaves: Sequence, shardings: Sequence[NamedSharding]) -> list[int]
 
 
 def place(leaves: Sequence, shardings: Sequence[NamedSharding]) -> list:
-    """Arguments moved to the planned shardings where they are elsewhere (one transfer
-    each). Tracers, Python scalars, ``ShapeDtypeStruct``s and arrays already in place are
-    passed as they are."""
-    out = []
-    for x, want in zip(leaves, shardings):
-        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-            if not _same(x.sharding, want, x.ndim):
-                x = jax.device_put(x, want)
-        elif isinstance(x, np.ndarray):
-            x = jax.device_put(x, want)
-        out.append(x)
-    return out
+    """Arguments moved to the planned shardings where they were placed elsewhere (one
+    transfer each). Anything unplaced (tracers, Python scalars, NumPy arrays, uncommitted
+    arrays) is passed as it is: the executable's ``in_shardings`` place it, as ``jax.jit``'s
+    do, and its type stays an unplaced one's, as under ``jax.jit``."""
+    return [jax.device_put(x, want) if isinstance(x, jax.Array)
+            and (have := placement(x)) is not None and not _same(have, want, x.ndim)
+            else x for x, want in zip(leaves, shardings)]
 
 
 class Miss(Exception):  # noqa: N818 (a signal, not an error the user sees)

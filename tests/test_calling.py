@@ -84,6 +84,27 @@ def test_calls_the_fast_path_was_not_made_for_fall_back_to_jax_jits_values(monke
     close(step(placed, X + 1), jax.jit(mlp)(PARAMS, X + 1))  # the first's: planned already
 
 
+@pytest.mark.parametrize("mesh", [AUTO, EXPLICIT], ids=["auto", "explicit"])
+def test_a_training_loop_with_numpy_batches_takes_the_full_path_once_per_signature(
+        monkeypatch, mesh):
+    def train(w, x):
+        g = jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+        return w - 0.1 * g, jnp.mean(x)
+
+    step = shard(train, mesh=mesh)
+    calls = []
+    full = AutoSharded._call
+    monkeypatch.setattr(AutoSharded, "_call",
+                        lambda self, *a: calls.append(1) or full(self, *a))
+    w = wj = W * 0.1
+    for i in range(5):
+        x = np.random.default_rng(i).normal(size=(16, 8)).astype(np.float32)
+        (w, loss), (wj, lossj) = step(w, x), jax.jit(train)(wj, x)
+        close((w, loss), (wj, lossj))
+    # the first call, and on an Explicit mesh the first whose state is typed by the plan
+    assert len(calls) == (1 if mesh is AUTO else 2)
+
+
 def test_the_fast_path_keeps_statics_kwargs_and_donation():
     def f(x, n, *, scale):
         return x * n * scale
