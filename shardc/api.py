@@ -6,7 +6,13 @@ by position (negative too) or name, donated ones, weak-typed Python scalars. Tra
 planning and compiling are cached per abstract signature (the tree of the dynamic
 arguments, each leaf's shape, dtype and weak type, the static values, and the input layouts
 the plan must keep), so a second call with the same shapes re-uses the plan and the
-executable. A saved plan (``use_plan``) skips the solver: tracing and compiling only.
+executable. A steady-state call skips even that lookup: it goes straight to the last
+executable of its statics and argument names through ``jax.jit``'s own C++ dispatch, which
+checks the arguments' pytree, types and placements (``shardc bench --calls``: within a few
+microseconds of ``jax.jit``); a call that executable was not made for takes the full path.
+The function is traced as ``jax.jit`` traces it: under the caller's mesh context, its errors
+naming its own source line and argument paths. A saved plan (``use_plan``) skips the
+solver: tracing and compiling only.
 
 Arguments already placed elsewhere than the plan wants are moved (one transfer each,
 reported once), or, with ``keep_input_shardings=True`` (or ``in_shardings=``), kept: the
