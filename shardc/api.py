@@ -6,7 +6,13 @@ by position (negative too) or name, donated ones, weak-typed Python scalars. Tra
 planning and compiling are cached per abstract signature (the tree of the dynamic
 arguments, each leaf's shape, dtype and weak type, the static values, and the input layouts
 the plan must keep), so a second call with the same shapes re-uses the plan and the
-executable. A saved plan (``use_plan``) skips the solver: tracing and compiling only.
+executable. A steady-state call skips even that lookup: it goes straight to the last
+executable of its statics and argument names through ``jax.jit``'s own C++ dispatch, which
+checks the arguments' pytree, types and placements (``shardc bench --calls``: within a few
+microseconds of ``jax.jit``); a call that executable was not made for takes the full path.
+The function is traced as ``jax.jit`` traces it: under the caller's mesh context, its errors
+naming its own source line and argument paths. A saved plan (``use_plan``) skips the
+solver: tracing and compiling only.
 
 Arguments already placed elsewhere than the plan wants are moved (one transfer each,
 reported once), or, with ``keep_input_shardings=True`` (or ``in_shardings=``), kept: the
@@ -30,7 +36,17 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from shardc.calling import Call, Convention, abstract_leaf, misplaced, place, placement
+from shardc.calling import (
+    Call,
+    Convention,
+    Dispatch,
+    Miss,
+    abstract_leaf,
+    dispatch_key,
+    misplaced,
+    place,
+    placement,
+)
 from shardc.cost.cluster import DEFAULT_CLUSTER, Cluster
 from shardc.explain import fmt_bytes, fmt_time
 from shardc.frontier import BUDGETS, DeviceCount, DeviceSweep, Frontier, device_counts, sweep
@@ -42,6 +58,7 @@ from shardc.multihost import agree
 from shardc.names import input_names, output_names
 from shardc.plan import Plan, assemble, fingerprint
 from shardc.plan_cache import PlanCache
+from shardc.rules.fixed import on_mesh
 from shardc.rules.registry import has_rule, is_pinned, warn_missing
 from shardc.solve.problem import NOTHING_FIXED, Fixed
 from shardc.solve.search import MemoryBudgetError, SolveOptions, plan_graph
@@ -162,12 +179,16 @@ class AutoSharded:
         self._traces: dict[Any, _Traced] = {}
         self._plans: dict[Any, Plan] = {}
         self._execs: dict[Any, Callable] = {}
+        self._dispatch: dict[Any, Dispatch] = {}
+        #: calls' :func:`~shardc.calling.dispatch_key` -> the Dispatch the last such call ran
+        self._fast: dict[Any, Dispatch] = {}
         self._moved: set = set()
+        _check_specs(options.in_shardings, self.mesh)
         functools.update_wrapper(self, fn)
 
     # ---- tracing and planning, cached per abstract signature ---------------------------------
     def _key(self, call: Call) -> tuple:
-        avals = tuple((a.shape, str(a.dtype), a.weak_type) for a in map(abstract_leaf, call.leaves))
+        avals = tuple((a.shape, str(a.dtype), a.weak_type) for a in call.avals(self.fn))
         kept = tuple(sorted(self._kept_layouts(call).items())) if self.keep else ()
         return call.tree, avals, call.statics, kept
 
@@ -206,9 +227,8 @@ class AutoSharded:
                  tuple(sh.mesh.axis_names) == names for x in call.leaves]
         if not explicit_axes(self.user_mesh):
             return {}
-        try:
-            with jax.sharding.use_abstract_mesh(self.user_mesh.abstract_mesh):
-                outs = jax.eval_shape(call.function(self.fn), *call.leaves)
+        try:  # under the caller's mesh context, as jax.jit traces
+            outs = jax.eval_shape(call.function(self.fn), *call.leaves)
         except Exception as exc:
             # arguments typed by an earlier plan's results (not by the user) may not type-check
             # under jax.jit's rules, which shardc's lowering (under auto_axes) does not need:
@@ -237,20 +257,29 @@ class AutoSharded:
             hit = self._traces.get(rkey)
             if hit is None:
                 base = self._traced(call)[1]
-                hit = dataclasses.replace(base, traced=rematerialized(base.traced, remat))
+                hit = dataclasses.replace(base, traced=self._own(
+                    rematerialized(base.traced, remat)))
                 self._traces[rkey] = hit
             return key, hit
         hit = self._traces.get(key)
         if hit is None:
             t0 = time.perf_counter()
             with _gc_paused():
-                traced = trace(call.function(self.fn), *map(abstract_leaf, call.leaves))
+                traced = self._own(trace(call.function(self.fn),
+                                         *map(abstract_leaf, call.leaves)))
             ties = tie_outputs(call.arg_trees(), traced.out_tree, traced.graph)
             hit = _Traced(traced, tuple(ties), self._fixed(call))
             self._traces[key] = hit
             log.debug("shardc: traced %s in %.2f s", getattr(self.fn, "__name__", "fn"),
                       time.perf_counter() - t0)
         return key, hit
+
+    def _own(self, traced: Traced) -> Traced:
+        """``traced`` with the user's constraints on another mesh of these devices read on
+        this one (:func:`shardc.rules.fixed.on_mesh`)."""
+        if not self.abstract:
+            on_mesh(traced.graph.ops, self.mesh)
+        return traced
 
     def _plan(self, call: Call) -> tuple[Any, _Traced, Plan]:
         """The call's key, its plan, and the program the plan runs (the traced one, or the
@@ -291,7 +320,7 @@ class AutoSharded:
                  ) -> tuple[list[View], list[dict[str, dict[int, NdSbp]]]]:
         """What a solve of this call needs besides its options: the meshes to plan on and
         the seeds of each; warns once per primitive without a rule (it runs replicated)."""
-        warn_missing([op.name for op in tr.traced.graph.ops if not has_rule(op.name)])
+        warn_missing([op for op in tr.traced.graph.ops if not has_rule(op.name)])
         candidates = self._views(tr)
         return candidates, self._seed_layouts(call, candidates)
 
@@ -467,6 +496,14 @@ class AutoSharded:
         return [NamedSharding(mesh, to_partition_spec(nd, v.ndim, mesh.axis_names))
                 for nd, v in zip(plan.inputs, tr.traced.graph.inputs)]
 
+    def _out_shardings(self, tr: _Traced, plan: Plan) -> Any:
+        """The result pytree's shardings under ``plan`` (of ``tr``'s program): on the user's
+        mesh, with its axis types (the types ``jax.jit`` gives the results)."""
+        mesh = self._out_mesh(plan)
+        return jax.tree.unflatten(tr.traced.out_tree, [
+            NamedSharding(mesh, to_partition_spec(nd, v.ndim, mesh.axis_names))
+            for nd, v in zip(plan.outputs, tr.traced.graph.outputs)])
+
     def _exec(self, call: Call) -> tuple[Callable, list[NamedSharding], Any]:
         if self.abstract:
             raise NeedsDevicesError(self.mesh)
@@ -479,6 +516,29 @@ class AutoSharded:
                               donate_argnames=call.donate_argnames)
             self._execs[key] = jitted
         return jitted, self._in_shardings(tr, plan), key
+
+    def _call(self, args: tuple, kwargs: dict):
+        """The full path of a call: its signature's plan and executable (traced, planned
+        and compiled on its first call), placed arguments moved where the plan wants them;
+        the executable's :class:`Dispatch` becomes the fast path of calls like it."""
+        call = self.convention.split(args, kwargs)
+        jitted, shardings, key = self._exec(call)
+        self._report_moves(call, shardings, key)
+        placed = call.unflatten(place(call.leaves, shardings))
+        with _gc_paused():  # the first call of a signature traces and compiles
+            dispatch = self._dispatch.get(key)
+            if dispatch is not None:
+                try:
+                    out = dispatch(*placed)
+                except Miss:  # arguments typed otherwise than its first call's (tracers)
+                    dispatch = None
+            if dispatch is None:
+                _, tr, plan = self._plan(call)
+                dispatch = self._dispatch[key] = Dispatch.of(jitted, call, shardings,
+                                                             self._out_shardings(tr, plan))
+                out = dispatch(*placed)
+        self._fast[dispatch_key(*self.convention.dynamic(args, kwargs))] = dispatch
+        return out
 
     def _report_moves(self, call: Call, shardings: list[NamedSharding], key) -> None:
         """Log, once per argument and signature, a placed argument the plan moves."""
@@ -588,8 +648,9 @@ class AutoSharded:
         want = fingerprint(tr.traced.graph)
         if plan.fingerprint != want:
             raise ValueError(f"the plan was made for a different program (fingerprint "
-                             f"{plan.fingerprint}, this one is {want}): the primitives, their "
-                             "params or the dataflow differ; plan it again with step.plan(...)")
+                             f"{plan.fingerprint}, this one is {want}): "
+                             f"{self._difference(call, tr, plan)}; plan it again with "
+                             "step.plan(...)")
         here = self.mesh.shape_tuple
         # with mesh search, a plan for any view of the same devices runs on that view
         ok = plan.mesh_axes == here or (self.options.mesh_search and
@@ -606,6 +667,23 @@ class AutoSharded:
         plan = agree(self._named(call, tr, plan))
         self._plans[key] = plan
         self._execs.pop(key, None)
+        self._dispatch.pop(key, None)
+        self._fast.clear()
+
+    def _difference(self, call: Call, tr: _Traced, plan: Plan) -> str:
+        """What differs between ``plan``'s program and this call's: the first argument of
+        another type (its path and both types), else the program itself."""
+        here = [v.type_str() for v in tr.traced.graph.inputs]
+        if plan.input_types and len(plan.input_types) != len(here):
+            return (f"the plan takes {len(plan.input_types)} argument leaves, this call "
+                    f"{len(here)}")
+        diff = [k for k, (a, b) in enumerate(zip(plan.input_types, here)) if a != b]
+        if not diff:
+            return "the primitives, their params or the dataflow differ"
+        k = diff[0]
+        more = f" (and {len(diff) - 1} more)" if len(diff) > 1 else ""
+        return (f"argument {input_names(self.fn, call)[k]} is {here[k]} here, "
+                f"{plan.input_types[k]} in the plan{more}")
 
     def lower(self, *args, **kwargs):
         """``jax.stages.Lowered`` of the planned program (ShapeDtypeStructs are fine); its
@@ -621,12 +699,22 @@ class AutoSharded:
             return jitted.lower(*dyn_args, **dyn_kwargs)
 
     def __call__(self, *args, **kwargs):
-        call = self.convention.split(args, kwargs)
-        jitted, shardings, key = self._exec(call)
-        self._report_moves(call, shardings, key)
-        dyn_args, dyn_kwargs = call.unflatten(place(call.leaves, shardings))
-        with _gc_paused():  # the first call of a signature traces and compiles
-            return jitted(*dyn_args, **dyn_kwargs)
+        """A call goes straight to the executable of the last call with its statics and
+        argument names through ``jax.jit``'s dispatch, which checks the arguments' pytree,
+        types and placements in C++; a call that executable was not made for takes the full
+        path (:meth:`_call`)."""
+        statics, dyn_args, dyn_kwargs = self.convention.dynamic(args, kwargs)
+        try:
+            dispatch = self._fast.get(dispatch_key(statics, dyn_args, dyn_kwargs))
+        except TypeError:  # unhashable statics: the full path says what to do
+            dispatch = None
+        if dispatch is not None:
+            try:
+                return dispatch(dyn_args, dyn_kwargs)
+            except Exception as exc:
+                if not dispatch.missed(exc, dyn_args, dyn_kwargs):
+                    raise
+        return self._call(args, kwargs)
 
 
 @contextlib.contextmanager
@@ -644,6 +732,14 @@ def _gc_paused():
         yield
     finally:
         gc.enable()
+
+
+def _check_specs(specs, mesh: Mesh | AbstractMesh) -> None:
+    """Refuse the PartitionSpecs of ``in_shardings`` that ``jax.jit`` refuses (an axis named
+    twice: DuplicateSpecError; an axis the mesh lacks), as it does, when they are given."""
+    for spec in jax.tree.leaves(specs, is_leaf=_is_spec_leaf):
+        if isinstance(spec, PartitionSpec):
+            NamedSharding(mesh.abstract_mesh if isinstance(mesh, Mesh) else mesh, spec)
 
 
 def _is_spec_leaf(x) -> bool:

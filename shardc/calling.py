@@ -22,10 +22,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 
-__all__ = ["Call", "Convention", "abstract_leaf", "misplaced", "place", "placement"]
+try:  # how JAX names a traced function and its arguments in its errors
+    from jax._src.api_util import debug_info as _debug_info
+except ImportError:  # another JAX: its errors then name shardc's wrapper
+    _debug_info = None
+
+__all__ = ["Call", "Convention", "Dispatch", "Miss", "abstract_leaf", "dispatch_key",
+           "misplaced", "place", "placement"]
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
@@ -42,6 +47,18 @@ def _names(x: str | Iterable[str] | None) -> tuple[str, ...]:
     return (x,) if isinstance(x, str) else tuple(x)
 
 
+def _check_argnums(params: list[inspect.Parameter], nums: tuple[int, ...], what: str) -> None:
+    """Refuse argnums past the function's positional parameters, as ``jax.jit`` does (any
+    is fine for a function taking ``*args``)."""
+    if not nums or any(p.kind == p.VAR_POSITIONAL for p in params):
+        return
+    n = sum(p.kind in _POSITIONAL for p in params)
+    if -min(nums) > n or max(nums) >= n:
+        raise ValueError(f"Jitted function has {what}_argnums={nums}, but only accepts {n} "
+                         f"positional arguments; give {what}_argnums within "
+                         f"range({-n}, {n}), or {what}_argnames by parameter name")
+
+
 def _infer(sig: inspect.Signature | None, nums, names, what: str
            ) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """``*_argnums`` and ``*_argnames`` completed from each other through ``sig``, as
@@ -50,6 +67,7 @@ def _infer(sig: inspect.Signature | None, nums, names, what: str
     if sig is None:
         return nums, names
     params = list(sig.parameters.values())
+    _check_argnums(params, nums, what)
     if names:
         unknown = [n for n in names if n not in sig.parameters]
         if unknown and not any(p.kind == p.VAR_KEYWORD for p in params):
@@ -86,6 +104,19 @@ class Convention:
                              "donated; a static argument is not a buffer to donate")
         return cls(s_nums, s_names, d_nums, d_names)
 
+    def dynamic(self, args: Sequence, kwargs: dict) -> tuple[tuple, tuple, dict]:
+        """One call's static arguments ``((position, value), ...), ((name, value), ...)``
+        and its dynamic positional and keyword arguments; cheap (no leaf is looked at)."""
+        if not (self.static_argnums or self.static_argnames):
+            return ((), ()), tuple(args), kwargs
+        n = len(args)
+        static_pos = sorted({i % n for i in self.static_argnums if -n <= i < n})
+        statics = (tuple((i, args[i]) for i in static_pos),
+                   tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames)))
+        dyn_args = tuple(a for i, a in enumerate(args) if i not in static_pos)
+        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
+        return statics, dyn_args, dyn_kwargs
+
     def split(self, args: Sequence, kwargs: dict) -> Call:
         """Split one call's arguments into static and dynamic ones."""
         n = len(args)
@@ -93,17 +124,14 @@ class Convention:
         def position(i: int) -> int:  # a negative index counts from the end, as in jit
             return i % n if i < 0 else i
 
-        static_pos = sorted({position(i) for i in self.static_argnums if -n <= i < n})
-        statics = (tuple((i, args[i]) for i in static_pos),
-                   tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames)))
+        statics, dyn_args, dyn_kwargs = self.dynamic(args, kwargs)
+        static_pos = [i for i, _ in statics[0]]
         try:
             hash(statics)
         except TypeError as exc:
             raise TypeError(f"static arguments must be hashable, as for jax.jit: {exc}; "
                             "make them dynamic, or pass a hashable value (a tuple, not a "
                             "list)") from exc
-        dyn_args = tuple(a for i, a in enumerate(args) if i not in static_pos)
-        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
         donated = {position(i) for i in self.donate_argnums if -n <= i < n}
         donate_pos = tuple(sorted(i - sum(1 for j in static_pos if j < i)
                                   for i in donated if i not in static_pos))
@@ -138,17 +166,65 @@ class Call:
     def unflatten(self, leaves: Sequence) -> tuple[tuple, dict]:
         return jax.tree.unflatten(self.tree, list(leaves))
 
-    def function(self, fn: Callable) -> Callable:
-        """``fn`` as a function of this call's dynamic leaves (statics put back in place)."""
+    def _full(self, leaves: Sequence) -> tuple[list, dict]:
+        """The call's positional and keyword arguments, statics in place, with ``leaves``
+        as the dynamic ones' leaves."""
         pos, kw = dict(self.statics[0]), dict(self.statics[1])
+        dyn_args, dyn_kwargs = self.unflatten(leaves)
+        it = iter(dyn_args)
+        return [pos[i] if i in pos else next(it) for i in range(self.n_args)], \
+            {**dyn_kwargs, **kw}
+
+    def debug_info(self, fn: Callable):
+        """What ``jax.jit(fn)`` would report tracing this call: ``fn``'s name, file and line,
+        and the argument path of each dynamic leaf (``x``, ``state['w']``), named through
+        ``fn``'s signature; None where this JAX has no such record."""
+        if _debug_info is None:
+            return None
+        args, kwargs = self._full(self.leaves)
+        return _debug_info("jit", fn, args, kwargs,
+                           static_argnums=tuple(i for i, _ in self.statics[0]),
+                           static_argnames=tuple(k for k, _ in self.statics[1]))
+
+    def function(self, fn: Callable) -> Callable:
+        """``fn`` as a function of this call's dynamic leaves (statics put back in place),
+        that JAX's errors name as it would ``fn`` (its source line, the arguments' paths)."""
 
         def flat(*leaves):
-            dyn_args, dyn_kwargs = self.unflatten(leaves)
-            it = iter(dyn_args)
-            full = [pos[i] if i in pos else next(it) for i in range(self.n_args)]
-            return fn(*full, **dyn_kwargs, **kw)
+            args, kwargs = self._full(leaves)
+            return fn(*args, **kwargs)
 
+        dbg = self.debug_info(fn)
+        if dbg is not None:
+            flat.__fun_debug_info__ = dbg  # read by JAX's tracing (api_util.debug_info)
         return flat
+
+    def avals(self, fn: Callable) -> list[jax.core.ShapedArray]:
+        """Each dynamic leaf's :func:`abstract_leaf`; a leaf that is not an array raises
+        ``jax.jit``'s TypeError, naming its argument path and the fix."""
+        out = []
+        for k, x in enumerate(self.leaves):
+            try:
+                out.append(abstract_leaf(x))
+            except TypeError:
+                dbg = self.debug_info(fn)
+                path = dbg.arg_names[k] if dbg is not None and dbg.arg_names else \
+                    self.leaf_names()[k]
+                raise TypeError(
+                    f"Error interpreting argument to {_short(fn)} as an abstract array. The "
+                    f"problematic value is of type {type(x)} ({_short(x)}) and was passed to "
+                    f"the function at path {path}.\nThis typically means that a jit-wrapped "
+                    "function was called with a non-array argument, and this argument was not "
+                    "marked as static using the static_argnums or static_argnames parameters "
+                    "of shardc.auto_shard (as for jax.jit), or that its class is not a "
+                    "registered pytree (jax.tree_util.register_dataclass)") from None
+        return out
+
+
+def _short(x, limit: int = 80) -> str:
+    """``repr(x)`` cut to ``limit`` characters (an argument may hold large arrays)."""
+    text = repr(x)
+    return text if len(text) <= limit else text[:limit - 5] + " ...>"
 
 
 def abstract_leaf(x) -> jax.core.ShapedArray:
@@ -181,15 +257,88 @@ def misplaced(leaves: Sequence, shardings: Sequence[NamedSharding]) -> list[int]
 
 
 def place(leaves: Sequence, shardings: Sequence[NamedSharding]) -> list:
-    """Arguments moved to the planned shardings where they are elsewhere (one transfer
-    each). Tracers, Python scalars, ``ShapeDtypeStruct``s and arrays already in place are
-    passed as they are."""
-    out = []
-    for x, want in zip(leaves, shardings):
-        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-            if not _same(x.sharding, want, x.ndim):
-                x = jax.device_put(x, want)
-        elif isinstance(x, np.ndarray):
-            x = jax.device_put(x, want)
-        out.append(x)
-    return out
+    """Arguments moved to the planned shardings where they were placed elsewhere (one
+    transfer each). Anything unplaced (tracers, Python scalars, NumPy arrays, uncommitted
+    arrays) is passed as it is: the executable's ``in_shardings`` place it, as ``jax.jit``'s
+    do, and its type stays an unplaced one's, as under ``jax.jit``."""
+    return [jax.device_put(x, want) if isinstance(x, jax.Array)
+            and (have := placement(x)) is not None and not _same(have, want, x.ndim)
+            else x for x, want in zip(leaves, shardings)]
+
+
+class Miss(Exception):  # noqa: N818 (a signal, not an error the user sees)
+    """A call the fast path's executable was not made for: another shape, dtype or typed
+    placement of an argument. The full path plans it."""
+
+
+#: the starts of ``jax.jit``'s refusals of an argument its ``in_shardings`` do not fit: a
+#: committed one placed elsewhere (the full path moves it and says so), one of another rank
+_NOT_FITTING = ("Sharding passed to jit does not match", "One of pjit arguments")
+
+
+def dispatch_key(statics: tuple, dyn_args: tuple, dyn_kwargs: dict) -> tuple:
+    """What picks a call's :class:`Dispatch`: its statics and how many dynamic positional
+    and which keyword arguments it has; cheap (no pytree is walked: the Dispatch's
+    ``jax.jit`` checks the rest)."""
+    return statics, len(dyn_args), tuple(sorted(dyn_kwargs)) if dyn_kwargs else ()
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """One planned executable called through ``jax.jit``'s own C++ dispatch: ``jitted``
+    (called like the function's dynamic arguments) under a ``jax.jit`` with the plan's
+    ``in_shardings`` and the call's donations, its arguments positional (keyword ones after
+    the positional, by name). JAX checks each call's argument types and placements itself:
+    a call that matches the first costs what a ``jax.jit`` call does; one with other shapes,
+    dtypes or typed placements retraces, which raises :class:`Miss`, and a committed
+    argument placed elsewhere, or a pytree of another structure, raises ``jax.jit``'s
+    ValueError, and a leaf that is no array its TypeError (:meth:`missed` tells these from
+    the user's errors; the full path raises the latter in the user's words)."""
+
+    jitted: Callable
+    kw_names: tuple[str, ...]
+    tree: Any  # the treedef of the dynamic arguments ((positional, ...), {keyword: ...})
+
+    @classmethod
+    def of(cls, jitted: Callable, call: Call, shardings: Sequence[NamedSharding],
+           out_shardings: Any) -> Dispatch:
+        dyn_args, dyn_kwargs = call.unflatten(shardings)
+        kw_names = tuple(sorted(dyn_kwargs))
+        n = len(dyn_args)
+        donate = (*call.donate_argnums, *(n + kw_names.index(k) for k in call.donate_argnames))
+        first: list = []  # the argument types of the first trace, the planned ones
+
+        def positional(*xs):
+            types = [_type(x) for x in jax.tree.leaves(xs)]
+            if not first:
+                first.append(types)
+            elif types != first[0]:
+                raise Miss
+            return jitted(*xs[:n], **dict(zip(kw_names, xs[n:])))
+
+        in_shardings = (*dyn_args, *(dyn_kwargs[k] for k in kw_names))
+        return cls(jax.jit(positional, in_shardings=in_shardings, out_shardings=out_shardings,
+                           donate_argnums=donate), kw_names, call.tree)
+
+    def __call__(self, dyn_args: Sequence, dyn_kwargs: dict):
+        return self.jitted(*dyn_args, *(dyn_kwargs[k] for k in self.kw_names))
+
+    def missed(self, exc: Exception, dyn_args: Sequence, dyn_kwargs: dict) -> bool:
+        """Whether ``exc``, raised calling this Dispatch with these arguments, means the call
+        is one its executable was not made for (the full path handles it), not the user's
+        error."""
+        if isinstance(exc, Miss | TypeError):  # TypeError: a leaf that is no array
+            return True
+        return isinstance(exc, ValueError) and (
+            str(exc).startswith(_NOT_FITTING)
+            or jax.tree.structure((tuple(dyn_args), dyn_kwargs)) != self.tree)
+
+
+def _type(x) -> tuple:
+    """What a plan is made for of one traced argument: its shape, dtype and weak type, and
+    its sharding where that is part of its type (Explicit mesh axes)."""
+    aval = jax.typeof(x)
+    sharding = getattr(aval, "sharding", None)
+    types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+    typed = any(t == AxisType.Explicit for t in types)
+    return aval.shape, aval.dtype, aval.weak_type, sharding.spec if typed else None

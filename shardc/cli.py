@@ -444,6 +444,19 @@ def _bench_scale(out) -> None:
     print("wrote " + ", ".join(str(p) for p in paths))
 
 
+def _bench_calls(out) -> None:
+    from shardc.bench import calls
+
+    cases = []
+    for leaves in calls.LEAVES:
+        print(f"calling with {leaves} argument leaves ...", flush=True)
+        cases.append(calls.measure(leaves))
+    command = ("shardc bench " + " ".join(sys.argv[2:])).strip()
+    path = calls.write(cases, out, command)
+    print(calls.markdown(cases, command))
+    print(f"wrote {path}")
+
+
 def cmd_bench(args) -> None:
     _needs_zoo("bench")
     _force_cpu_devices(16)
@@ -453,6 +466,8 @@ def cmd_bench(args) -> None:
         return _bench_planning(Path(args.out or "docs/benchmarks"))
     if args.scale:
         return _bench_scale(Path(args.out or "docs/benchmarks"))
+    if args.calls:
+        return _bench_calls(Path(args.out or "docs/benchmarks"))
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -615,6 +630,9 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--planning", action="store_true",
                    help="measure planning time instead (GPT-2-small unrolled and the scanned "
                         "Llama, 12 and 48 layers) into planning.{md,json}")
+    b.add_argument("--calls", action="store_true",
+                   help="time a steady-state call against jax.jit's at 20, 200 and 1,000 "
+                        "argument leaves (docs/benchmarks/calls.md)")
     b.add_argument("--scale", action="store_true",
                    help="plan a 70B-class decoder for 128x8 and 8x16x8 H100s (abstract meshes) "
                         "beside HSDP and FSDP x TP, into scale.{md,json}")

@@ -30,7 +30,7 @@ import itertools
 from collections.abc import Sequence
 
 from jax.extend import core as jcore
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from shardc.ir.graph import Op
 from shardc.ir.sbp import B, NdSbp, Split, from_partition_spec
@@ -106,3 +106,56 @@ def shard_map_layouts(op: Op, axis_names: Sequence[str]):
     outs = tuple(_layout(s, v.ndim, axis_names, "shard_map out_spec")
                  for s, v in zip(op.params["out_specs"], op.outputs))
     return [(ins, outs)]
+
+
+def on_mesh(ops: Sequence[Op], mesh) -> None:
+    """Read the user's constraints written on another mesh of ``mesh``'s devices (other
+    axis names, or the same devices in fewer, larger axes) in ``mesh``'s axis names, as
+    ``jax.jit`` accepts them: each such op's sharding param is replaced by the same layout
+    on ``mesh``. A mesh placing the devices in an order ``mesh``'s axes cannot name is
+    refused, naming the fix."""
+    own = tuple(mesh.axis_names)
+    for op in ops:
+        key = {"sharding_constraint": "sharding", "reshard": "dst_sharding"}.get(op.name)
+        sh = op.params.get(key) if key else None
+        other = getattr(sh, "mesh", None)
+        if other is None or tuple(other.axis_names) == own or not hasattr(other, "devices"):
+            continue
+        groups = _axis_groups(other, mesh)
+        if groups is None:
+            raise LayoutError(
+                f"{op.name} of {op.inputs[0].type_str()} is on mesh "
+                f"{dict(zip(other.axis_names, other.axis_sizes))}, whose devices the plan's "
+                f"mesh {dict(zip(own, mesh.axis_sizes))} does not lay out alike; write it "
+                f"with auto_shard's mesh (NamedSharding(mesh, P(...)) naming {list(own)})")
+        spec = PartitionSpec(*(_rename(e, groups) for e in sh.spec))
+        op.params = {**op.params, key: NamedSharding(mesh, spec)}
+
+
+def _axis_groups(other, mesh) -> dict[str, tuple[str, ...]] | None:
+    """Each axis of ``other`` as the run of ``mesh`` axes it spans (same devices, same
+    order, an axis of ``other`` the product of consecutive axes of ``mesh``); None if
+    the two meshes do not lay the devices out so."""
+    ids = [d.id for d in other.devices.flat]
+    if ids != [d.id for d in mesh.devices.flat]:
+        return None
+    sizes = list(zip(mesh.axis_names, mesh.axis_sizes))
+    groups, k = {}, 0
+    for name, size in zip(other.axis_names, other.axis_sizes):
+        run, prod = [], 1
+        while prod < size and k < len(sizes):
+            run.append(sizes[k][0])
+            prod *= sizes[k][1]
+            k += 1
+        if prod != size:
+            return None
+        groups[name] = tuple(run)
+    return groups
+
+
+def _rename(entry, groups: dict[str, tuple[str, ...]]):
+    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+        return entry
+    names = tuple(n for e in ((entry,) if isinstance(entry, str) else entry)
+                  for n in groups[e])
+    return names[0] if len(names) == 1 else (names or None)

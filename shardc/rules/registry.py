@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -120,14 +122,43 @@ def replicated_signature(op: Op) -> Signature:
     return Signature((B,) * len(op.inputs), (B,) * len(op.outputs))
 
 
-def warn_missing(names: Sequence[str]) -> None:
-    """One warning per primitive that has no rule (called once per plan)."""
-    for name in sorted(set(names)):
-        warnings.warn(
+class NoRuleWarning(UserWarning):
+    """A primitive without a sharding rule runs replicated."""
+
+
+#: the warnings shown (Python's per-module warning registry, shardc's own): under the
+#: default filters each primitive's warning shows once per line of the user's that made it,
+#: however many step objects plan it; a change of the filters (``warnings.catch_warnings``,
+#: ``pytest.warns``) shows it again
+_SHOWN: dict = {}
+
+
+def warn_missing(ops: Sequence[Op]) -> None:
+    """One :class:`NoRuleWarning` per primitive without a rule among ``ops`` (called once
+    per plan), pointing at the user's line that made its first op, else at the first caller
+    outside shardc; shown once per primitive and line in a process (:data:`_SHOWN`)."""
+    first: dict[str, Op] = {}
+    for op in ops:
+        first.setdefault(op.name, op)
+    for name in sorted(first):
+        path, _, line = first[name].source.rpartition(":")
+        if not (path and line.isdigit()):
+            path, line = _caller()
+        warnings.warn_explicit(
             f"shardc has no sharding rule for primitive {name!r}; it runs replicated. "
             f"Register one with @shardc.register({name!r}).",
-            stacklevel=4,
-        )
+            NoRuleWarning, path, int(line),
+            module=os.path.splitext(os.path.basename(path))[0], registry=_SHOWN)
+
+
+def _caller() -> tuple[str, int]:
+    """File and line of the innermost frame outside shardc (the user's call)."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame = sys._getframe(1)
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(
+            here + os.sep):
+        frame = frame.f_back
+    return frame.f_code.co_filename, frame.f_lineno
 
 
 def signatures(op: Op) -> list[Signature]:
