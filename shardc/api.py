@@ -58,6 +58,7 @@ from shardc.multihost import agree
 from shardc.names import input_names, output_names
 from shardc.plan import Plan, assemble, fingerprint
 from shardc.plan_cache import PlanCache
+from shardc.plan_overlap import ranking_time
 from shardc.rules.fixed import on_mesh
 from shardc.rules.registry import has_rule, is_pinned, warn_missing
 from shardc.solve.problem import NOTHING_FIXED, Fixed
@@ -398,7 +399,7 @@ class AutoSharded:
         if plan is not None:
             free = self._solve_views(tr, candidates, seeds,
                                      dataclasses.replace(opts, memory_budget=None))
-            if plan.predicted.step_time <= free.predicted.step_time:
+            if ranking_time(plan) <= ranking_time(free):
                 return plan  # the budget does not bind
         fits = [] if plan is None else [plan]
         for remat in recomputed:  # most recomputed first: fewer fit no better
@@ -414,7 +415,7 @@ class AutoSharded:
                 break
         if not fits:
             raise failure
-        return min(fits, key=lambda p: p.predicted.step_time)
+        return min(fits, key=ranking_time)
 
     def _leanest(self, call: Call, tr: _Traced, candidates: list[View],
                  seeds: list[dict[str, dict[int, NdSbp]]], opts: Options,
@@ -463,8 +464,8 @@ class AutoSharded:
             plan = assemble(graph, cg, sol.choice, tr.ties, solver, tr.traced.remat,
                             len(tr.traced.segments))
             tried.append({"mesh": view.label, "predicted_s": plan.predicted.step_time,
-                          "plan_s": time.perf_counter() - t})
-            if best is None or plan.predicted.step_time < best.predicted.step_time:
+                          "ranked_s": ranking_time(plan), "plan_s": time.perf_counter() - t})
+            if best is None or ranking_time(plan) < ranking_time(best):
                 best = plan
         if best is None:
             raise failure

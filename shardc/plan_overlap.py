@@ -36,7 +36,7 @@ from __future__ import annotations
 from shardc.inspect.schedule import Overlap, next_collective
 from shardc.plan import Plan
 
-__all__ = ["plan_overlap"]
+__all__ = ["plan_overlap", "ranking_time"]
 
 
 def _waiters(plan: Plan) -> tuple[dict[int, list[int]], dict[int, int]]:
@@ -113,3 +113,11 @@ def plan_overlap(plan: Plan) -> Overlap:
     stranded = sum(r.time for k, r in enumerate(plan.reshards) if k not in done)
     return Overlap(max(compute, comm) + stranded, plan.predicted.compute_time,
                    plan.predicted.comm_time)
+
+
+def ranking_time(plan: Plan) -> float:
+    """The seconds the search ranks ``plan`` by: its overlapped step plus the feed where its
+    cluster asks for overlap (``Cluster(overlap=True)``), else its predicted step."""
+    if plan.cluster.overlap:
+        return plan_overlap(plan).time + plan.predicted.feed_time
+    return plan.predicted.step_time

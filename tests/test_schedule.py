@@ -398,3 +398,26 @@ def test_plan_overlap_of_a_planned_fsdp_step_lies_within_the_bounds(mesh8):
         assert pred.comm_time > 0, plan.explain()
         assert max(pred.comm_time, pred.compute_time) * (1 - REL) <= got.time
         assert got.time <= (pred.comm_time + pred.compute_time) * (1 + REL)
+
+
+def test_an_overlap_cluster_ranks_the_mesh_views_by_their_overlapped_step():
+    """Cluster(overlap=True): the search keeps the view whose overlapped step is least,
+    and each view tried records the time it was ranked by."""
+    import dataclasses
+
+    import shardc
+    from shardc.plan_overlap import plan_overlap, ranking_time
+
+    ws, x = _layers(), jnp.ones((BATCH, WIDTH), jnp.float32)
+    mesh = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
+    cluster = dataclasses.replace(Cluster.multi_node(), device_flops=1e9, overlap=True)
+    plan = shardc.auto_shard(_train(_forward), mesh=mesh, cluster=cluster, time_limit=5.0,
+                             mesh_search=True).plan(ws, x)
+    assert ranking_time(plan) == pytest.approx(plan_overlap(plan).time
+                                               + plan.predicted.feed_time)
+    assert ranking_time(plan) <= plan.predicted.step_time
+    tried = plan.solver["mesh_search"]
+    ranked = [t["ranked_s"] for t in tried if t.get("ranked_s") is not None]
+    assert len(ranked) > 1 and ranking_time(plan) == pytest.approx(min(ranked))
+    serial = dataclasses.replace(cluster, overlap=False)
+    assert Cluster.from_json(cluster.to_json()) == cluster != serial

@@ -64,6 +64,10 @@ class Cluster:
     ``collective_model`` picks how a collective is priced: ``"nccl"`` (NCCL's tuning
     model, the default), ``"ring"`` (ring/Simple, every step paying its latency) or
     ``"alpha-beta"`` (one latency per collective); see :mod:`shardc.cost.collectives`.
+    ``overlap=True`` ranks the candidate plans the search keeps (mesh views, remat levels,
+    frontier points) by their step with communication overlapped with compute
+    (:func:`shardc.plan_overlap.ranking_time`), as XLA's latency-hiding scheduler runs
+    them on GPUs and TPUs; by default communication adds to compute.
     ``utilization`` is the fraction of ``device_flops`` that real kernels reach
     (PaddlePaddle's cost model uses the same factor). ``host_bandwidth`` prices feeding
     inputs that are not carried from step to step (the batch) to devices.
@@ -84,6 +88,7 @@ class Cluster:
     node_latency: float = NVLINK_LAT
     node_link: str = "nvlink"
     collective_model: str = "nccl"
+    overlap: bool = False
 
     def __post_init__(self):
         for name in ("axis_bandwidth", "axis_latency", "axis_link", "axis_nodes"):
@@ -115,6 +120,8 @@ class Cluster:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"Cluster: axis_nodes[{a!r}] must be a whole number of "
                                  f"nodes >= 1, got {v!r}")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"Cluster: overlap must be True or False, got {self.overlap!r}")
         if self.collective_model not in COLLECTIVE_MODELS:
             raise ValueError(f"Cluster: collective_model must be one of {COLLECTIVE_MODELS}, "
                              f"got {self.collective_model!r}")
@@ -130,7 +137,7 @@ class Cluster:
                 self.device_flops, self.device_memory, self.utilization, self.host_bandwidth,
                 self.default_bandwidth, self.default_latency, tuple(self.axis_link.items()),
                 tuple(self.axis_nodes.items()), self.default_link, self.node_bandwidth,
-                self.node_latency, self.node_link, self.collective_model)
+                self.node_latency, self.node_link, self.collective_model, self.overlap)
 
     def bandwidth(self, axis: str) -> float:
         return self.axis_bandwidth.get(axis, self.default_bandwidth)
@@ -180,7 +187,7 @@ class Cluster:
                 "axis_link": dict(self.axis_link), "axis_nodes": dict(self.axis_nodes),
                 "default_link": self.default_link, "node_bandwidth": self.node_bandwidth,
                 "node_latency": self.node_latency, "node_link": self.node_link,
-                "collective_model": self.collective_model}
+                "collective_model": self.collective_model, "overlap": self.overlap}
 
     @classmethod
     def from_json(cls, d: Mapping) -> Cluster:
