@@ -15,7 +15,8 @@ def test_cells_filter_by_method():
     every = harness.cells(["mlp"], ["node-8", "2nodes-2x8"])
     node = {m for _, p, m in every if p.name == "node-8"}
     # every form on every logical view: (8,), (2, 4), (4, 2)
-    assert node == {"shardc", "data-parallel", "fsdp", "megatron-tp8",
+    assert node == {"shardc", "shardc@ring", "shardc@alpha-beta", "data-parallel", "fsdp",
+                    "megatron-tp8",
                     *(f"{form}{k}" for form in ("hsdp", "dp-x-tp", "fsdp-x-tp", "megatron-tp")
                       for k in (2, 4))}
     two = {m for _, p, m in every if p.name == "2nodes-2x8"}
@@ -67,6 +68,13 @@ def test_cells_run_match_and_merge(tmp_path):
         assert cell.matched is True
         assert cell.compiled_s == cell.compiled_comm_s + cell.compiled_compute_s + \
             cell.compiled_feed_s
+        # the same program under the three collective models: latency grows from one per
+        # collective (alpha-beta) to NCCL's to every ring step's
+        assert set(cell.priced) == set(harness.PRICINGS)
+        assert cell.priced["nccl"] == [cell.compiled_s, cell.compiled_overlap_s]
+        t = {m: serial for m, (serial, _) in cell.priced.items()}
+        assert t["alpha-beta"] <= t["nccl"] <= t["ring"]
+        assert all(overlap <= serial * (1 + 1e-9) for serial, overlap in cell.priced.values())
     assert ours.plan_s > 0 and ours.predicted_s > 0
     assert ours.saved_plan_s > 0 and ours.jit_s > 0  # a saved plan compiled, and jax.jit
     report.write([ours, dp], tmp_path, ["shardc bench --models mlp"], plot_png=False)
@@ -145,3 +153,25 @@ def test_memory_bound_models_tiny_config_is_checked_elsewhere():
         if zm.device_memory is not None:
             assert any(o.device_memory is None and o.module == zm.module and
                        o.config("tiny") == zm.config("tiny") for o in ZOO.values()), zm.name
+
+
+def test_pricing_rows_compare_each_plan_with_the_best_expert_under_its_pricing():
+    def cell(method, **priced):
+        return harness.Cell("m", "p", method, compiled_s=1.0,
+                            priced={k.replace("_", "-"): v for k, v in priced.items()})
+
+    cells = [cell("shardc", nccl=[2.0, 1.5], ring=[4.0, 3.0], alpha_beta=[1.0, 0.8]),
+             cell("shardc@ring", nccl=[2.5, 2.0], ring=[3.0, 2.5], alpha_beta=[1.2, 1.0]),
+             cell("shardc@alpha-beta", nccl=[2.2, 1.6], ring=[5.0, 4.0], alpha_beta=[0.9, 0.7]),
+             cell("dp", nccl=[2.0, 2.0], ring=[3.0, 3.0], alpha_beta=[1.8, 1.8]),
+             cell("fsdp", nccl=[3.0, 1.6], ring=[6.0, 2.0], alpha_beta=[1.1, 0.9])]
+    rows = {r["pricing"]: r for r in report.pricing_rows(cells)}
+    assert rows["nccl"]["serial_expert"] == "dp" and rows["nccl"]["serial_planned_ratio"] == 1.0
+    assert rows["ring"]["serial_planned_ratio"] == 1.0  # shardc@ring 3.0 against dp's 3.0
+    assert rows["ring"]["serial_default_ratio"] == 4.0 / 3.0
+    assert rows["alpha-beta"]["serial_expert"] == "fsdp"
+    assert rows["alpha-beta"]["serial_planned_ratio"] == 0.9 / 1.1
+    assert rows["ring"]["overlap_expert"] == "fsdp"  # the best expert overlapped differs
+    assert rows["ring"]["overlap_default_ratio"] == 3.0 / 2.0
+    md = report.markdown(cells, ["shardc bench"])
+    assert "## Under three pricings" in md and "| m | p | ring | dp |" in md

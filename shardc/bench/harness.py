@@ -8,6 +8,7 @@ step of the model's tiny config matched the unsharded step.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
@@ -42,6 +43,11 @@ the error of its predicted peak against the compiled one. The zoo's worst under-
 is -14.9% (vit on 2nodes-2x8, docs/benchmarks/results.md; llama-1b's cells: +8.9% and
 -9.0%), so a plan predicted within 0.8 of the device memory compiles within 0.94 of it."""
 TIMING_RUNS = 5
+PRICINGS = ("nccl", "ring", "alpha-beta")
+"""Every cell's compiled program is priced with each collective model
+(:mod:`shardc.cost.collectives`): NCCL's (the presets' default), ring/Simple paying every
+step's latency (pessimistic) and one latency per collective (optimistic); shardc also
+plans for each (methods ``shardc``, ``shardc@ring``, ``shardc@alpha-beta``)."""
 """Saved-plan and ``jax.jit`` compile timings are each the fastest of this many runs,
 interleaved, which goes first alternating: on a shared machine one compile of the same
 program varies by a fifth, and with three runs one or two of the twelve cells, a different
@@ -75,6 +81,9 @@ class Cell:
     saved_plan_s: float | None = None  # shardc: use_plan of the saved plan + lower + compile
     jit_s: float | None = None  # shardc: trace + jax.jit lower + compile with its shardings
     budget: float | None = None  # memory-bound cells: the device memory to fit (zoo doc)
+    #: collective model -> [serial, overlapped] compiled step (feed included) with the
+    #: preset's cluster pricing collectives that way (:data:`PRICINGS`); {} in older results
+    priced: dict = field(default_factory=dict)
 
     @property
     def fits(self) -> bool | None:
@@ -133,26 +142,46 @@ def _feed(shardings, batch, cluster) -> float:
 
 
 def _fill_compiled(cell: Cell, compiled, mesh, cluster, batch) -> None:
+    for model in PRICINGS:
+        if model != cluster.collective_model:
+            other = price(compiled, mesh, dataclasses.replace(cluster, collective_model=model))
+            feed = feed_seconds(compiled, batch, cluster)
+            cell.priced[model] = [other.time + feed, other.overlapped_time + feed]
     cost = price(compiled, mesh, cluster)
     cell.compiled_comm_s = cost.comm_time
     cell.compiled_compute_s = cost.compute_time
     cell.compiled_feed_s = feed_seconds(compiled, batch, cluster)
     cell.compiled_s = cost.comm_time + cost.compute_time + cell.compiled_feed_s
     cell.compiled_overlap_s = cost.overlapped_time + cell.compiled_feed_s
+    cell.priced[cluster.collective_model] = [cell.compiled_s, cell.compiled_overlap_s]
     cell.wire_bytes = cost.wire_bytes
     cell.collectives = dict(cost.counts)
     cell.peak_memory = cost.peak_memory
+
+
+def planned_for(method: str) -> str | None:
+    """The collective model a shardc method plans for (``"shardc"``: the preset's own,
+    ``"shardc@ring"``: the ring model), None for an expert."""
+    if method == "shardc":
+        return "nccl"
+    if method.startswith("shardc@") and method[len("shardc@"):] in PRICINGS:
+        return method[len("shardc@"):]
+    return None
 
 
 def _plan_cell(zm: ZooModel, preset: Preset, cfg, time_limit: float, mesh_search: bool,
                method: str = "shardc"):
     """shardc's plan of ``zm`` at ``cfg`` on ``preset``, seeded with the experts: the cell
     with its planning figures, the step, the plan, its view of the devices and the
-    (abstract) arguments."""
+    (abstract) arguments. A method ``shardc@<model>`` plans with the preset's cluster
+    pricing collectives with that model."""
     cell = Cell(zm.name, preset.name, method)
     mod, mesh = zm.load(), make_mesh(preset)
     args = mod.abstract_args(cfg)
-    step = auto_shard(mod.build_step(cfg), mesh=mesh, cluster=preset.cluster,
+    cluster = preset.cluster
+    if planned_for(method) not in (None, cluster.collective_model):
+        cluster = dataclasses.replace(cluster, collective_model=planned_for(method))
+    step = auto_shard(mod.build_step(cfg), mesh=mesh, cluster=cluster,
                       time_limit=time_limit, mesh_search=mesh_search,
                       memory_budget=planning_budget(zm),
                       seeds=expert_seeds(zm, mesh, preset, args, mesh_search))
@@ -278,10 +307,12 @@ def cells(models: list[str], presets: list[str],
         for p in presets:
             pre = PRESETS[p]
             out.append((zm, pre, "shardc"))
+            out += [(zm, pre, f"shardc@{m}") for m in PRICINGS if m != "nccl"]
             for e in experts(zm, pre):
                 out.append((zm, pre, e.name))
     if methods is not None:
-        out = [c for c in out if c[2] in methods or ("experts" in methods and c[2] != "shardc")]
+        out = [c for c in out if c[2] in methods
+               or ("experts" in methods and planned_for(c[2]) is None)]
     return out
 
 
@@ -293,8 +324,10 @@ def experts(zm: ZooModel, preset: Preset) -> list[Expert]:
 def run_cell(zm: ZooModel, preset: Preset, method: str, which: str, check: bool,
              time_limit: float, mesh_search: bool = True) -> Cell:
     try:
-        if method == "shardc" and zm.device_memory is not None:
-            # memory-bound (zoo doc): the compiled plan's time and peak only. Its numerics
+        if planned_for(method) is not None and (zm.device_memory is not None
+                                                or method != "shardc"):
+            # memory-bound (zoo doc), or planned for another pricing: the compiled plan's
+            # time and peak only (the default plan's cell checks the rest). Its numerics
             # check would run the tiny config of a model without a bound (a test holds them
             # equal), checked in that model's cells, and the saved-plan timing is the other
             # cells' figure: each is more compiles of a 1B program that tell nothing new

@@ -7,7 +7,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from shardc.bench.harness import MEMORY_MARGIN, TIMING_RUNS, Cell
+from shardc.bench.harness import MEMORY_MARGIN, PRICINGS, TIMING_RUNS, Cell, planned_for
 
 
 def _ms(x: float | None) -> str:
@@ -29,7 +29,7 @@ def summary(cells: list[Cell]) -> list[dict]:
     rows = []
     for (model, preset), cs in groups.items():
         ours = next((c for c in cs if c.method == "shardc" and c.compiled_s), None)
-        experts = [c for c in cs if c.method != "shardc" and c.compiled_s]
+        experts = [c for c in cs if planned_for(c.method) is None and c.compiled_s]
         fitting = [c for c in experts if c.fits is not False]
         best = min(fitting, key=lambda c: c.compiled_s, default=None)
         row = {"model": model, "preset": preset, "shardc_s": ours and ours.compiled_s,
@@ -99,13 +99,86 @@ def _overlap_table(rows: list[dict]) -> list[str]:
     return out + _gmean_line([r["overlap_ratio"] for r in rows], " with overlap")
 
 
+def pricing_rows(cells: list[Cell]) -> list[dict]:
+    """Per (model, preset) and collective model: the best fitting expert under that
+    pricing, serial and overlapped, and against it shardc's plan made for that pricing and
+    its default plan (made for NCCL's), each priced that way; None where a figure is
+    missing (results made before the pricings)."""
+    groups: dict[tuple[str, str], list[Cell]] = defaultdict(list)
+    for c in cells:
+        groups[(c.model, c.preset)].append(c)
+    rows = []
+    for (model, preset), cs in groups.items():
+        by_method = {c.method: c for c in cs if c.priced}
+        experts = [c for c in cs if planned_for(c.method) is None and c.priced
+                   and c.fits is not False]
+        for pricing in PRICINGS:
+            row = {"model": model, "preset": preset, "pricing": pricing}
+            mine = by_method.get("shardc" if pricing == "nccl" else f"shardc@{pricing}")
+            default = by_method.get("shardc")
+            for k, mode in enumerate(("serial", "overlap")):
+                priced = [c for c in experts if c.priced.get(pricing)]
+                best = min(priced, key=lambda c: c.priced[pricing][k], default=None)
+                best_s = best and best.priced[pricing][k]
+                row[f"{mode}_expert"] = best and best.method
+                row[f"{mode}_expert_s"] = best_s
+                for who, cell in (("planned", mine), ("default", default)):
+                    got = cell and cell.priced.get(pricing) and cell.priced[pricing][k]
+                    row[f"{mode}_{who}_s"] = got
+                    row[f"{mode}_{who}_ratio"] = got / best_s if got and best_s else None
+            rows.append(row)
+    return rows
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _pricing_table(cells: list[Cell]) -> list[str]:
+    """Every cell under the three collective models, serial and overlapped."""
+    rows = [r for r in pricing_rows(cells) if r["serial_expert_s"]]
+    if not rows:
+        return []
+    out = ["## Under three pricings\n",
+           "Each compiled program priced with NCCL's model (`nccl`, the presets' default), "
+           "ring/Simple with every step paying its latency (`ring`, pessimistic) and one "
+           "latency per collective (`alpha-beta`, optimistic; `shardc/cost/collectives.py`), "
+           "serially and with communication overlapped. *planned* is shardc's plan made for "
+           "that pricing (`shardc@ring`, `shardc@alpha-beta`; NCCL's is the default plan), "
+           "*default* the default plan priced that way; each against the best expert under "
+           "the same pricing.\n",
+           "| model | preset | pricing | best expert | ms | planned / expert | default / expert "
+           "| overlapped: best expert | ms | planned / expert | default / expert |",
+           "|---|---|---|---|---:|---:|---:|---|---:|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r['model']} | {r['preset']} | {r['pricing']} | {r['serial_expert']} | "
+                   f"{_ms(r['serial_expert_s'])} | {_ratio(r['serial_planned_ratio'])} | "
+                   f"{_ratio(r['serial_default_ratio'])} | {r['overlap_expert'] or '-'} | "
+                   f"{_ms(r['overlap_expert_s'])} | {_ratio(r['overlap_planned_ratio'])} | "
+                   f"{_ratio(r['overlap_default_ratio'])} |")
+    out.append("\nGeometric means over the cells, shardc / best expert:\n")
+    out.append("| pricing | planned, serial | default, serial | planned, overlapped | "
+               "default, overlapped |")
+    out.append("|---|---:|---:|---:|---:|")
+    for pricing in PRICINGS:
+        mine = [r for r in rows if r["pricing"] == pricing]
+        means = []
+        for key in ("serial_planned_ratio", "serial_default_ratio", "overlap_planned_ratio",
+                    "overlap_default_ratio"):
+            xs = [r[key] for r in mine if r[key]]
+            means.append(_ratio(math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None))
+        out.append(f"| {pricing} | " + " | ".join(means) + " |")
+    return out
+
+
 def markdown(cells: list[Cell], commands: list[str], header: str = "") -> str:
     made = "; then ".join(f"`{c}`" for c in commands)
     lines = [f"# shardc bench\n\n{header}Made by: {made} (later commands re-measured the "
              "cells they name)\n" if len(commands) > 1 else
              f"# shardc bench\n\n{header}Command: {made}\n",
              "Step times are the compiled program priced on the preset's cluster model: "
-             "collectives read from the compiled HLO (α-β per mesh axis), compute from "
+             "collectives read from the compiled HLO, each priced with NCCL's model over the "
+             "links its groups cross (other pricings below), compute from "
              "`cost_analysis()` FLOPs (loop bodies by trip count), and the host-to-device "
              "feed of the batch under the compiled input shardings (PCIe). Lower is better. "
              "Weak scaling: the global batch is the model's per-device batch times the "
@@ -146,6 +219,7 @@ def markdown(cells: list[Cell], commands: list[str], header: str = "") -> str:
                      f"{saved} |")
     lines += _gmean_line(ratios, "")
     lines += _overlap_table(summary(cells))
+    lines += _pricing_table(cells)
     lines += _memory_bound(summary(cells))
     lines += ["## All cells\n",
               "| model | preset | method | mesh | plan s | predicted ms | compiled ms | "
