@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, NamedSharding
 
 try:  # how JAX names a traced function and its arguments in its errors
@@ -260,9 +261,14 @@ def place(leaves: Sequence, shardings: Sequence[NamedSharding]) -> list:
     """Arguments moved to the planned shardings where they were placed elsewhere (one
     transfer each). Anything unplaced (tracers, Python scalars, NumPy arrays, uncommitted
     arrays) is passed as it is: the executable's ``in_shardings`` place it, as ``jax.jit``'s
-    do, and its type stays an unplaced one's, as under ``jax.jit``."""
+    do, and its type stays an unplaced one's, as under ``jax.jit``. Under several processes
+    a NumPy argument (the same global value on every process) is placed here: ``jax.jit``
+    refuses host arrays for shardings that span processes, and jobs fed NumPy batches
+    ran before the executable placed them."""
+    several = jax.process_count() > 1
     return [jax.device_put(x, want) if isinstance(x, jax.Array)
             and (have := placement(x)) is not None and not _same(have, want, x.ndim)
+            or several and isinstance(x, np.ndarray)
             else x for x, want in zip(leaves, shardings)]
 
 
