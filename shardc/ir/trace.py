@@ -7,11 +7,14 @@ the graph back to the jaxpr it came from.
 real computation. A ``scan``'s body is inlined too, once, its ops weighted by the trip
 count (``Op.weight``) and framed by ``scan_enter`` / ``scan_exit`` ops, so the body is
 planned op by op like straight code; ``while`` and ``cond`` stay single ops holding their
-sub-jaxprs. Dead ops are removed, except ops with side effects (callbacks, prints) and what
-they read.
+sub-jaxprs. A ``cond`` whose index is a ``platform_index`` (``jax.lax.platform_dependent``:
+``jnp.diagonal``, ``jnp.linalg.det``) is resolved here: the branch the program's platform
+lowers to is inlined as straight code (:func:`platform_branch`). Dead ops are removed,
+except ops with side effects (callbacks, prints) and what they read.
 
 For *running*, nothing is inlined: the :class:`Region` of a jaxpr lists, per equation, the
-graph :class:`Op` it became, the Region of a call's body, or the :class:`Loop` of a scan,
+graph :class:`Op` it became, the Region of a call's body, the :class:`Inlined` branch of a
+platform-dependent ``cond``, or the :class:`Loop` of a scan,
 so the lowering can rewrite the user's own jaxpr (the remat policy, the custom derivative
 rules, the inner jits and the loops kept) with the plan's layouts placed inside the
 bodies.
@@ -65,8 +68,8 @@ def source_line(eqn) -> str:
 class Region:
     """One jaxpr as the trace walked it: ``steps[i]`` is what ``jaxpr.eqns[i]`` became, the
     planner's :class:`Op`, the Region of a call's body the planner saw inlined, or a
-    :class:`Loop` (a scan). Ops of a Region may be dead in the graph (no plan entry): they
-    run unconstrained."""
+    :class:`Loop` (a scan) or an :class:`Inlined` branch. Ops of a Region may be dead in
+    the graph (no plan entry): they run unconstrained."""
 
     __slots__ = ("jaxpr", "steps")
 
@@ -91,6 +94,8 @@ class Traced:
     segments: tuple[Segment, ...] = ()
     #: the segments this program recomputes (indices into ``segments``)
     remat: tuple[int, ...] = ()
+    #: the platform its platform-dependent code was resolved for (None: the default's)
+    platform: str | None = None
 
 
 def call_body(eqn) -> tuple[Any, tuple]:
@@ -109,6 +114,52 @@ SCAN_ENTER = jcore.Primitive("scan_enter")
 SCAN_EXIT = jcore.Primitive("scan_exit")
 
 
+class Inlined:
+    """A platform-dependent ``cond`` as the trace walked it: the Region of the branch the
+    program's platform runs (``branch``, its index), inlined; the lowering runs that branch
+    in place of the ``cond``."""
+
+    __slots__ = ("branch", "body")
+
+    def __init__(self, branch: int, body: Region):
+        self.branch = branch
+        self.body = body
+
+
+def lowering_platforms(platform: str | None) -> frozenset[str]:
+    """The lowering platform names of a device platform (``"gpu"``: ``"cuda"`` or
+    ``"rocm"``, the one present; ``"cpu"``, ``"tpu"`` as they are); None: the default
+    backend's, as ``jax.jit`` would compile for."""
+    platform = platform or jax.default_backend()
+    try:
+        from jax._src.xla_bridge import canonicalize_platform, expand_platform_alias
+    except ImportError:  # pragma: no cover - a jax without them: the name as it is
+        return frozenset({platform})
+    try:
+        return frozenset({canonicalize_platform(platform)})
+    except RuntimeError:  # no backend of that platform here (an abstract mesh's)
+        return frozenset(expand_platform_alias(platform))
+
+
+def platform_branch(eqn, index: Value, platforms: frozenset[str]) -> int | None:
+    """The branch a ``cond`` runs on ``platforms`` when its index is a ``platform_index``
+    (``jax.lax.platform_dependent``), else None: the first branch listing one of them, or
+    the default (``None``) branch, as ``cond``'s lowering picks it.
+
+    References:
+      ``jax._src.lax.control_flow.conditionals``: ``_cond_lowering`` with
+      ``branches_platforms``, and ``_platform_index_lowering``."""
+    choices = eqn.params.get("branches_platforms")
+    if choices is None or index.producer is None or index.producer.name != "platform_index":
+        return None
+    for k, names in enumerate(choices):
+        if names is None or platforms & set(names):
+            return k
+    raise ValueError(f"{eqn.primitive.name}: no branch of this platform-dependent code "
+                     f"runs on {sorted(platforms)} (branches for {choices}); plan on a mesh "
+                     "of a platform it supports")
+
+
 class Loop:
     """A ``scan`` equation as the trace walked it: one ``scan_enter`` op per body input
     (its const, carry or xs operand), the Region of its body, one ``scan_exit`` op per
@@ -123,9 +174,10 @@ class Loop:
 
 
 class _Builder:
-    def __init__(self):
+    def __init__(self, platforms: frozenset[str]):
         self.ids = itertools.count()
         self.ops: list[Op] = []
+        self.platforms = platforms  # what platform-dependent code is resolved for
 
     def value(self, aval, producer=None, const=None) -> Value:
         shape = getattr(aval, "shape", ())
@@ -157,11 +209,18 @@ class _Builder:
             env[var] = self.const(c)
         for var, v in zip(jaxpr.invars, invals):
             env[var] = v
-        steps: list[Op | Region | Loop] = []
+        steps: list[Op | Region | Loop | Inlined] = []
         for i, eqn in enumerate(jaxpr.eqns):
             ins = [self.read(env, a) for a in eqn.invars]
             body, body_consts = call_body(eqn)
-            if body is not None:
+            branch = platform_branch(eqn, ins[0], self.platforms) \
+                if eqn.primitive.name == "cond" else None
+            if branch is not None:
+                chosen = eqn.params["branches"][branch]
+                outs, region = self.emit(chosen.jaxpr, chosen.consts, ins[1:], weight,
+                                         (*where, i))
+                steps.append(Inlined(branch, region))
+            elif body is not None:
                 outs, region = self.emit(body, body_consts, ins[len(ins) - len(body.invars):],
                                          weight, (*where, i))
                 steps.append(region)
@@ -224,8 +283,8 @@ def eliminate_dead_ops(graph: Graph) -> Graph:
     return Graph(graph.inputs, graph.outputs, kept)
 
 
-def _build(closed_jaxpr) -> tuple[Graph, Region]:
-    b = _Builder()
+def _build(closed_jaxpr, platform: str | None = None) -> tuple[Graph, Region]:
+    b = _Builder(lowering_platforms(platform))
     inputs = [b.value(v.aval) for v in closed_jaxpr.jaxpr.invars]
     outputs, region = b.emit(closed_jaxpr.jaxpr, closed_jaxpr.consts, inputs)
     graph = eliminate_dead_ops(Graph(inputs, outputs, b.ops))
@@ -233,19 +292,21 @@ def _build(closed_jaxpr) -> tuple[Graph, Region]:
     return graph, region
 
 
-def graph_from_jaxpr(closed_jaxpr) -> Graph:
+def graph_from_jaxpr(closed_jaxpr, platform: str | None = None) -> Graph:
     """The planner's graph of a closed jaxpr (calls inlined, dead ops removed)."""
-    return _build(closed_jaxpr)[0]
+    return _build(closed_jaxpr, platform)[0]
 
 
-def trace(fn: Callable, *args) -> Traced:
-    """Trace ``fn(*args)`` (arrays or ``jax.ShapeDtypeStruct`` leaves) to a Graph."""
+def trace(fn: Callable, *args, platform: str | None = None) -> Traced:
+    """Trace ``fn(*args)`` (arrays or ``jax.ShapeDtypeStruct`` leaves) to a Graph;
+    platform-dependent code is resolved for ``platform`` (a device's ``platform``: the
+    mesh's devices'), None: the default backend's (an abstract mesh's)."""
     in_tree = jax.tree.structure(args)
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     closed = gate_checkpoints(closed)
-    graph, region = _build(closed)
+    graph, region = _build(closed, platform)
     return Traced(graph, in_tree, jax.tree.structure(out_shape), region, tuple(closed.consts),
-                  closed, segments(closed))
+                  closed, segments(closed), platform=platform)
 
 
 def rematerialized(traced: Traced, remat: Sequence[int]) -> Traced:
@@ -261,5 +322,5 @@ def rematerialized(traced: Traced, remat: Sequence[int]) -> Traced:
         raise ValueError(f"remat segment(s) {bad} do not exist: this program has {n} "
                          f"segment{'' if n == 1 else 's'} that can be recomputed")
     closed = rematerialize(traced.jaxpr, traced.segments, remat)
-    graph, region = _build(closed)
+    graph, region = _build(closed, traced.platform)
     return dataclasses.replace(traced, graph=graph, region=region, remat=remat)

@@ -8,7 +8,8 @@ planner saw inlined (a :class:`~shardc.ir.trace.Region`: remat with its policy,
 ``custom_jvp_call`` / ``custom_vjp_call`` with their rules, an inner ``jit``) stays a call:
 its body jaxpr is rewritten by tracing this same interpreter over it, with the plan's
 constraints inside, and the call is bound with the new body. So the program differentiates,
-vmaps and recomputes exactly like ``jax.jit(fn)``.
+vmaps and recomputes exactly like ``jax.jit(fn)``. A platform-dependent ``cond`` the trace
+resolved (:class:`~shardc.ir.trace.Inlined`) runs its platform's branch in place.
 
 The plan's layouts become ``with_sharding_constraint`` on every planned, non-partial value.
 Partial values have no spelling on Auto mesh axes, so they are left unconstrained: XLA
@@ -36,7 +37,7 @@ from shardc.cost.comm import conversion
 from shardc.ir.prims import facts
 from shardc.ir.remat import is_gate
 from shardc.ir.sbp import B, NdSbp, Split, to_partition_spec
-from shardc.ir.trace import Loop, Region, Traced
+from shardc.ir.trace import Inlined, Loop, Region, Traced
 from shardc.lower.partial import (
     Stacked,
     lift,
@@ -375,6 +376,9 @@ class _Lowering:
                 outs = self.call(eqn, step, [unstack(x) for x in ins])
             elif isinstance(step, Loop):
                 outs = self.loop(eqn, step, [unstack(x) for x in ins])
+            elif isinstance(step, Inlined):  # the platform's branch, in place of the cond
+                outs = self.region(step.body, eqn.params["branches"][step.branch].consts,
+                                   ins[1:])
             else:
                 outs = self.op(eqn, step, ins)
             for var, x in zip(eqn.outvars, outs):
