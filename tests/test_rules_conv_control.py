@@ -345,16 +345,30 @@ def test_while_loop_splits_the_batch_only_with_a_replicated_predicate():
     assert sigs == [sig([B], [B])]
 
 
-def test_cond_keeps_the_index_broadcast():
+def test_cond_branches_are_planned_inside_with_the_index_broadcast():
+    """A cond's branches are planned op by op between ``cond_enter`` / ``cond_exit`` ops,
+    the exits reading the index broadcast; planned on a mesh and run, the cond (either
+    branch) and its gradient give the values jax.jit gives."""
     branches = [lambda x, y: (jnp.sin(x), jnp.zeros_like(y[0])),  # index 0: false
                 lambda x, y: (x * 2.0, y.sum(0))]
 
     def fn(p, x, y):
         return lax.cond(p, branches[1], branches[0], x, y)
 
-    sigs = check_control(fn, True, f32(4, 6), f32(4, 6), name="cond",
-                         local_fn=lambda i, x, y: lax.switch(i, branches, x, y))
-    # the false branch's zeros are replicated: sliced to the true branch's split
-    assert sig([B, S(1), S(1)], [S(1), S(0)]) in sigs
-    assert all(s.ins[0] == B for s in sigs)
-    assert not any(s.ins[2] == S(0) for s in sigs)  # y.sum(0) reduces the split
+    graph = trace(fn, True, f32(8, 6), f32(8, 6)).graph
+    exits = [op for op in graph.ops if op.name == "cond_exit"]
+    assert len(exits) == 2 and all(s.ins[0] == B for op in exits for s in signatures(op))
+    rng = np.random.default_rng(0)
+    x, y = (jnp.asarray(rng.normal(size=(8, 6)), jnp.float32) for _ in range(2))
+
+    def loss(p, x, y):
+        return sum(jnp.sum(jnp.sin(v)) for v in fn(p, x, y))
+
+    mesh = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
+    for f in (fn, jax.grad(loss, argnums=(1, 2))):
+        planned = shardc.auto_shard(f, mesh=mesh, time_limit=1.0)
+        for p in (True, False):
+            for a, b in zip(jax.tree.leaves(planned(p, x, y)),
+                            jax.tree.leaves(jax.jit(f)(p, x, y)), strict=True):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
+                                           atol=1e-6)

@@ -6,15 +6,17 @@ the graph back to the jaxpr it came from.
 ``call`` facts of :mod:`shardc.ir.prims`) are inlined, so every op the planner sees is a
 real computation. A ``scan``'s body is inlined too, once, its ops weighted by the trip
 count (``Op.weight``) and framed by ``scan_enter`` / ``scan_exit`` ops, so the body is
-planned op by op like straight code; ``while`` and ``cond`` stay single ops holding their
-sub-jaxprs. A ``cond`` whose index is a ``platform_index`` (``jax.lax.platform_dependent``:
-``jnp.diagonal``, ``jnp.linalg.det``) is resolved here: the branch the program's platform
-lowers to is inlined as straight code (:func:`platform_branch`). Dead ops are removed,
-except ops with side effects (callbacks, prints) and what they read.
+planned op by op like straight code. A ``cond``'s branches are inlined the same way, each
+framed by ``cond_enter`` ops (one per operand) and joined by one ``cond_exit`` op per result
+(:meth:`_Builder.cond`); a ``while`` stays one op holding its sub-jaxprs. A ``cond`` whose
+index is a ``platform_index`` (``jax.lax.platform_dependent``: ``jnp.diagonal``,
+``jnp.linalg.det``) is resolved here: the branch the program's platform lowers to is
+inlined as straight code (:func:`platform_branch`). Dead ops are removed, except ops with
+side effects (callbacks, prints) and what they read.
 
 For *running*, nothing is inlined: the :class:`Region` of a jaxpr lists, per equation, the
 graph :class:`Op` it became, the Region of a call's body, the :class:`Inlined` branch of a
-platform-dependent ``cond``, or the :class:`Loop` of a scan,
+platform-dependent ``cond``, the :class:`Fork` of a ``cond`` or the :class:`Loop` of a scan,
 so the lowering can rewrite the user's own jaxpr (the remat policy, the custom derivative
 rules, the inner jits and the loops kept) with the plan's layouts placed inside the
 bodies.
@@ -68,8 +70,8 @@ def source_line(eqn) -> str:
 class Region:
     """One jaxpr as the trace walked it: ``steps[i]`` is what ``jaxpr.eqns[i]`` became, the
     planner's :class:`Op`, the Region of a call's body the planner saw inlined, or a
-    :class:`Loop` (a scan) or an :class:`Inlined` branch. Ops of a Region may be dead in
-    the graph (no plan entry): they run unconstrained."""
+    :class:`Loop` (a scan), a :class:`Fork` (a ``cond``) or an :class:`Inlined` branch.
+    Ops of a Region may be dead in the graph (no plan entry): they run unconstrained."""
 
     __slots__ = ("jaxpr", "steps")
 
@@ -112,6 +114,26 @@ def call_body(eqn) -> tuple[Any, tuple]:
 #: (the lowering rebuilds the scan), planned by the rules in ``rules/control.py``
 SCAN_ENTER = jcore.Primitive("scan_enter")
 SCAN_EXIT = jcore.Primitive("scan_exit")
+
+
+#: pseudo-primitives framing the branches of a ``cond`` the planner sees inline: never bound
+#: (the lowering rebuilds the cond), planned by the rules in ``rules/control.py``
+COND_ENTER = jcore.Primitive("cond_enter")
+COND_EXIT = jcore.Primitive("cond_exit")
+
+
+class Fork:
+    """A ``cond`` equation as the trace walked it: per branch, one ``cond_enter`` op per
+    operand and the Region of its body (``enters[b]``, ``bodies[b]``); one ``cond_exit`` op
+    per result, reading the index and each branch's value of it."""
+
+    __slots__ = ("enters", "bodies", "exits")
+
+    def __init__(self, enters: Sequence[Sequence[Op]], bodies: Sequence[Region],
+                 exits: Sequence[Op]):
+        self.enters = tuple(tuple(e) for e in enters)
+        self.bodies = tuple(bodies)
+        self.exits = tuple(exits)
 
 
 class Inlined:
@@ -209,7 +231,7 @@ class _Builder:
             env[var] = self.const(c)
         for var, v in zip(jaxpr.invars, invals):
             env[var] = v
-        steps: list[Op | Region | Loop | Inlined] = []
+        steps: list[Op | Region | Loop | Fork | Inlined] = []
         for i, eqn in enumerate(jaxpr.eqns):
             ins = [self.read(env, a) for a in eqn.invars]
             body, body_consts = call_body(eqn)
@@ -227,6 +249,9 @@ class _Builder:
             elif eqn.primitive.name == "scan":
                 outs, loop = self.scan(eqn, ins, weight, (*where, i))
                 steps.append(loop)
+            elif eqn.primitive.name == "cond":
+                outs, fork = self.cond(eqn, ins, weight, (*where, i))
+                steps.append(fork)
             else:
                 op = self.op(eqn.primitive, dict(eqn.params), ins,
                              [v.aval for v in eqn.outvars], weight, eqn.effects,
@@ -260,6 +285,47 @@ class _Builder:
                          weight, source=source, where=where)
                  for j, (v, var) in enumerate(zip(outs, eqn.outvars))]
         return [e.outputs[0] for e in exits], Loop(enters, body, exits)
+
+
+    def cond(self, eqn, ins: list[Value], weight: int, where: tuple[int, ...]
+             ) -> tuple[list[Value], Fork]:
+        """A cond's branches inline: per branch, a ``cond_enter`` op per operand gives the
+        branch its inputs (the operand converted before the cond, in the layout that branch
+        reads it), then the branch's ops; a ``cond_exit`` op per result reads the index and
+        every branch's value of it, all in the result's layout. One branch runs per call:
+        the costliest (most FLOPs, the first of equals) keeps the cond's ``weight`` and the
+        others weigh 0, so the cond is priced by its costlier branch. The others' layouts
+        still pay for what crosses their edges (an operand read in another layout than it
+        is made, a result converted to the cond's), where the enters and exits run at the
+        cond's weight. A branch's ops are placed at ``(*where, b, j)``: the cond's place,
+        the branch's index, the equation's in the branch."""
+        from shardc.rules.registry import op_flops  # the rules' FLOPs; rules import this module
+
+        index, operands = ins[0], ins[1:]
+        source = source_line(eqn)
+        enters, bodies, results, spans = [], [], [], []
+        for b, branch in enumerate(eqn.params["branches"]):
+            ops = [self.op(COND_ENTER, {"branch": b}, [v], [var.aval], weight, source=source,
+                           where=where)
+                   for v, var in zip(operands, branch.jaxpr.invars)]
+            start = len(self.ops)
+            outs, body = self.emit(branch.jaxpr, branch.consts, [e.outputs[0] for e in ops],
+                                   weight, (*where, b))
+            spans.append(self.ops[start:])
+            enters.append(ops)
+            bodies.append(body)
+            results.append(outs)
+        flops = [sum(op_flops(op) * op.weight for op in span) for span in spans]
+        heavy = flops.index(max(flops))
+        for b, span in enumerate(spans):
+            if b != heavy:
+                for op in span:  # the builder's ops, not yet in a Graph: weighed once here
+                    op.weight = 0
+        exits = [self.op(COND_EXIT, {"branches": len(results)},
+                         [index, *(outs[j] for outs in results)], [var.aval], weight,
+                         source=source, where=where)
+                 for j, var in enumerate(eqn.outvars)]
+        return [e.outputs[0] for e in exits], Fork(enters, bodies, exits)
 
 
 def eliminate_dead_ops(graph: Graph) -> Graph:

@@ -37,7 +37,7 @@ from shardc.cost.comm import conversion
 from shardc.ir.prims import facts
 from shardc.ir.remat import is_gate
 from shardc.ir.sbp import B, NdSbp, Split, to_partition_spec
-from shardc.ir.trace import Inlined, Loop, Region, Traced
+from shardc.ir.trace import Fork, Inlined, Loop, Region, Traced
 from shardc.lower.partial import (
     Stacked,
     lift,
@@ -361,6 +361,37 @@ class _Lowering:
             result.append(self._pass(e, x, into=False))
         return result
 
+    def fork(self, eqn, fork: Fork, args: list) -> list:
+        """Bind a cond with its branches rewritten: each operand converted, before the
+        cond, to the layout each branch reads it in (the cond takes every branch's copies,
+        each branch reads its own); inside each branch, its ops as planned and each result
+        converted to the cond's layout of it; the results pinned after the cond."""
+        n = len(args) - 1
+        copies = [self._pass(e, x, into=True)
+                  for enters in fork.enters for e, x in zip(enters, args[1:])]
+        avals = [v.aval for v in eqn.invars[1:]] * len(fork.bodies)
+
+        def branch(b: int):
+            def run(*xs):
+                ins = [self._pass(e, x, into=False)
+                       for e, x in zip(fork.enters[b], xs[b * n:(b + 1) * n])]
+                outs = self.region(fork.bodies[b], eqn.params["branches"][b].consts, ins)
+                return [self._exit(e, b, unstack(x)) for e, x in zip(fork.exits, outs)]
+
+            return jax.make_jaxpr(run)(*avals)
+
+        branches = tuple(branch(b) for b in range(len(fork.bodies)))
+        outs = _bind(eqn, [args[0], *copies], {**eqn.params, "branches": branches})
+        return [self._pass(e, x, into=False) for e, x in zip(fork.exits, outs)]
+
+    def _exit(self, op, b: int, x):
+        """Branch ``b``'s value of a cond result, converted to the result's layout."""
+        planned = self.by_op.get(op.id)
+        v = op.inputs[1 + b]
+        if planned is None or v.is_const or v.id in self.free or not hasattr(x, "shape"):
+            return x
+        return self.convert(x, self.plan.read_as(v.id), planned.ins[1 + b])
+
     def region(self, region: Region, consts: Sequence, args: Sequence) -> list:
         env: dict = {}
         jaxpr = region.jaxpr
@@ -376,6 +407,8 @@ class _Lowering:
                 outs = self.call(eqn, step, [unstack(x) for x in ins])
             elif isinstance(step, Loop):
                 outs = self.loop(eqn, step, [unstack(x) for x in ins])
+            elif isinstance(step, Fork):
+                outs = self.fork(eqn, step, [unstack(x) for x in ins])
             elif isinstance(step, Inlined):  # the platform's branch, in place of the cond
                 outs = self.region(step.body, eqn.params["branches"][step.branch].consts,
                                    ins[1:])

@@ -1,14 +1,18 @@
-"""Control flow: batch-parallel ``while`` and ``cond``, and the edges of a ``scan`` body.
+"""Control flow: batch-parallel ``while``, and the edges of a ``scan`` body and of a
+``cond``'s branches.
 
 A ``scan``'s body is planned op by op like straight code (the trace inlines it, weighted by
 its trip count); only its ``scan_enter`` / ``scan_exit`` ops have rules here: a const or
 carry enters as it is, an xs slice per iteration (outer dim ``d + 1`` is the body's ``d``),
 ys leave stacked (body dim ``d`` is the outer ``d + 1``), and the scanned axis is never
-split.
+split. A ``cond``'s branches are inlined too (weighted so that the costlier one prices the
+cond, ``ir/trace.py``): a ``cond_enter`` gives an operand to a branch as it is, a
+``cond_exit`` joins the branches' values of a result in one layout, its index replicated.
+No partial crosses a cond's edges.
 
-A ``while`` loop or a ``cond`` is one op holding sub-jaxprs, so its signatures come from its
-body: a split placement of the loop's inputs is exact when the body, run per device on the
-local pieces, computes the local pieces of the outputs. That holds when every op of the body
+A ``while`` loop is one op holding sub-jaxprs, so its signatures come from its body: a
+split placement of the loop's inputs is exact when the body, run per device on the local
+pieces, computes the local pieces of the outputs. That holds when every op of the body
 has an exact signature (one the registry lists) for the placements flowing into it.
 :func:`propagate` checks this by pushing 1-D SBPs through the body op by op with the body
 ops' own rules:
@@ -37,16 +41,13 @@ Signatures offered (per mesh axis, besides the all-broadcast one):
   carry the body makes replicated becomes ``B``, one it makes split becomes split), and the
   predicate computed by ``cond_jaxpr`` must come out replicated, so every device runs the
   same number of iterations.
-* ``cond`` (inputs ``index, operands``): the index broadcast, operands split; every branch
-  must give the same placement of every output (a replicated result of one branch is sliced
-  when another branch splits it).
 
-Not offered for ``while`` and ``cond``: partial inputs, outputs or carries. A ``scan``'s float
+Not offered for ``while``: partial inputs, outputs or carries. A ``scan``'s float
 carry may be partial (its ``scan_enter`` / ``scan_exit`` take ``P -> P``): the lowering holds
 each device's summand apart through the loop (``lower/partial.py``).
 
 FLOPs: a while loop one iteration of body and predicate (the trip count is unknown until it
-runs); a cond its costliest branch.
+runs).
 
 References:
   OneFlow nd-SBP propagation (``sbp_infer_util.cpp``) applied to the body graph; XLA SPMD
@@ -106,11 +107,6 @@ class Flow:
     replicated: float = 0.0  # FLOPs of the ops run replicated (every device, whole), but
     # not of constant subexpressions (of literals and closed-over constants: XLA folds them)
     total: float = 0.0  # FLOPs of all ops
-
-    @property
-    def divides_work(self) -> bool:
-        """Most of the body's work is split (what a split signature tells the cost model)."""
-        return self.replicated <= MAX_REPLICATED_SHARE * self.total
 
 
 def propagate(graph: Graph, in_sbps: Sequence[Sbp], size: int) -> Flow | None:
@@ -249,7 +245,7 @@ def _partial_carry(op: Op) -> list[Signature]:
 
 def while_flops(op: Op) -> float:
     graphs = (body_graph(op.params["body_jaxpr"]), body_graph(op.params["cond_jaxpr"]))
-    return float(sum(op_flops(o) for g in graphs for o in g.ops))
+    return float(sum(op_flops(o) * o.weight for g in graphs for o in g.ops))
 
 
 @register("while", flops=while_flops)
@@ -277,42 +273,25 @@ def while_rule(op: Op) -> list[Signature]:
     return sigs
 
 
-# ---- cond --------------------------------------------------------------------------------
+# ---- cond: each branch is planned op by op ------------------------------------------------
 
-def cond_flops(op: Op) -> float:
-    return max((sum(op_flops(o) for o in body_graph(br).ops) for br in op.params["branches"]),
-               default=0.0)
-
-
-def _unify(a: Sbp, b: Sbp) -> Sbp | None:
-    """One placement for an output two branches give as ``a`` and ``b``."""
-    if a == b or b == B:
-        return a
-    return b if a == B else None
+@register("cond_enter", flops=_no_flops)
+def cond_enter_rule(op: Op) -> list[Signature]:
+    """An operand entering a branch, in the layout the branch reads it (converted before the
+    cond: the conversion runs whichever branch is taken)."""
+    return [Signature((Split(d),), (Split(d),)) for d in range(op.outputs[0].ndim)]
 
 
-@register("cond", flops=cond_flops)
-def cond_rule(op: Op) -> list[Signature]:
-    branches = [body_graph(br) for br in op.params["branches"]]
-    operands = op.inputs[1:]
-    sigs = []
-    for d, size in _seeds(operands):
-        ins = [_seed(v, d, size) for v in operands]
-        outs: list[Sbp | None] | None = None
-        uses: list[set[Sbp]] = [set() for _ in operands]
-        for br in branches:
-            flow = propagate(br, ins, size)
-            if flow is None or not flow.divides_work:
-                outs = None
-                break
-            outs = flow.outs if outs is None else [_unify(a, b) for a, b in zip(outs, flow.outs)]
-            uses = [u | w for u, w in zip(uses, flow.uses)]
-            if None in outs:
-                outs = None
-                break
-        if outs is None:
-            continue
-        sig = Signature((B, *_promote(ins, uses)), tuple(outs))
-        if _has_split(sig) and sig not in sigs:
-            sigs.append(sig)
-    return sigs
+@register("cond_exit", flops=_no_flops)
+def cond_exit_rule(op: Op) -> list[Signature]:
+    """A cond result: the index, replicated (every device takes the same branch), and each
+    branch's value of it, converted inside its branch to the result's layout."""
+    n = len(op.inputs) - 1
+    return [Signature((B,) + (Split(d),) * n, (Split(d),)) for d in range(op.outputs[0].ndim)]
+
+
+@register("empty", "empty2", flops=_no_flops)
+def empty_rule(op: Op) -> list[Signature]:
+    """Uninitialised memory: what a branch returns for a residual only another branch makes
+    (jax's partial evaluation of a ``cond``). Each device makes its own piece, any layout."""
+    return [Signature((), (Split(d),)) for d in range(op.outputs[0].ndim)]
