@@ -51,22 +51,21 @@ def _coverage(ops) -> list[str]:
         for p, n in sorted(missing.items()))]
 
 
-#: the edge ops framing a body the planner sees inline, by the primitive whose body it is
-_FRAMES = {"scan_enter": "scan", "scan_exit": "scan", "cond_enter": "cond",
+#: the edge ops framing a body the planner sees inline, by what the body is
+_FRAMES = {"scan_enter": "loop", "scan_exit": "loop", "cond_enter": "cond",
            "cond_exit": "cond"}
 
 
 def _control_flow(ops) -> list[str]:
-    """A line naming each loop and cond (by its source line) with the share of the step's
-    compute that runs inside it: its body's ops, by their trip count (a cond: its costlier
-    branch, the one its cost counts); a ``while`` planned as one op, that op's."""
+    """A line naming each loop (``scan``, ``while``) and cond by its source line, with the
+    share of the step's compute that runs inside it: its body's ops, by their trip count (a
+    cond: its costlier branch, the one its cost counts)."""
     frames: dict[tuple, tuple[str, str]] = {}
     for o in ops:
         kind = _FRAMES.get(o.prim)
         if kind is not None and o.where:
             frames.setdefault(o.where, (kind, o.source))
-    loops = [o for o in ops if o.prim == "while"]
-    if not frames and not loops:
+    if not frames:
         return []
     total = sum(o.compute_time for o in ops) or 1.0
     parts = []
@@ -75,8 +74,6 @@ def _control_flow(ops) -> list[str]:
         spent = sum(o.compute_time for o in inside)
         parts.append(f"{kind} at {source or where} ({len(inside)} ops, "
                      f"{100 * spent / total:.1f}% of compute)")
-    parts += [f"while at {o.source or o.where} (one op, {100 * o.compute_time / total:.1f}% "
-              "of compute)" for o in loops]
     return ["control flow, the compute run inside: " + "; ".join(parts)]
 
 

@@ -1,6 +1,7 @@
 """``cond`` and ``while`` planned inside: a platform-dependent ``cond`` (``jnp.diagonal``) is
 resolved at trace time to its platform's branch; a ``cond``'s branches are planned op by op
-between ``cond_enter`` / ``cond_exit`` ops."""
+between ``cond_enter`` / ``cond_exit`` ops; a ``while`` loop's predicate and body like a
+scan's body, weighted by its trip count."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as Ps
 
 import shardc
+from shardc.inspect.hlo import price
 from shardc.ir.graph import GraphError, check_graph
 from shardc.ir.trace import trace
+from shardc.ir.trips import DEFAULT_WHILE_TRIPS
 from shardc.solve.search import MemoryBudgetError
 
 RNG = np.random.default_rng(0)
@@ -227,3 +231,85 @@ def test_explain_reports_the_compute_inside_control_flow():
     line = next(ln for ln in text.splitlines() if ln.startswith("control flow"))
     share = float(line.split("ops, ")[1].split("%")[0])
     assert "cond at" in line and share == pytest.approx(50.0, abs=5.0), line
+
+
+# ---- while planned inside ------------------------------------------------------------------
+
+VOCAB, EMBED, STEPS, PROMPTS = 512, 256, 8, 64
+
+
+def _decoder_params():
+    shapes = {"emb": (VOCAB, EMBED), "q": (EMBED, EMBED), "k": (EMBED, EMBED),
+              "v": (EMBED, EMBED), "o": (EMBED, EMBED), "out": (EMBED, VOCAB)}
+    return {k: jnp.asarray(RNG.normal(size=s) / s[0] ** 0.5, jnp.float32)
+            for k, s in shapes.items()}
+
+
+def _decode_step(p, i, tok, kc, vc, toks):
+    """One greedy token of a one-layer decoder with a KV cache."""
+    h = p["emb"][tok]
+    q, k, v = h @ p["q"], h @ p["k"], h @ p["v"]
+    kc = jax.lax.dynamic_update_slice(kc, k[:, None], (0, i, 0))
+    vc = jax.lax.dynamic_update_slice(vc, v[:, None], (0, i, 0))
+    s = jnp.einsum("bd,btd->bt", q, kc) / EMBED ** 0.5
+    s = jnp.where(jnp.arange(STEPS)[None] <= i, s, -1e30)
+    o = jnp.einsum("bt,btd->bd", jax.nn.softmax(s, -1), vc)
+    tok = jnp.argmax((h + o @ p["o"]) @ p["out"], -1).astype(jnp.int32)
+    return tok, kc, vc, toks.at[:, i].set(tok)
+
+
+def _decode_start(tok):
+    cache = jnp.zeros((tok.shape[0], STEPS, EMBED), jnp.float32)
+    return tok, cache, cache, jnp.zeros((tok.shape[0], STEPS), jnp.int32)
+
+
+def decode_fori(p, tok):
+    return jax.lax.fori_loop(0, STEPS, lambda i, c: _decode_step(p, i, *c),
+                             _decode_start(tok))[3]
+
+
+def decode_while(p, tok):
+    def body(c):
+        i, *rest = c
+        return (i + 1, *_decode_step(p, i, *rest))
+
+    return jax.lax.while_loop(lambda c: c[0] < STEPS, body, (0, *_decode_start(tok)))[4]
+
+
+def test_a_while_loop_is_inlined_by_its_trip_count():
+    def counted(x):
+        return jax.lax.while_loop(lambda c: c[0] < 5, lambda c: (c[0] + 1, jnp.sin(c[1])),
+                                  (0, x))[1]
+
+    def traced_bound(x, n):  # a fori_loop with a traced bound is a while loop
+        return jax.lax.fori_loop(0, n, lambda i, h: jnp.sin(h), x)
+
+    x = jnp.ones((8, 4))
+    graph = trace(counted, x).graph
+    check_graph(graph)
+    assert "while" not in [op.name for op in graph.ops]
+    assert {op.weight for op in graph.ops if op.name == "sin"} == {5}
+    graph = trace(traced_bound, x, 3).graph
+    assert {op.weight for op in graph.ops if op.name == "sin"} == {DEFAULT_WHILE_TRIPS}
+    graph = trace(traced_bound, x, 3, while_trips=40).graph
+    assert {op.weight for op in graph.ops if op.name == "sin"} == {40}
+
+
+@pytest.mark.parametrize("decode", [decode_fori, decode_while], ids=["fori", "while"])
+def test_greedy_decode_costs_no_more_than_data_parallelism(decode):
+    """A greedy KV-cache decode, planned: its compiled program does no more FLOPs and
+    communication than the data-parallel jax.jit of it (prompts split, weights
+    replicated), and decodes the same tokens. Planned as one opaque op, the while loop
+    all-gathered its carries."""
+    params = _decoder_params()
+    prompt = jnp.asarray(RNG.integers(0, VOCAB, size=(PROMPTS,)), jnp.int32)
+    m, cluster = mesh8(), shardc.Cluster()
+    s = shardc.auto_shard(decode, mesh=m, time_limit=3.0)
+    np.testing.assert_array_equal(np.asarray(s(params, prompt)),
+                                  np.asarray(jax.jit(decode)(params, prompt)))
+    whole, split = NamedSharding(m, Ps()), NamedSharding(m, Ps("x"))
+    dp = jax.jit(decode, in_shardings=(jax.tree.map(lambda _: whole, params), split))
+    mine = price(s.lower(params, prompt).compile(), m, cluster)
+    theirs = price(dp.lower(params, prompt).compile(), m, cluster)
+    assert mine.flops <= 1.02 * theirs.flops, (mine.flops, theirs.flops)
+    assert mine.comm_time <= theirs.comm_time + 1e-9, (mine.counts, theirs.counts)

@@ -194,10 +194,20 @@ def _same_type(a: Value, b: Value) -> bool:
 
 
 def _check_edge(op: Op) -> None:
-    """A ``cond``'s edge ops (``ir/trace.py``): an enter passes one operand into a branch
-    as it is; an exit reads a scalar integer index, then one value per branch (at least
-    one), each of its result's type."""
-    if op.name == "cond_enter":
+    """The edge ops of the bodies the trace inlines (``ir/trace.py``): a loop carry's
+    enter is tied to a value of its type and a while's carry names a scalar boolean
+    predicate; a cond's enter passes one operand into a branch as it is, its exit reads a
+    scalar integer index, then one value per branch (at least one), each of its result's
+    type."""
+    if op.name == "scan_enter":
+        tie, test = op.params.get("tie"), op.params.get("test")
+        if tie is not None and not _same_type(tie, op.outputs[0]):
+            raise GraphError(f"{op}'s carry is tied to {tie!r}:{tie.type_str()}, not a value "
+                             f"of its type {op.outputs[0].type_str()}")
+        if test is not None and (test.ndim or test.dtype != np.bool_):
+            raise GraphError(f"{op}'s loop predicate {test!r}:{test.type_str()} is not a "
+                             "scalar boolean")
+    elif op.name == "cond_enter":
         if len(op.inputs) != 1 or len(op.outputs) != 1 or \
                 not _same_type(op.inputs[0], op.outputs[0]):
             raise GraphError(f"{op} must pass one operand into its branch unchanged")

@@ -8,7 +8,8 @@ real computation. A ``scan``'s body is inlined too, once, its ops weighted by th
 count (``Op.weight``) and framed by ``scan_enter`` / ``scan_exit`` ops, so the body is
 planned op by op like straight code. A ``cond``'s branches are inlined the same way, each
 framed by ``cond_enter`` ops (one per operand) and joined by one ``cond_exit`` op per result
-(:meth:`_Builder.cond`); a ``while`` stays one op holding its sub-jaxprs. A ``cond`` whose
+(:meth:`_Builder.cond`); a ``while`` loop's predicate and body like a scan's body, weighted
+by its trip count where static, else an estimate (:meth:`_Builder.while_loop`). A ``cond`` whose
 index is a ``platform_index`` (``jax.lax.platform_dependent``: ``jnp.diagonal``,
 ``jnp.linalg.det``) is resolved here: the branch the program's platform lowers to is
 inlined as straight code (:func:`platform_branch`). Dead ops are removed, except ops with
@@ -37,6 +38,7 @@ from jax.extend import core as jcore
 from shardc.ir.graph import Graph, Op, Value, check_graph
 from shardc.ir.prims import facts
 from shardc.ir.remat import Segment, gate_checkpoints, rematerialize, segments
+from shardc.ir.trips import DEFAULT_WHILE_TRIPS, while_trips
 
 try:  # the frames of an equation's traceback; jax.extend exports only ``summarize``
     from jax._src.source_info_util import is_user_filename, raw_frame_to_frame
@@ -98,6 +100,8 @@ class Traced:
     remat: tuple[int, ...] = ()
     #: the platform its platform-dependent code was resolved for (None: the default's)
     platform: str | None = None
+    #: the trip count its while loops without static bounds are planned for
+    while_trips: int = DEFAULT_WHILE_TRIPS
 
 
 def call_body(eqn) -> tuple[Any, tuple]:
@@ -183,23 +187,27 @@ def platform_branch(eqn, index: Value, platforms: frozenset[str]) -> int | None:
 
 
 class Loop:
-    """A ``scan`` equation as the trace walked it: one ``scan_enter`` op per body input
-    (its const, carry or xs operand), the Region of its body, one ``scan_exit`` op per
-    result (carry or ys)."""
+    """A ``scan`` or ``while`` equation as the trace walked it: one ``scan_enter`` op per
+    body input (a scan's const, carry or xs operand; a while's predicate consts, body
+    consts, then carries, which predicate and body both read), the Region of its body, one
+    ``scan_exit`` op per result (carry or ys); a while's predicate's Region (``test``)."""
 
-    __slots__ = ("enters", "body", "exits")
+    __slots__ = ("enters", "body", "exits", "test")
 
-    def __init__(self, enters: Sequence[Op], body: Region, exits: Sequence[Op]):
+    def __init__(self, enters: Sequence[Op], body: Region, exits: Sequence[Op],
+                 test: Region | None = None):
         self.enters = tuple(enters)
         self.body = body
         self.exits = tuple(exits)
+        self.test = test
 
 
 class _Builder:
-    def __init__(self, platforms: frozenset[str]):
+    def __init__(self, platforms: frozenset[str], trips: int):
         self.ids = itertools.count()
         self.ops: list[Op] = []
         self.platforms = platforms  # what platform-dependent code is resolved for
+        self.trips = trips  # a while loop's trip count where its jaxprs give none
 
     def value(self, aval, producer=None, const=None) -> Value:
         shape = getattr(aval, "shape", ())
@@ -252,6 +260,9 @@ class _Builder:
             elif eqn.primitive.name == "cond":
                 outs, fork = self.cond(eqn, ins, weight, (*where, i))
                 steps.append(fork)
+            elif eqn.primitive.name == "while":
+                outs, loop = self.while_loop(eqn, ins, weight, (*where, i))
+                steps.append(loop)
             else:
                 op = self.op(eqn.primitive, dict(eqn.params), ins,
                              [v.aval for v in eqn.outvars], weight, eqn.effects,
@@ -286,6 +297,38 @@ class _Builder:
                  for j, (v, var) in enumerate(zip(outs, eqn.outvars))]
         return [e.outputs[0] for e in exits], Loop(enters, body, exits)
 
+
+    def while_loop(self, eqn, ins: list[Value], weight: int, where: tuple[int, ...]
+                   ) -> tuple[list[Value], Loop]:
+        """A while loop's predicate and body inline, run ``trips`` times (read off the
+        jaxprs where static, else the builder's estimate: :mod:`shardc.ir.trips`), framed
+        like a scan's: ``scan_enter`` ops (``loop="while"``) give both their consts and
+        the carries (a carry's enter ``tie``s it to the value the body returns, and names
+        the predicate, ``test``, which every device must compute alike), ``scan_exit`` ops
+        give the carries after the loop."""
+        p = eqn.params
+        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        cond, body = p["cond_jaxpr"], p["body_jaxpr"]
+        trips = while_trips(eqn, ins, self.trips)
+        source = source_line(eqn)
+        nk = len(ins) - cn - bn
+        kinds = ["const"] * (cn + bn) + ["carry"] * nk
+        avals = [v.aval for v in cond.jaxpr.invars[:cn]] + [v.aval for v in body.jaxpr.invars]
+        enters = [self.op(SCAN_ENTER, {"kind": kind, "length": trips, "loop": "while"}, [v],
+                          [aval], weight, source=source, where=where)
+                  for kind, v, aval in zip(kinds, ins, avals)]
+        vals = [e.outputs[0] for e in enters]
+        carries = vals[cn + bn:]
+        (test,), test_region = self.emit(cond.jaxpr, cond.consts, vals[:cn] + carries,
+                                         weight * trips, where)
+        outs, body_region = self.emit(body.jaxpr, body.consts, vals[cn:], weight * trips,
+                                      where)
+        for k in range(nk):
+            enters[cn + bn + k].params.update(tie=outs[k], test=test)
+        exits = [self.op(SCAN_EXIT, {"kind": "carry", "enter": carries[j], "loop": "while"},
+                         [v], [var.aval], weight, source=source, where=where)
+                 for j, (v, var) in enumerate(zip(outs, eqn.outvars))]
+        return [e.outputs[0] for e in exits], Loop(enters, body_region, exits, test_region)
 
     def cond(self, eqn, ins: list[Value], weight: int, where: tuple[int, ...]
              ) -> tuple[list[Value], Fork]:
@@ -330,8 +373,8 @@ class _Builder:
 
 def eliminate_dead_ops(graph: Graph) -> Graph:
     """Drop ops nothing observes: kept are the ops an output depends on, the ops with side
-    effects, and what those read; a live scan carry keeps what the body returns for it
-    (its ``tie``), to a fixed point."""
+    effects, and what those read; a live loop carry keeps what the body returns for it
+    (its ``tie``) and a while's predicate (its ``test``), to a fixed point."""
     live = {v.id for v in graph.outputs}
     while True:
         kept: list[Op] = []
@@ -340,17 +383,18 @@ def eliminate_dead_ops(graph: Graph) -> Graph:
             if op.effects or any(v.id in live for v in op.outputs):
                 kept.append(op)
                 live.update(v.id for v in op.inputs)
-                tie = op.params.get("tie") if op.prim is SCAN_ENTER else None
-                if tie is not None:
-                    live.add(tie.id)
+                if op.prim is SCAN_ENTER:  # a live carry: what the loop computes it from
+                    live.update(v.id for k in ("tie", "test")
+                                if (v := op.params.get(k)) is not None)
         if len(live) == before:
             break
     kept.reverse()
     return Graph(graph.inputs, graph.outputs, kept)
 
 
-def _build(closed_jaxpr, platform: str | None = None) -> tuple[Graph, Region]:
-    b = _Builder(lowering_platforms(platform))
+def _build(closed_jaxpr, platform: str | None = None, trips: int = DEFAULT_WHILE_TRIPS
+           ) -> tuple[Graph, Region]:
+    b = _Builder(lowering_platforms(platform), trips)
     inputs = [b.value(v.aval) for v in closed_jaxpr.jaxpr.invars]
     outputs, region = b.emit(closed_jaxpr.jaxpr, closed_jaxpr.consts, inputs)
     graph = eliminate_dead_ops(Graph(inputs, outputs, b.ops))
@@ -363,16 +407,18 @@ def graph_from_jaxpr(closed_jaxpr, platform: str | None = None) -> Graph:
     return _build(closed_jaxpr, platform)[0]
 
 
-def trace(fn: Callable, *args, platform: str | None = None) -> Traced:
+def trace(fn: Callable, *args, platform: str | None = None,
+          while_trips: int = DEFAULT_WHILE_TRIPS) -> Traced:
     """Trace ``fn(*args)`` (arrays or ``jax.ShapeDtypeStruct`` leaves) to a Graph;
     platform-dependent code is resolved for ``platform`` (a device's ``platform``: the
-    mesh's devices'), None: the default backend's (an abstract mesh's)."""
+    mesh's devices'), None: the default backend's (an abstract mesh's); a ``while`` loop
+    whose bounds are not static is planned for ``while_trips`` iterations."""
     in_tree = jax.tree.structure(args)
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     closed = gate_checkpoints(closed)
-    graph, region = _build(closed, platform)
+    graph, region = _build(closed, platform, while_trips)
     return Traced(graph, in_tree, jax.tree.structure(out_shape), region, tuple(closed.consts),
-                  closed, segments(closed), platform=platform)
+                  closed, segments(closed), platform=platform, while_trips=while_trips)
 
 
 def rematerialized(traced: Traced, remat: Sequence[int]) -> Traced:
@@ -388,5 +434,5 @@ def rematerialized(traced: Traced, remat: Sequence[int]) -> Traced:
         raise ValueError(f"remat segment(s) {bad} do not exist: this program has {n} "
                          f"segment{'' if n == 1 else 's'} that can be recomputed")
     closed = rematerialize(traced.jaxpr, traced.segments, remat)
-    graph, region = _build(closed, traced.platform)
+    graph, region = _build(closed, traced.platform, traced.while_trips)
     return dataclasses.replace(traced, graph=graph, region=region, remat=remat)

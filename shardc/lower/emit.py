@@ -30,7 +30,6 @@ from typing import Any
 
 import jax
 from jax.extend import core as jcore
-from jax.extend import source_info_util
 from jax.sharding import AxisType, Mesh, NamedSharding
 
 from shardc.cost.comm import conversion
@@ -38,6 +37,7 @@ from shardc.ir.prims import facts
 from shardc.ir.remat import is_gate
 from shardc.ir.sbp import B, NdSbp, Split, to_partition_spec
 from shardc.ir.trace import Fork, Inlined, Loop, Region, Traced
+from shardc.lower.control import ControlFlow, bind_eqn
 from shardc.lower.partial import (
     Stacked,
     lift,
@@ -54,19 +54,6 @@ from shardc.solve.problem import loop_ties
 
 def sharding(mesh: Mesh, nd: NdSbp, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, to_partition_spec(nd, ndim, mesh.axis_names))
-
-
-def _bind(eqn, args: Sequence, params: dict | None = None) -> list:
-    """Bind ``eqn``'s primitive on ``args`` as ``jax.core.eval_jaxpr`` does (its source
-    info and context kept, but the mesh context of the lowering, which runs on Auto axes),
-    with ``params`` in place of the equation's own if given."""
-    bind_params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
-    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    mesh = jax.sharding.get_abstract_mesh()  # the lowering's, not the one traced under
-    with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
-          eqn.ctx.manager, jax.sharding.use_abstract_mesh(mesh)):
-        outs = eqn.primitive.bind(*args, **bind_params)
-    return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
 def conversion_steps(plan, src: NdSbp | None, dst: NdSbp) -> list[NdSbp]:
@@ -98,7 +85,7 @@ def _read_as_made(graph, plan, by_op) -> set[int]:
     return {v.id for op in graph.ops for v in op.outputs} - bad
 
 
-class _Lowering:
+class _Lowering(ControlFlow):
     """The interpreter: a plan, the Auto mesh it runs on, its ops by id, and the values
     left unconstrained (:meth:`~shardc.ir.graph.Graph.constants`)."""
 
@@ -213,7 +200,7 @@ class _Lowering:
                           self.plan.axis_sizes)
             lifted.append(arr)
             batched.append(b)
-        out = vmapped(lambda *xs: _bind(eqn, xs)[0], batched, axes)(*lifted)
+        out = vmapped(lambda *xs: bind_eqn(eqn, xs)[0], batched, axes)(*lifted)
         return Stacked(self.constrain_stacked(out, axes, planned.outs[0]), axes)
 
     def settle(self, vid: int, x):
@@ -224,7 +211,7 @@ class _Lowering:
     def op(self, eqn, op, args: list) -> list:
         planned = self.by_op.get(op.id)
         if planned is None or op.outputs and all(v.id in self.free for v in op.outputs):
-            return _bind(eqn, [unstack(x) for x in args])  # dead in the plan, or a constant
+            return bind_eqn(eqn, [unstack(x) for x in args])  # dead in the plan, or a constant
         if op.outputs and op.outputs[0].id in self.stacked:
             return [self._stacked_op(eqn, op, planned, args)]
         if is_gate(eqn):
@@ -235,7 +222,7 @@ class _Lowering:
         if facts(op.name).fixed and op.name == "sharding_constraint":
             outs = args  # the user's layout is the plan's: constrained just below
         else:
-            outs = _bind(eqn, args)
+            outs = bind_eqn(eqn, args)
         if self._follows(op, planned):  # XLA propagates the layout its operands have
             return [self.settle(v.id, x) for v, x in zip(op.outputs, outs)]
         return [self.settle(v.id, self.constrain(x, nd))
@@ -251,7 +238,7 @@ class _Lowering:
         args = [x if v.is_const or v.id in self.free
                 else self.convert(unstack(x), self.plan.read_as(v.id), here)
                 for v, x in zip(op.inputs, args)]
-        out = self.convert(_bind(eqn, args)[0], here, planned.outs[0])
+        out = self.convert(bind_eqn(eqn, args)[0], here, planned.outs[0])
         return [self.settle(op.outputs[0].id, out)]
 
     def _follows(self, op, planned) -> bool:
@@ -295,11 +282,12 @@ class _Lowering:
         else:  # an open jaxpr (remat): the body is traced over its invars and closes over none
             assert not body.consts, f"{eqn.primitive.name}: rewritten body closes over consts"
             new = body.jaxpr
-        return _bind(eqn, args, {**eqn.params, key: new})
+        return bind_eqn(eqn, args, {**eqn.params, key: new})
 
     def _pass(self, op, x, into: bool):
-        """``x`` through a ``scan_enter`` / ``scan_exit`` op: converted to the layout the op
-        reads (``into``), or pinned to the one it makes (and settled)."""
+        """``x`` through a loop's or a cond's edge op (``scan_enter`` / ``scan_exit``,
+        ``cond_enter`` / ``cond_exit``): converted to the layout the op reads (``into``),
+        or pinned to the one it makes (and settled)."""
         planned = self.by_op.get(op.id)
         if planned is None:
             return x
@@ -352,7 +340,7 @@ class _Lowering:
             else:
                 x = self._pass(e, x, into=True)
             ins.append(x)
-        outs = _bind(eqn, ins, {**p, "jaxpr": closed})
+        outs = bind_eqn(eqn, ins, {**p, "jaxpr": closed})
         result = []
         for j, (e, x) in enumerate(zip(loop.exits, outs)):
             if j < nk:  # a carry: read as the loop keeps it (summed if held stacked)
@@ -360,37 +348,6 @@ class _Lowering:
                 x = self._pass(e, unstack(Stacked(x, axes)) if axes else x, into=True)
             result.append(self._pass(e, x, into=False))
         return result
-
-    def fork(self, eqn, fork: Fork, args: list) -> list:
-        """Bind a cond with its branches rewritten: each operand converted, before the
-        cond, to the layout each branch reads it in (the cond takes every branch's copies,
-        each branch reads its own); inside each branch, its ops as planned and each result
-        converted to the cond's layout of it; the results pinned after the cond."""
-        n = len(args) - 1
-        copies = [self._pass(e, x, into=True)
-                  for enters in fork.enters for e, x in zip(enters, args[1:])]
-        avals = [v.aval for v in eqn.invars[1:]] * len(fork.bodies)
-
-        def branch(b: int):
-            def run(*xs):
-                ins = [self._pass(e, x, into=False)
-                       for e, x in zip(fork.enters[b], xs[b * n:(b + 1) * n])]
-                outs = self.region(fork.bodies[b], eqn.params["branches"][b].consts, ins)
-                return [self._exit(e, b, unstack(x)) for e, x in zip(fork.exits, outs)]
-
-            return jax.make_jaxpr(run)(*avals)
-
-        branches = tuple(branch(b) for b in range(len(fork.bodies)))
-        outs = _bind(eqn, [args[0], *copies], {**eqn.params, "branches": branches})
-        return [self._pass(e, x, into=False) for e, x in zip(fork.exits, outs)]
-
-    def _exit(self, op, b: int, x):
-        """Branch ``b``'s value of a cond result, converted to the result's layout."""
-        planned = self.by_op.get(op.id)
-        v = op.inputs[1 + b]
-        if planned is None or v.is_const or v.id in self.free or not hasattr(x, "shape"):
-            return x
-        return self.convert(x, self.plan.read_as(v.id), planned.ins[1 + b])
 
     def region(self, region: Region, consts: Sequence, args: Sequence) -> list:
         env: dict = {}
@@ -405,6 +362,8 @@ class _Lowering:
             ins = [read(a) for a in eqn.invars]
             if isinstance(step, Region):
                 outs = self.call(eqn, step, [unstack(x) for x in ins])
+            elif isinstance(step, Loop) and step.test is not None:
+                outs = self.while_loop(eqn, step, [unstack(x) for x in ins])
             elif isinstance(step, Loop):
                 outs = self.loop(eqn, step, [unstack(x) for x in ins])
             elif isinstance(step, Fork):
