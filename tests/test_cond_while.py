@@ -145,6 +145,41 @@ def test_cond_branches_are_inlined_and_joined():
     assert {op.weight for op in graph.ops if op.name == "mul"} == {0}
 
 
+def _scan_with_cond(w, x):
+    def body(h, k):
+        h = jax.lax.cond(k % 2 == 0, lambda h: jnp.tanh(h @ w), lambda h: h * 0.5 + 1.0, h)
+        return h, jnp.sum(h)
+
+    h, ys = jax.lax.scan(body, x, jnp.arange(4))
+    return jnp.sum(h ** 2) + jnp.sum(ys)
+
+
+def _switch(w, x, i):
+    return jax.lax.switch(i, [lambda h: h @ w, jnp.sin, lambda h: jnp.zeros_like(h) + 2.0], x)
+
+
+def _while_with_cond(w, x):
+    def body(c):
+        i, h = c
+        return i + 1, jax.lax.cond(i < 2, lambda h: jnp.tanh(h @ w), lambda h: h + 1.0, h)
+
+    return jax.lax.while_loop(lambda c: c[0] < 4, body, (0, x))[1]
+
+
+@pytest.mark.parametrize("fn,extra", [
+    (_scan_with_cond, ()), (jax.grad(_scan_with_cond), ()), (_switch, (0,)), (_switch, (2,)),
+    (_while_with_cond, ()),
+], ids=["scan", "scan-grad", "switch-0", "switch-2", "while"])
+def test_nested_control_flow_matches_jit(fn, extra):
+    """Conds inside a scan body (and its transpose), a three-way switch, a cond inside a
+    while body: planned on a (2, 4) mesh, the values jax.jit gives."""
+    w = jnp.asarray(RNG.normal(size=(32, 32)) / 6, jnp.float32)
+    x = jnp.asarray(RNG.normal(size=(16, 32)), jnp.float32)
+    m = jax.make_mesh((2, 4), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
+    got = shardc.auto_shard(fn, mesh=m, time_limit=1.0)(w, x, *extra)
+    _close(got, jax.jit(fn)(w, x, *extra), rtol=1e-5, atol=1e-5)
+
+
 def _sharded_share(s, params, state) -> float:
     """The share of the optimizer state's matrices the plan gives sharded."""
     specs = _state_specs(s, params, state, X)
