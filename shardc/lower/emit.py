@@ -167,8 +167,8 @@ class _Lowering(ControlFlow):
         """Record which values of ``loop``'s body are held stacked: each carry the plan
         keeps partial, and back from the value the body returns for it, every partial value
         made by an op of the body (not of a call inside it) that :func:`stackable` allows."""
-        made = {v.id: op for op in loop.body.steps if not isinstance(op, (Region, Loop, Fork, Inlined))
-                for v in op.outputs}
+        made = {v.id: op for op in loop.body.steps
+                if not isinstance(op, (Region, Loop, Fork, Inlined)) for v in op.outputs}
         todo = []
         for e in carried:
             planned = self.by_op.get(e.id)
