@@ -52,6 +52,32 @@ def _coverage(ops) -> list[str]:
         for p, n in sorted(missing.items()))]
 
 
+#: the edge ops framing a body the planner sees inline, by what the body is
+_FRAMES = {"scan_enter": "loop", "scan_exit": "loop", "cond_enter": "cond",
+           "cond_exit": "cond"}
+
+
+def _control_flow(ops) -> list[str]:
+    """A line naming each loop (``scan``, ``while``) and cond by its source line, with the
+    share of the step's compute that runs inside it: its body's ops, by their trip count (a
+    cond: its costlier branch, the one its cost counts)."""
+    frames: dict[tuple, tuple[str, str]] = {}
+    for o in ops:
+        kind = _FRAMES.get(o.prim)
+        if kind is not None and o.where:
+            frames.setdefault(o.where, (kind, o.source))
+    if not frames:
+        return []
+    total = sum(o.compute_time for o in ops) or 1.0
+    parts = []
+    for where, (kind, source) in frames.items():
+        inside = [o for o in ops if len(o.where) > len(where) and o.where[:len(where)] == where]
+        spent = sum(o.compute_time for o in inside)
+        parts.append(f"{kind} at {source or where} ({len(inside)} ops, "
+                     f"{100 * spent / total:.1f}% of compute)")
+    return ["control flow, the compute run inside: " + "; ".join(parts)]
+
+
 def spec_text(spec) -> str:
     """A PartitionSpec as a user writes it: ``P(None, 'gpu')``, ``P(('node', 'gpu'))``."""
     return "P(" + ", ".join(repr(e) for e in tuple(spec)) + ")"
@@ -286,6 +312,7 @@ def explain_report(plan, max_rows: int | None = 60, top: int = 10, margins=None,
     if margins is not None:
         blocks.append(margins.table())
     blocks += _coverage(plan.ops)
+    blocks += _control_flow(plan.ops)
     blocks += argument_table(plan)
     names = _Names(plan)
     blocks.append(op_table(plan, names, max_rows))

@@ -74,7 +74,7 @@ def constraints(plan) -> tuple[dict, dict]:
 
     per_op = {}
     for o in plan.ops:
-        if not o.where or o.prim in ("scan_enter", "scan_exit") or \
+        if not o.where or o.prim in ("scan_enter", "scan_exit", "cond_enter", "cond_exit") or \
                 (o.writes and all(v in free for v in o.writes)):
             continue
         rin, rout = _ranks(o.types)

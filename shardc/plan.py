@@ -28,7 +28,7 @@ from shardc.cost.comm import conversion
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Partial, to_partition_spec
 from shardc.solve.memory import carry_exit, memory_profile, reads
-from shardc.solve.problem import CostGraph, feed_time, loop_ties, read_runs
+from shardc.solve.problem import CostGraph, feed_time, loop_tests, loop_ties, read_runs
 
 
 @dataclass(frozen=True)
@@ -587,6 +587,8 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
         compute += strat.flops / rate * op.weight
     for enter, v in loop_ties(graph):  # a scan's carry back to its carried layout
         record(v, enter.id, read(v), values[enter.outputs[0].id], runs.get(v.id, 1))
+    for v in loop_tests(graph):  # a while's predicate, read replicated every iteration
+        record(v, None, read(v), NdSbp((B,) * len(sizes)), runs.get(v.id, 1))
     tied = dict(ties)
     outputs = []
     for j, v in enumerate(graph.outputs):

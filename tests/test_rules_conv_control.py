@@ -2,14 +2,11 @@
 and EVERY returned signature checked numerically with the family checker on 2 simulated
 devices.
 
-The checker keeps an op's params global except for a few shape params it knows. Two kinds of
-op need more to run on a device's piece, and get it from a stand-in primitive here:
-
-* grouped convs: a device holding ``1/n`` of the groups runs ``G/n`` of them, so the group
-  counts follow the local lhs (:class:`LocalGroupsConv`);
-* loops and branches hold sub-jaxprs typed with the global shapes, so the traced Python
-  function is traced again on the local pieces (:class:`Retraced`); the functions below take
-  their shapes from their arguments for this.
+The checker keeps an op's params global except for a few shape params it knows. Grouped
+convs need more to run on a device's piece: a device holding ``1/n`` of the groups runs
+``G/n`` of them, so the group counts follow the local lhs (:class:`LocalGroupsConv`, a
+stand-in primitive). Loops and branches are planned inside (their bodies inlined between
+edge ops), so they are checked by planning and running them against ``jax.jit``.
 """
 
 from __future__ import annotations
@@ -31,7 +28,8 @@ from test_rules_families import (
 import shardc
 from shardc.ir.sbp import B, P, Split
 from shardc.ir.trace import trace
-from shardc.rules import Signature, op_flops, signatures, strategies
+from shardc.ir.trips import DEFAULT_WHILE_TRIPS
+from shardc.rules import op_flops, signatures, strategies
 from shardc.rules.conv import conv_specs
 
 S = Split
@@ -199,55 +197,6 @@ def test_conv_flops_count_real_taps_as_xla_does(stride, padding):
 
 # ---- control flow ------------------------------------------------------------------------
 
-class Retraced:
-    """Stand-in primitive running ``local_fn`` (a Python function of the op's inputs, in op
-    order, that traces the same loop or branch again) on the pieces it gets."""
-
-    multiple_results = True
-
-    def __init__(self, name: str, local_fn):
-        self.name = name
-        self.local_fn = local_fn
-
-    def bind(self, *ins, **params):
-        return jax.tree.leaves(self.local_fn(*ins))
-
-
-def from_graph_inputs(fn, graph, op):
-    """``fn``'s arguments picked from the op's inputs: the op must read the graph inputs
-    (constants aside: ``fn`` makes those again) and produce the graph outputs."""
-    assert [v.id for v in graph.outputs] == [v.id for v in op.outputs]
-    slot = {k: next(i for i, g in enumerate(graph.inputs) if g is v)
-            for k, v in enumerate(op.inputs) if not v.is_const}
-    assert sorted(slot.values()) == list(range(len(graph.inputs)))
-
-    def local_fn(*ins):
-        args = [None] * len(graph.inputs)
-        for k, i in slot.items():
-            args[i] = ins[k]
-        return fn(*args)
-
-    return local_fn
-
-
-def control_op(fn, *args, name: str, local_fn=None):
-    """The ``name`` op of ``fn``, a copy running on local pieces, and its inputs."""
-    graph = trace(fn, *args).graph
-    (op,) = [o for o in graph.ops if o.name == name]
-    env = evaluate(graph, args)
-    ins = [np.asarray(v.const) if v.is_const else env[v.id] for v in op.inputs]
-    local_fn = local_fn or from_graph_inputs(fn, graph, op)
-    return op, op.replace(prim=Retraced(name, local_fn)), ins
-
-
-def check_control(fn, *args, name: str, local_fn=None) -> list[Signature]:
-    op, local, ins = control_op(fn, *args, name=name, local_fn=local_fn)
-    sigs = signatures(op)
-    for s in sigs:
-        assert check_signature_numerically(local, s, ins), f"{s} does not fit the test shapes"
-    return sigs
-
-
 def rnn(h0, xs, w, u):
     def body(h, x):
         h = jnp.tanh(h @ w + x @ u)
@@ -328,33 +277,58 @@ def test_scans_planned_on_a_mesh_match_jit(name):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
-def test_while_loop_splits_the_batch_only_with_a_replicated_predicate():
+def test_while_loops_are_planned_inside():
+    """A while loop's predicate and body are inlined like a scan's body, weighted by the
+    trip count its bounds give (else the estimate); planned on a mesh and run, a counted
+    loop and one whose predicate reads every row (a reduction over the split batch, read
+    replicated) give the values jax.jit gives."""
     def counted(h, w):
         def body(c):
             i, h = c
             return i + 1, jnp.tanh(h @ w)
         return lax.while_loop(lambda c: c[0] < 3, body, (jnp.int32(0), h))
 
-    sigs = check_control(counted, f32(4, 6), f32(6, 6), name="while")
-    assert sig([B, B, S(0)], [B, S(0)]) in sigs
-
-    def until_small(h):  # the trip count depends on every row: the batch cannot be split
+    def until_small(h):  # the trip count depends on every row
         return lax.while_loop(lambda h: jnp.abs(h).max() > 0.1, lambda h: h * 0.5, h)
 
-    sigs = check_control(until_small, f32(4, 6), name="while")
-    assert sigs == [sig([B], [B])]
+    graph = trace(counted, f32(8, 6), f32(6, 6)).graph
+    assert {op.weight for op in graph.ops if op.name == "tanh"} == {3}
+    graph = trace(until_small, f32(8, 6)).graph
+    assert {op.weight for op in graph.ops if op.name == "mul"} == {DEFAULT_WHILE_TRIPS}
+    rng = np.random.default_rng(0)
+    h, w = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((8, 6), (6, 6)))
+    mesh = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
+    for fn, args in ((counted, (h, w)), (until_small, (h,))):
+        got = shardc.auto_shard(fn, mesh=mesh, time_limit=1.0)(*args)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(jax.jit(fn)(*args)),
+                        strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
-def test_cond_keeps_the_index_broadcast():
+def test_cond_branches_are_planned_inside_with_the_index_broadcast():
+    """A cond's branches are planned op by op between ``cond_enter`` / ``cond_exit`` ops,
+    the exits reading the index broadcast; planned on a mesh and run, the cond (either
+    branch) and its gradient give the values jax.jit gives."""
     branches = [lambda x, y: (jnp.sin(x), jnp.zeros_like(y[0])),  # index 0: false
                 lambda x, y: (x * 2.0, y.sum(0))]
 
     def fn(p, x, y):
         return lax.cond(p, branches[1], branches[0], x, y)
 
-    sigs = check_control(fn, True, f32(4, 6), f32(4, 6), name="cond",
-                         local_fn=lambda i, x, y: lax.switch(i, branches, x, y))
-    # the false branch's zeros are replicated: sliced to the true branch's split
-    assert sig([B, S(1), S(1)], [S(1), S(0)]) in sigs
-    assert all(s.ins[0] == B for s in sigs)
-    assert not any(s.ins[2] == S(0) for s in sigs)  # y.sum(0) reduces the split
+    graph = trace(fn, True, f32(8, 6), f32(8, 6)).graph
+    exits = [op for op in graph.ops if op.name == "cond_exit"]
+    assert len(exits) == 2 and all(s.ins[0] == B for op in exits for s in signatures(op))
+    rng = np.random.default_rng(0)
+    x, y = (jnp.asarray(rng.normal(size=(8, 6)), jnp.float32) for _ in range(2))
+
+    def loss(p, x, y):
+        return sum(jnp.sum(jnp.sin(v)) for v in fn(p, x, y))
+
+    mesh = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
+    for f in (fn, jax.grad(loss, argnums=(1, 2))):
+        planned = shardc.auto_shard(f, mesh=mesh, time_limit=1.0)
+        for p in (True, False):
+            for a, b in zip(jax.tree.leaves(planned(p, x, y)),
+                            jax.tree.leaves(jax.jit(f)(p, x, y)), strict=True):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
+                                           atol=1e-6)

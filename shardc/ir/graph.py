@@ -74,7 +74,9 @@ class Op:
     runs per call: 1, or a loop body's trip count (times its enclosing loops'). ``source``
     is the user's line that made it (``path:line``, "" if unknown); ``where`` its equation's
     place in the traced jaxpr: the indices of the equations of the calls (or the scan) around
-    it, outermost first, then its own (a scan's enter and exit ops: the scan's)."""
+    it, outermost first, then its own (a scan's enter and exit ops: the scan's); in a
+    ``cond``'s branch, the cond's place, the branch's index, then its own (the cond's enter
+    and exit ops: the cond's)."""
 
     __slots__ = ("id", "prim", "params", "inputs", "outputs", "effects", "weight", "source",
                  "where")
@@ -187,6 +189,39 @@ class GraphError(ValueError):
     pass
 
 
+def _same_type(a: Value, b: Value) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype
+
+
+def _check_edge(op: Op) -> None:
+    """The edge ops of the bodies the trace inlines (``ir/trace.py``): a loop carry's
+    enter is tied to a value of its type and a while's carry names a scalar boolean
+    predicate; a cond's enter passes one operand into a branch as it is, its exit reads a
+    scalar integer index, then one value per branch (at least one), each of its result's
+    type."""
+    if op.name == "scan_enter":
+        tie, test = op.params.get("tie"), op.params.get("test")
+        if tie is not None and not _same_type(tie, op.outputs[0]):
+            raise GraphError(f"{op}'s carry is tied to {tie!r}:{tie.type_str()}, not a value "
+                             f"of its type {op.outputs[0].type_str()}")
+        if test is not None and (test.ndim or test.dtype != np.bool_):
+            raise GraphError(f"{op}'s loop predicate {test!r}:{test.type_str()} is not a "
+                             "scalar boolean")
+    elif op.name == "cond_enter":
+        if len(op.inputs) != 1 or len(op.outputs) != 1 or \
+                not _same_type(op.inputs[0], op.outputs[0]):
+            raise GraphError(f"{op} must pass one operand into its branch unchanged")
+    elif op.name == "cond_exit":
+        index, values = op.inputs[0], op.inputs[1:]
+        if index.ndim or not np.issubdtype(index.dtype, np.integer):
+            raise GraphError(f"{op} reads index {index!r}:{index.type_str()}, not a scalar "
+                             "integer")
+        if len(op.outputs) != 1 or not values or \
+                not all(_same_type(v, op.outputs[0]) for v in values):
+            raise GraphError(f"{op} must join one value per branch, each of its result's "
+                             "type")
+
+
 def check_graph(graph: Graph) -> None:
     """Verify SSA and ordering invariants; raise :class:`GraphError` naming the broken one."""
     defined: set[int] = set()
@@ -214,6 +249,7 @@ def check_graph(graph: Graph) -> None:
             raise GraphError(f"{op} has no outputs and no effects: nothing can observe it")
         if op.weight < 0:
             raise GraphError(f"{op} runs {op.weight} times per call; a weight is >= 0")
+        _check_edge(op)
     for v in graph.outputs:
         if not v.is_const and v.id not in defined:
             raise GraphError(f"graph output {v!r} is never defined")

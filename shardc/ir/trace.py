@@ -6,12 +6,18 @@ the graph back to the jaxpr it came from.
 ``call`` facts of :mod:`shardc.ir.prims`) are inlined, so every op the planner sees is a
 real computation. A ``scan``'s body is inlined too, once, its ops weighted by the trip
 count (``Op.weight``) and framed by ``scan_enter`` / ``scan_exit`` ops, so the body is
-planned op by op like straight code; ``while`` and ``cond`` stay single ops holding their
-sub-jaxprs. Dead ops are removed, except ops with side effects (callbacks, prints) and what
-they read.
+planned op by op like straight code. A ``cond``'s branches are inlined the same way, each
+framed by ``cond_enter`` ops (one per operand) and joined by one ``cond_exit`` op per result
+(:meth:`_Builder.cond`); a ``while`` loop's predicate and body like a scan's body, weighted
+by its trip count where static, else an estimate (:meth:`_Builder.while_loop`). A ``cond`` whose
+index is a ``platform_index`` (``jax.lax.platform_dependent``: ``jnp.diagonal``,
+``jnp.linalg.det``) is resolved here: the branch the program's platform lowers to is
+inlined as straight code (:func:`platform_branch`). Dead ops are removed, except ops with
+side effects (callbacks, prints) and what they read.
 
 For *running*, nothing is inlined: the :class:`Region` of a jaxpr lists, per equation, the
-graph :class:`Op` it became, the Region of a call's body, or the :class:`Loop` of a scan,
+graph :class:`Op` it became, the Region of a call's body, the :class:`Inlined` branch of a
+platform-dependent ``cond``, the :class:`Fork` of a ``cond`` or the :class:`Loop` of a scan,
 so the lowering can rewrite the user's own jaxpr (the remat policy, the custom derivative
 rules, the inner jits and the loops kept) with the plan's layouts placed inside the
 bodies.
@@ -32,6 +38,7 @@ from jax.extend import core as jcore
 from shardc.ir.graph import Graph, Op, Value, check_graph
 from shardc.ir.prims import facts
 from shardc.ir.remat import Segment, gate_checkpoints, rematerialize, segments
+from shardc.ir.trips import DEFAULT_WHILE_TRIPS, while_trips
 
 try:  # the frames of an equation's traceback; jax.extend exports only ``summarize``
     from jax._src.source_info_util import is_user_filename, raw_frame_to_frame
@@ -65,8 +72,8 @@ def source_line(eqn) -> str:
 class Region:
     """One jaxpr as the trace walked it: ``steps[i]`` is what ``jaxpr.eqns[i]`` became, the
     planner's :class:`Op`, the Region of a call's body the planner saw inlined, or a
-    :class:`Loop` (a scan). Ops of a Region may be dead in the graph (no plan entry): they
-    run unconstrained."""
+    :class:`Loop` (a scan), a :class:`Fork` (a ``cond``) or an :class:`Inlined` branch.
+    Ops of a Region may be dead in the graph (no plan entry): they run unconstrained."""
 
     __slots__ = ("jaxpr", "steps")
 
@@ -91,6 +98,10 @@ class Traced:
     segments: tuple[Segment, ...] = ()
     #: the segments this program recomputes (indices into ``segments``)
     remat: tuple[int, ...] = ()
+    #: the platform its platform-dependent code was resolved for (None: the default's)
+    platform: str | None = None
+    #: the trip count its while loops without static bounds are planned for
+    while_trips: int = DEFAULT_WHILE_TRIPS
 
 
 def call_body(eqn) -> tuple[Any, tuple]:
@@ -109,23 +120,94 @@ SCAN_ENTER = jcore.Primitive("scan_enter")
 SCAN_EXIT = jcore.Primitive("scan_exit")
 
 
-class Loop:
-    """A ``scan`` equation as the trace walked it: one ``scan_enter`` op per body input
-    (its const, carry or xs operand), the Region of its body, one ``scan_exit`` op per
-    result (carry or ys)."""
+#: pseudo-primitives framing the branches of a ``cond`` the planner sees inline: never bound
+#: (the lowering rebuilds the cond), planned by the rules in ``rules/control.py``
+COND_ENTER = jcore.Primitive("cond_enter")
+COND_EXIT = jcore.Primitive("cond_exit")
 
-    __slots__ = ("enters", "body", "exits")
 
-    def __init__(self, enters: Sequence[Op], body: Region, exits: Sequence[Op]):
-        self.enters = tuple(enters)
-        self.body = body
+class Fork:
+    """A ``cond`` equation as the trace walked it: per branch, one ``cond_enter`` op per
+    operand and the Region of its body (``enters[b]``, ``bodies[b]``); one ``cond_exit`` op
+    per result, reading the index and each branch's value of it."""
+
+    __slots__ = ("enters", "bodies", "exits")
+
+    def __init__(self, enters: Sequence[Sequence[Op]], bodies: Sequence[Region],
+                 exits: Sequence[Op]):
+        self.enters = tuple(tuple(e) for e in enters)
+        self.bodies = tuple(bodies)
         self.exits = tuple(exits)
 
 
+class Inlined:
+    """A platform-dependent ``cond`` as the trace walked it: the Region of the branch the
+    program's platform runs (``branch``, its index), inlined; the lowering runs that branch
+    in place of the ``cond``."""
+
+    __slots__ = ("branch", "body")
+
+    def __init__(self, branch: int, body: Region):
+        self.branch = branch
+        self.body = body
+
+
+def lowering_platforms(platform: str | None) -> frozenset[str]:
+    """The lowering platform names of a device platform (``"gpu"``: ``"cuda"`` or
+    ``"rocm"``, the one present; ``"cpu"``, ``"tpu"`` as they are); None: the default
+    backend's, as ``jax.jit`` would compile for."""
+    platform = platform or jax.default_backend()
+    try:
+        from jax._src.xla_bridge import canonicalize_platform, expand_platform_alias
+    except ImportError:  # pragma: no cover - a jax without them: the name as it is
+        return frozenset({platform})
+    try:
+        return frozenset({canonicalize_platform(platform)})
+    except RuntimeError:  # no backend of that platform here (an abstract mesh's)
+        return frozenset(expand_platform_alias(platform))
+
+
+def platform_branch(eqn, index: Value, platforms: frozenset[str]) -> int | None:
+    """The branch a ``cond`` runs on ``platforms`` when its index is a ``platform_index``
+    (``jax.lax.platform_dependent``), else None: the first branch listing one of them, or
+    the default (``None``) branch, as ``cond``'s lowering picks it.
+
+    References:
+      ``jax._src.lax.control_flow.conditionals``: ``_cond_lowering`` with
+      ``branches_platforms``, and ``_platform_index_lowering``."""
+    choices = eqn.params.get("branches_platforms")
+    if choices is None or index.producer is None or index.producer.name != "platform_index":
+        return None
+    for k, names in enumerate(choices):
+        if names is None or platforms & set(names):
+            return k
+    raise ValueError(f"{eqn.primitive.name}: no branch of this platform-dependent code "
+                     f"runs on {sorted(platforms)} (branches for {choices}); plan on a mesh "
+                     "of a platform it supports")
+
+
+class Loop:
+    """A ``scan`` or ``while`` equation as the trace walked it: one ``scan_enter`` op per
+    body input (a scan's const, carry or xs operand; a while's predicate consts, body
+    consts, then carries, which predicate and body both read), the Region of its body, one
+    ``scan_exit`` op per result (carry or ys); a while's predicate's Region (``test``)."""
+
+    __slots__ = ("enters", "body", "exits", "test")
+
+    def __init__(self, enters: Sequence[Op], body: Region, exits: Sequence[Op],
+                 test: Region | None = None):
+        self.enters = tuple(enters)
+        self.body = body
+        self.exits = tuple(exits)
+        self.test = test
+
+
 class _Builder:
-    def __init__(self):
+    def __init__(self, platforms: frozenset[str], trips: int):
         self.ids = itertools.count()
         self.ops: list[Op] = []
+        self.platforms = platforms  # what platform-dependent code is resolved for
+        self.trips = trips  # a while loop's trip count where its jaxprs give none
 
     def value(self, aval, producer=None, const=None) -> Value:
         shape = getattr(aval, "shape", ())
@@ -157,16 +239,29 @@ class _Builder:
             env[var] = self.const(c)
         for var, v in zip(jaxpr.invars, invals):
             env[var] = v
-        steps: list[Op | Region | Loop] = []
+        steps: list[Op | Region | Loop | Fork | Inlined] = []
         for i, eqn in enumerate(jaxpr.eqns):
             ins = [self.read(env, a) for a in eqn.invars]
             body, body_consts = call_body(eqn)
-            if body is not None:
+            branch = platform_branch(eqn, ins[0], self.platforms) \
+                if eqn.primitive.name == "cond" else None
+            if branch is not None:
+                chosen = eqn.params["branches"][branch]
+                outs, region = self.emit(chosen.jaxpr, chosen.consts, ins[1:], weight,
+                                         (*where, i))
+                steps.append(Inlined(branch, region))
+            elif body is not None:
                 outs, region = self.emit(body, body_consts, ins[len(ins) - len(body.invars):],
                                          weight, (*where, i))
                 steps.append(region)
             elif eqn.primitive.name == "scan":
                 outs, loop = self.scan(eqn, ins, weight, (*where, i))
+                steps.append(loop)
+            elif eqn.primitive.name == "cond":
+                outs, fork = self.cond(eqn, ins, weight, (*where, i))
+                steps.append(fork)
+            elif eqn.primitive.name == "while":
+                outs, loop = self.while_loop(eqn, ins, weight, (*where, i))
                 steps.append(loop)
             else:
                 op = self.op(eqn.primitive, dict(eqn.params), ins,
@@ -203,10 +298,83 @@ class _Builder:
         return [e.outputs[0] for e in exits], Loop(enters, body, exits)
 
 
+    def while_loop(self, eqn, ins: list[Value], weight: int, where: tuple[int, ...]
+                   ) -> tuple[list[Value], Loop]:
+        """A while loop's predicate and body inline, run ``trips`` times (read off the
+        jaxprs where static, else the builder's estimate: :mod:`shardc.ir.trips`), framed
+        like a scan's: ``scan_enter`` ops (``loop="while"``) give both their consts and
+        the carries (a carry's enter ``tie``s it to the value the body returns, and names
+        the predicate, ``test``, which every device must compute alike), ``scan_exit`` ops
+        give the carries after the loop."""
+        p = eqn.params
+        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        cond, body = p["cond_jaxpr"], p["body_jaxpr"]
+        trips = while_trips(eqn, ins, self.trips)
+        source = source_line(eqn)
+        nk = len(ins) - cn - bn
+        kinds = ["const"] * (cn + bn) + ["carry"] * nk
+        avals = [v.aval for v in cond.jaxpr.invars[:cn]] + [v.aval for v in body.jaxpr.invars]
+        enters = [self.op(SCAN_ENTER, {"kind": kind, "length": trips, "loop": "while"}, [v],
+                          [aval], weight, source=source, where=where)
+                  for kind, v, aval in zip(kinds, ins, avals)]
+        vals = [e.outputs[0] for e in enters]
+        carries = vals[cn + bn:]
+        (test,), test_region = self.emit(cond.jaxpr, cond.consts, vals[:cn] + carries,
+                                         weight * trips, where)
+        outs, body_region = self.emit(body.jaxpr, body.consts, vals[cn:], weight * trips,
+                                      where)
+        for k in range(nk):
+            enters[cn + bn + k].params.update(tie=outs[k], test=test)
+        exits = [self.op(SCAN_EXIT, {"kind": "carry", "enter": carries[j], "loop": "while"},
+                         [v], [var.aval], weight, source=source, where=where)
+                 for j, (v, var) in enumerate(zip(outs, eqn.outvars))]
+        return [e.outputs[0] for e in exits], Loop(enters, body_region, exits, test_region)
+
+    def cond(self, eqn, ins: list[Value], weight: int, where: tuple[int, ...]
+             ) -> tuple[list[Value], Fork]:
+        """A cond's branches inline: per branch, a ``cond_enter`` op per operand gives the
+        branch its inputs (the operand converted before the cond, in the layout that branch
+        reads it), then the branch's ops; a ``cond_exit`` op per result reads the index and
+        every branch's value of it, all in the result's layout. One branch runs per call:
+        the costliest (most FLOPs, the first of equals) keeps the cond's ``weight`` and the
+        others weigh 0, so the cond is priced by its costlier branch. The others' layouts
+        still pay for what crosses their edges (an operand read in another layout than it
+        is made, a result converted to the cond's), where the enters and exits run at the
+        cond's weight. A branch's ops are placed at ``(*where, b, j)``: the cond's place,
+        the branch's index, the equation's in the branch."""
+        from shardc.rules.registry import op_flops  # the rules' FLOPs; rules import this module
+
+        index, operands = ins[0], ins[1:]
+        source = source_line(eqn)
+        enters, bodies, results, spans = [], [], [], []
+        for b, branch in enumerate(eqn.params["branches"]):
+            ops = [self.op(COND_ENTER, {"branch": b}, [v], [var.aval], weight, source=source,
+                           where=where)
+                   for v, var in zip(operands, branch.jaxpr.invars)]
+            start = len(self.ops)
+            outs, body = self.emit(branch.jaxpr, branch.consts, [e.outputs[0] for e in ops],
+                                   weight, (*where, b))
+            spans.append(self.ops[start:])
+            enters.append(ops)
+            bodies.append(body)
+            results.append(outs)
+        flops = [sum(op_flops(op) * op.weight for op in span) for span in spans]
+        heavy = flops.index(max(flops))
+        for b, span in enumerate(spans):
+            if b != heavy:
+                for op in span:  # the builder's ops, not yet in a Graph: weighed once here
+                    op.weight = 0
+        exits = [self.op(COND_EXIT, {"branches": len(results)},
+                         [index, *(outs[j] for outs in results)], [var.aval], weight,
+                         source=source, where=where)
+                 for j, var in enumerate(eqn.outvars)]
+        return [e.outputs[0] for e in exits], Fork(enters, bodies, exits)
+
+
 def eliminate_dead_ops(graph: Graph) -> Graph:
     """Drop ops nothing observes: kept are the ops an output depends on, the ops with side
-    effects, and what those read; a live scan carry keeps what the body returns for it
-    (its ``tie``), to a fixed point."""
+    effects, and what those read; a live loop carry keeps what the body returns for it
+    (its ``tie``) and a while's predicate (its ``test``), to a fixed point."""
     live = {v.id for v in graph.outputs}
     while True:
         kept: list[Op] = []
@@ -215,17 +383,18 @@ def eliminate_dead_ops(graph: Graph) -> Graph:
             if op.effects or any(v.id in live for v in op.outputs):
                 kept.append(op)
                 live.update(v.id for v in op.inputs)
-                tie = op.params.get("tie") if op.prim is SCAN_ENTER else None
-                if tie is not None:
-                    live.add(tie.id)
+                if op.prim is SCAN_ENTER:  # a live carry: what the loop computes it from
+                    live.update(v.id for k in ("tie", "test")
+                                if (v := op.params.get(k)) is not None)
         if len(live) == before:
             break
     kept.reverse()
     return Graph(graph.inputs, graph.outputs, kept)
 
 
-def _build(closed_jaxpr) -> tuple[Graph, Region]:
-    b = _Builder()
+def _build(closed_jaxpr, platform: str | None = None, trips: int = DEFAULT_WHILE_TRIPS
+           ) -> tuple[Graph, Region]:
+    b = _Builder(lowering_platforms(platform), trips)
     inputs = [b.value(v.aval) for v in closed_jaxpr.jaxpr.invars]
     outputs, region = b.emit(closed_jaxpr.jaxpr, closed_jaxpr.consts, inputs)
     graph = eliminate_dead_ops(Graph(inputs, outputs, b.ops))
@@ -233,19 +402,23 @@ def _build(closed_jaxpr) -> tuple[Graph, Region]:
     return graph, region
 
 
-def graph_from_jaxpr(closed_jaxpr) -> Graph:
+def graph_from_jaxpr(closed_jaxpr, platform: str | None = None) -> Graph:
     """The planner's graph of a closed jaxpr (calls inlined, dead ops removed)."""
-    return _build(closed_jaxpr)[0]
+    return _build(closed_jaxpr, platform)[0]
 
 
-def trace(fn: Callable, *args) -> Traced:
-    """Trace ``fn(*args)`` (arrays or ``jax.ShapeDtypeStruct`` leaves) to a Graph."""
+def trace(fn: Callable, *args, platform: str | None = None,
+          while_trips: int = DEFAULT_WHILE_TRIPS) -> Traced:
+    """Trace ``fn(*args)`` (arrays or ``jax.ShapeDtypeStruct`` leaves) to a Graph;
+    platform-dependent code is resolved for ``platform`` (a device's ``platform``: the
+    mesh's devices'), None: the default backend's (an abstract mesh's); a ``while`` loop
+    whose bounds are not static is planned for ``while_trips`` iterations."""
     in_tree = jax.tree.structure(args)
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     closed = gate_checkpoints(closed)
-    graph, region = _build(closed)
+    graph, region = _build(closed, platform, while_trips)
     return Traced(graph, in_tree, jax.tree.structure(out_shape), region, tuple(closed.consts),
-                  closed, segments(closed))
+                  closed, segments(closed), platform=platform, while_trips=while_trips)
 
 
 def rematerialized(traced: Traced, remat: Sequence[int]) -> Traced:
@@ -261,5 +434,5 @@ def rematerialized(traced: Traced, remat: Sequence[int]) -> Traced:
         raise ValueError(f"remat segment(s) {bad} do not exist: this program has {n} "
                          f"segment{'' if n == 1 else 's'} that can be recomputed")
     closed = rematerialize(traced.jaxpr, traced.segments, remat)
-    graph, region = _build(closed)
+    graph, region = _build(closed, traced.platform, traced.while_trips)
     return dataclasses.replace(traced, graph=graph, region=region, remat=remat)

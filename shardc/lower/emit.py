@@ -8,7 +8,8 @@ planner saw inlined (a :class:`~shardc.ir.trace.Region`: remat with its policy,
 ``custom_jvp_call`` / ``custom_vjp_call`` with their rules, an inner ``jit``) stays a call:
 its body jaxpr is rewritten by tracing this same interpreter over it, with the plan's
 constraints inside, and the call is bound with the new body. So the program differentiates,
-vmaps and recomputes exactly like ``jax.jit(fn)``.
+vmaps and recomputes exactly like ``jax.jit(fn)``. A platform-dependent ``cond`` the trace
+resolved (:class:`~shardc.ir.trace.Inlined`) runs its platform's branch in place.
 
 The plan's layouts become ``with_sharding_constraint`` on every planned, non-partial value.
 Partial values have no spelling on Auto mesh axes, so they are left unconstrained: XLA
@@ -29,14 +30,14 @@ from typing import Any
 
 import jax
 from jax.extend import core as jcore
-from jax.extend import source_info_util
 from jax.sharding import AxisType, Mesh, NamedSharding
 
 from shardc.cost.comm import conversion
 from shardc.ir.prims import facts
 from shardc.ir.remat import is_gate
 from shardc.ir.sbp import B, NdSbp, Split, to_partition_spec
-from shardc.ir.trace import Loop, Region, Traced
+from shardc.ir.trace import Fork, Inlined, Loop, Region, Traced
+from shardc.lower.control import ControlFlow, bind_eqn
 from shardc.lower.partial import (
     Stacked,
     lift,
@@ -53,19 +54,6 @@ from shardc.solve.problem import loop_ties
 
 def sharding(mesh: Mesh, nd: NdSbp, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, to_partition_spec(nd, ndim, mesh.axis_names))
-
-
-def _bind(eqn, args: Sequence, params: dict | None = None) -> list:
-    """Bind ``eqn``'s primitive on ``args`` as ``jax.core.eval_jaxpr`` does (its source
-    info and context kept, but the mesh context of the lowering, which runs on Auto axes),
-    with ``params`` in place of the equation's own if given."""
-    bind_params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
-    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    mesh = jax.sharding.get_abstract_mesh()  # the lowering's, not the one traced under
-    with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
-          eqn.ctx.manager, jax.sharding.use_abstract_mesh(mesh)):
-        outs = eqn.primitive.bind(*args, **bind_params)
-    return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
 def conversion_steps(plan, src: NdSbp | None, dst: NdSbp) -> list[NdSbp]:
@@ -97,7 +85,7 @@ def _read_as_made(graph, plan, by_op) -> set[int]:
     return {v.id for op in graph.ops for v in op.outputs} - bad
 
 
-class _Lowering:
+class _Lowering(ControlFlow):
     """The interpreter: a plan, the Auto mesh it runs on, its ops by id, and the values
     left unconstrained (:meth:`~shardc.ir.graph.Graph.constants`)."""
 
@@ -179,8 +167,8 @@ class _Lowering:
         """Record which values of ``loop``'s body are held stacked: each carry the plan
         keeps partial, and back from the value the body returns for it, every partial value
         made by an op of the body (not of a call inside it) that :func:`stackable` allows."""
-        made = {v.id: op for op in loop.body.steps if not isinstance(op, (Region, Loop))
-                for v in op.outputs}
+        made = {v.id: op for op in loop.body.steps
+                if not isinstance(op, (Region, Loop, Fork, Inlined)) for v in op.outputs}
         todo = []
         for e in carried:
             planned = self.by_op.get(e.id)
@@ -212,7 +200,7 @@ class _Lowering:
                           self.plan.axis_sizes)
             lifted.append(arr)
             batched.append(b)
-        out = vmapped(lambda *xs: _bind(eqn, xs)[0], batched, axes)(*lifted)
+        out = vmapped(lambda *xs: bind_eqn(eqn, xs)[0], batched, axes)(*lifted)
         return Stacked(self.constrain_stacked(out, axes, planned.outs[0]), axes)
 
     def settle(self, vid: int, x):
@@ -223,7 +211,7 @@ class _Lowering:
     def op(self, eqn, op, args: list) -> list:
         planned = self.by_op.get(op.id)
         if planned is None or op.outputs and all(v.id in self.free for v in op.outputs):
-            return _bind(eqn, [unstack(x) for x in args])  # dead in the plan, or a constant
+            return bind_eqn(eqn, [unstack(x) for x in args])  # dead in the plan, or a constant
         if op.outputs and op.outputs[0].id in self.stacked:
             return [self._stacked_op(eqn, op, planned, args)]
         if is_gate(eqn):
@@ -234,7 +222,7 @@ class _Lowering:
         if facts(op.name).fixed and op.name == "sharding_constraint":
             outs = args  # the user's layout is the plan's: constrained just below
         else:
-            outs = _bind(eqn, args)
+            outs = bind_eqn(eqn, args)
         if self._follows(op, planned):  # XLA propagates the layout its operands have
             return [self.settle(v.id, x) for v, x in zip(op.outputs, outs)]
         return [self.settle(v.id, self.constrain(x, nd))
@@ -250,7 +238,7 @@ class _Lowering:
         args = [x if v.is_const or v.id in self.free
                 else self.convert(unstack(x), self.plan.read_as(v.id), here)
                 for v, x in zip(op.inputs, args)]
-        out = self.convert(_bind(eqn, args)[0], here, planned.outs[0])
+        out = self.convert(bind_eqn(eqn, args)[0], here, planned.outs[0])
         return [self.settle(op.outputs[0].id, out)]
 
     def _follows(self, op, planned) -> bool:
@@ -294,11 +282,12 @@ class _Lowering:
         else:  # an open jaxpr (remat): the body is traced over its invars and closes over none
             assert not body.consts, f"{eqn.primitive.name}: rewritten body closes over consts"
             new = body.jaxpr
-        return _bind(eqn, args, {**eqn.params, key: new})
+        return bind_eqn(eqn, args, {**eqn.params, key: new})
 
     def _pass(self, op, x, into: bool):
-        """``x`` through a ``scan_enter`` / ``scan_exit`` op: converted to the layout the op
-        reads (``into``), or pinned to the one it makes (and settled)."""
+        """``x`` through a loop's or a cond's edge op (``scan_enter`` / ``scan_exit``,
+        ``cond_enter`` / ``cond_exit``): converted to the layout the op reads (``into``),
+        or pinned to the one it makes (and settled)."""
         planned = self.by_op.get(op.id)
         if planned is None:
             return x
@@ -351,7 +340,7 @@ class _Lowering:
             else:
                 x = self._pass(e, x, into=True)
             ins.append(x)
-        outs = _bind(eqn, ins, {**p, "jaxpr": closed})
+        outs = bind_eqn(eqn, ins, {**p, "jaxpr": closed})
         result = []
         for j, (e, x) in enumerate(zip(loop.exits, outs)):
             if j < nk:  # a carry: read as the loop keeps it (summed if held stacked)
@@ -373,8 +362,15 @@ class _Lowering:
             ins = [read(a) for a in eqn.invars]
             if isinstance(step, Region):
                 outs = self.call(eqn, step, [unstack(x) for x in ins])
+            elif isinstance(step, Loop) and step.test is not None:
+                outs = self.while_loop(eqn, step, [unstack(x) for x in ins])
             elif isinstance(step, Loop):
                 outs = self.loop(eqn, step, [unstack(x) for x in ins])
+            elif isinstance(step, Fork):
+                outs = self.fork(eqn, step, [unstack(x) for x in ins])
+            elif isinstance(step, Inlined):  # the platform's branch, in place of the cond
+                outs = self.region(step.body, eqn.params["branches"][step.branch].consts,
+                                   ins[1:])
             else:
                 outs = self.op(eqn, step, ins)
             for var, x in zip(eqn.outvars, outs):

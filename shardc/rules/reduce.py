@@ -5,7 +5,9 @@ the dim's position in the output; a reduced dim split gives a partial result, wh
 *sum* for ``reduce_sum`` (S(i)->P, and P->P since the sum is linear). ``reduce_max`` /
 ``reduce_min`` over a split dim give a partial max / min, S(i)->P(max) (each device reduces
 its shard; an all-reduce with max finishes it, which XLA's partitioner emits for a reduction
-over a sharded dim: the max over a vocabulary split by Megatron's last layer). No op reads a
+over a sharded dim: the max over a vocabulary split by Megatron's last layer); so do
+``reduce_and`` / ``reduce_or`` of booleans, a min / max (a check that every gradient is
+finite, on sharded gradients: a local check and an all-reduce of one flag). No op reads a
 P(max) value (plans never consume partial inputs), so it is always resolved at its use. The
 other non-sum reductions keep dims only (a product's partial is not what XLA emits; argmax
 needs the value with its index). Scans (``cumsum`` & co.) split any dim except the scanned
@@ -37,8 +39,10 @@ from shardc.rules.shape import is_numeric
 
 NON_SUM_REDUCTIONS = ("reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
                       "reduce_xor", "argmax", "argmin")
-EXTREMA = {"reduce_max": Partial("max"), "reduce_min": Partial("min")}
-"""Reductions whose split dim leaves a partial extremum, and that partial."""
+EXTREMA = {"reduce_max": Partial("max"), "reduce_min": Partial("min"),
+           "reduce_and": Partial("min"), "reduce_or": Partial("max")}
+"""Reductions whose split dim leaves a partial extremum, and that partial (an ``and`` of
+booleans is their min, an ``or`` their max)."""
 SCANS = ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")
 
 
@@ -68,7 +72,7 @@ def reduce_keep_rule(op: Op) -> list[Signature]:
     sigs = _kept_signatures(op)
     partial = EXTREMA.get(op.name)
     x = op.inputs[0]
-    if partial is not None and is_numeric(x.dtype):
+    if partial is not None and (is_numeric(x.dtype) or x.dtype == bool):
         sigs += [Signature((Split(a % x.ndim),), (partial,)) for a in op.params["axes"]]
     return sigs
 

@@ -24,7 +24,7 @@ from shardc.cost.combine import COMBINED_KINDS, tail_values
 from shardc.ir.graph import Graph, Op, Value
 from shardc.ir.prims import facts
 from shardc.ir.sbp import NdSbp
-from shardc.ir.trace import SCAN_ENTER, SCAN_EXIT
+from shardc.ir.trace import COND_ENTER, COND_EXIT, SCAN_ENTER, SCAN_EXIT
 
 if TYPE_CHECKING:
     from shardc.solve.problem import CostGraph
@@ -51,6 +51,25 @@ def reads(op: Op) -> list[tuple[int, Value]]:
     if carry_exit(op):
         return [(0, op.params["enter"])]
     return list(enumerate(op.inputs))
+
+
+def joined(graph: Graph) -> tuple[set[int], dict[int, int]]:
+    """The buffers a ``cond`` shares with its branches: (ids of the values a branch makes
+    and returns, which it writes in the cond's result buffer and hold none of their own;
+    ``{id of a cond result: the program point of the first branch value written in it}``,
+    where that buffer starts). References: XLA's ``conditional`` whose branch computations'
+    roots are assigned the conditional's output buffer (``buffer_assignment.cc``)."""
+    made = {v.id: t for t, op in enumerate(graph.ops) for v in op.outputs
+            if op.prim is not COND_ENTER}
+    inside: set[int] = set()
+    born: dict[int, int] = {}
+    for op in graph.ops:
+        if op.prim is COND_EXIT:
+            ts = [made[v.id] for v in op.inputs[1:] if v.id in made]
+            inside.update(v.id for v in op.inputs[1:] if v.id in made)
+            if ts:
+                born[op.outputs[0].id] = min(ts)
+    return inside, born
 
 
 def _value_mem(cg: CostGraph, node: int, slot: int, nbytes: int) -> np.ndarray:
@@ -84,14 +103,17 @@ def fused_values(graph: Graph) -> set[int]:
 def _lifetimes(cg: CostGraph) -> None:
     """Graph inputs (parameters, optimizer state, batch) live throughout; an op's outputs
     from the op to their last use (graph outputs: to the end); a fused value
-    (:func:`fused_values`) has no buffer, and its operands live to its last use instead."""
+    (:func:`fused_values`) has no buffer, and its operands live to its last use instead. A
+    ``cond_enter`` holds no buffer (the branch reads the operand in place), nor does a
+    branch's value of a cond result (it is the result's buffer, :func:`joined`)."""
     graph = cg.graph
     n = len(graph.ops)
     last = {v.id: n for v in graph.outputs}
     for t, op in enumerate(graph.ops):
         for v in op.inputs:
             last[v.id] = max(last.get(v.id, t), t)
-    fused = fused_values(graph)
+    # a branch reads the cond's operand in place: its ``cond_enter`` holds no copy
+    fused = fused_values(graph) | {op.outputs[0].id for op in graph.ops if op.prim is COND_ENTER}
     for t in range(n - 1, -1, -1):  # consumers first: a chain of fused values extends back
         op = graph.ops[t]
         end = max((last[v.id] for v in op.outputs if v.id in fused), default=t)
@@ -103,12 +125,14 @@ def _lifetimes(cg: CostGraph) -> None:
         cg.spans.append((0, n, node, 0, v.nbytes))
     results = {v.id for v in graph.outputs}
     cg.results = set()
+    inside, born = joined(graph)
     for t, op in enumerate(graph.ops):
         for slot, v in enumerate(op.outputs):
             if v.id in results:
                 cg.results.add(len(cg.spans))
-            if v.id not in fused:
-                cg.spans.append((t, last.get(v.id, t), cg.producer[v.id][0], slot, v.nbytes))
+            if v.id not in fused and v.id not in inside:
+                cg.spans.append((born.get(v.id, t), last.get(v.id, t), cg.producer[v.id][0],
+                                 slot, v.nbytes))
     first_read: dict[int, int] = {}
     made = {v.id: t for t, op in enumerate(graph.ops) for v in op.outputs}
     tail = tail_values(graph)

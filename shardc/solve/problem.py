@@ -507,6 +507,12 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
         v = cg.producer[enter.outputs[0].id][0]
         cg.edges.append(edge(u, slot, val, v, -1, [s.outs[0] for s in cg.choices[v]],
                              cg.choices[v], runs.get(val.id, 1)))
+    whole = NdSbp((B,) * len(axis_sizes))
+    for val in loop_tests(graph):  # a while's predicate: every device runs alike
+        u, slot = source(val)
+        fix = cg.reshard_matrix(cg.out_sbps(u, slot), [whole], val.nbytes,
+                                scale.get(val.id, 1.0))
+        cg.cost[u] = cg.cost[u] + fix[:, 0] * runs.get(val.id, 1)
     after = {cg.producer[val.id][0]: [] for val in shared}
     for val in shared:
         after[cg.producer[val.id][0]].append(cg.settle[val.id])
@@ -554,6 +560,14 @@ def loop_ties(graph: Graph) -> list[tuple[Op, Value]]:
     return out
 
 
+def loop_tests(graph: Graph) -> list[Value]:
+    """The predicates of the while loops (a carry's ``scan_enter`` names it, ``test``): read
+    replicated every iteration, so that every device runs the same number."""
+    tests = {op.params["test"].id: op.params["test"] for op in graph.ops
+             if op.prim is SCAN_ENTER and op.params.get("test") is not None}
+    return [v for v in tests.values() if not v.is_const]
+
+
 def accumulators(graph: Graph) -> set[int]:
     """Ids of the ops that may read partial values: a scan's accumulator carries (a float
     carry the body only adds to: ``acc + g``) with their exits, and the body's own ops that feed
@@ -565,6 +579,8 @@ def accumulators(graph: Graph) -> set[int]:
     out: set[int] = set()
     users = graph.consumers()
     for enter, tie in loop_ties(graph):
+        if enter.params.get("loop") == "while":
+            continue  # its carries are never held partial (``rules/control.py``)
         acc = enter.outputs[0]
         depth = len(enter.where) + 1  # the body's own ops, not those of calls inside it
         if not (jnp.issubdtype(acc.dtype, jnp.inexact) and _adds_to(tie, acc, depth)):

@@ -1,0 +1,104 @@
+"""The lowering of control flow the planner saw inline: a ``cond`` rebuilt with its
+branches rewritten, a ``while`` loop with its predicate and body rewritten, the plan's
+layouts placed inside (the scan's rebuild, with its partial carries held stacked, is in
+:mod:`shardc.lower.emit`); and the binding of one equation, which every rebuilt body uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+from jax.extend import source_info_util
+
+from shardc.ir.trace import Fork, Loop
+from shardc.lower.partial import unstack
+
+__all__ = ["ControlFlow", "bind_eqn"]
+
+
+def bind_eqn(eqn, args: Sequence, params: dict | None = None) -> list:
+    """Bind ``eqn``'s primitive on ``args`` as ``jax.core.eval_jaxpr`` does (its source
+    info and context kept, but the mesh context of the lowering, which runs on Auto axes),
+    with ``params`` in place of the equation's own if given."""
+    bind_params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    mesh = jax.sharding.get_abstract_mesh()  # the lowering's, not the one traced under
+    with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
+          eqn.ctx.manager, jax.sharding.use_abstract_mesh(mesh)):
+        outs = eqn.primitive.bind(*args, **bind_params)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+class ControlFlow:
+    """The cond and while lowering of :class:`shardc.lower.emit._Lowering` (its plan, ops
+    and conversions: ``plan``, ``by_op``, ``free``, ``convert``, ``region``, ``_pass``)."""
+
+    __slots__ = ()
+
+    def fork(self, eqn, fork: Fork, args: list) -> list:
+        """Bind a cond with its branches rewritten: each operand converted, before the
+        cond, to the layout each branch reads it in (the cond takes every branch's copies,
+        each branch reads its own); inside each branch, its ops as planned and each result
+        converted to the cond's layout of it; the results pinned after the cond."""
+        n = len(args) - 1
+        copies = [self._pass(e, x, into=True)
+                  for enters in fork.enters for e, x in zip(enters, args[1:])]
+        avals = [v.aval for v in eqn.invars[1:]] * len(fork.bodies)
+
+        def branch(b: int):
+            def run(*xs):
+                ins = [self._pass(e, x, into=False)
+                       for e, x in zip(fork.enters[b], xs[b * n:(b + 1) * n])]
+                outs = self.region(fork.bodies[b], eqn.params["branches"][b].consts, ins)
+                return [self._exit(e, b, unstack(x)) for e, x in zip(fork.exits, outs)]
+
+            return jax.make_jaxpr(run)(*avals)
+
+        branches = tuple(branch(b) for b in range(len(fork.bodies)))
+        outs = bind_eqn(eqn, [args[0], *copies], {**eqn.params, "branches": branches})
+        return [self._pass(e, x, into=False) for e, x in zip(fork.exits, outs)]
+
+    def _exit(self, op, b: int, x):
+        """Branch ``b``'s value of a cond result, converted to the result's layout."""
+        planned = self.by_op.get(op.id)
+        v = op.inputs[1 + b]
+        if planned is None or v.is_const or v.id in self.free or not hasattr(x, "shape"):
+            return x
+        return self.convert(x, self.plan.read_as(v.id), planned.ins[1 + b])
+
+    def while_loop(self, eqn, loop: Loop, args: list) -> list:
+        """Bind a while loop with its predicate and body rewritten: operands converted to
+        the layouts the loop reads them in, before it; inside, the ops as planned and each
+        carry converted back to its carried layout every iteration; the results pinned
+        after the loop. The predicate is left to XLA, replicated as the plan priced it."""
+        p = eqn.params
+        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        enters = loop.enters
+        carried = enters[cn + bn:]
+
+        def pinned(ops, xs) -> list:
+            return [self._pass(e, x, into=False) for e, x in zip(ops, xs)]
+
+        def test(*xs):
+            vals = pinned(enters[:cn] + carried, xs)
+            return [unstack(x) for x in self.region(loop.test, p["cond_jaxpr"].consts, vals)]
+
+        def body(*xs):
+            outs = self.region(loop.body, p["body_jaxpr"].consts, pinned(enters[cn:], xs))
+            return [self._back(e, unstack(x)) for e, x in zip(carried, outs)]
+
+        tests = jax.make_jaxpr(test)(*(v.aval for v in p["cond_jaxpr"].jaxpr.invars))
+        bodies = jax.make_jaxpr(body)(*(v.aval for v in p["body_jaxpr"].jaxpr.invars))
+        ins = [self._pass(e, x, into=True) for e, x in zip(enters, args)]
+        outs = bind_eqn(eqn, ins, {**p, "cond_jaxpr": tests, "body_jaxpr": bodies})
+        return [self._pass(e, self._pass(e, x, into=True), into=False)
+                for e, x in zip(loop.exits, outs)]
+
+    def _back(self, enter, x):
+        """The body's next value of a carry, converted to the carry's layout."""
+        tie = enter.params["tie"]
+        planned = self.by_op.get(enter.id)
+        if planned is None or tie.is_const or tie.id in self.free or not hasattr(x, "shape"):
+            return x
+        return self.convert(x, self.plan.read_as(tie.id), planned.outs[0])
