@@ -52,7 +52,7 @@ from shardc.explain import fmt_bytes, fmt_time
 from shardc.frontier import BUDGETS, DeviceCount, DeviceSweep, Frontier, device_counts, sweep
 from shardc.ir.remat import levels
 from shardc.ir.sbp import Broadcast, NdSbp, from_partition_spec, to_partition_spec
-from shardc.ir.trace import Traced, rematerialized, trace
+from shardc.ir.trace import DEFAULT_WHILE_TRIPS, Traced, rematerialized, trace
 from shardc.lower.emit import explicit_axes, jit_plan
 from shardc.multihost import agree
 from shardc.names import input_names, output_names
@@ -110,13 +110,27 @@ class Options:
     in_shardings: Any = None
     keep_input_shardings: bool | None = None  # None: True on a mesh with Explicit axes
     cache_dir: str | None = None  # None: $SHARDC_CACHE_DIR if set, else no disk cache
+    while_trips: int = DEFAULT_WHILE_TRIPS
 
     def __post_init__(self):
+        if (not isinstance(self.while_trips, int) or isinstance(self.while_trips, bool)
+                or self.while_trips < 1):
+            raise ValueError(f"while_trips is the iterations a while loop without static "
+                             f"bounds is planned for, a whole number >= 1; got "
+                             f"{self.while_trips!r}")
         if self.memory_budget is not None and not self.memory_budget > 0:
             raise ValueError(f"memory_budget must be a positive number of bytes per device, "
                              f"got {self.memory_budget!r}")
         if not self.time_limit >= 0:
             raise ValueError(f"time_limit must be seconds >= 0, got {self.time_limit!r}")
+
+
+def _platform(mesh: Mesh | AbstractMesh) -> str | None:
+    """The platform of the mesh's devices (what ``platform_index`` conds resolve for);
+    None on an abstract mesh: the default backend's."""
+    devices = getattr(mesh, "devices", None)
+    return None if devices is None or isinstance(mesh, AbstractMesh) else \
+        devices.flat[0].platform
 
 
 def tie_outputs(arg_trees, out_tree, graph=None) -> list[tuple[int, int]]:
@@ -267,7 +281,9 @@ class AutoSharded:
             t0 = time.perf_counter()
             with _gc_paused():
                 traced = self._own(trace(call.function(self.fn),
-                                         *map(abstract_leaf, call.leaves)))
+                                         *map(abstract_leaf, call.leaves),
+                                         platform=_platform(self.mesh),
+                                         while_trips=self.options.while_trips))
             ties = tie_outputs(call.arg_trees(), traced.out_tree, traced.graph)
             hit = _Traced(traced, tuple(ties), self._fixed(call))
             self._traces[key] = hit
@@ -799,7 +815,8 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh | AbstractMesh,
                in_shardings=None,
                keep_input_shardings: bool | None = None,
                static_argnums=None, static_argnames=None, donate_argnums=None,
-               donate_argnames=None, cache_dir: str | None = None):
+               donate_argnames=None, cache_dir: str | None = None,
+               while_trips: int = DEFAULT_WHILE_TRIPS):
     """Plan and run ``fn`` sharded over ``mesh``, called like ``jax.jit(fn)``. Usable as
     ``@auto_shard(mesh=...)``. On a ``jax.sharding.AbstractMesh`` (a shape and axis names,
     no devices: a cluster larger than this machine) the function plans only: ``plan``,
@@ -835,10 +852,14 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh | AbstractMesh,
     (:mod:`shardc.plan_cache`): another process planning the same program loads the plan
     instead of solving. Plans are deterministic (see ``time_limit``), so the loaded plan is
     the one it would make.
+
+    ``while_trips`` is how many iterations a ``lax.while_loop`` whose bounds are not
+    static (a decode loop that stops at an end token) is planned for; loops with static
+    bounds (``fori_loop``) are planned for their own count.
     """
     options = Options(cluster if cluster is not None else DEFAULT_CLUSTER, memory_budget,
                       time_limit, _named_seeds(seeds), mesh_search, in_shardings,
-                      keep_input_shardings, cache_dir)
+                      keep_input_shardings, cache_dir, while_trips)
 
     def wrap(f):
         return AutoSharded(f, mesh, options, Convention.of(

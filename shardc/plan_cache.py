@@ -71,6 +71,7 @@ class PlanCache:
             "memory_budget": options.memory_budget,
             "time_limit": options.time_limit,
             "mesh_search": options.mesh_search,
+            "while_trips": options.while_trips,
             "seeds": {name: sorted((k, str(nd)) for k, nd in layouts.items())
                       for name, layouts in sorted(seeds.items())},
             "ties": [list(t) for t in ties],

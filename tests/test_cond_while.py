@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from clusters import SLOW_DEVICES
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as Ps
 
@@ -75,7 +76,8 @@ def test_diagonal_keeps_the_matmul_split():
     args = _contrastive_args()
     flops = {}
     for diagonal in (False, True):
-        s = shardc.auto_shard(_contrastive_step(diagonal), mesh=mesh8(), time_limit=3.0)
+        s = shardc.auto_shard(_contrastive_step(diagonal), mesh=mesh8(), time_limit=3.0,
+                              cluster=SLOW_DEVICES)
         flops[diagonal] = s.lower(*args).compile().cost_analysis()["flops"]
         if diagonal:
             _close(s(*args), jax.jit(_contrastive_step(True))(*args))
@@ -197,7 +199,8 @@ def test_an_update_under_cond_keeps_its_state_sharded(kind):
     the plain step's memory, its state is sharded."""
     params = _mlp_params()
     adam = optax.adam(1e-3)
-    plain = shardc.auto_shard(_optimizer_step(adam), mesh=mesh8(), time_limit=3.0)
+    plain = shardc.auto_shard(_optimizer_step(adam), mesh=mesh8(), time_limit=3.0,
+                              cluster=SLOW_DEVICES)
     want_share = _sharded_share(plain, params, adam.init(params))
     assert want_share > 0.5
     budget = None
@@ -207,7 +210,8 @@ def test_an_update_under_cond_keeps_its_state_sharded(kind):
     else:
         step, state = _skip_step, adam.init(params)
         budget = 1.1 * plain.plan(params, state, X).predicted.peak_memory
-    s = shardc.auto_shard(step, mesh=mesh8(), time_limit=3.0, memory_budget=budget)
+    s = shardc.auto_shard(step, mesh=mesh8(), time_limit=3.0, memory_budget=budget,
+                          cluster=SLOW_DEVICES)
     assert _sharded_share(s, params, state) >= want_share
     ref = jax.jit(step)
     got = want = (params, state)
@@ -221,7 +225,8 @@ def test_an_update_under_cond_keeps_its_state_sharded(kind):
 
 def _leanest(step, *args) -> float:
     with pytest.raises(MemoryBudgetError) as err:
-        shardc.auto_shard(step, mesh=mesh8(), time_limit=3.0, memory_budget=2 ** 20).plan(*args)
+        shardc.auto_shard(step, mesh=mesh8(), time_limit=3.0, memory_budget=2 ** 20,
+                          cluster=SLOW_DEVICES).plan(*args)
     return err.value.needed
 
 
@@ -235,7 +240,7 @@ def test_multisteps_plans_under_the_plain_steps_budget():
     extra = 2 * sum(v.nbytes for v in jax.tree.leaves(params)) / 8
     budget = 1.05 * (base + extra)
     s = shardc.auto_shard(_optimizer_step(multi), mesh=mesh8(), time_limit=3.0,
-                          memory_budget=budget)
+                          memory_budget=budget, cluster=SLOW_DEVICES)
     plan = s.plan(params, multi.init(params), X)
     assert plan.predicted.peak_memory <= budget
 
@@ -328,6 +333,13 @@ def test_a_while_loop_is_inlined_by_its_trip_count():
     assert {op.weight for op in graph.ops if op.name == "sin"} == {DEFAULT_WHILE_TRIPS}
     graph = trace(traced_bound, x, 3, while_trips=40).graph
     assert {op.weight for op in graph.ops if op.name == "sin"} == {40}
+    # auto_shard's while_trips reaches the trace, and the plan's compute follows it
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+    compute = {n: shardc.auto_shard(traced_bound, mesh=mesh, while_trips=n)
+               .plan(x, jnp.int32(3)).predicted.compute_time for n in (4, 40)}
+    assert compute[40] > 5 * compute[4]
+    with pytest.raises(ValueError, match="while_trips is the iterations"):
+        shardc.auto_shard(traced_bound, mesh=mesh, while_trips=0)
 
 
 @pytest.mark.parametrize("decode", [decode_fori, decode_while], ids=["fori", "while"])

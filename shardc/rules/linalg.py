@@ -66,14 +66,8 @@ import math
 
 from shardc.ir.graph import Op, Value
 from shardc.ir.sbp import B, Sbp, Split
-from shardc.rules.control import (
-    _has_split,
-    _promote,
-    _seed,
-    _seeds,
-    body_graph,
-    propagate,
-)
+from shardc.rules.control import body_graph
+from shardc.rules.propagate import has_split, promote, propagate, seed, split_seeds
 from shardc.rules.registry import Signature, op_flops, register
 
 #: the trailing (non-batch) rank of each primitive's first operand; the rest is batch
@@ -248,7 +242,7 @@ def _placed(op: Op, consts: list[Sbp], rhs: list[Sbp], size: int) -> Signature |
             outs = flow.outs
     if outs is None:
         return None
-    return Signature((*_promote(consts, uses), *rhs), tuple(outs))
+    return Signature((*promote(consts, uses), *rhs), tuple(outs))
 
 
 @register("custom_linear_solve", flops=custom_linear_solve_flops)
@@ -256,12 +250,12 @@ def custom_linear_solve_rule(op: Op) -> list[Signature]:
     nc = _n_consts(op)
     consts, rhs = op.inputs[:nc], op.inputs[nc:]
     sigs = []
-    for d, size in _seeds(rhs):
-        seeded = [_seed(v, d, size) for v in rhs]
-        for placed in ([_seed(v, d, size) for v in consts], [B] * nc):
+    for d, size in split_seeds(rhs):
+        seeded = [seed(v, d, size) for v in rhs]
+        for placed in ([seed(v, d, size) for v in consts], [B] * nc):
             sig = _placed(op, placed, seeded, size)
             if sig is not None:
                 break
-        if sig is not None and _has_split(sig) and sig not in sigs:
+        if sig is not None and has_split(sig) and sig not in sigs:
             sigs.append(sig)
     return sigs
