@@ -56,12 +56,12 @@ from shardc.ir.trace import DEFAULT_WHILE_TRIPS, Traced, rematerialized, trace
 from shardc.lower.emit import explicit_axes, jit_plan
 from shardc.multihost import agree
 from shardc.names import input_names, output_names
-from shardc.plan import Plan, assemble, fingerprint
+from shardc.plan import Plan, Predicted, assemble, fingerprint
 from shardc.plan_cache import PlanCache
 from shardc.plan_overlap import ranking_time
 from shardc.rules.fixed import on_mesh
 from shardc.rules.registry import has_rule, is_pinned, warn_missing
-from shardc.solve.problem import NOTHING_FIXED, Fixed
+from shardc.solve.problem import NOTHING_FIXED, Fixed, feed_time
 from shardc.solve.search import MemoryBudgetError, SolveOptions, plan_graph
 from shardc.views import View, mesh_label, views
 
@@ -128,9 +128,7 @@ class Options:
 def _platform(mesh: Mesh | AbstractMesh) -> str | None:
     """The platform of the mesh's devices (what ``platform_index`` conds resolve for);
     None on an abstract mesh: the default backend's."""
-    devices = getattr(mesh, "devices", None)
-    return None if devices is None or isinstance(mesh, AbstractMesh) else \
-        devices.flat[0].platform
+    return None if isinstance(mesh, AbstractMesh) else mesh.devices.flat[0].platform
 
 
 def tie_outputs(arg_trees, out_tree, graph=None) -> list[tuple[int, int]]:
@@ -599,15 +597,48 @@ class AutoSharded:
 
     def margins(self, *args, **kwargs):
         """The plan for these arguments beside generic data-parallel, FSDP, Megatron and
-        DP x TP layouts, each priced on the plan's cost model (:mod:`shardc.baselines`);
-        ``plan.explain(margins=step.margins(*args))`` prints them."""
+        DP x TP layouts (:mod:`shardc.baselines`): on a mesh with devices each compiled and
+        priced from its HLO, the plan's program too; on an abstract mesh estimated on the
+        plan's cost model. ``plan.explain(margins=step.margins(*args))`` prints them."""
         from shardc.baselines import margins
 
         call = self.convention.split(args, kwargs)
         _, tr, plan = self._plan(call)
         trees = call.arg_trees()
         state = {i for _, i in tr.ties} or set(range(trees[0].num_leaves if trees else 0))
-        return margins(tr.traced.graph, tr.ties, plan, state)
+        compile = None
+        if not isinstance(self.mesh, AbstractMesh):
+            compile = functools.partial(self._compiled_margin, call, tr, plan, args, kwargs)
+        return margins(tr.traced.graph, tr.ties, plan, state, compile)
+
+    def _compiled_margin(self, call: Call, tr: _Traced, plan: Plan, args, kwargs,
+                         layouts: dict[int, NdSbp] | None) -> Predicted:
+        """The program compiled with ``layouts`` as its input shardings (``jax.jit``, XLA
+        placing the rest; None: the plan's own program), priced from its HLO on the plan's
+        cluster, with the host feed of the inputs not carried from step to step."""
+        from shardc.inspect import price
+
+        graph, cluster = tr.traced.graph, plan.cluster
+        if layouts is None:
+            compiled, mesh = self.lower(*args, **kwargs).compile(), self.mesh_for(plan)
+            inputs = plan.inputs
+        else:
+            mesh, names = self.mesh, tuple(self.mesh.axis_names)
+            whole = NdSbp((Broadcast(),) * len(names))
+            inputs = tuple(layouts.get(k, whole) for k in range(len(graph.inputs)))
+            shardings = [NamedSharding(mesh, to_partition_spec(nd, v.ndim, names))
+                         for nd, v in zip(inputs, graph.inputs, strict=True)]
+            leaves = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in call.avals(self.fn)]
+            with _gc_paused():
+                compiled = jax.jit(call.function(self.fn), in_shardings=shardings).lower(
+                    *leaves).compile()
+        cost = price(compiled, mesh, cluster)
+        carried = {i for _, i in tr.ties}
+        sizes = tuple(mesh.shape.values())
+        feed = sum(feed_time(v, nd, sizes, cluster, k in carried)
+                   for k, (v, nd) in enumerate(zip(graph.inputs, inputs, strict=True)))
+        return Predicted(cost.comm_time, cost.compute_time, cost.wire_bytes,
+                         cost.peak_memory or 0.0, feed)
 
     def device_sweep(self, *args, memory_budget: float | None = None, **kwargs
                      ) -> DeviceSweep:

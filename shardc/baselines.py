@@ -17,11 +17,15 @@ argument:
   over the others.
 
 A split that does not divide a dim evenly is left out (that leaf replicated). Each layout
-fixes the graph inputs only; the rest of the program is placed as a seed is
-(:func:`shardc.solve.descent.from_inputs`: the optimizer tail backwards from the state, the
-rest greedy in program order, then coordinate descent), and priced by
-:func:`shardc.plan.assemble`, like the plan itself. So a margin compares the plan with the
-best the same model finds around each hand-written layout, not with a compiled program.
+fixes the graph inputs only. Where the mesh has devices, each layout is compiled as a user
+would write it (``jax.jit`` with those input shardings, XLA placing the rest) and the plan's
+own program too, and both are priced from the compiled HLO (:func:`shardc.inspect.price`,
+the plan's cluster) plus the host feed of their inputs: a plan that compiles to data
+parallelism's program reads 1.00x of it. On an abstract mesh (nothing to compile) the rest
+of the program is placed as a seed is (:func:`shardc.solve.descent.from_inputs`: the
+optimizer tail backwards from the state, the rest greedy in program order, then coordinate
+descent) and priced by :func:`shardc.plan.assemble`, like the plan itself: the table says
+these are estimates.
 
 References:
   ZeRO-3 / FSDP (Rajbhandari et al. 2020); Megatron-LM (Shoeybi et al. 2019) column/row
@@ -31,7 +35,7 @@ References:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from shardc.explain import fmt_bytes, fmt_time
@@ -44,12 +48,17 @@ from shardc.tables import Table
 
 __all__ = ["Baseline", "Margins", "generic_layouts", "margins"]
 
-CAPTION = ("generic layouts priced on this plan's cost model: DP replicates the state (the "
-           "arguments the step returns updated) and splits the data's first dim; FSDP splits "
-           "each state leaf's largest divisible dim; Megatron splits 2-D state leaves "
-           "alternately by column and row, data whole; DP x TP: Megatron over the last axis, "
-           "data over the rest. Between the fixed inputs the program is placed as a seed is "
-           "(greedy from the inputs, then coordinate descent).")
+CAPTION = ("generic layouts: DP replicates the state (the arguments the step returns "
+           "updated) and splits the data's first dim; FSDP splits each state leaf's largest "
+           "divisible dim; Megatron splits 2-D state leaves alternately by column and row, "
+           "data whole; DP x TP: Megatron over the last axis, data over the rest. ")
+HOW = {"compiled": "Each compiled with jax.jit from its input shardings, and this plan's "
+                   "program, priced from the compiled HLO on the plan's cluster (+ input feed).",
+       "estimate": "Estimates (an abstract mesh: nothing to compile): between the fixed "
+                   "inputs the program is placed as a seed is (greedy from the inputs, then "
+                   "coordinate descent) and priced on the plan's cost model."}
+#: compiles the program with these input layouts (None: the plan's own program) and prices it
+Compile = Callable[[dict[int, NdSbp] | None], Predicted]
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,7 @@ class Margins:
     step_time: float
     peak_memory: float
     baselines: tuple[Baseline, ...]
+    source: str = "estimate"  # "compiled": every step priced from its compiled program
 
     def ratio(self, name: str) -> float | None:
         """This plan's predicted step over ``name``'s (0.74: 26% faster than it)."""
@@ -82,9 +92,11 @@ class Margins:
             rows.append((b.name, b.axes, fmt_time(b.predicted.step_time),
                          fmt_bytes(b.predicted.peak_memory),
                          f"this plan {self.ratio(b.name):.2f}x of {b.name}"))
-        return Table("margins (predicted step per layout, same cost model):",
-                     ("layout", "over", "step", "peak memory", "margin"), tuple(rows),
-                     align="<<>><", header=False, indent=2, caption=CAPTION)
+        title = ("margins (compiled step per layout):" if self.source == "compiled" else
+                 "margins (estimated step per layout, same cost model):")
+        return Table(title, ("layout", "over", "step", "peak memory", "margin"), tuple(rows),
+                     align="<<>><", header=False, indent=2,
+                     caption=CAPTION + HOW[self.source])
 
     def __str__(self) -> str:
         return "\n".join(self.table().text())
@@ -145,10 +157,11 @@ def generic_layouts(shapes: Sequence[tuple[int, ...]], state: set[int],
 
 
 def margins(graph: Graph, ties: Sequence[tuple[int, int]], plan: Plan,
-            state: set[int] | None = None) -> Margins:
-    """``plan``'s predicted step beside each generic layout's (module docstring) for the
-    program ``graph`` with ``ties`` (output, input) on the plan's mesh and cluster; the
-    state is the tied inputs unless ``state`` names them."""
+            state: set[int] | None = None, compile: Compile | None = None) -> Margins:
+    """``plan``'s step beside each generic layout's (module docstring) for the program
+    ``graph`` with ``ties`` (output, input) on the plan's mesh and cluster; the state is
+    the tied inputs unless ``state`` names them. With ``compile`` (a mesh with devices)
+    every step is priced from its compiled program, else estimated on the plan's model."""
     sizes, names = plan.axis_sizes, plan.axis_names
     state = set(state) if state is not None else {i for _, i in ties}
     shapes = [v.shape for v in graph.inputs]
@@ -159,12 +172,22 @@ def margins(graph: Graph, ties: Sequence[tuple[int, int]], plan: Plan,
     for name, layouts in generic_layouts(shapes, state, sizes).items():
         if isinstance(layouts, str):
             out.append(Baseline(name, "", None, layouts))
-            continue
-        cg = build(graph, sizes, names, plan.cluster, ties, fixed=Fixed(inputs=layouts))
-        cg.merge_followers()
-        x = descent.from_inputs(cg, layouts)
-        if x is None:  # no input kept a layout of its own (every one merged into a use)
-            x = descent.solve(cg)
-        priced = assemble(graph, cg, cg.decode(x), ties, {})
-        out.append(Baseline(name, over[name], priced.predicted))
-    return Margins(plan.predicted.step_time, plan.predicted.peak_memory, tuple(out))
+        elif compile is not None:
+            out.append(Baseline(name, over[name], compile(layouts)))
+        else:
+            out.append(Baseline(name, over[name], _estimate(graph, ties, plan, layouts)))
+    if compile is None:
+        return Margins(plan.predicted.step_time, plan.predicted.peak_memory, tuple(out))
+    mine = compile(None)
+    return Margins(mine.step_time, mine.peak_memory, tuple(out), "compiled")
+
+
+def _estimate(graph: Graph, ties: Sequence[tuple[int, int]], plan: Plan,
+              layouts: dict[int, NdSbp]) -> Predicted:
+    cg = build(graph, plan.axis_sizes, plan.axis_names, plan.cluster, ties,
+               fixed=Fixed(inputs=layouts))
+    cg.merge_followers()
+    x = descent.from_inputs(cg, layouts)
+    if x is None:  # no input kept a layout of its own (every one merged into a use)
+        x = descent.solve(cg)
+    return assemble(graph, cg, cg.decode(x), ties, {}).predicted

@@ -153,20 +153,51 @@ def test_generic_layouts_follow_their_rules():
 
 
 def test_explain_prints_margins_against_generic_layouts(mlp_plan):
+    """On an abstract mesh (nothing to compile) the margins are estimates on the plan's own
+    model, which the plan (solved on it) never loses to."""
     step, args, plan = mlp_plan
-    margins = step.margins(*args)
+    abstract = shardc.auto_shard(_mlp_step, mesh=jax.sharding.AbstractMesh((2, 4),
+                                                                           ("node", "gpu")),
+                                 cluster=shardc.Cluster.multi_node())
+    margins = abstract.margins(*args)
+    assert margins.source == "estimate"
     assert [b.name for b in margins.baselines] == ["data parallel", "FSDP", "Megatron TP",
                                                    "DP x TP"]
     text = plan.explain(max_rows=3, margins=margins)
     table = text.split("margins (")[1].split("arguments (")[0]
+    assert table.startswith("estimated step per layout")
     for b in margins.baselines:
         ratio = plan.predicted.step_time / b.predicted.step_time
         assert f"this plan {ratio:.2f}x of {b.name}" in table
         # the plan was solved to optimality on the same model: no generic layout beats it
         assert ratio <= 1.0 + 1e-9, (b.name, ratio)
-    assert "DP replicates the state" in table
+    assert "DP replicates the state" in table and "Estimates" in table
     # each layout is priced on its own (not the plan's figures copied)
     assert len({b.predicted.step_time for b in margins.baselines}) == 4
+
+
+def test_margins_on_devices_price_the_compiled_programs(mlp_plan):
+    """With devices, each layout and the plan are compiled and priced from their HLO: a
+    plan whose inputs are data parallelism's compiles to its program and reads 1.00x."""
+    from shardc.inspect import price
+
+    step, args, plan = mlp_plan
+    margins = step.margins(*args)
+    assert margins.source == "compiled"
+    compiled = price(step.lower(*args).compile(), step.mesh_for(plan), plan.cluster)
+    assert margins.step_time == pytest.approx(compiled.time + plan.predicted.feed_time)
+    text = plan.explain(max_rows=3, margins=margins)
+    assert "compiled step per layout" in text
+    for b in margins.baselines:
+        assert f"this plan {margins.ratio(b.name):.2f}x of {b.name}" in text
+    # small weights, a large batch: the plan is data parallelism, and reads 1.00x of it
+    wide = ({"w1": jax.ShapeDtypeStruct((64, 256), jnp.float32),
+             "w2": jax.ShapeDtypeStruct((256, 64), jnp.float32)},
+            jax.ShapeDtypeStruct((16384, 64), jnp.float32))
+    dp = shardc.auto_shard(_mlp_step, mesh=step.mesh)
+    assert [str(s) for s in dp.plan(*wide).input_specs()] == \
+        ["P()", "P()", "P(('node', 'gpu'),)"]
+    assert dp.margins(*wide).ratio("data parallel") == pytest.approx(1.0, abs=1e-6)
 
 
 def test_plot_draws_layouts_and_the_time_split(mlp_plan, tmp_path):
