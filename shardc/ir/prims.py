@@ -42,6 +42,11 @@ class Prim:
     #: and free dims, a reduction's kept dims): with no partial value in or out, XLA's
     #: partitioner derives the output layout from the operands' (``lower/emit.py``)
     splits_from_operands: bool = False
+    #: XLA's partitioner does not split it along the dims its rule splits (an ``fft`` over
+    #: batch dims: XLA partitions only a split last dim and otherwise gathers the operand,
+    #: transforms it whole and slices): the lowering runs it per device (``shard_map``) on
+    #: its planned layouts
+    per_device: bool = False
 
 
 DEFAULT = Prim()
@@ -76,14 +81,17 @@ CALLS = {
 }
 FIXED = ("sharding_constraint", "shard_map")
 SPLITS_FROM_OPERANDS = "dot_general reduce_sum reduce_max reduce_min argmax argmin".split()
+PER_DEVICE = ("fft",)
 
 
 def _table() -> dict[str, Prim]:
-    names = {*UNARY, *BINARY, *TAIL, *PASSES_PARTIAL, *CALLS, *FIXED, *SPLITS_FROM_OPERANDS}
+    names = {*UNARY, *BINARY, *TAIL, *PASSES_PARTIAL, *CALLS, *FIXED, *SPLITS_FROM_OPERANDS,
+             *PER_DEVICE}
     return {n: Prim(call=CALLS.get(n), elementwise=n in UNARY or n in BINARY,
                     linear=n in LINEAR_UNARY, passes_partial=n in PASSES_PARTIAL,
                     tail=n in TAIL, fixed=n in FIXED,
-                    splits_from_operands=n in SPLITS_FROM_OPERANDS)
+                    splits_from_operands=n in SPLITS_FROM_OPERANDS,
+                    per_device=n in PER_DEVICE)
             for n in sorted(names)}
 
 

@@ -52,6 +52,14 @@ from shardc.solve.memory import carry_exit, reads
 from shardc.solve.problem import loop_ties
 
 
+def _split_whole(planned) -> bool:
+    """Some operand is split and nothing is partial: each device's pieces are whole values
+    of the op on its own (what running it per device needs)."""
+    nds = (*planned.ins, *planned.outs)
+    return not any(nd.has_partial for nd in nds) and any(
+        isinstance(s, Split) for nd in planned.ins for s in nd.sbps)
+
+
 def sharding(mesh: Mesh, nd: NdSbp, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, to_partition_spec(nd, ndim, mesh.axis_names))
 
@@ -221,12 +229,27 @@ class _Lowering(ControlFlow):
                 for k, (v, x) in enumerate(zip(op.inputs, args))]
         if facts(op.name).fixed and op.name == "sharding_constraint":
             outs = args  # the user's layout is the plan's: constrained just below
+        elif facts(op.name).per_device and _split_whole(planned):
+            outs = self._per_device(eqn, op, planned, args)
         else:
             outs = bind_eqn(eqn, args)
         if self._follows(op, planned):  # XLA propagates the layout its operands have
             return [self.settle(v.id, x) for v, x in zip(op.outputs, outs)]
         return [self.settle(v.id, self.constrain(x, nd))
                 for v, x, nd in zip(op.outputs, outs, planned.outs)]
+
+    def _per_device(self, eqn, op, planned, args: list) -> list:
+        """``eqn`` run on each device's pieces (``shard_map`` over the planned layouts): for
+        a primitive XLA would gather whole instead (:attr:`shardc.ir.prims.Prim.per_device`)."""
+        names = self.mesh.axis_names
+
+        def specs(nds, values):
+            return tuple(to_partition_spec(nd, v.ndim, names) for nd, v in zip(nds, values))
+
+        return list(jax.shard_map(lambda *xs: bind_eqn(eqn, list(xs)), mesh=self.mesh,
+                                  in_specs=specs(planned.ins, op.inputs),
+                                  out_specs=list(specs(planned.outs, op.outputs)),
+                                  check_vma=False)(*args))
 
     def _gate(self, eqn, op, planned, args: list) -> list:
         """A recomputation's gate (:func:`shardc.ir.remat.is_gate`): the select runs in the
