@@ -78,6 +78,9 @@ class Reshard:
     wire_bytes: float
     collectives: tuple[str, ...]  # "all-reduce@gpu"
     collective_bytes: tuple[float, ...] = ()  # wire bytes per device of each collective
+    #: per collective, the tuple collective XLA combines it into (an index shared by its
+    #: members, :func:`_combine`), -1 where it runs on its own; () in older plans
+    combined: tuple[int, ...] = ()
 
 
 def _stable(params: dict) -> str:
@@ -257,7 +260,8 @@ class Plan:
                          "time": [r.time for r in res],
                          "wire_bytes": [r.wire_bytes for r in res],
                          "collectives": [list(r.collectives) for r in res],
-                         "collective_bytes": [list(r.collective_bytes) for r in res]},
+                         "collective_bytes": [list(r.collective_bytes) for r in res],
+                         "combined": [list(r.combined) for r in res]},
             "predicted": asdict(self.predicted),
             "solver": self.solver,
             "fingerprint": self.fingerprint,
@@ -445,12 +449,14 @@ class _Columns:
         with _field("reshards"):
             self._rows(d, ("value", "consumer", "src", "dst", "time", "wire_bytes",
                            "collectives", "collective_bytes"))
+            combined = d.get("combined", [[]] * len(d["value"]))
             return tuple(
                 Reshard(int(v), None if k is None else int(k), self.at(a), self.at(b),
-                        float(t), float(w), tuple(map(str, cs)), tuple(map(float, bs)))
-                for v, k, a, b, t, w, cs, bs in zip(
+                        float(t), float(w), tuple(map(str, cs)), tuple(map(float, bs)),
+                        tuple(map(int, g)))
+                for v, k, a, b, t, w, cs, bs, g in zip(
                     d["value"], d["consumer"], d["src"], d["dst"], d["time"], d["wire_bytes"],
-                    d["collectives"], d["collective_bytes"], strict=True))
+                    d["collectives"], d["collective_bytes"], combined, strict=True))
 
 
 class PlanFormatError(ValueError):
@@ -540,12 +546,15 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
         done.add((value.id, src, dst))
         share = scale.get(value.id, 1.0)
         t = conv.time(value.nbytes, share) * times
-        if share < 1.0:
-            for c in conv.collectives:
-                if c.group is not None and c.kind in COMBINED_KINDS:
-                    combined.setdefault((c.kind, c.group, times), []).append(
-                        (len(reshards), c.buffer_factor * value.nbytes,
-                         c.seconds(value.nbytes, cluster.collective_model, share) * times))
+        joins = []
+        for c in conv.collectives:
+            if share < 1.0 and c.group is not None and c.kind in COMBINED_KINDS:
+                members = combined.setdefault((c.kind, c.group, times), [])
+                members.append((len(reshards), c.buffer_factor * value.nbytes,
+                                c.seconds(value.nbytes, cluster.collective_model, share) * times))
+                joins.append(list(combined).index((c.kind, c.group, times)))
+            else:
+                joins.append(-1)
         comm += t
         wire += conv.wire_bytes(value.nbytes) * times
         reshards.append(Reshard(value.id, consumer, src, dst, t,
@@ -553,7 +562,7 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
                                 tuple(f"{c.kind}@{'+'.join(names[a] for a in c.axes)}"
                                       for c in conv.collectives),
                                 tuple(c.bytes_factor * value.nbytes * times
-                                      for c in conv.collectives)))
+                                      for c in conv.collectives), tuple(joins)))
         return t
 
     settled = {vid: cg.choices[w][choice[w]] for vid, w in cg.settle.items()}

@@ -84,6 +84,9 @@ class Cell:
     #: collective model -> [serial, overlapped] compiled step (feed included) with the
     #: preset's cluster pricing collectives that way (:data:`PRICINGS`); {} in older results
     priced: dict = field(default_factory=dict)
+    #: shardc: collectives per kind the plan predicts (combined ones once), against
+    #: ``collectives`` compiled (:meth:`shardc.inspect.verify.Verification.counts_match`)
+    planned_counts: dict = field(default_factory=dict)
 
     @property
     def fits(self) -> bool | None:
@@ -207,8 +210,15 @@ def planned_and_compiled(zm: ZooModel, preset: Preset, cfg, time_limit: float,
     """shardc's plan of ``zm`` at ``cfg`` (a variant of the bench's configuration), compiled
     and priced like a bench cell (no numerics, no saved-plan timing); ``method`` labels it."""
     cell, step, plan, view, args = _plan_cell(zm, preset, cfg, time_limit, mesh_search, method)
-    _fill_compiled(cell, step.lower(*args).compile(), view, plan.cluster, args[1])
+    compiled = step.lower(*args).compile()
+    _fill_compiled(cell, compiled, view, plan.cluster, args[1])
+    cell.planned_counts = _planned_counts(plan, compiled, view)
     return cell
+
+
+def _planned_counts(plan: Plan, compiled, mesh) -> dict:
+    return {r.kind: r.planned_count for r in plan.verify(compiled, mesh).rows
+            if r.planned_count}
 
 
 def run_shardc(zm: ZooModel, preset: Preset, which: str, check: bool,
@@ -238,6 +248,7 @@ def run_shardc(zm: ZooModel, preset: Preset, which: str, check: bool,
     cell.saved_plan_s, cell.jit_s = min(saved), min(jitted)
     _fill_compiled(cell, compiled, view, plan.cluster, args[1])
     cell.unplanned_comm_s = sum(r.compiled_time for r in plan.verify(compiled, view).unplanned)
+    cell.planned_counts = _planned_counts(plan, compiled, view)
     if check:
         tiny_fn, (state, batch), want = _tiny(zm.name)
         tiny = auto_shard(tiny_fn, mesh=mesh, cluster=preset.cluster, time_limit=time_limit,

@@ -46,6 +46,8 @@ def summary(cells: list[Cell]) -> list[dict]:
         row.update(_overlapped(ours, fitting))
         if ours and ours.predicted_peak and ours.peak_memory:
             row["memory_error"] = ours.predicted_peak / ours.peak_memory - 1.0
+        row["counts_match"] = (ours.planned_counts == ours.collectives
+                               if ours and ours.planned_counts else None)
         if ours and ours.saved_plan_s and ours.jit_s:
             row["saved_plan_ratio"] = ours.saved_plan_s / ours.jit_s
         if ours and ours.compiled_comm_s:
@@ -198,9 +200,9 @@ def markdown(cells: list[Cell], commands: list[str], header: str = "") -> str:
              "runs).\n",
              "## Summary\n",
              "| model | preset | shardc ms | shardc mesh | best of N experts | its mesh | "
-             "expert ms | shardc / expert | predicted vs compiled comm | unplanned comm | "
-             "predicted vs compiled peak | saved plan |",
-             "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|"]
+             "expert ms | shardc / expert | predicted vs compiled comm | collective counts "
+             "equal | unplanned comm | predicted vs compiled peak | saved plan |",
+             "|---|---|---:|---|---|---|---:|---:|---:|---|---:|---:|---:|"]
     ratios = []
     for r in summary(cells):
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
@@ -213,10 +215,11 @@ def markdown(cells: list[Cell], commands: list[str], header: str = "") -> str:
         fit = " that fit" if r["not_fitting"] else ""
         best = f"{r['best_expert']} (of {r['experts'] - len(r['not_fitting'])}{fit})" \
             if r["best_expert"] else "-"
+        counts = {None: "-", True: "yes", False: "**no**"}[r["counts_match"]]
         lines.append(f"| {r['model']} | {r['preset']} | {_ms(r['shardc_s'])} | "
                      f"{r['shardc_mesh'] or '-'} | {best} | {r['best_expert_mesh'] or '-'} | "
-                     f"{_ms(r['best_expert_s'])} | {ratio} | {err} | {share} | {mem} | "
-                     f"{saved} |")
+                     f"{_ms(r['best_expert_s'])} | {ratio} | {err} | {counts} | {share} | "
+                     f"{mem} | {saved} |")
     lines += _gmean_line(ratios, "")
     lines += _overlap_table(summary(cells))
     lines += _pricing_table(cells)

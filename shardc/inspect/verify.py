@@ -1,11 +1,13 @@
 """Predicted vs compiled: does XLA emit the collectives the plan chose?
 
 Collectives are compared per kind (all-reduce, all-gather, reduce-scatter, all-to-all,
-collective-permute): count (each op once), wire bytes per device and α-β time on the plan's
-cluster (inside a loop body, times its trips). XLA
-combines independent collectives into tuple ones, so counts may differ where bytes agree;
-bytes and time are the measures. A kind only in the HLO is *unplanned*, only in the plan is
-*missing*.
+collective-permute): count (each op once, a loop body's once), wire bytes per device and
+time on the plan's cluster (inside a loop body, times its trips). The planned count counts
+the collectives the plan expects XLA to combine into one tuple collective once
+(``Reshard.combined``: the gradients' all-reduces of a step's tail); XLA:CPU has no
+all-gather combiner, and GPU backends may combine more, so counts are a backend's, while
+bytes and time are the measures. A kind only in the HLO is *unplanned*, only in the plan
+is *missing*.
 """
 
 from __future__ import annotations
@@ -50,6 +52,11 @@ class Verification:
         return (self.predicted_comm_time - self.compiled_comm_time) / self.compiled_comm_time
 
     @property
+    def counts_match(self) -> bool:
+        """Every kind's planned count (combined collectives once) is the compiled count."""
+        return all(r.planned_count == r.compiled_count for r in self.rows)
+
+    @property
     def unplanned(self) -> list[KindRow]:
         return [r for r in self.rows if r.status == "unplanned"]
 
@@ -83,12 +90,19 @@ def verify(plan, compiled, mesh: Mesh | None = None) -> Verification:
     cost = price(compiled, mesh, plan.cluster)
     planned_n: dict[str, int] = defaultdict(int)
     planned_b: dict[str, float] = defaultdict(float)
+    groups: dict[str, set[int]] = defaultdict(set)
     for r in plan.reshards:
-        for name, nbytes in zip(r.collectives, r.collective_bytes, strict=True):
+        joins = r.combined or (-1,) * len(r.collectives)
+        for name, nbytes, g in zip(r.collectives, r.collective_bytes, joins, strict=True):
             kind = name.split("@")[0]
             if kind in KINDS:
-                planned_n[kind] += 1
+                if g < 0:
+                    planned_n[kind] += 1
+                else:
+                    groups[kind].add(g)
                 planned_b[kind] += nbytes
+    for kind, ids in groups.items():
+        planned_n[kind] += len(ids)
     comp_n: dict[str, int] = defaultdict(int)
     comp_b: dict[str, float] = defaultdict(float)
     comp_t: dict[str, float] = defaultdict(float)
