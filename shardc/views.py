@@ -7,6 +7,9 @@ devices from consecutive physical axes in row-major order, whole or in part; it 
 slowest link it crosses (an axis of 4 spanning 2 nodes x 2 GPUs is an InfiniBand axis) with
 the largest latency. :func:`views` lists the physical mesh and every 1-D and 2-D cut of it;
 the planner prices each and keeps the cheapest (``auto_shard(..., mesh_search=True)``).
+With ``max_axes=3`` it adds the 3-D cuts (``(2, 2, 2)`` of 8 devices; ``(2, 2, 4)``, ``(2, 4,
+2)``, ``(4, 2, 2)`` of 16), where the bench's three-axis experts (data x FSDP x TP) run; the
+mesh search keeps to 2-D, since each view is one more full solve.
 
 References:
   AutoDDL (Chen et al., 2023) §4: the device mesh as a tunable scheme per parallel dim.
@@ -89,18 +92,39 @@ def _name(physical_names: Sequence[str], shape: Sequence[int],
 
 
 def _factorizations(n: int, max_axes: int) -> list[tuple[int, ...]]:
-    out = [(n,)]
-    if max_axes >= 2:
-        out += [(a, n // a) for a in range(2, n) if n % a == 0]
-    return out
+    """``n`` as a product of at most ``max_axes`` factors, each at least 2 (outer first), by
+    number of factors: ``(8,)``, ``(2, 4)``, ``(4, 2)``, ``(2, 2, 2)``."""
+    def split(m: int, k: int) -> list[tuple[int, ...]]:
+        if k == 1:
+            return [(m,)]
+        return [(a, *rest) for a in range(2, m) if m % a == 0 for rest in split(m // a, k - 1)]
+
+    return [f for k in range(1, max_axes + 1) for f in split(n, k)]
+
+
+def _distinct(lnames: tuple[str, ...]) -> tuple[str, ...]:
+    """Repeated names (equal pieces of one physical axis) told apart in order, ``gpu2a``,
+    ``gpu2b``, ``gpu2c``."""
+    seen: dict[str, int] = {}
+    out = []
+    for n in lnames:
+        if lnames.count(n) > 1:
+            out.append(n + "abcdefgh"[seen.get(n, 0)])
+            seen[n] = seen.get(n, 0) + 1
+        else:
+            out.append(n)
+    return tuple(out)
 
 
 def views(shape: Sequence[int], names: Sequence[str], cluster: Cluster,
           max_axes: int = 2) -> list[View]:
-    """The physical mesh first, then every 1-D and 2-D logical cut of it (each axis at least
-    2 devices) that cuts the physical axes evenly. Physical axes of size 1 (a sub-mesh of
-    :func:`shardc.frontier.device_counts`) hold no devices to cut: the cut that only drops
-    them is the physical mesh again, and one device has no cut at all."""
+    """The physical mesh first, then every logical cut of it of up to ``max_axes`` axes (each
+    at least 2 devices) that cuts the physical axes evenly. Physical axes of size 1 (a
+    sub-mesh of :func:`shardc.frontier.device_counts`) hold no devices to cut: the cut that
+    only drops them is the physical mesh again, and one device has no cut at all. A 1-D or
+    2-D cut whose two axes would take the same name (two halves of one physical axis) is
+    left out, as the mesh search always has; a 3-D cut names its repeated pieces apart
+    (:func:`_distinct`), or 8 devices of one axis would have no 3-D view."""
     shape, names = tuple(shape), tuple(names)
     out = [View(shape, names, cluster)]
     for logical in _factorizations(math.prod(shape), max_axes):
@@ -111,11 +135,11 @@ def views(shape: Sequence[int], names: Sequence[str], cluster: Cluster,
             continue
         lnames = tuple(_name(names, shape, parts) for parts in cut)
         if len(set(lnames)) != len(lnames):
-            continue
+            if len(logical) < 3:
+                continue
+            lnames = _distinct(lnames)
         out.append(View(logical, lnames, _view_cluster(cluster, names, lnames, cut)))
     return out
-
-
 
 
 def _view_cluster(cluster: Cluster, names: Sequence[str], lnames: Sequence[str],

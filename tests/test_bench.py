@@ -16,13 +16,17 @@ def test_cells_filter_by_method():
     node = {m for _, p, m in every if p.name == "node-8"}
     # every form on every logical view: (8,), (2, 4), (4, 2)
     assert node == {"shardc", "shardc@ring", "shardc@alpha-beta", "data-parallel", "fsdp",
-                    "megatron-tp8",
-                    *(f"{form}{k}" for form in ("hsdp", "dp-x-tp", "fsdp-x-tp", "megatron-tp")
-                      for k in (2, 4))}
+                    "zero1", "megatron-tp8",
+                    *(f"{form}{k}" for form in ("hsdp", "zero1-shard", "dp-x-tp", "fsdp-x-tp",
+                                                "zero1-x-tp", "megatron-tp")
+                      for k in (2, 4)), "dp-x-fsdp2-x-tp2"}
     two = {m for _, p, m in every if p.name == "2nodes-2x8"}
     # the node-local forms where the outer axis is slower, and the views (4, 4), (8, 2)
     assert {"data-parallel-node", "fsdp-node", "hsdp8", "dp-x-tp4", "megatron-tp16"} <= two
     assert "expert-parallel" not in two  # only for MoE models
+    assert {"dp-x-fsdp2-x-tp4", "dp-x-fsdp4-x-tp2", "dp-x-fsdp2-x-tp2"} <= two  # 3-D views
+    gpt = {m for _, _, m in harness.cells(["gpt"], ["node-8"])}
+    assert {"fsdp-vp", "hsdp4-vp", "megatron-tp8-sp", "dp-x-tp4-sp"} <= gpt  # vocab, sequence
     moe = {m for _, _, m in harness.cells(["moe"], ["2nodes-2x8"])}
     assert {"expert-parallel", "ep8-x-dp", "ep2-x-dp", "expert-parallel-node"} <= moe
     only = harness.cells(["mlp"], ["node-8", "2nodes-2x8"], ["shardc"])

@@ -291,7 +291,7 @@ def test_every_expert_compiles_and_matches_jit() -> None:
     want_state, want_loss = _reference()
     experts = {e.name: e for e in seed_experts(mesh, shardc.Cluster())}
     assert sorted(experts) == ["data-parallel", "dp-x-tp4", "fsdp", "fsdp-x-tp4", "hsdp4",
-                               "megatron-tp8"]
+                               "megatron-tp8", "zero1", "zero1-shard4", "zero1-x-tp4"]
     for expert in experts.values():
         _, lowered = compile_expert(step, state, batch, mesh, expert, llama.param_axes)
         got_state, loss = lowered.compile(FAST_COMPILE)(state, batch)

@@ -1,29 +1,42 @@
 """Hand-written expert plans: what practitioners write today, to measure shardc against.
 
-Each expert is a pair of MaxText-style logical-axis rules on one logical view of the
-preset's devices (:mod:`shardc.views`): one for parameters (and the optimizer state that
-shadows them), one for activations, applied through the models' ``param_axes`` and
-``shardc.models.logical.constrain`` annotations. The batch is split by the activation rule for
-"batch". Compiled with plain ``jax.jit``.
+Each expert is a set of MaxText-style logical-axis rules on one logical view of the
+preset's devices (:mod:`shardc.views`, up to three axes): one for parameters, one for the
+optimizer state that shadows them (by default the parameters' rule; ZeRO shards it where
+the parameters are replicated), one for activations, applied through the models'
+``param_axes`` and ``shardc.models.logical.constrain`` annotations. The batch is split by
+the activation rule for "batch". Compiled with plain ``jax.jit``.
 
-The set (:func:`preset_experts`) is every form a practitioner writes, on every view shardc's
-mesh search considers, so "best expert" is the minimum over all of them:
+The set (:func:`preset_experts`) is every form a practitioner runs by default, on every
+view of the devices, so "best expert" is the minimum over all of them:
 
-- over all devices (the flat view): data parallel, FSDP / ZeRO-3, Megatron TP, expert
-  parallel;
+- over all devices (the flat view): data parallel, FSDP / ZeRO-3, ZeRO-1 (Megatron's
+  distributed optimizer), Megatron TP, expert parallel;
 - on each 2-D view ``(a, b)`` (``b`` the inner axis): HSDP (parameters sharded over ``b``,
-  replicated over ``a``, the batch over both), DP x TP and FSDP x TP (TP over ``b``),
-  Megatron TP over ``b`` alone, and for MoE models experts over ``b`` with the batch over
-  both (EP x DP);
+  replicated over ``a``, the batch over both), ZeRO-1 sharded over ``b`` (``zero1-shard``),
+  DP x TP, FSDP x TP and ZeRO-1 x TP (TP over ``b``; the distributed optimizer over
+  ``a``), Megatron TP over ``b`` alone, and for MoE models experts over ``b`` with the
+  batch over both (EP x DP);
+- on each 3-D view ``(a, b, c)``: data x FSDP x TP (the batch over ``a`` and ``b``, the
+  parameters sharded over ``b``, TP over ``c``); HSDP x TP where ``a`` is the node axis;
 - where the preset's outer axis is slower (several nodes): data parallel, FSDP and expert
-  parallel within the node, replicated across nodes.
+  parallel within the node, replicated across nodes; on that physical mesh ``hsdp`` and
+  ``zero1-shard`` are the node-local forms (sharded within the node, data parallel across);
+- variants: on a model with a token sequence, every TP form also with sequence parallelism
+  (``-sp``: the residual stream split on the sequence over the TP axis); on a model with a
+  vocabulary table, every FSDP form also with the tables sharded on the vocabulary
+  (``-vp``). The TP forms split the vocabulary already (:data:`TENSOR`).
+
+ZeRO-2 is not listed: it compiles to ZeRO-1's program (:func:`_zero`).
 
 References:
   MaxText ``configs/base.yml`` logical_axis_rules and ``dcn_data_parallelism`` x
-  ``ici_fsdp_parallelism`` (HSDP); PyTorch FSDP ``ShardingStrategy.HYBRID_SHARD``;
-  Flax ``examples/gemma`` sharding config; Megatron-LM (Shoeybi et al. 2019) column/row
-  split MLP and head-parallel attention; ZeRO-3 / FSDP (Rajbhandari et al. 2020);
-  GShard (Lepikhin et al. 2020) expert parallelism.
+  ``ici_fsdp_parallelism`` x ``ici_tensor_parallelism`` (HSDP, data x FSDP x TP); PyTorch
+  FSDP ``ShardingStrategy.HYBRID_SHARD``; Flax ``examples/gemma`` sharding config;
+  Megatron-LM (Shoeybi et al. 2019) column/row split MLP, head-parallel attention and
+  vocab-parallel embedding; ZeRO (Rajbhandari et al. 2020) stages 1-3; Korthikanti et al.
+  2022, "Reducing Activation Recomputation in Large Transformer Models" (sequence
+  parallelism); GShard (Lepikhin et al. 2020) expert parallelism.
 """
 
 from __future__ import annotations
@@ -41,17 +54,34 @@ from shardc.models.logical import axis_rules, spec
 from shardc.views import View, views
 
 TENSOR = ("heads", "mlp", "vocab", "conv_out")
-"""Logical dims Megatron-style tensor parallelism splits (column/row pairs, heads)."""
+"""Logical dims Megatron-style tensor parallelism splits (column/row pairs, heads, and the
+vocabulary of the embedding table and the output layer: Megatron's vocab-parallel
+embedding and parallel output layer, so every TP form is vocab-parallel)."""
 FSDP = ("embed", "mlp", "conv_out", "classes", "patch")
 """Logical parameter dims FSDP shards (the largest dim of every weight the zoo has)."""
+SEQ = "resid_seq"
+"""The residual stream's sequence dim (:data:`shardc.models.layers.RESID`), which sequence
+parallelism splits over the tensor-parallel axis."""
+
+
+@dataclass(frozen=True, slots=True)
+class Traits:
+    """What a model has that some forms need: an ``"expert"`` dim (MoE), a vocabulary table
+    (``"vocab"``), a residual stream with a sequence dim (:data:`SEQ`)."""
+
+    moe: bool = False
+    vocab: bool = False
+    seq: bool = False
 
 
 @dataclass(frozen=True)
 class Expert:
     name: str
-    params: Mapping[str, Any]  # logical name -> mesh axes, for parameters / optimizer state
+    params: Mapping[str, Any]  # logical name -> mesh axes, for parameters
     acts: Mapping[str, Any]  # logical name -> mesh axes, for activations and the batch
     view: View  # the logical mesh the rules name axes of
+    opt: Mapping[str, Any] | None = None  # for the optimizer state; None: ``params``
+    first: tuple[str, ...] = ()  # logical names that take their mesh axes before the rest
 
     def mesh(self, physical: Mesh) -> Mesh:
         """The view's mesh over ``physical``'s devices."""
@@ -62,40 +92,88 @@ def _on(axes, names: tuple[str, ...]) -> dict[str, Any]:
     return {n: axes for n in names}
 
 
-def experts_for(view: View, moe: bool = False, whole: bool = True,
+def _zero(name: str, over, batch, view: View) -> Expert:
+    """ZeRO-1 (Rajbhandari et al. 2020 §5.1; Megatron-LM's distributed optimizer,
+    ``--use-distributed-optimizer``): parameters replicated, the optimizer state sharded
+    over ``over`` (on the dims FSDP shards), the batch over ``batch``.
+
+    ZeRO-2 (the gradients sharded too, §5.2) is not a separate form: a sharding constraint
+    on the gradients compiles to the same program (tests/test_experts.py). XLA's
+    partitioner already reads only the slice of the summed gradient that the sharded
+    optimizer state updates, and a one-step program keeps no gradient buffer past the
+    update, which is what ZeRO-2 shards."""
+    return Expert(name, {}, {"batch": batch}, view, opt=_on(over, FSDP))
+
+
+def _tp(name: str, params, acts, view: View, tp, traits: Traits,
+        opt: Mapping[str, Any] | None = None) -> list[Expert]:
+    """A tensor-parallel form (Megatron-LM, Shoeybi et al. 2019) and, on a model with a
+    sequence, the same with sequence parallelism (Korthikanti et al. 2022, "Reducing
+    Activation Recomputation in Large Transformer Models", §4.2.2): the residual stream
+    and the norms on it split on the sequence over the TP axis ``tp``."""
+    out = [Expert(name, params, acts, view, opt=opt)]
+    if traits.seq:
+        out.append(Expert(f"{name}-sp", params, {**acts, SEQ: tp}, view, opt=opt))
+    return out
+
+
+def _fsdp(name: str, over, batch, view: View, traits: Traits) -> list[Expert]:
+    """FSDP over ``over`` and, on a model with a vocabulary table, the vocab-parallel form:
+    the embedding table and output layer sharded on the vocabulary (PyTorch FSDP2 shards
+    every parameter on its dim 0, the vocabulary of ``nn.Embedding`` and of the output
+    ``nn.Linear``; Megatron-LM's vocab-parallel embedding) instead of the model dim."""
+    out = [Expert(name, _on(over, FSDP), {"batch": batch}, view)]
+    if traits.vocab:
+        out.append(Expert(f"{name}-vp", {**_on(over, FSDP), "vocab": over}, {"batch": batch},
+                          view, first=("vocab",)))
+    return out
+
+
+def experts_for(view: View, traits: Traits = Traits(), whole: bool = True,
                 node_local: bool = False) -> list[Expert]:
     """The expert forms on ``view``: with ``whole``, those over all its devices (data
-    parallel, FSDP, Megatron, expert parallel); on a 2-D view the hybrid forms; with
-    ``node_local`` (a slower outer axis) the forms on the inner axis alone."""
+    parallel, FSDP, ZeRO, Megatron, expert parallel); on a 2-D view the hybrid forms, on a
+    3-D view data x FSDP x TP; with ``node_local`` (a slower outer axis) the forms on the
+    inner axis alone."""
     names = view.names
     every = names if len(names) > 1 else names[0]
     out = []
     if whole:
         out += [Expert("data-parallel", {}, {"batch": every}, view),
-                Expert("fsdp", _on(every, FSDP), {"batch": every}, view),
-                Expert(f"megatron-tp{math.prod(view.shape)}", _on(every, TENSOR),
-                       _on(every, TENSOR), view)]
-        if moe:
+                *_fsdp("fsdp", every, every, view, traits), _zero("zero1", every, every, view),
+                *_tp(f"megatron-tp{math.prod(view.shape)}", _on(every, TENSOR),
+                     _on(every, TENSOR), view, every, traits)]
+        if traits.moe:
             out.append(Expert("expert-parallel", {"expert": every},
                               {"expert": every, "batch": every}, view))
     if len(names) == 2:
         a, b = names
         k = view.shape[1]
         tensor = _on(b, TENSOR)
-        out += [Expert(f"hsdp{k}", _on(b, FSDP), {"batch": every}, view),
-                Expert(f"dp-x-tp{k}", tensor, {**tensor, "batch": a}, view),
-                Expert(f"fsdp-x-tp{k}", {**tensor, "embed": a}, {**tensor, "batch": a}, view)]
+        out += [*_fsdp(f"hsdp{k}", b, every, view, traits),
+                _zero(f"zero1-shard{k}", b, every, view),
+                # Megatron-LM's default: TP, and the distributed optimizer over the DP axis
+                *_tp(f"zero1-x-tp{k}", tensor, {**tensor, "batch": a}, view, b, traits,
+                     opt={**tensor, "embed": a}),
+                *_tp(f"dp-x-tp{k}", tensor, {**tensor, "batch": a}, view, b, traits),
+                *_tp(f"fsdp-x-tp{k}", {**tensor, "embed": a}, {**tensor, "batch": a}, view,
+                     b, traits)]
         if not whole:  # on the flat 2-D view, megatron over both axes is listed above
-            out.append(Expert(f"megatron-tp{k}", tensor, tensor, view))
-        if moe:
+            out += _tp(f"megatron-tp{k}", tensor, tensor, view, b, traits)
+        if traits.moe:
             out.append(Expert(f"ep{k}-x-dp", {"expert": b}, {"expert": b, "batch": every},
                               view))
         if node_local:
             out += [Expert("data-parallel-node", {}, {"batch": b}, view),
-                    Expert("fsdp-node", _on(b, FSDP), {"batch": b}, view)]
-            if moe:
+                    *_fsdp("fsdp-node", b, b, view, traits)]
+            if traits.moe:
                 out.append(Expert("expert-parallel-node", {"expert": b},
                                   {"expert": b, "batch": b}, view))
+    if len(names) == 3:  # data x FSDP x TP; HSDP x TP where the data axis crosses nodes
+        a, b, c = names
+        tensor = _on(c, TENSOR)
+        out += _tp(f"dp-x-fsdp{view.shape[1]}-x-tp{view.shape[2]}", {**tensor, "embed": b},
+                   {**tensor, "batch": (a, b)}, view, c, traits)
     return out
 
 
@@ -105,39 +183,58 @@ def _slow_outer(view: View) -> bool:
 
 
 def preset_experts(shape: tuple[int, ...], names: tuple[str, ...], cluster: Cluster,
-                   moe: bool = False) -> list[Expert]:
-    """Every expert on every logical view of the devices (:func:`shardc.views.views`): the
-    whole-device forms once (on the flat view), the hybrid forms on each 2-D view, and the
-    node-local forms on the physical mesh when its outer axis is slower."""
+                   traits: Traits = Traits()) -> list[Expert]:
+    """Every expert on every logical view of the devices (:func:`shardc.views.views`, up to
+    three axes): the whole-device forms once (on the flat view), the hybrid forms on each
+    2-D view, data x FSDP x TP on each 3-D view, and the node-local forms on the physical
+    mesh when its outer axis is slower."""
     out: dict[str, Expert] = {}
-    for i, view in enumerate(views(shape, names, cluster)):
-        for e in experts_for(view, moe, whole=len(view.shape) == 1,
+    for i, view in enumerate(views(shape, names, cluster, max_axes=3)):
+        for e in experts_for(view, traits, whole=len(view.shape) == 1,
                              node_local=i == 0 and _slow_outer(view)):
             out.setdefault(e.name, e)
     return list(out.values())
 
 
-def seed_experts(mesh: Mesh, cluster: Cluster, moe: bool = False) -> list[Expert]:
+def seed_experts(mesh: Mesh, cluster: Cluster, traits: Traits = Traits()) -> list[Expert]:
     """The experts expressible on ``mesh`` itself (its own axes): what shardc is seeded
     with when it plans on that mesh."""
     view = View(tuple(mesh.devices.shape), tuple(mesh.axis_names), cluster)
-    return experts_for(view, moe, whole=True, node_local=_slow_outer(view))
+    return experts_for(view, traits, whole=True, node_local=_slow_outer(view))
 
 
 def _keys(path) -> tuple[str, ...]:
-    """String keys of a state leaf's path, with the container prefix removed:
-    ``state["params"]["blocks"][0]...`` and ``state["opt"][0].mu["blocks"][0]...`` both give
-    ``("blocks", "0", ...)`` so an optimizer slot maps to the parameter it shadows."""
-    keys = [str(p.key) for p in path if isinstance(p, jax.tree_util.DictKey)]
-    return tuple(keys[1:])
+    """String keys of a state leaf's path: ``state["params"]["blocks"][0]...`` gives
+    ``("params", "blocks", "0", ...)`` and ``state["opt"][0].mu["blocks"][0]...`` gives
+    ``("opt", "blocks", "0", ...)``, so past the container an optimizer slot maps to the
+    parameter it shadows."""
+    return tuple(str(p.key) for p in path if isinstance(p, jax.tree_util.DictKey))
+
+
+def _spec(names, rules, shape, mesh: Mesh, first: tuple[str, ...]) -> PartitionSpec:
+    """:func:`spec` with the dims named in ``first`` given their mesh axes before the
+    others (MaxText's rule order): ``("embed", "vocab")`` with both on one axis splits the
+    vocabulary when ``first`` names it."""
+    if not any(n in first for n in names):
+        return spec(names, rules, shape, mesh)
+    head = spec([n if n in first else None for n in names], rules, shape, mesh)
+    used = {a for p in head if p for a in ((p,) if isinstance(p, str) else p)}
+    left = {k: tuple(a for a in ((v,) if isinstance(v, str) else tuple(v or ()))
+                     if a not in used) for k, v in rules.items()}
+    tail = spec([None if n in first else n for n in names], left, shape, mesh)
+    return PartitionSpec(*(h if h is not None else t for h, t in zip(head, tail)))
 
 
 def state_specs(state, mesh: Mesh, expert: Expert, param_axes: Callable) -> Any:
+    """Specs of the train state ``{"params", "opt"}``: parameters by ``expert.params``, the
+    optimizer state by ``expert.opt`` where the expert has one."""
     def one(path, leaf):
         if not getattr(leaf, "shape", ()):
             return PartitionSpec()
-        names = param_axes(_keys(path), tuple(leaf.shape))
-        return spec(names, expert.params, leaf.shape, mesh)
+        keys = _keys(path)
+        by = expert.opt if keys[0] == "opt" and expert.opt is not None else expert.params
+        names = param_axes(keys[1:], tuple(leaf.shape))
+        return _spec(names, by, leaf.shape, mesh, expert.first)
 
     return jax.tree_util.tree_map_with_path(one, state)
 
@@ -158,7 +255,10 @@ def compile_expert(step: Callable, state, batch, physical: Mesh, expert: Expert,
     named = lambda t: jax.tree.map(lambda s: NamedSharding(mesh, s), t)  # noqa: E731
     st = named(state_specs(state, mesh, expert, param_axes))
     bt = named(batch_specs(batch, mesh, expert))
-    jitted = jax.jit(step, in_shardings=(st, bt),
+    def run(state, batch):  # a function of its own: jax.jit's trace cache does not know
+        return step(state, batch)  # the activation rules (-sp forms differ by them alone)
+
+    jitted = jax.jit(run, in_shardings=(st, bt),
                      out_shardings=(st, NamedSharding(mesh, PartitionSpec())))
     with axis_rules(mesh, expert.acts):
         lowered = jitted.lower(state, batch)

@@ -22,6 +22,7 @@ from jax.sharding import AxisType, NamedSharding
 from shardc.api import auto_shard
 from shardc.bench.experts import (
     Expert,
+    Traits,
     batch_specs,
     compile_expert,
     preset_experts,
@@ -30,7 +31,7 @@ from shardc.bench.experts import (
 from shardc.bench.zoo import PRESETS, ZOO, Preset, ZooModel
 from shardc.inspect import price
 from shardc.plan import Plan
-from shardc.views import mesh_label
+from shardc.views import mesh_label, views
 
 RTOL, ATOL = 1e-4, 1e-5
 ADAM_SLACK = 0.05
@@ -282,10 +283,13 @@ def expert_seeds(zm: ZooModel, mesh, preset: Preset, args, mesh_search: bool) ->
     those on the preset's own mesh): on every mesh planned, shardc's plan then costs no more
     than the experts written on it, in shardc's own cost model."""
     state, batch = args
-    names, param_axes = tuple(mesh.axis_names), zm.load().param_axes
+    shape, names = tuple(mesh.devices.shape), tuple(mesh.axis_names)
+    param_axes = zm.load().param_axes
+    planned = {v.names for v in views(shape, names, preset.cluster)} if mesh_search \
+        else {names}  # the mesh search plans no 3-D view (shardc.views)
     out = {}
-    for e in preset_experts(tuple(mesh.devices.shape), names, preset.cluster, moe=zm.moe):
-        if not mesh_search and e.view.names != names:
+    for e in preset_experts(shape, names, preset.cluster, traits(zm)):
+        if e.view.names not in planned:
             continue
         view_mesh = e.mesh(mesh)
         out[e.name] = (state_specs(state, view_mesh, e, param_axes),
@@ -329,7 +333,14 @@ def cells(models: list[str], presets: list[str],
 
 def experts(zm: ZooModel, preset: Preset) -> list[Expert]:
     """The experts of a cell: every form on every logical view of the preset's devices."""
-    return preset_experts(preset.mesh_shape, preset.axis_names, preset.cluster, moe=zm.moe)
+    return preset_experts(preset.mesh_shape, preset.axis_names, preset.cluster, traits(zm))
+
+
+def traits(zm: ZooModel) -> Traits:
+    """What ``zm`` has that some expert forms need: experts (the zoo's flag), a vocabulary
+    table and a token sequence (its config's ``vocab`` and ``seq_len``)."""
+    cfg = zm.config("tiny")
+    return Traits(moe=zm.moe, vocab=hasattr(cfg, "vocab"), seq=hasattr(cfg, "seq_len"))
 
 
 def run_cell(zm: ZooModel, preset: Preset, method: str, which: str, check: bool,

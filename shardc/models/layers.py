@@ -21,8 +21,11 @@ from shardc.models.logical import constrain
 Axes = tuple[str | None, ...]
 ParamAxes = Callable[[tuple[str, ...], tuple[int, ...]], Axes]
 
-RESID: Axes = ("batch", "seq", "embed")
-"""The residual stream ``[B, T, d]``."""
+RESID: Axes = ("batch", "resid_seq", "embed")
+"""The residual stream ``[B, T, d]`` (and the norms' outputs on it). Its sequence dim is
+named apart from the one inside attention and the MLP (``"seq"``) so that sequence
+parallelism (Korthikanti et al. 2022) can split it alone: the norms, dropout and residual
+adds outside attention and the MLP split on the sequence over the tensor-parallel axis."""
 HEADS: Axes = ("batch", "seq", "heads", None)
 """q / k / v and the attention output after the head split ``[B, T, H, dh]``."""
 SCORES: Axes = ("batch", "heads", "seq", None)

@@ -1,0 +1,181 @@
+"""The bench's expert forms on 8 CPU devices: each new form's step equals the unsharded step,
+and its program has the layout the form claims (ZeRO-1, vocab-parallel FSDP, sequence
+parallelism, three-axis views)."""
+
+import re
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from shardc.bench import harness
+from shardc.bench.experts import Expert, compile_expert, preset_experts, state_specs
+from shardc.bench.zoo import PRESETS, ZOO
+from shardc.cost.cluster import Cluster
+from shardc.models import common, mlp
+from shardc.views import views
+
+
+def _expert(model: str, name: str, preset: str = "node-8") -> Expert:
+    return next(e for e in harness.experts(ZOO[model], PRESETS[preset]) if e.name == name)
+
+
+def _checked(model: str, expert: Expert, mesh=None):
+    """The expert's compiled tiny step, after checking it equals the unsharded step."""
+    zm = ZOO[model]
+    mesh = mesh if mesh is not None else harness.make_mesh(PRESETS["node-8"])
+    fn, (state, batch), want = harness._tiny(model)
+    _, lowered = compile_expert(fn, state, batch, mesh, expert, zm.load().param_axes)
+    compiled = lowered.compile()
+    assert harness._close(compiled(state, batch), want, harness._tiny_lr(zm)), expert.name
+    return lowered, compiled
+
+
+def _state_specs(compiled):
+    return jax.tree.map(lambda s: s.spec, compiled.input_shardings[0][0])
+
+
+def _replicated(compiled) -> bool:
+    """Whether every parameter is an input replicated on every device."""
+    return all(s.is_fully_replicated
+               for s in jax.tree.leaves(compiled.input_shardings[0][0]["params"]))
+
+
+def test_zero1_replicates_parameters_and_shards_the_optimizer_state():
+    _, compiled = _checked("mlp", _expert("mlp", "zero1"))
+    assert _replicated(compiled)
+    specs = _state_specs(compiled)
+    mu = specs["opt"][0].mu["layers"][0]
+    assert mu["kernel"] == PartitionSpec("gpu", None)  # [d_in, hidden]: "embed" over all 8
+    assert mu["bias"] == PartitionSpec("gpu")  # [hidden] ("mlp")
+    assert specs["opt"][0].count == PartitionSpec()
+
+
+def test_zero1_node_local_and_with_tensor_parallelism():
+    """On two nodes of four, zero1-shard4 shards the optimizer state within the node and
+    splits the batch over both axes; zero1-x-tp4 (Megatron's default) keeps the
+    parameters split by TP and shards their optimizer state over the data axis too."""
+    mesh = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
+    found = {e.name: e for e in preset_experts((2, 4), ("node", "gpu"),
+                                               Cluster.multi_node("node", "gpu"))}
+    local = found["zero1-shard4"]
+    assert local.view.names == ("node", "gpu")
+    _, compiled = _checked("mlp", local, mesh)
+    assert _replicated(compiled)
+    specs = _state_specs(compiled)
+    assert specs["opt"][0].nu["layers"][1]["kernel"] == PartitionSpec("gpu", None)
+    assert jax.tree.leaves(compiled.input_shardings[0][1])[0].spec[0] == ("node", "gpu")
+    _, compiled = _checked("mlp", found["zero1-x-tp4"], mesh)
+    specs = _state_specs(compiled)
+    assert specs["params"]["layers"][0]["kernel"] == PartitionSpec(None, "gpu")  # column
+    assert specs["opt"][0].mu["layers"][0]["kernel"] == PartitionSpec("node", "gpu")
+
+
+def _constraints(lowered) -> list[str]:
+    return re.findall(r"sdy\.sharding_constraint %\S+ <@mesh, (\[[^>]*\])> : tensor<(\S+)>",
+                      lowered.as_text())
+
+
+def _normalised(text: str) -> list[str]:
+    """A compiled module's instructions without names, metadata or source tables, sorted
+    (the schedule may order independent instructions differently)."""
+    text = re.sub(r", metadata=\{[^}]*\}", "", text)
+    lines = [re.sub(r"%[\w.\-]+", "%", line).strip() for line in text.splitlines()
+             if re.match(r"\s+(ROOT )?%", line)]
+    return sorted(lines)
+
+
+def test_zero2_compiles_to_zero1s_program():
+    """ZeRO-2 (the gradients constrained sharded like the optimizer state) compiles to the
+    ZeRO-1 program: why the expert set lists ZeRO-1 alone (``experts._zero``)."""
+    cfg = mlp.MLPConfig.tiny()
+    mesh = harness.make_mesh(PRESETS["node-8"])
+    zero1 = _expert("mlp", "zero1")
+    model = mlp.MLP(cfg, rngs=nnx.Rngs(mlp.PARAM_SEED))
+    graphdef, params = common.split_params(model)
+    grads = jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs(
+        {"params": params}, mesh, Expert("g", zero1.opt, {}, zero1.view), mlp.param_axes))
+    shard = optax.GradientTransformation(
+        lambda p: optax.EmptyState(),
+        lambda u, s, p=None: (jax.lax.with_sharding_constraint(u, grads["params"]), s))
+    programs, results, constraints = [], [], []
+    for first in (optax.identity(), shard):  # the same state structure either way
+        tx = optax.chain(first, mlp.make_optimizer(cfg))
+        state = common.init_train_state(model, tx)
+        step = common.build_train_step(graphdef, mlp.mse_loss, tx)
+        _, lowered = compile_expert(step, state, mlp.example_batch(cfg), mesh, zero1,
+                                    mlp.param_axes)
+        constraints.append(len(_constraints(lowered)))
+        compiled = lowered.compile()
+        programs.append(_normalised(compiled.as_text()))
+        results.append(compiled(state, mlp.example_batch(cfg)))
+    assert constraints[1] == constraints[0] + len(jax.tree.leaves(params))  # the gradients
+    assert programs[0] == programs[1]
+    assert harness._close(results[0], results[1])
+
+
+def test_vocab_parallel_fsdp_splits_the_tables_on_the_vocabulary():
+    _, compiled = _checked("gpt", _expert("gpt", "fsdp-vp"))
+    specs = _state_specs(compiled)
+    assert specs["params"]["wte"]["embedding"] == PartitionSpec("gpu", None)  # [vocab, d]
+    assert specs["opt"][0].mu["wte"]["embedding"] == PartitionSpec("gpu", None)
+    # plain FSDP splits the model dim, and the TP forms split the vocabulary already
+    fsdp, tp = (_expert("gpt", n) for n in ("fsdp", "megatron-tp8"))
+    mesh = harness.make_mesh(PRESETS["node-8"])
+    state = ZOO["gpt"].load().abstract_args(ZOO["gpt"].config("tiny"))[0]
+    table = lambda e: state_specs(state, mesh, e, ZOO["gpt"].load().param_axes)[  # noqa: E731
+        "params"]["wte"]["embedding"]
+    assert table(fsdp) == PartitionSpec(None, "gpu") and table(tp) == PartitionSpec("gpu", None)
+    # llama's untied output layer is [d, vocab]: the vocabulary takes the axis first
+    llama = ZOO["llama"].load()
+    state = llama.abstract_args(ZOO["llama"].config("tiny"))[0]
+    vp = state_specs(state, mesh, _expert("llama", "fsdp-vp"), llama.param_axes)["params"]
+    assert vp["lm_head"]["kernel"] == PartitionSpec(None, "gpu")
+    assert vp["embed"]["embedding"] == PartitionSpec("gpu", None)
+
+
+def test_sequence_parallelism_splits_the_residual_stream_on_the_sequence():
+    """dp-x-tp2-sp: outside attention and the MLP the residual stream ``[8, 16, 64]`` is
+    split on the sequence over the TP axis; inside, q/k/v stay split on the heads."""
+    expert = _expert("gpt", "dp-x-tp2-sp")
+    a, b = expert.view.names
+    lowered, _ = _checked("gpt", expert)
+    got = _constraints(lowered)
+    assert (f'[{{"{a}"}}, {{"{b}"}}, {{}}]', "8x16x64xf32") in got  # the residual stream
+    assert (f'[{{"{a}"}}, {{}}, {{"{b}"}}, {{}}]', "8x16x4x16xf32") in got  # heads
+    fn, args, _ = harness._tiny("gpt")
+    plain = _constraints(compile_expert(fn, *args, harness.make_mesh(PRESETS["node-8"]),
+                                        _expert("gpt", "dp-x-tp2"),
+                                        ZOO["gpt"].load().param_axes)[1])
+    assert (f'[{{"{a}"}}, {{}}, {{}}]', "8x16x64xf32") in plain  # without SP: whole
+
+
+def test_three_axis_views_and_data_x_fsdp_x_tp():
+    assert [v.shape for v in views((8,), ("gpu",), Cluster(), max_axes=3)] == \
+        [(8,), (2, 4), (4, 2), (2, 2, 2)]
+    two = {v.shape: v.names for v in views((2, 8), ("node", "gpu"), Cluster.multi_node(),
+                                           max_axes=3)}
+    assert two[(2, 2, 4)] == ("node", "gpu2", "gpu4")  # HSDP x TP: data across nodes
+    assert two[(4, 2, 2)] == ("node_gpu2", "gpu2a", "gpu2b")
+    assert all(len(s) < 3 for s in (v.shape for v in views((2, 8), ("node", "gpu"),
+                                                           Cluster.multi_node())))
+    expert = _expert("mlp", "dp-x-fsdp2-x-tp2")
+    _, compiled = _checked("mlp", expert)
+    specs = _state_specs(compiled)
+    a, b, c = expert.view.names
+    assert compiled.input_shardings[0][0]["params"]["layers"][0]["kernel"].mesh.axis_names \
+        == (a, b, c)
+    assert specs["params"]["layers"][0]["kernel"] == PartitionSpec(b, c)  # [embed, mlp]
+    assert jax.tree.leaves(compiled.input_shardings[0][1])[0].spec[0] == (a, b)
+
+
+def test_expert_seeds_name_only_views_the_mesh_search_plans():
+    """shardc is seeded with every expert on a view its mesh search plans (1-D and 2-D):
+    the three-axis experts are measured, not seeded."""
+    zm, preset = ZOO["gpt"], PRESETS["node-8"]
+    mesh = harness.make_mesh(preset)
+    args = zm.load().abstract_args(zm.config("tiny"))
+    seeds = harness.expert_seeds(zm, mesh, preset, args, mesh_search=True)
+    assert {"zero1", "zero1-shard4", "fsdp-vp", "megatron-tp4-sp"} <= set(seeds)
+    assert not {"dp-x-fsdp2-x-tp2", "dp-x-fsdp2-x-tp2-sp"} & set(seeds)
