@@ -34,6 +34,7 @@ def _priced(compiled, mesh, batch) -> tuple[float, float]:
         cost.peak_memory
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
 def test_a_budget_the_leanest_expert_meets_plans_fits_and_is_no_slower(scan):
     cfg = _cfg(scan)
