@@ -20,8 +20,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 from shardc.explain import fmt_bytes, fmt_time
 from shardc.plan import Plan
@@ -37,14 +38,31 @@ BUDGETS = 6
 
 
 @dataclass(frozen=True)
-class Frontier:
-    """Non-dominated plans, leanest first (so step time falls along the tuple)."""
+class Frontier(Sequence[Plan]):
+    """Non-dominated plans, leanest first (so step time falls along them): a sequence of
+    :class:`shardc.Plan` (``frontier[0]`` the leanest, ``frontier[-1]`` the fastest,
+    ``len``, iteration, slicing to a tuple), also held as ``plans``."""
 
     plans: tuple[Plan, ...]
 
     def __post_init__(self):
         if not self.plans:
             raise ValueError("a frontier holds at least one plan")
+
+    def __len__(self) -> int:
+        return len(self.plans)
+
+    @overload
+    def __getitem__(self, k: int) -> Plan: ...
+
+    @overload
+    def __getitem__(self, k: slice) -> tuple[Plan, ...]: ...
+
+    def __getitem__(self, k):
+        return self.plans[k]
+
+    def __iter__(self) -> Iterator[Plan]:
+        return iter(self.plans)
 
     def points(self) -> list[tuple[float, float]]:
         """(predicted step seconds, predicted peak bytes per device) of each plan."""

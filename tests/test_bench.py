@@ -4,6 +4,7 @@ import json
 
 import jax
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding
 
 from shardc.bench import harness, report
@@ -120,6 +121,7 @@ def test_planning_report_gives_the_depth_ratio(tmp_path):
     assert json.loads(js.read_text())["loop_forms"][0]["unrolled_compiled_ms"] == 5.0
 
 
+@pytest.mark.slow
 def test_memory_bound_cells_mark_experts_over_and_shardc_fits():
     """On a device too small for data parallelism (half its compiled peak), the harness marks
     it as not fitting, the best expert is one that fits, and shardc's plan under the device

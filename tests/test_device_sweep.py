@@ -48,6 +48,7 @@ def test_the_sweep_keeps_the_axes_the_programs_constraints_name():
     assert step_times[0] < step_times[1]  # one device moves nothing
 
 
+@pytest.mark.slow
 def test_the_sweep_says_how_many_devices_the_model_needs(capsys):
     step = shardc.auto_shard(mlp.build_step(CFG), mesh=MESH, cluster=shardc.Cluster.multi_node())
     sweep = step.device_sweep(*mlp.abstract_args(CFG), memory_budget=GIB)

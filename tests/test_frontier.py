@@ -29,11 +29,17 @@ def _peak(compiled) -> float:
             - m.alias_size_in_bytes)
 
 
-def test_the_frontier_trades_time_for_memory_and_every_point_runs(tmp_path):
+@pytest.fixture(scope="module")
+def planned():
+    """The MLP's step, its arguments and its frontier (planned once for the module)."""
     step_fn, (state, data) = _mlp()
     step = shardc.auto_shard(step_fn, mesh=MESH, cluster=shardc.Cluster.multi_node(),
                              time_limit=2.0)
-    frontier = step.pareto(state, data)
+    return step_fn, step, state, data, step.pareto(state, data)
+
+
+def test_the_frontier_trades_time_for_memory_and_every_point_runs(tmp_path, planned):
+    step_fn, step, state, data, frontier = planned
     points = frontier.points()
     assert len(points) >= 3
     # leanest first; each later point uses more memory and is strictly faster
@@ -67,6 +73,20 @@ def test_the_frontier_trades_time_for_memory_and_every_point_runs(tmp_path):
     frontier.plot(str(path), experts={"data-parallel": (points[-1][0] * 2, points[-1][1])})
     assert path.stat().st_size > 10_000
     assert "peak per device" in str(frontier)
+
+
+def test_the_frontier_is_a_sequence_of_plans_leanest_first(planned):
+    frontier = planned[-1]
+    assert len(frontier) == len(frontier.plans) >= 3
+    assert list(frontier) == list(frontier.plans)
+    assert all(isinstance(p, shardc.Plan) for p in frontier)
+    assert frontier[0] is frontier.plans[0] and frontier[-1] is frontier.plans[-1]
+    assert frontier[1:] == frontier.plans[1:]
+    assert frontier[0] in frontier and frontier.index(frontier[-1]) == len(frontier) - 1
+    peaks = [p.predicted.peak_memory for p in frontier]
+    assert peaks == sorted(peaks) and frontier.pick(peaks[0]) is frontier[0]
+    with pytest.raises(IndexError):
+        frontier[len(frontier)]
 
 
 def test_the_module_function_plans_the_same_frontier():

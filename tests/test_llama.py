@@ -285,6 +285,7 @@ def test_weight_decay_skips_norm_scales() -> None:
         ("layers", "attn_norm", "scale"), ("layers", "mlp_norm", "scale"), ("norm", "scale")]
 
 
+@pytest.mark.slow
 def test_every_expert_compiles_and_matches_jit() -> None:
     step, (state, batch) = _example()
     mesh = _mesh()

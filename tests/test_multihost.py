@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 from jax.sharding import AxisType
 from jobs import launch
 
@@ -25,6 +26,7 @@ def run_job(*extra: list[str]) -> list:
                    for i in range(2)])
 
 
+@pytest.mark.slow
 def test_two_processes_match_one():
     results = run_job()
     for r in results:
@@ -48,6 +50,7 @@ def test_two_processes_match_one():
     np.testing.assert_allclose(r1["losses"], losses, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_processes_with_different_plans_run_process_0s():
     """Process 1 prices another cluster, so it plans differently: both run process 0's plan
     (one warning on each), and their losses agree."""
@@ -59,6 +62,7 @@ def test_processes_with_different_plans_run_process_0s():
     np.testing.assert_allclose(r0.last["losses"], r1.last["losses"], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_processes_planning_different_programs_stop():
     for r in run_job([], ["--other"]):
         assert r.code == 3 and r.last is not None, (r.code, r.stderr)

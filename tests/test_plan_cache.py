@@ -13,6 +13,7 @@ import textwrap
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import AxisType
 
 import shardc
@@ -106,6 +107,7 @@ def _second_process(cache: str, env_var: bool) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_a_second_process_loads_the_cached_plan(tmp_path):
     step, args, mesh = _make()
     cache = str(tmp_path / "plans")

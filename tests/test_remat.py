@@ -121,6 +121,7 @@ def test_the_frontier_holds_a_remat_point_leaner_than_any_plan_without(tmp_path)
     frontier.plot(str(tmp_path / "f.png"))
 
 
+@pytest.mark.slow
 def test_a_budget_only_remat_meets_plans_with_remat():
     ws, x = _args()
     fastest = shardc.auto_shard(_step, mesh=MESH, time_limit=2.0).plan(ws, x)
@@ -198,6 +199,7 @@ def test_the_users_checkpoints_recompute_where_the_backward_needs_them():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_an_infeasible_budget_names_the_leanest_plan_the_search_reached():
     # the lean start (every weight split, the rest greedy) is far from the leanest plan here
     # (replicated weights, recomputed blocks): the error names the search's, which plans

@@ -11,6 +11,7 @@ import signal
 
 import jax
 import numpy as np
+import pytest
 from jobs import launch
 
 from shardc.models import mlp
@@ -43,6 +44,7 @@ def _steps(ended) -> dict[int, float]:
     return {e["step"]: e["loss"] for e in ended.events if "step" in e}
 
 
+@pytest.mark.slow
 def test_killed_job_resumes_from_the_last_complete_checkpoint(tmp_path):
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "final")
 
