@@ -111,6 +111,10 @@ ZOO = {
     # its quick config (2 layers, 0.65B params, mostly the two vocab tables) fits whole
     "llama-1b": ZooModel("llama-1b", "shardc.models.llama", "tiny", "llama32_1b",
                          "llama32_1b(n_layers=2)", device_memory=SMALL_DEVICE_MEMORY),
+    # latency-bound: data parallelism is the plan to beat (models/small.py)
+    "small": ZooModel("small", "shardc.models.small", "tiny", "bench", "bench(n_layers=2)"),
+    # gradient accumulation unrolled over 4 micro-batches (models/accum.py)
+    "accum": ZooModel("accum", "shardc.models.accum", "tiny", "bench", "bench(n_layers=2)"),
 }
 
 DEFAULT_PRESETS = ("node-8", "2nodes-2x8")
