@@ -82,6 +82,10 @@ class Solution:
     status: Status
     objective: float  # seconds, the cost graph's objective
     stats: dict = field(default_factory=dict)  # "stages" says what refined a REFINED plan
+    #: every seed's own plan that fits the budget, as per-node choices: the objective prices
+    #: XLA's combined collectives by shares, so the caller checks them once more on the
+    #: plan's own prediction
+    seed_choices: dict = field(default_factory=dict)
 
 
 def solve(cg: CostGraph, options: SolveOptions = SolveOptions()) -> Solution:
@@ -139,7 +143,9 @@ def solve(cg: CostGraph, options: SolveOptions = SolveOptions()) -> Solution:
         stats["stages"] = stages
     if seed_plans:
         stats["seeds"] = {name: descent.objective(cg, y) for name, y in seed_plans.items()}
-    return Solution(cg.decode(x), status, descent.objective(cg, x), stats)
+    seed_choices = {name: cg.decode(y) for name, y in seed_plans.items()
+                    if memory_budget is None or _peak(cg, y) <= memory_budget}
+    return Solution(cg.decode(x), status, descent.objective(cg, x), stats, seed_choices)
 
 
 def _descent(cg: CostGraph, folding: tuple[CostGraph, dict[int, int]] | None,
