@@ -601,6 +601,32 @@ def accumulators(graph: Graph) -> set[int]:
     for op in graph.ops:
         if carry_exit(op) and op.params["enter"].producer.id in out:
             out.add(op.id)
+    out |= stacked_ys(graph)
+    return out
+
+
+def stacked_ys(graph: Graph) -> set[int]:
+    """Ids of a scan's float ``ys`` exits and of the body's adds that make their values (a
+    weight read twice in a layer: its gradient is the sum of two partial terms): a per-layer
+    gradient may leave the loop stacked and partial, reduced once after it
+    (:func:`shardc.rules.control.scan_exit_rule`), and the adds may then sum its partial
+    terms, which the lowering holds apart per device (``lower/partial.py``)."""
+    out: set[int] = set()
+    for op in graph.ops:
+        if op.prim is not SCAN_EXIT or op.params["kind"] != "ys" or \
+                op.params.get("loop") == "while" or \
+                not jnp.issubdtype(op.outputs[0].dtype, jnp.inexact):
+            continue
+        out.add(op.id)
+        depth = len(op.where) + 1
+        todo = [op.inputs[0]]
+        while todo:
+            made = todo.pop().producer
+            if made is None or made.id in out or len(made.where) != depth or \
+                    made.name not in ("add", "add_any"):
+                continue
+            out.add(made.id)
+            todo.extend(v for v in made.inputs if not v.is_const)
     return out
 
 
