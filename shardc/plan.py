@@ -28,7 +28,15 @@ from shardc.cost.comm import conversion
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Partial, to_partition_spec
 from shardc.solve.memory import carry_exit, memory_profile, reads
-from shardc.solve.problem import CostGraph, feed_time, loop_tests, loop_ties, read_runs
+from shardc.solve.problem import (
+    CostGraph,
+    feed_time,
+    loop_tests,
+    loop_ties,
+    read_runs,
+    stacked_ys,
+    unreduced_ys,
+)
 
 
 @dataclass(frozen=True)
@@ -558,6 +566,7 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
 
     settled = {vid: cg.choices[w][choice[w]] for vid, w in cg.settle.items()}
     runs = graph.runs()
+    reduced_ys = stacked_ys(graph)
 
     def settle(v) -> None:
         if v.id in settled:
@@ -575,6 +584,8 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
             if not v.is_const:
                 op_comm += record(v, op.id, values[v.id] if carry_exit(op) else read(v),
                                   strat.ins[k], read_runs(runs, v, op))
+        if op.id in reduced_ys and (held := unreduced_ys(strat)) is not None:
+            op_comm += record(op.outputs[0], op.id, held, strat.outs[0])  # after the loop
         for v, nd in zip(op.outputs, strat.outs):
             values[v.id] = nd
             settle(v)

@@ -183,7 +183,7 @@ class _Lowering(ControlFlow):
         held = []
         for e in ys:
             planned, v = self.by_op.get(e.id), e.inputs[0]
-            axes = sum_axes(planned.outs[0]) if planned is not None else ()
+            axes = sum_axes(planned.ins[0]) if planned is not None else ()
             if not axes or v.is_const or v.id in self.free or v.id in self.plan.settled or \
                     stacked_sharding(self.mesh, axes, planned.ins[0], v.ndim) is None:
                 axes = ()
@@ -360,15 +360,15 @@ class _Lowering(ControlFlow):
             if j < nk:  # a carry: read as the loop keeps it (summed if held stacked)
                 axes = held[nc + j]
                 x = self._pass(e, unstack(Stacked(x, axes)) if axes else x, into=True)
-            elif ys_held[j - nk]:  # a ys held stacked: reduced once, all iterations at once
+            elif ys_held[j - nk]:  # a ys held stacked: reduced once for all iterations
                 x = self._reduce_ys(e, x, ys_held[j - nk])
             result.append(self._pass(e, x, into=False))
         return result
 
     def _ys(self, e, x, axes: tuple[int, ...]):
         """The body's value of ys ``e`` as the loop stacks it: converted to the exit's
-        layout, or where the plan keeps it partial, each device's summand (held stacked,
-        its leading dims the partial axes)."""
+        layout, or where the plan reduces it after the loop, each device's summand (held
+        stacked, its leading dims the partial axes)."""
         if not axes:
             return self._pass(e, unstack(x), into=True)
         v = e.inputs[0]
@@ -376,7 +376,8 @@ class _Lowering(ControlFlow):
 
     def _reduce_ys(self, e, x, axes: tuple[int, ...]):
         """A ys the loop stacked with each device's summands (``(trips, *axis sizes,
-        *value)``): summed over the summands' dims, one reduction after the loop."""
+        *value)``): summed over the summands' dims, one all-reduce after the loop (pinned
+        to the exit's layout just after)."""
         k = len(axes)
         sh = stacked_sharding(self.mesh, axes, self.by_op[e.id].ins[0], x.ndim - 1 - k)
         x = jax.lax.with_sharding_constraint(

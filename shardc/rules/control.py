@@ -13,10 +13,13 @@ branch as it is, a ``cond_exit`` joins the branches' values of a result in one l
 index replicated. No partial crosses a cond's edges.
 
 A scan's float carry may be partial (its ``scan_enter`` / ``scan_exit`` take ``P -> P``):
-the lowering holds each device's summand apart through the loop (``lower/partial.py``). So
-may a float ys (its ``scan_exit`` takes ``P -> P``): a per-layer gradient of a batch-split
-backward scan leaves the loop stacked and unreduced, and is reduced once after it, one
-collective for all layers, instead of once per iteration; the planner prices the two. A
+the lowering holds each device's summand apart through the loop (``lower/partial.py``). A float
+ys may leave the loop unreduced (its ``scan_exit`` takes ``P -> B`` on a mesh axis): a
+per-layer gradient of a batch-split backward scan is held stacked with each device's
+summands of every iteration, and all-reduced once after the loop, one collective for all
+layers (priced on the exit, ``solve/problem.py``), instead of one per iteration; the
+planner prices the two (for large gradients the in-loop reduce-scatter moves half the
+bytes of the after-loop all-reduce). A
 while's carries are not: the lowering rebuilds a while with plain carries.
 
 References:
@@ -76,13 +79,13 @@ def _float(op: Op) -> bool:
 
 
 def _partial_ys(op: Op) -> list[Signature]:
-    """A scan's float ys may leave the loop stacked and partial: each device's summands of
-    every iteration are held apart (``lower/partial.py``) and reduced once after the loop,
-    one collective of the whole stack, where XLA runs one per iteration otherwise (each
-    paying the collective's latency)."""
+    """A scan's float ys may leave the body partial and the loop reduced: each device's
+    summands of every iteration are held stacked (``lower/partial.py``) and all-reduced
+    once after the loop, one collective of the whole stack, where XLA runs one per
+    iteration otherwise (each paying the collective's latency)."""
     if op.params["kind"] != "ys" or op.params.get("loop") == "while" or not _float(op):
         return []
-    return [Signature((P,), (P,))]
+    return [Signature((P,), (B,))]
 
 
 def _partial_carry(op: Op) -> list[Signature]:

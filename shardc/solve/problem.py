@@ -473,6 +473,7 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
         return Edge(u, v, mat * times, val, k, (u, slot))
 
     consume = accumulators(graph)
+    reduced_ys = stacked_ys(graph)
     for op in graph.ops:
         node = len(cg.choices)
         key = _op_key(op)
@@ -486,6 +487,8 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
         cg.choices.append(strats)
         cg.refs.append(op)
         cg.cost.append(np.array([s.flops / rate * op.weight for s in strats]))
+        if op.id in reduced_ys:  # a ys reduced after the loop: one all-reduce of the stack
+            cg.cost[-1] = cg.cost[-1] + ys_reduction(cg, strats, op.outputs[0])
         for slot, out in enumerate(op.outputs):
             cg.producer[out.id] = (node, slot)
         for k, val in reads(op):
@@ -605,10 +608,27 @@ def accumulators(graph: Graph) -> set[int]:
     return out
 
 
+def ys_reduction(cg: CostGraph, strats: Sequence, out: Value) -> np.ndarray:
+    """Per strategy of a ys ``scan_exit``, the time of the all-reduce after the loop where
+    it reads the body's value partial (:func:`unreduced_ys`)."""
+    return np.array([0.0 if (src := unreduced_ys(s)) is None else
+                     cg.reshard_matrix([src], [s.outs[0]], out.nbytes)[0, 0] for s in strats])
+
+
+def unreduced_ys(strat) -> NdSbp | None:
+    """The layout a ys ``scan_exit`` planned ``strat`` holds its stacked value in until the
+    all-reduce after the loop: as the exit makes it, but partial along the axes it reads
+    the body's value partial (``P -> B``); None where it reads none partial."""
+    if not strat.ins[0].has_partial:
+        return None
+    return NdSbp(tuple(i if isinstance(i, Partial) else o
+                       for i, o in zip(strat.ins[0].sbps, strat.outs[0].sbps)))
+
+
 def stacked_ys(graph: Graph) -> set[int]:
     """Ids of a scan's float ``ys`` exits and of the body's adds that make their values (a
     weight read twice in a layer: its gradient is the sum of two partial terms): a per-layer
-    gradient may leave the loop stacked and partial, reduced once after it
+    gradient may leave the body partial, held stacked and reduced once after the loop
     (:func:`shardc.rules.control.scan_exit_rule`), and the adds may then sum its partial
     terms, which the lowering holds apart per device (``lower/partial.py``)."""
     out: set[int] = set()
