@@ -382,7 +382,12 @@ class _Lowering(ControlFlow):
         sh = stacked_sharding(self.mesh, axes, self.by_op[e.id].ins[0], x.ndim - 1 - k)
         x = jax.lax.with_sharding_constraint(
             x, NamedSharding(self.mesh, PartitionSpec(None, *sh.spec)))
-        return jnp.sum(x, axis=tuple(range(1, 1 + k)), dtype=x.dtype)
+        # the summands' dims as one, split over all the axes: one all-reduce over them all,
+        # as priced (summed dim by dim, XLA runs one all-reduce per axis)
+        x = x.reshape(x.shape[:1] + (-1,) + x.shape[1 + k:])
+        x = jax.lax.with_sharding_constraint(x, NamedSharding(
+            self.mesh, PartitionSpec(None, tuple(sh.spec[:k]), *sh.spec[k:])))
+        return jnp.sum(x, axis=1, dtype=x.dtype)
 
     def region(self, region: Region, consts: Sequence, args: Sequence) -> list:
         env: dict = {}
