@@ -322,3 +322,37 @@ def test_per_layer_gradients_are_reduced_once_after_the_loop():
     got, want = s(params, x), jax.jit(step)(params, x)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_a_memory_budget_keeps_the_gradient_reduction_in_the_loop():
+    """Reduced after the loop, a per-layer gradient is held unreduced, the whole stack on
+    every device, through the loop (the memory model counts it); under a budget that does
+    not hold it, the plan reduce-scatters each layer's gradient inside the loop instead."""
+    from tests.clusters import SLOW_DEVICES
+
+    layers, width = 8, 512
+    step, params = _decoder(layers, width)
+    x = jnp.asarray(RNG.normal(size=(1024, width)), jnp.float32)
+    m = mesh("8")
+
+    def planned(**budget):
+        s = shardc.auto_shard(step, mesh=m, time_limit=3.0, cluster=SLOW_DEVICES, **budget)
+        plan = s.plan(params, x)
+        grads = {f"f32[{width}]->f32[{layers},{width}]",
+                 f"f32[{width},{width}]->f32[{layers},{width},{width}]"}
+        return s, plan, [o for o in plan.ops if o.prim == "scan_exit" and o.types in grads]
+
+    _, free, ys = planned()
+    assert len(ys) == 2 and all(o.ins[0].has_partial for o in ys)
+    stack = 4 * layers * width * (width + 1)  # the weights' and the scales' gradients
+    assert free.predicted.peak_memory > stack
+    budget = 0.6 * free.predicted.peak_memory
+    s, plan, ys = planned(memory_budget=budget)
+    assert plan.predicted.peak_memory <= budget
+    assert len(ys) == 2 and not any(o.ins[0].has_partial for o in ys)
+    assert plan.predicted.step_time > free.predicted.step_time  # the budget costs time
+    cost = price(s.lower(params, x).compile(), m, SLOW_DEVICES)
+    assert max(cost.runs) == layers, "the gradients are reduced every iteration"
+    got, want = s(params, x), jax.jit(step)(params, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)

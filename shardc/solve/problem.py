@@ -93,6 +93,7 @@ class CostGraph:
     follows: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)  # v -> (u, f[a])
     spans: list = field(default_factory=list)  # (first, last program point, node, slot, bytes)
     stack_spans: list = field(default_factory=list)  # (first, last, enter, node, slot, bytes)
+    ys_spans: list = field(default_factory=list)  # (first, last, ys exit node, bytes)
     results: set = field(default_factory=set)  # indices of spans holding a graph result
     #: (t, op node, input k, node, slot, bytes, value id, made) per operand read, ``made``
     #: the program point that makes the value and ``combined`` whether its collectives join
