@@ -36,6 +36,7 @@ from shardc.solve.problem import (
     read_runs,
     stacked_ys,
     unreduced_ys,
+    ys_shares,
 )
 
 
@@ -567,6 +568,7 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
     settled = {vid: cg.choices[w][choice[w]] for vid, w in cg.settle.items()}
     runs = graph.runs()
     reduced_ys = stacked_ys(graph)
+    scale.update(ys_shares(graph, reduced_ys))  # the after-loop all-reduces, combined
 
     def settle(v) -> None:
         if v.id in settled:

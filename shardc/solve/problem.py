@@ -475,6 +475,7 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
 
     consume = accumulators(graph)
     reduced_ys = stacked_ys(graph)
+    ys_share = ys_shares(graph, reduced_ys)
     for op in graph.ops:
         node = len(cg.choices)
         key = _op_key(op)
@@ -489,7 +490,8 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
         cg.refs.append(op)
         cg.cost.append(np.array([s.flops / rate * op.weight for s in strats]))
         if op.id in reduced_ys:  # a ys reduced after the loop: one all-reduce of the stack
-            cg.cost[-1] = cg.cost[-1] + ys_reduction(cg, strats, op.outputs[0])
+            cg.cost[-1] = cg.cost[-1] + ys_reduction(cg, strats, op.outputs[0],
+                                                     ys_share[op.outputs[0].id])
         for slot, out in enumerate(op.outputs):
             cg.producer[out.id] = (node, slot)
         for k, val in reads(op):
@@ -609,11 +611,25 @@ def accumulators(graph: Graph) -> set[int]:
     return out
 
 
-def ys_reduction(cg: CostGraph, strats: Sequence, out: Value) -> np.ndarray:
+def ys_reduction(cg: CostGraph, strats: Sequence, out: Value, share: float) -> np.ndarray:
     """Per strategy of a ys ``scan_exit``, the time of the all-reduce after the loop where
-    it reads the body's value partial (:func:`unreduced_ys`)."""
+    it reads the body's value partial (:func:`unreduced_ys`), paying ``share`` of its
+    latency (:func:`ys_shares`)."""
     return np.array([0.0 if (src := unreduced_ys(s)) is None else
-                     cg.reshard_matrix([src], [s.outs[0]], out.nbytes)[0, 0] for s in strats])
+                     cg.reshard_matrix([src], [s.outs[0]], out.nbytes, share)[0, 0]
+                     for s in strats])
+
+
+def ys_shares(graph: Graph, exits: set[int]) -> dict[int, float]:
+    """Id of a ys exit's value -> the share of the after-loop all-reduce's latency it pays:
+    the all-reduces of one loop's ys run side by side after it and XLA's combiner joins
+    them into one collective (``cost/combine.py``), so each of the loop's ``K`` float ys
+    pays ``1/K`` (as if all were reduced after it)."""
+    loops: dict[tuple[int, ...], list[Value]] = {}
+    for op in graph.ops:
+        if op.id in exits and op.prim is SCAN_EXIT:
+            loops.setdefault(op.where, []).append(op.outputs[0])
+    return {v.id: 1.0 / len(vs) for vs in loops.values() for v in vs}
 
 
 def unreduced_ys(strat) -> NdSbp | None:
