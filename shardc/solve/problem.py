@@ -484,6 +484,8 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
         strats = cache.get(key) if key is not None else None
         if strats is None:
             strats = strategies(op, axis_sizes, axis_names, consume_partial=op.id in consume)
+            if op.id in reduced_ys:
+                strats = [s for s in strats if whole_partial(s.ins[0], axis_sizes)]
             if key is not None:
                 cache[key] = strats
         cg.choices.append(strats)
@@ -630,6 +632,16 @@ def ys_shares(graph: Graph, exits: set[int]) -> dict[int, float]:
         if op.id in exits and op.prim is SCAN_EXIT:
             loops.setdefault(op.where, []).append(op.outputs[0])
     return {v.id: 1.0 / len(vs) for vs in loops.values() for v in vs}
+
+
+def whole_partial(nd: NdSbp, axis_sizes: Sequence[int]) -> bool:
+    """``nd`` is partial along every mesh axis (of size > 1), or along none. A ys exit
+    reads its body's value partial only so: the lowering holds a value stacked over the
+    axes it is made partial along, and a partial value converted in the loop to one partial
+    along fewer axes (a reduce-scatter over one axis of a value partial over two) is summed
+    over them all first (``lower/emit.py``), a full all-reduce every iteration."""
+    return not nd.has_partial or all(isinstance(s, Partial)
+                                     for s, n in zip(nd.sbps, axis_sizes) if n > 1)
 
 
 def unreduced_ys(strat) -> NdSbp | None:
