@@ -34,8 +34,8 @@ from shardc.solve.problem import (
     loop_tests,
     loop_ties,
     read_runs,
-    stacked_ys,
     unreduced_ys,
+    ys_exits,
     ys_shares,
 )
 
@@ -567,7 +567,7 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
 
     settled = {vid: cg.choices[w][choice[w]] for vid, w in cg.settle.items()}
     runs = graph.runs()
-    reduced_ys = stacked_ys(graph)
+    reduced_ys = ys_exits(graph)
     scale.update(ys_shares(graph, reduced_ys))  # the after-loop all-reduces, combined
 
     def settle(v) -> None:

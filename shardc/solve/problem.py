@@ -474,7 +474,7 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
         return Edge(u, v, mat * times, val, k, (u, slot))
 
     consume = accumulators(graph)
-    reduced_ys = stacked_ys(graph)
+    reduced_ys = ys_exits(graph)
     ys_share = ys_shares(graph, reduced_ys)
     for op in graph.ops:
         node = len(cg.choices)
@@ -629,7 +629,7 @@ def ys_shares(graph: Graph, exits: set[int]) -> dict[int, float]:
     pays ``1/K`` (as if all were reduced after it)."""
     loops: dict[tuple[int, ...], list[Value]] = {}
     for op in graph.ops:
-        if op.id in exits and op.prim is SCAN_EXIT:
+        if op.id in exits:
             loops.setdefault(op.where, []).append(op.outputs[0])
     return {v.id: 1.0 / len(vs) for vs in loops.values() for v in vs}
 
@@ -654,6 +654,17 @@ def unreduced_ys(strat) -> NdSbp | None:
                        for i, o in zip(strat.ins[0].sbps, strat.outs[0].sbps)))
 
 
+def ys_exits(graph: Graph) -> set[int]:
+    """Ids of the ys ``scan_exit`` ops that may read their body's value partial and
+    all-reduce it after the loop (:func:`stacked_ys`)."""
+    return {op.id for op in graph.ops if _float_ys(op)}
+
+
+def _float_ys(op: Op) -> bool:
+    return op.prim is SCAN_EXIT and op.params["kind"] == "ys" and \
+        op.params.get("loop") != "while" and jnp.issubdtype(op.outputs[0].dtype, jnp.inexact)
+
+
 def stacked_ys(graph: Graph) -> set[int]:
     """Ids of a scan's float ``ys`` exits and of the body's adds that make their values (a
     weight read twice in a layer: its gradient is the sum of two partial terms): a per-layer
@@ -662,9 +673,7 @@ def stacked_ys(graph: Graph) -> set[int]:
     terms, which the lowering holds apart per device (``lower/partial.py``)."""
     out: set[int] = set()
     for op in graph.ops:
-        if op.prim is not SCAN_EXIT or op.params["kind"] != "ys" or \
-                op.params.get("loop") == "while" or \
-                not jnp.issubdtype(op.outputs[0].dtype, jnp.inexact):
+        if not _float_ys(op):
             continue
         out.add(op.id)
         depth = len(op.where) + 1
