@@ -28,16 +28,8 @@ from shardc.cost.comm import conversion
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Partial, to_partition_spec
 from shardc.solve.memory import carry_exit, memory_profile, reads
-from shardc.solve.problem import (
-    CostGraph,
-    feed_time,
-    loop_tests,
-    loop_ties,
-    read_runs,
-    unreduced_ys,
-    ys_exits,
-    ys_shares,
-)
+from shardc.solve.problem import CostGraph, feed_time, loop_tests, loop_ties, read_runs
+from shardc.solve.reduced_ys import unreduced_ys, ys_exits, ys_shares
 
 
 @dataclass(frozen=True)

@@ -177,7 +177,7 @@ def stacked_reads(graph: Graph) -> list[tuple[int, int, Value]]:
 def partial_ys(graph: Graph) -> list[tuple[int, int, Op]]:
     """``(first op of its loop, t, exit)`` per scan ys ``scan_exit`` (op ``t``): where the
     plan reads its body's value partial, reducing it after the loop
-    (:func:`shardc.solve.problem.stacked_ys`), the loop holds the whole stack of every
+    (:func:`shardc.solve.reduced_ys.stacked_ys`), the loop holds the whole stack of every
     device's summands, unreduced (the full value on every device), from the loop's start
     to its exit. A loop's ops are those whose ``where`` extends its exits'."""
     first: dict[tuple[int, ...], int] = {}
