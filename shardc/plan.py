@@ -29,6 +29,7 @@ from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Partial, to_partition_spec
 from shardc.solve.memory import carry_exit, memory_profile, reads
 from shardc.solve.problem import CostGraph, feed_time, loop_tests, loop_ties, read_runs
+from shardc.solve.reduced_ys import unreduced_ys, ys_exits, ys_shares
 
 
 @dataclass(frozen=True)
@@ -567,6 +568,8 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
 
     settled = {vid: cg.choices[w][choice[w]] for vid, w in cg.settle.items()}
     runs = graph.runs()
+    reduced_ys = ys_exits(graph)
+    scale.update(ys_shares(graph, reduced_ys))  # the after-loop all-reduces, combined
 
     def settle(v) -> None:
         if v.id in settled:
@@ -584,6 +587,8 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
             if not v.is_const:
                 op_comm += record(v, op.id, values[v.id] if carry_exit(op) else read(v),
                                   strat.ins[k], read_runs(runs, v, op))
+        if op.id in reduced_ys and (held := unreduced_ys(strat)) is not None:
+            op_comm += record(op.outputs[0], op.id, held, strat.outs[0])  # after the loop
         for v, nd in zip(op.outputs, strat.outs):
             values[v.id] = nd
             settle(v)

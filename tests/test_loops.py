@@ -3,6 +3,9 @@ strategies priced by its trip count, and what XLA compiles is priced the same wa
 
 from __future__ import annotations
 
+import math
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +18,7 @@ import shardc
 from shardc.inspect import price
 from shardc.inspect.loops import loop_extra_flops, multiplicity
 from shardc.ir.graph import check_graph
+from shardc.ir.sbp import B, NdSbp
 from shardc.ir.trace import trace
 
 MESHES = {"8": ((8,), ("x",)), "2x4": ((2, 4), ("node", "gpu")),
@@ -96,12 +100,12 @@ def test_the_backward_scan_is_not_replicated():
 
 
 def test_scanned_and_unrolled_steps_plan_and_compile_alike():
-    """Predicted and compiled step within 7% of the same layers unrolled, at a size where
+    """Predicted and compiled step within 5% of the same layers unrolled, at a size where
     the layers' compute decides (abstract arguments: planned and compiled, not run). The
-    scanned program does a little more by nature: its gradient all-reduces run once per
-    iteration (XLA combines the unrolled ones into one; under NCCL's model each of the 16
-    pays ring/Simple's 56 µs latency, 0.5 ms of the 8.2 ms step), and its backward body
-    computes the first layer's input gradient too."""
+    scanned program's per-layer gradients are all-reduced once after the loop, as the
+    unrolled ones are combined into one (once per iteration, each of the 16 paid
+    ring/Simple's 56 µs latency under NCCL's model); its backward body computes the first
+    layer's input gradient too."""
     layers, width, batch = 16, 2048, 32768
     f32 = jnp.float32
     x = jax.ShapeDtypeStruct((batch, width), f32)
@@ -132,7 +136,7 @@ def test_scanned_and_unrolled_steps_plan_and_compile_alike():
         cost = price(s.lower(*args[name]).compile(), s.mesh_for(plan), plan.cluster)
         got[name] = (plan.predicted.step_time, cost.time + plan.predicted.feed_time)
     for k in range(2):
-        assert got["scan"][k] == pytest.approx(got["unrolled"][k], rel=0.07), got
+        assert got["scan"][k] == pytest.approx(got["unrolled"][k], rel=0.05), got
 
 
 def test_compiled_compute_counts_loop_bodies_by_trip_count():
@@ -264,4 +268,91 @@ def test_flax_scanned_layers_match_the_unsharded_run(kind, mesh_name):
     got = shardc.auto_shard(step, mesh=mesh(mesh_name), time_limit=2.0)(params, x)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(jax.jit(step)(params, x)),
                     strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def _decoder(layers, width):
+    """A scanned residual stack with a norm scale per layer (small, latency-bound
+    gradients) and a weight per layer."""
+    params = {"w": jnp.asarray(RNG.normal(size=(layers, width, width)) / width ** 0.5,
+                               jnp.float32),
+              "g": jnp.asarray(1 + 0.1 * RNG.normal(size=(layers, width)), jnp.float32)}
+
+    def loss(p, x):
+        def layer(h, q):
+            n = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6) * q["g"]
+            return h + jnp.tanh(n @ q["w"]), None
+
+        return jnp.mean(jax.lax.scan(layer, x, p)[0] ** 2)
+
+    def step(p, x):
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, jax.grad(loss)(p, x))
+
+    return step, params
+
+
+def test_per_layer_gradients_are_reduced_once_after_the_loop():
+    """A batch-split backward scan's per-layer gradients leave the body partial and are
+    all-reduced once after the loop (one collective for all layers), not once per layer:
+    each in-loop all-reduce pays NCCL's latency. The plan's choice is the cheaper one."""
+    from shardc.cost.comm import conversion
+    from tests.clusters import SLOW_DEVICES
+
+    layers, width = 4, 64
+    step, params = _decoder(layers, width)
+    x = jnp.asarray(RNG.normal(size=(512, width)), jnp.float32)
+    m = mesh("8")
+    s = shardc.auto_shard(step, mesh=m, time_limit=3.0, cluster=SLOW_DEVICES)
+    plan = s.plan(params, x)
+    ys = [o for o in plan.ops if o.prim == "scan_exit" and o.ins[0].has_partial]
+    assert len(ys) == 2, "the norm scale's and the weight's gradients leave the body partial"
+    sizes, names = (8,), ("x",)
+    for o in ys:  # one all-reduce of the stack after the loop beats one per layer inside
+        after = [r for r in plan.reshards if r.consumer == o.id]
+        assert len(after) == 1 and after[0].collectives == ("all-reduce@x",)
+        layer = re.search(r"\[([\d,]*)\]", o.types).group(1)  # the body's value
+        nbytes = 4 * math.prod(int(d) for d in layer.split(","))
+        inside = layers * conversion(o.ins[0], NdSbp((B,)), sizes, names,
+                                     SLOW_DEVICES).time(nbytes)
+        assert after[0].time < inside
+    compiled = s.lower(params, x).compile()
+    cost = price(compiled, m, SLOW_DEVICES)
+    assert cost.collectives and max(cost.runs) == 1, "no collective runs every iteration"
+    assert max(multiplicity(compiled.as_text()).values()) == layers  # the loop is there
+    got, want = s(params, x), jax.jit(step)(params, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_a_memory_budget_keeps_the_gradient_reduction_in_the_loop():
+    """Reduced after the loop, a per-layer gradient is held unreduced, the whole stack on
+    every device, through the loop (the memory model counts it); under a budget that does
+    not hold it, the plan reduce-scatters each layer's gradient inside the loop instead."""
+    from tests.clusters import SLOW_DEVICES
+
+    layers, width = 8, 512
+    step, params = _decoder(layers, width)
+    x = jnp.asarray(RNG.normal(size=(1024, width)), jnp.float32)
+    m = mesh("8")
+
+    def planned(**budget):
+        s = shardc.auto_shard(step, mesh=m, time_limit=3.0, cluster=SLOW_DEVICES, **budget)
+        plan = s.plan(params, x)
+        grads = {f"f32[{width}]->f32[{layers},{width}]",
+                 f"f32[{width},{width}]->f32[{layers},{width},{width}]"}
+        return s, plan, [o for o in plan.ops if o.prim == "scan_exit" and o.types in grads]
+
+    _, free, ys = planned()
+    assert len(ys) == 2 and all(o.ins[0].has_partial for o in ys)
+    stack = 4 * layers * width * (width + 1)  # the weights' and the scales' gradients
+    assert free.predicted.peak_memory > stack
+    budget = 0.6 * free.predicted.peak_memory
+    s, plan, ys = planned(memory_budget=budget)
+    assert plan.predicted.peak_memory <= budget
+    assert len(ys) == 2 and not any(o.ins[0].has_partial for o in ys)
+    assert plan.predicted.step_time > free.predicted.step_time  # the budget costs time
+    cost = price(s.lower(params, x).compile(), m, SLOW_DEVICES)
+    assert max(cost.runs) == layers, "the gradients are reduced every iteration"
+    got, want = s(params, x), jax.jit(step)(params, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)

@@ -29,8 +29,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.extend import core as jcore
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from shardc.cost.comm import conversion
 from shardc.ir.prims import facts
@@ -171,10 +172,12 @@ class _Lowering(ControlFlow):
         arr = stack(x, want, self.plan.axis_sizes)
         return Stacked(self.constrain_stacked(arr, want, dst), want)
 
-    def stack_plan(self, loop: Loop, carried: Sequence) -> None:
+    def stack_plan(self, loop: Loop, carried: Sequence, ys: Sequence) -> list[tuple]:
         """Record which values of ``loop``'s body are held stacked: each carry the plan
-        keeps partial, and back from the value the body returns for it, every partial value
-        made by an op of the body (not of a call inside it) that :func:`stackable` allows."""
+        keeps partial, and back from the value the body returns for it or for a ys the
+        plan keeps partial, every partial value made by an op of the body (not of a call
+        inside it) that :func:`stackable` allows. Returns, per ys, the mesh axes it leaves
+        the loop stacked over (none where it leaves reduced)."""
         made = {v.id: op for op in loop.body.steps
                 if not isinstance(op, (Region, Loop, Fork, Inlined)) for v in op.outputs}
         todo = []
@@ -185,6 +188,16 @@ class _Lowering(ControlFlow):
                                          e.outputs[0].ndim) is not None:
                 self.stacked[e.outputs[0].id] = axes
                 todo.append(e.params["tie"])
+        held = []
+        for e in ys:
+            planned, v = self.by_op.get(e.id), e.inputs[0]
+            axes = sum_axes(planned.ins[0]) if planned is not None else ()
+            if not axes or v.is_const or v.id in self.free or v.id in self.plan.settled or \
+                    stacked_sharding(self.mesh, axes, planned.ins[0], v.ndim) is None:
+                axes = ()
+            held.append(axes)
+            if axes:
+                todo.append(v)
         while todo:
             v = todo.pop()
             op = made.get(v.id)
@@ -195,6 +208,7 @@ class _Lowering(ControlFlow):
             self.stacked[v.id] = sum_axes(planned.outs[0])
             todo.extend(u for k, u in enumerate(op.inputs)
                         if not u.is_const and sum_axes(planned.ins[k]))
+        return held
 
     def _stacked_op(self, eqn, op, planned, args: list) -> Stacked:
         """Each device's summand of ``op``'s partial output, under ``jax.vmap``."""
@@ -331,7 +345,8 @@ class _Lowering(ControlFlow):
         p = eqn.params
         nc, nk = p["num_consts"], p["num_carry"]
         carried = loop.enters[nc:nc + nk]
-        self.stack_plan(loop, carried)
+        ys = loop.exits[nk:]
+        ys_held = self.stack_plan(loop, carried, ys)
         held = [()] * nc + [self.stacked.get(e.outputs[0].id, ()) for e in carried]
         held += [()] * (len(loop.enters) - len(held))
 
@@ -348,8 +363,7 @@ class _Lowering(ControlFlow):
                     continue
                 y = self.to_layout(x, self.plan.read_as(tie.id), self.by_op[e.id].outs[0])
                 back.append(y.x if axes else y)
-            return back + [self._pass(e, unstack(x), into=True)
-                           for e, x in zip(loop.exits[nk:], outs[nk:])]
+            return back + [self._ys(e, x, axes) for e, x, axes in zip(ys, outs[nk:], ys_held)]
 
         sizes = self.plan.axis_sizes
         avals = [jax.ShapeDtypeStruct(tuple(sizes[a] for a in axes) + v.aval.shape,
@@ -369,8 +383,34 @@ class _Lowering(ControlFlow):
             if j < nk:  # a carry: read as the loop keeps it (summed if held stacked)
                 axes = held[nc + j]
                 x = self._pass(e, unstack(Stacked(x, axes)) if axes else x, into=True)
+            elif ys_held[j - nk]:  # a ys held stacked: reduced once for all iterations
+                x = self._reduce_ys(e, x, ys_held[j - nk])
             result.append(self._pass(e, x, into=False))
         return result
+
+    def _ys(self, e, x, axes: tuple[int, ...]):
+        """The body's value of ys ``e`` as the loop stacks it: converted to the exit's
+        layout, or where the plan reduces it after the loop, each device's summand (held
+        stacked, its leading dims the partial axes)."""
+        if not axes:
+            return self._pass(e, unstack(x), into=True)
+        v = e.inputs[0]
+        return self.to_layout(x, self.plan.read_as(v.id), self.by_op[e.id].ins[0]).x
+
+    def _reduce_ys(self, e, x, axes: tuple[int, ...]):
+        """A ys the loop stacked with each device's summands (``(trips, *axis sizes,
+        *value)``): summed over the summands' dims, one all-reduce after the loop (pinned
+        to the exit's layout just after)."""
+        k = len(axes)
+        sh = stacked_sharding(self.mesh, axes, self.by_op[e.id].ins[0], x.ndim - 1 - k)
+        x = jax.lax.with_sharding_constraint(
+            x, NamedSharding(self.mesh, PartitionSpec(None, *sh.spec)))
+        # the summands' dims as one, split over all the axes: one all-reduce over them all,
+        # as priced (summed dim by dim, XLA runs one all-reduce per axis)
+        x = x.reshape(x.shape[:1] + (-1,) + x.shape[1 + k:])
+        x = jax.lax.with_sharding_constraint(x, NamedSharding(
+            self.mesh, PartitionSpec(None, tuple(sh.spec[:k]), *sh.spec[k:])))
+        return jnp.sum(x, axis=1, dtype=x.dtype)
 
     def region(self, region: Region, consts: Sequence, args: Sequence) -> list:
         env: dict = {}

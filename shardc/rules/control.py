@@ -13,7 +13,13 @@ branch as it is, a ``cond_exit`` joins the branches' values of a result in one l
 index replicated. No partial crosses a cond's edges.
 
 A scan's float carry may be partial (its ``scan_enter`` / ``scan_exit`` take ``P -> P``):
-the lowering holds each device's summand apart through the loop (``lower/partial.py``). A
+the lowering holds each device's summand apart through the loop (``lower/partial.py``). A float
+ys may leave the loop unreduced (its ``scan_exit`` takes ``P -> B`` on a mesh axis): a
+per-layer gradient of a batch-split backward scan is held stacked with each device's
+summands of every iteration, and all-reduced once after the loop, one collective for all
+layers (priced on the exit, ``solve/problem.py``), instead of one per iteration; the
+planner prices the two (for large gradients the in-loop reduce-scatter moves half the
+bytes of the after-loop all-reduce). A
 while's carries are not: the lowering rebuilds a while with plain carries.
 
 References:
@@ -64,7 +70,22 @@ def scan_exit_rule(op: Op) -> list[Signature]:
     """A scan result: a carry as it leaves the loop, ys stacked from the body's values."""
     k = _shift(op)
     sigs = [Signature((Split(d),), (Split(d + k),)) for d in range(op.inputs[0].ndim)]
-    return sigs + _partial_carry(op)
+    return sigs + _partial_carry(op) + _partial_ys(op)
+
+
+def _float(op: Op) -> bool:
+    v = op.outputs[0]
+    return v.dtype is not None and jnp.issubdtype(v.dtype, jnp.inexact)
+
+
+def _partial_ys(op: Op) -> list[Signature]:
+    """A scan's float ys may leave the body partial and the loop reduced: each device's
+    summands of every iteration are held stacked (``lower/partial.py``) and all-reduced
+    once after the loop, one collective of the whole stack, where XLA runs one per
+    iteration otherwise (each paying the collective's latency)."""
+    if op.params["kind"] != "ys" or op.params.get("loop") == "while" or not _float(op):
+        return []
+    return [Signature((P,), (B,))]
 
 
 def _partial_carry(op: Op) -> list[Signature]:
@@ -73,9 +94,7 @@ def _partial_carry(op: Op) -> list[Signature]:
     each device's summand in a leading dim of the carry (``lower/partial.py``). Float carries
     only: an integer counter is never a sum of summands worth keeping apart. Not a while's
     carry (its lowering holds none stacked)."""
-    v = op.outputs[0]
-    if op.params["kind"] != "carry" or op.params.get("loop") == "while" or v.dtype is None or \
-            not jnp.issubdtype(v.dtype, jnp.inexact):
+    if op.params["kind"] != "carry" or op.params.get("loop") == "while" or not _float(op):
         return []
     return [Signature((P,), (P,))]
 

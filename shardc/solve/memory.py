@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from shardc.solve.problem import CostGraph
 
 __all__ = ["carry_exit", "combined", "fused_values", "host", "memory_point", "memory_points",
-           "memory_profile", "reads", "stacked_reads"]
+           "memory_profile", "partial_ys", "reads", "stacked_reads"]
 
 MEMORY_POINTS = 4  # program points sampled for the memory constraint (Alpa samples too)
 FUSING_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
@@ -153,6 +153,8 @@ def _lifetimes(cg: CostGraph) -> None:
             val = cg.refs[w].value
             cg.settle_spans.append((first_read[vid], last.get(vid, n), w, node, slot,
                                     val.nbytes))
+    cg.ys_spans = [(start, t - 1, cg.producer[op.outputs[0].id][0], op.outputs[0].nbytes)
+                   for start, t, op in partial_ys(graph)]
     cg.stack_spans = []
     for t, end, val in stacked_reads(graph):
         u, slot = (cg.settle[val.id], 0) if val.id in cg.settle else cg.producer[val.id]
@@ -172,14 +174,38 @@ def stacked_reads(graph: Graph) -> list[tuple[int, int, Value]]:
             and not op.inputs[0].is_const]
 
 
+def partial_ys(graph: Graph) -> list[tuple[int, int, Op]]:
+    """``(first op of its loop, t, exit)`` per scan ys ``scan_exit`` (op ``t``): where the
+    plan reads its body's value partial, reducing it after the loop
+    (:func:`shardc.solve.reduced_ys.stacked_ys`), the loop holds the whole stack of every
+    device's summands, unreduced (the full value on every device), from the loop's start
+    to its exit. A loop's ops are those whose ``where`` extends its exits'."""
+    first: dict[tuple[int, ...], int] = {}
+    out = []
+    for t, op in enumerate(graph.ops):
+        for k in range(1, len(op.where) + 1):
+            first.setdefault(op.where[:k], t)
+        if op.prim is SCAN_EXIT and op.params["kind"] == "ys":
+            out.append((first[op.where], t, op))
+    return out
+
+
+def _unreduced(cg: CostGraph, node: int, nbytes: int) -> np.ndarray:
+    """Per choice of a ys exit, the bytes of the unreduced stack it holds in the loop."""
+    return np.array([float(nbytes) if s.ins[0].has_partial else 0.0 for s in cg.choices[node]])
+
+
 def memory_point(cg: CostGraph, t: int) -> dict[int, np.ndarray]:
     """Per-device bytes live at program point ``t``, as per-choice vectors of live nodes."""
     point: dict[int, np.ndarray] = {}
-    for start, end, node, slot, nbytes in cg.spans:
-        if start <= t <= end:
-            root, f = cg.resolve(node)
-            vec = _value_mem(cg, node, slot, nbytes)[f]
-            point[root] = point[root] + vec if root in point else vec
+    live = [(node, _value_mem(cg, node, slot, nbytes))
+            for start, end, node, slot, nbytes in cg.spans if start <= t <= end]
+    live += [(node, _unreduced(cg, node, nbytes))
+             for start, end, node, nbytes in cg.ys_spans if start <= t <= end]
+    for node, mem in live:
+        root, f = cg.resolve(node)
+        vec = mem[f]
+        point[root] = point[root] + vec if root in point else vec
     return point
 
 
@@ -210,6 +236,9 @@ def memory_profile(cg: CostGraph, choice: Sequence[int]) -> np.ndarray:
                 results.append((b, start))
         else:
             made.append((start, end, b))
+    for start, end, node, nbytes in cg.ys_spans:  # a stack of summands, reduced after
+        if cg.choices[node][choice[node]].ins[0].has_partial:
+            made.append((start, end, float(nbytes)))
     for start, end, enter, node, slot, nbytes in cg.stack_spans:  # stacks converted for a loop
         read = cg.choices[enter][choice[enter]].ins[0]
         if read != cg.out_sbp(node, slot, choice[node]):

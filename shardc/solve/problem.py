@@ -37,6 +37,7 @@ from shardc.ir.sbp import B, Broadcast, NdSbp, Partial, Split
 from shardc.ir.trace import SCAN_ENTER, SCAN_EXIT
 from shardc.rules.registry import strategies
 from shardc.solve.memory import carry_exit, memory_points, reads
+from shardc.solve.reduced_ys import stacked_ys, whole_partial, ys_exits, ys_reduction, ys_shares
 
 
 @dataclass
@@ -93,6 +94,7 @@ class CostGraph:
     follows: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)  # v -> (u, f[a])
     spans: list = field(default_factory=list)  # (first, last program point, node, slot, bytes)
     stack_spans: list = field(default_factory=list)  # (first, last, enter, node, slot, bytes)
+    ys_spans: list = field(default_factory=list)  # (first, last, ys exit node, bytes)
     results: set = field(default_factory=set)  # indices of spans holding a graph result
     #: (t, op node, input k, node, slot, bytes, value id, made) per operand read, ``made``
     #: the program point that makes the value and ``combined`` whether its collectives join
@@ -473,6 +475,8 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
         return Edge(u, v, mat * times, val, k, (u, slot))
 
     consume = accumulators(graph)
+    reduced_ys = ys_exits(graph)
+    ys_share = ys_shares(graph, reduced_ys)
     for op in graph.ops:
         node = len(cg.choices)
         key = _op_key(op)
@@ -481,11 +485,16 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
         strats = cache.get(key) if key is not None else None
         if strats is None:
             strats = strategies(op, axis_sizes, axis_names, consume_partial=op.id in consume)
+            if op.id in reduced_ys:
+                strats = [s for s in strats if whole_partial(s.ins[0], axis_sizes)]
             if key is not None:
                 cache[key] = strats
         cg.choices.append(strats)
         cg.refs.append(op)
         cg.cost.append(np.array([s.flops / rate * op.weight for s in strats]))
+        if op.id in reduced_ys:  # a ys reduced after the loop: one all-reduce of the stack
+            cg.cost[-1] = cg.cost[-1] + ys_reduction(cg, strats, op.outputs[0],
+                                                     ys_share[op.outputs[0].id])
         for slot, out in enumerate(op.outputs):
             cg.producer[out.id] = (node, slot)
         for k, val in reads(op):
@@ -601,6 +610,7 @@ def accumulators(graph: Graph) -> set[int]:
     for op in graph.ops:
         if carry_exit(op) and op.params["enter"].producer.id in out:
             out.add(op.id)
+    out |= stacked_ys(graph)
     return out
 
 
