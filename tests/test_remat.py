@@ -210,7 +210,10 @@ def test_an_infeasible_budget_names_the_leanest_plan_the_search_reached():
         shardc.auto_shard(_step, mesh=MESH, time_limit=2.0,
                           memory_budget=0.5 * leanest).plan(ws, x)
     needed = info.value.needed
-    assert needed <= 1.01 * leanest
+    # the budgeted search is cut by its time limit, so how close it gets to the frontier's
+    # leanest depends on the machine's load (seen: 1.00x idle, 1.32x beside two other
+    # suites); the lean start is several times the leanest here
+    assert needed <= 1.5 * leanest
     plan = shardc.auto_shard(_step, mesh=MESH, time_limit=2.0, memory_budget=needed).plan(ws, x)
     assert plan.predicted.peak_memory <= needed
 
