@@ -170,7 +170,7 @@ def _pricing_table(cells: list[Cell]) -> list[str]:
             xs = [r[key] for r in mine if r[key]]
             means.append(_ratio(math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None))
         out.append(f"| {pricing} | " + " | ".join(means) + " |")
-    return out
+    return out + [""]
 
 
 def markdown(cells: list[Cell], commands: list[str], header: str = "") -> str:
