@@ -137,6 +137,18 @@ def _platform(mesh: Mesh | AbstractMesh) -> str | None:
     return None if isinstance(mesh, AbstractMesh) else mesh.devices.flat[0].platform
 
 
+def resident_inputs(arg_trees, ties) -> frozenset[int]:
+    """Flat inputs that stay on the devices from call to call besides the tied state: with
+    no ties (a function that returns no new state, such as a decode loop
+    ``decode(params, tokens)``), the first of several dynamic arguments, the model's
+    parameters; a train step's state is its ties. The other inputs are fed from the host
+    every call (the batch), which the plan pays for."""
+    trees = list(arg_trees)
+    if ties or len(trees) < 2:
+        return frozenset()
+    return frozenset(range(trees[0].num_leaves))
+
+
 def tie_outputs(arg_trees, out_tree, graph=None) -> list[tuple[int, int]]:
     """(flat output, flat input) pairs of a step whose output is, or holds, a pytree shaped
     like one of its arguments (``(state, batch) -> (new_state, loss)``): the new state should
@@ -169,6 +181,9 @@ class _Traced:
     traced: Traced
     ties: tuple[tuple[int, int], ...]
     fixed: Fixed
+    #: inputs that stay on the devices from call to call besides the tied state
+    #: (:func:`resident_inputs`): no host feed is charged for them
+    resident: frozenset[int] = frozenset()
 
 
 class AutoSharded:
@@ -289,7 +304,8 @@ class AutoSharded:
                                          platform=_platform(self.mesh),
                                          while_trips=self.options.while_trips))
             ties = tie_outputs(call.arg_trees(), traced.out_tree, traced.graph)
-            hit = _Traced(traced, tuple(ties), self._fixed(call))
+            hit = _Traced(traced, tuple(ties), self._fixed(call),
+                          resident_inputs(call.arg_trees(), ties))
             self._traces[key] = hit
             log.debug("shardc: traced %s in %.2f s", getattr(self.fn, "__name__", "fn"),
                       time.perf_counter() - t0)
@@ -469,7 +485,8 @@ class AutoSharded:
             sopts = SolveOptions(opts.memory_budget, opts.time_limit, seeds=view_seeds)
             try:
                 cg, sol = plan_graph(graph, view.shape, view.names, view.cluster, sopts,
-                                     ties=tr.ties, fixed=tr.fixed if is_physical else NOTHING_FIXED)
+                                     ties=tr.ties, fixed=tr.fixed if is_physical else NOTHING_FIXED,
+                                     resident=tr.resident)
             except MemoryBudgetError as exc:
                 if len(candidates) == 1:
                     raise
@@ -624,7 +641,7 @@ class AutoSharded:
         compile = None
         if not isinstance(self.mesh, AbstractMesh):
             compile = functools.partial(self._compiled_margin, call, tr, plan, args, kwargs)
-        return margins(tr.traced.graph, tr.ties, plan, state, compile)
+        return margins(tr.traced.graph, tr.ties, plan, state, compile, tuple(tr.resident))
 
     def _compiled_margin(self, call: Call, tr: _Traced, plan: Plan, args, kwargs,
                          layouts: dict[int, NdSbp] | None) -> Predicted:
@@ -648,7 +665,7 @@ class AutoSharded:
                 compiled = jax.jit(call.function(self.fn), in_shardings=shardings).lower(
                     *leaves).compile()
         cost = price(compiled, mesh, cluster)
-        carried = {i for _, i in tr.ties}
+        carried = {i for _, i in tr.ties} | tr.resident
         sizes = tuple(mesh.shape.values())
         feed = sum(feed_time(v, nd, sizes, cluster, k in carried)
                    for k, (v, nd) in enumerate(zip(graph.inputs, inputs, strict=True)))

@@ -157,11 +157,13 @@ def generic_layouts(shapes: Sequence[tuple[int, ...]], state: set[int],
 
 
 def margins(graph: Graph, ties: Sequence[tuple[int, int]], plan: Plan,
-            state: set[int] | None = None, compile: Compile | None = None) -> Margins:
+            state: set[int] | None = None, compile: Compile | None = None,
+            resident: Sequence[int] = ()) -> Margins:
     """``plan``'s step beside each generic layout's (module docstring) for the program
     ``graph`` with ``ties`` (output, input) on the plan's mesh and cluster; the state is
     the tied inputs unless ``state`` names them. With ``compile`` (a mesh with devices)
-    every step is priced from its compiled program, else estimated on the plan's model."""
+    every step is priced from its compiled program, else estimated on the plan's model;
+    ``resident`` inputs (besides the tied ones) pay no host feed, as in the plan."""
     sizes, names = plan.axis_sizes, plan.axis_names
     state = set(state) if state is not None else {i for _, i in ties}
     shapes = [v.shape for v in graph.inputs]
@@ -175,7 +177,8 @@ def margins(graph: Graph, ties: Sequence[tuple[int, int]], plan: Plan,
         elif compile is not None:
             out.append(Baseline(name, over[name], compile(layouts)))
         else:
-            out.append(Baseline(name, over[name], _estimate(graph, ties, plan, layouts)))
+            out.append(Baseline(name, over[name],
+                                _estimate(graph, ties, plan, layouts, resident)))
     if compile is None:
         return Margins(plan.predicted.step_time, plan.predicted.peak_memory, tuple(out))
     mine = compile(None)
@@ -183,9 +186,9 @@ def margins(graph: Graph, ties: Sequence[tuple[int, int]], plan: Plan,
 
 
 def _estimate(graph: Graph, ties: Sequence[tuple[int, int]], plan: Plan,
-              layouts: dict[int, NdSbp]) -> Predicted:
+              layouts: dict[int, NdSbp], resident: Sequence[int]) -> Predicted:
     cg = build(graph, plan.axis_sizes, plan.axis_names, plan.cluster, ties,
-               fixed=Fixed(inputs=layouts))
+               fixed=Fixed(inputs=layouts), resident=resident)
     cg.merge_followers()
     x = descent.from_inputs(cg, layouts)
     if x is None:  # no input kept a layout of its own (every one merged into a use)

@@ -621,7 +621,7 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
         outputs.append(dst)
     reshards, ops, comm = _combine(reshards, ops, comm, combined, cluster.collective_model)
     peak = float(np.max(memory_profile(cg, choice)))  # the profile budgets are held to
-    carried = set(tied.values())
+    carried = set(tied.values()) | cg.resident
     feed = sum(feed_time(v, values[v.id], sizes, cluster, k in carried)
                for k, v in enumerate(graph.inputs))
     return Plan(tuple(zip(names, sizes)), cluster,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import jax.numpy as jnp
@@ -104,6 +104,7 @@ class CostGraph:
     conversions: dict = field(default_factory=dict)  # (src, dst) -> Conversion
     terms: dict = field(default_factory=dict)  # (srcs, dsts) -> reshard_matrix's cost terms
     carried: set = field(default_factory=set)  # input nodes tied to an output (the state)
+    resident: set = field(default_factory=set)  # other inputs kept on the devices: no feed
     settle: dict = field(default_factory=dict)  # value id -> its Settle node
     order: list = field(default_factory=list)  # every node, producers before their uses
     ties: list = field(default_factory=list)  # (output index, input index) pairs
@@ -404,15 +405,18 @@ def _unreduce(nd: NdSbp) -> NdSbp:
 
 
 def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cluster: Cluster,
-          ties: Sequence[tuple[int, int]] = (), *, fixed: Fixed = NOTHING_FIXED) -> CostGraph:
+          ties: Sequence[tuple[int, int]] = (), *, fixed: Fixed = NOTHING_FIXED,
+          resident: Collection[int] = ()) -> CostGraph:
     """Build the cost graph. ``ties`` pairs (output index, input index) whose layouts should
     agree (a train step's new state feeds the next step's state). ``fixed`` pins graph
-    inputs and outputs to one layout each."""
+    inputs and outputs to one layout each. The tied inputs and the ``resident`` ones stay
+    on the devices between calls; every other input pays its host feed."""
     axis_sizes, axis_names = tuple(axis_sizes), tuple(axis_names)
     cg = CostGraph(graph, axis_sizes, axis_names, cluster)
     rate = cluster.device_flops * cluster.utilization
     carried = {i for _, i in ties}
     cg.carried = carried
+    cg.resident = set(resident)
     cg.ties = list(ties)
     cg.fixed = fixed
     layouts: dict = {}
@@ -425,7 +429,8 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
                 layouts[v.shape] = input_choices(v, axis_sizes)
             cg.choices.append(layouts[v.shape])
         cg.refs.append(v)
-        cg.cost.append(np.array([feed_time(v, nd, axis_sizes, cluster, k in carried)
+        cg.cost.append(np.array([feed_time(v, nd, axis_sizes, cluster,
+                                           k in carried or k in cg.resident)
                                  for nd in cg.choices[-1]]))
     cache: dict = {}
     matrices: dict = {}  # identical edges (repeated layers) share one cost matrix

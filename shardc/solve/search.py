@@ -15,7 +15,7 @@ import enum
 import math
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -508,11 +508,12 @@ def block_refine(cg: CostGraph, x: dict[int, int], memory_budget, deadline: floa
 def plan_graph(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str],
                cluster: Cluster, options: SolveOptions = SolveOptions(), *,
                ties: Sequence[tuple[int, int]] = (),
-               fixed: Fixed = NOTHING_FIXED) -> tuple[CostGraph, Solution]:
+               fixed: Fixed = NOTHING_FIXED,
+               resident: Collection[int] = ()) -> tuple[CostGraph, Solution]:
     """Build the cost graph of ``graph`` on the mesh and solve it. ``fixed`` pins graph
-    inputs and outputs to the layouts given."""
+    inputs and outputs to the layouts given; ``resident`` inputs pay no host feed."""
     t0 = time.perf_counter()
-    cg = build(graph, axis_sizes, axis_names, cluster, ties, fixed=fixed)
+    cg = build(graph, axis_sizes, axis_names, cluster, ties, fixed=fixed, resident=resident)
     build_s = time.perf_counter() - t0
     sol = solve(cg, options)
     return cg, dataclasses.replace(sol, stats={**sol.stats, "build_s": build_s})
