@@ -140,11 +140,12 @@ def _platform(mesh: Mesh | AbstractMesh) -> str | None:
 def resident_inputs(arg_trees, ties) -> frozenset[int]:
     """Flat inputs that stay on the devices from call to call besides the tied state: with
     no ties (a function that returns no new state, such as a decode loop
-    ``decode(params, tokens)``), the first of several dynamic arguments, the model's
-    parameters; a train step's state is its ties. The other inputs are fed from the host
-    every call (the batch), which the plan pays for."""
+    ``decode(params, tokens)``), a first argument that is a pytree of several arrays (the
+    model's parameters) when more arguments follow; a train step's state is its ties. The
+    other inputs (a batch; plain arrays, ``f(x, y)``) are fed from the host every call,
+    which the plan pays for."""
     trees = list(arg_trees)
-    if ties or len(trees) < 2:
+    if ties or len(trees) < 2 or trees[0].num_leaves < 2:
         return frozenset()
     return frozenset(range(trees[0].num_leaves))
 
