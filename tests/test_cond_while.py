@@ -291,15 +291,15 @@ def _decode_step(p, i, tok, kc, vc, toks):
     q, k, v = h @ p["q"], h @ p["k"], h @ p["v"]
     kc = jax.lax.dynamic_update_slice(kc, k[:, None], (0, i, 0))
     vc = jax.lax.dynamic_update_slice(vc, v[:, None], (0, i, 0))
-    s = jnp.einsum("bd,btd->bt", q, kc) / EMBED ** 0.5
+    s = jnp.einsum("bd,btd->bt", q, kc) / kc.shape[-1] ** 0.5
     s = jnp.where(jnp.arange(STEPS)[None] <= i, s, -1e30)
     o = jnp.einsum("bt,btd->bd", jax.nn.softmax(s, -1), vc)
     tok = jnp.argmax((h + o @ p["o"]) @ p["out"], -1).astype(jnp.int32)
     return tok, kc, vc, toks.at[:, i].set(tok)
 
 
-def _decode_start(tok):
-    cache = jnp.zeros((tok.shape[0], STEPS, EMBED), jnp.float32)
+def _decode_start(tok, embed=EMBED):
+    cache = jnp.zeros((tok.shape[0], STEPS, embed), jnp.float32)
     return tok, cache, cache, jnp.zeros((tok.shape[0], STEPS), jnp.int32)
 
 
@@ -370,26 +370,14 @@ def test_a_decode_loop_large_enough_for_tensor_parallelism_is_no_slower_than_dp(
     split ones, and a larger decoder planned 3.4x data parallelism's FLOPs to save it."""
     vocab, embed, prompts = 4096, 512, 32
 
-    def step(p, i, tok, kc, vc, toks):
-        h = p["emb"][tok]
-        q, k, v = h @ p["q"], h @ p["k"], h @ p["v"]
-        kc = jax.lax.dynamic_update_slice(kc, k[:, None], (0, i, 0))
-        vc = jax.lax.dynamic_update_slice(vc, v[:, None], (0, i, 0))
-        s = jnp.einsum("bd,btd->bt", q, kc) / embed ** 0.5
-        s = jnp.where(jnp.arange(STEPS)[None] <= i, s, -1e30)
-        o = jnp.einsum("bt,btd->bd", jax.nn.softmax(s, -1), vc)
-        tok = jnp.argmax((h + o @ p["o"]) @ p["out"], -1).astype(jnp.int32)
-        return tok, kc, vc, toks.at[:, i].set(tok)
-
     def decode(p, tok):
-        cache = jnp.zeros((tok.shape[0], STEPS, embed), jnp.float32)
-        start = (tok, cache, cache, jnp.zeros((tok.shape[0], STEPS), jnp.int32))
+        start = _decode_start(tok, embed)
         if loop == "fori":
-            return jax.lax.fori_loop(0, STEPS, lambda i, c: step(p, i, *c), start)[3]
+            return jax.lax.fori_loop(0, STEPS, lambda i, c: _decode_step(p, i, *c), start)[3]
 
         def body(c):
             i, *rest = c
-            return (i + 1, *step(p, i, *rest))
+            return (i + 1, *_decode_step(p, i, *rest))
 
         return jax.lax.while_loop(lambda c: c[0] < STEPS, body, (0, *start))[4]
 
