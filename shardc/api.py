@@ -347,7 +347,7 @@ class AutoSharded:
         flat = {f"{view.label}: {name}": layouts
                 for view, named in zip(candidates, seeds) for name, layouts in named.items()}
         key = store.key(program, tr.traced.graph.inputs, self.mesh, self.options, flat,
-                        tr.ties, tr.fixed)
+                        tr.ties, tr.fixed, tr.resident)
         plan = store.load(key, lambda p: fingerprint(self._traced(call, p.remat)[1].traced.graph))
         if plan is None:
             plan = self._solve(call, tr, candidates, seeds, self.options)

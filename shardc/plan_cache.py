@@ -22,7 +22,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,8 @@ class PlanCache:
 
     def key(self, program: str, inputs: Sequence[Value],
             mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh,
-            options: Any, seeds: Mapping[str, Mapping[int, NdSbp]], ties, fixed) -> str:
+            options: Any, seeds: Mapping[str, Mapping[int, NdSbp]], ties, fixed,
+            resident: Collection[int] = ()) -> str:
         """A digest of what the plan depends on (see the module doc): ``program`` is the
         graph's :func:`~shardc.plan.fingerprint`, ``inputs`` its inputs, ``seeds`` the
         seed layouts by name, as the solver gets them."""
@@ -75,6 +76,7 @@ class PlanCache:
             "seeds": {name: sorted((k, str(nd)) for k, nd in layouts.items())
                       for name, layouts in sorted(seeds.items())},
             "ties": [list(t) for t in ties],
+            "resident": sorted(resident),
             "fixed": [sorted((k, str(nd)) for k, nd in fixed.inputs.items()),
                       sorted((k, str(nd)) for k, nd in fixed.outputs.items())],
         }
