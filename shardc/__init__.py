@@ -18,12 +18,13 @@ from shardc.ir.sbp import Split as Split
 from shardc.plan import Plan as Plan
 from shardc.plan import PlanFormatError as PlanFormatError
 from shardc.plan import Predicted as Predicted
+from shardc.rules.registry import NoRuleWarning as NoRuleWarning
 from shardc.rules.registry import register as register
 from shardc.solve.search import MemoryBudgetError as MemoryBudgetError
 
 __all__ = ["AutoSharded", "B", "Broadcast", "Cluster", "DeviceSweep", "Frontier",
-           "MemoryBudgetError", "NdSbp", "NeedsDevicesError", "Options", "Partial", "Plan",
-           "PlanFormatError", "Predicted", "Split", "auto_shard", "device_sweep", "pareto",
-           "register", "rules"]
+           "MemoryBudgetError", "NdSbp", "NeedsDevicesError", "NoRuleWarning", "Options",
+           "Partial", "Plan", "PlanFormatError", "Predicted", "Split", "auto_shard",
+           "device_sweep", "pareto", "register", "rules"]
 
 __version__ = "0.1.0"
