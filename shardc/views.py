@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
-from shardc.cost.cluster import Cluster
+from shardc.cost.cluster import Cluster, slowest_link
 
 
 def mesh_label(axes: Iterable[tuple[str, int]]) -> str:
@@ -148,23 +148,21 @@ def _view_cluster(cluster: Cluster, names: Sequence[str], lnames: Sequence[str],
     its slowest part (a network where any part crosses nodes), spans the nodes its parts
     span, and runs its steps inside a node over its other parts' links."""
     bw, lat, link, nodes = {}, {}, {}, {}
-    inside = dataclasses.asdict(cluster)  # node_* fields: the link inside a node
+    inside = cluster.node_bandwidth, cluster.node_latency, cluster.node_link
     for ln, parts in zip(lnames, cut):
         kinds = [cluster.link(names[k]) for k, _ in parts]
         net = [(k, take) for (k, take), kind in zip(parts, kinds) if kind == "net"]
         mine = net or parts
         bw[ln] = min(cluster.bandwidth(names[k]) for k, _ in mine)
         lat[ln] = max(cluster.latency(names[k]) for k, _ in mine)
-        link[ln] = "net" if net else max(kinds, key=("nvlink", "pcie", "ici").index)
+        link[ln] = slowest_link(kinds)
         nodes[ln] = math.prod(cluster.nodes(names[k], take) for k, take in parts)
         local = [k for (k, _), kind in zip(parts, kinds) if kind in ("nvlink", "pcie")]
         if net and local:
-            inside = {"node_bandwidth": min(cluster.bandwidth(names[k]) for k in local),
-                      "node_latency": max(cluster.latency(names[k]) for k in local),
-                      "node_link": max((cluster.link(names[k]) for k in local),
-                                       key=("nvlink", "pcie").index)}
+            inside = (min(cluster.bandwidth(names[k]) for k in local),
+                      max(cluster.latency(names[k]) for k in local),
+                      slowest_link(cluster.link(names[k]) for k in local))
     return dataclasses.replace(cluster, axis_bandwidth=bw, axis_latency=lat, axis_link=link,
                                axis_nodes={a: n for a, n in nodes.items() if n > 1},
-                               node_bandwidth=inside["node_bandwidth"],
-                               node_latency=inside["node_latency"],
-                               node_link=inside["node_link"])
+                               node_bandwidth=inside[0], node_latency=inside[1],
+                               node_link=inside[2])

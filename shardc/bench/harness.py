@@ -29,7 +29,7 @@ from shardc.bench.experts import (
     state_specs,
 )
 from shardc.bench.zoo import PRESETS, ZOO, Preset, ZooModel
-from shardc.inspect import price
+from shardc.inspect.hlo import price_all
 from shardc.plan import Plan
 from shardc.views import mesh_label, views
 
@@ -146,18 +146,18 @@ def _feed(shardings, batch, cluster) -> float:
 
 
 def _fill_compiled(cell: Cell, compiled, mesh, cluster, batch) -> None:
-    for model in PRICINGS:
-        if model != cluster.collective_model:
-            other = price(compiled, mesh, dataclasses.replace(cluster, collective_model=model))
-            feed = feed_seconds(compiled, batch, cluster)
-            cell.priced[model] = [other.time + feed, other.overlapped_time + feed]
-    cost = price(compiled, mesh, cluster)
+    models = [cluster.collective_model, *(m for m in PRICINGS if m != cluster.collective_model)]
+    costs = price_all(compiled, mesh, [dataclasses.replace(cluster, collective_model=m)
+                                       for m in models])
+    feed = feed_seconds(compiled, batch, cluster)
+    for model, other in zip(models, costs):
+        cell.priced[model] = [other.time + feed, other.overlapped_time + feed]
+    cost = costs[0]
     cell.compiled_comm_s = cost.comm_time
     cell.compiled_compute_s = cost.compute_time
-    cell.compiled_feed_s = feed_seconds(compiled, batch, cluster)
-    cell.compiled_s = cost.comm_time + cost.compute_time + cell.compiled_feed_s
-    cell.compiled_overlap_s = cost.overlapped_time + cell.compiled_feed_s
-    cell.priced[cluster.collective_model] = [cell.compiled_s, cell.compiled_overlap_s]
+    cell.compiled_feed_s = feed
+    cell.compiled_s = cost.comm_time + cost.compute_time + feed
+    cell.compiled_overlap_s = cost.overlapped_time + feed
     cell.wire_bytes = cost.wire_bytes
     cell.collectives = dict(cost.counts)
     cell.peak_memory = cost.peak_memory

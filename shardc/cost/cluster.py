@@ -238,8 +238,14 @@ class Cluster:
                    axis_link={a: "ici" for a in axis_names})
 
 
-#: intra-node link kinds, fastest first: a group over several picks the slowest
-_LOCAL_ORDER = ("nvlink", "pcie")
+#: link kinds, fastest first: a group or view axis over several runs at the slowest
+LINK_ORDER = ("nvlink", "pcie", "ici", "net")
+
+
+def slowest_link(kinds) -> str:
+    """The slowest of the link kinds ``kinds`` (:data:`LINK_ORDER`)."""
+    return max(kinds, key=LINK_ORDER.index)
+
 
 
 @lru_cache(maxsize=1 << 14)
@@ -250,8 +256,7 @@ def _group(cluster: Cluster, spans: tuple[tuple[str, int], ...]) -> Group:
     local = [a for a, _ in spans if cluster.link(a) != "net"]
     alpha = max((cluster.latency(a) for a, _ in spans), default=cluster.default_latency)
     if local:
-        kinds = {cluster.link(a) for a in local}
-        intra = "ici" if "ici" in kinds else max(kinds, key=_LOCAL_ORDER.index)
+        intra = slowest_link(cluster.link(a) for a in local)
         intra_bw = min(cluster.bandwidth(a) for a in local)
         intra_lat = max(cluster.latency(a) for a in local)
     else:

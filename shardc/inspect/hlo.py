@@ -328,23 +328,33 @@ def price(compiled: Any, mesh: Mesh, cluster: Cluster) -> CompiledCost:
     :func:`collective_seconds`, times the runs of the loop bodies around it;
     compute as ``flops / (device_flops * utilization)``, loop bodies by trip count; and
     the same with communication overlapped (:func:`shardc.inspect.schedule.schedule`)."""
+    return price_all(compiled, mesh, [cluster])[0]
+
+
+def price_all(compiled: Any, mesh: Mesh, clusters: Sequence[Cluster]) -> list[CompiledCost]:
+    """:func:`price` on each of ``clusters`` (the same devices under other collective
+    models, say): the program is printed, parsed and analysed once."""
     text = _hlo_text(compiled)  # printed once, parsed once (parse_module keeps the last few)
     found = tuple(collectives(text, mesh))
     every = multiplicity(text)
     runs = tuple(every.get(c.computation, 1) for c in found)
-    seconds = tuple(collective_seconds(c, mesh, cluster) for c in found)
-    times = tuple(t * n for t, n in zip(seconds, runs))
     flops = _analysed_flops(compiled) + loop_extra_flops(text)
-    compute_time = flops / (cluster.device_flops * cluster.utilization)
-    return CompiledCost(
-        comm_time=sum(times),
-        compute_time=compute_time,
-        wire_bytes=sum(c.wire_bytes * n for c, n in zip(found, runs)),
-        flops=flops,
-        peak_memory=compiled_peak_memory(compiled),
-        collectives=found,
-        counts=dict(Counter(c.kind for c in found)),
-        times=times,
-        runs=runs,
-        overlapped_time=schedule(text, found, seconds, compute_time).time,
-    )
+    peak = compiled_peak_memory(compiled)
+    out = []
+    for cluster in clusters:
+        seconds = tuple(collective_seconds(c, mesh, cluster) for c in found)
+        times = tuple(t * n for t, n in zip(seconds, runs))
+        compute_time = flops / (cluster.device_flops * cluster.utilization)
+        out.append(CompiledCost(
+            comm_time=sum(times),
+            compute_time=compute_time,
+            wire_bytes=sum(c.wire_bytes * n for c, n in zip(found, runs)),
+            flops=flops,
+            peak_memory=peak,
+            collectives=found,
+            counts=dict(Counter(c.kind for c in found)),
+            times=times,
+            runs=runs,
+            overlapped_time=schedule(text, found, seconds, compute_time).time,
+        ))
+    return out
