@@ -1,0 +1,1 @@
+"""Pipeline parallelism: a scan over layers split into stages over one mesh axis."""

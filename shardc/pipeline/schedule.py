@@ -1,0 +1,68 @@
+"""The pipeline a plan chooses for a scan over layers: stages over one mesh axis, the batch
+cut into micro-batches, and the schedule that runs them.
+
+One record crosses every boundary (planner, lowering, plan files, reports): a
+:class:`Pipeline` is complete at construction and checked there, so a bad request names
+its fix before anything is traced.
+
+References:
+  Huang et al., "GPipe" (NeurIPS 2019): the bubble share (S - 1) / (M + S - 1).
+  Narayanan et al., "Efficient large-scale language model training on GPU clusters using
+  Megatron-LM" (SC 2021) §2.2: 1F1B keeps at most S micro-batches in flight per stage;
+  the interleaved (circular) schedule with V virtual stages per device divides the
+  bubble by V.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["SCHEDULES", "Pipeline"]
+
+SCHEDULES = ("gpipe", "1f1b", "circular")
+
+
+@dataclass(frozen=True, slots=True)
+class Pipeline:
+    """``stages`` (S) over mesh axis ``axis``, the batch cut into ``microbatches`` (M),
+    run with ``schedule``; ``virtual`` (V) layer chunks per device for ``"circular"``."""
+
+    axis: str
+    stages: int
+    microbatches: int
+    schedule: str = "gpipe"
+    virtual: int = 1
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"Pipeline(schedule={self.schedule!r}): use one of {SCHEDULES}")
+        if self.stages < 2:
+            raise ValueError(f"Pipeline(stages={self.stages}): a pipeline needs at least 2 "
+                             "stages; leave pipeline=None to run without one")
+        if self.microbatches < 1:
+            raise ValueError(f"Pipeline(microbatches={self.microbatches}): need at least 1")
+        if self.virtual < 1 or (self.virtual > 1 and self.schedule != "circular"):
+            raise ValueError(f"Pipeline(virtual={self.virtual}): virtual stages need "
+                             "schedule='circular'; use virtual=1 otherwise")
+
+    @property
+    def bubble(self) -> float:
+        """Idle share of the step's pipelined part: (S - 1) / (M + S - 1), over V for the
+        circular schedule (GPipe; Megatron-LM §2.2)."""
+        s, m = self.stages, self.microbatches
+        return (s - 1) / (m * self.virtual + s - 1) if self.virtual > 1 else (s - 1) / (m + s - 1)
+
+    @property
+    def in_flight(self) -> int:
+        """Micro-batches whose activations one stage holds at its peak: all M for GPipe and
+        the circular schedule (forward all, then backward), at most S for 1F1B."""
+        return min(self.microbatches, self.stages) if self.schedule == "1f1b" \
+            else self.microbatches
+
+    def to_json(self) -> dict:
+        return {"axis": self.axis, "stages": self.stages, "microbatches": self.microbatches,
+                "schedule": self.schedule, "virtual": self.virtual}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Pipeline:
+        return cls(**d)
