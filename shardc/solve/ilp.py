@@ -49,6 +49,15 @@ MAX_NODES = 2_000
 LP_PRESOLVE = "off"
 #: how far from 0 or 1 an LP value may be and still count as integral
 INTEGRALITY = 1e-6
+#: Lagrangian search of a budgeted model (:class:`_Budgeted`): doublings of the multiplier
+#: scale ``t`` until a relaxation's plan fits, then bisections between it and the last
+#: that did not; sweeps of single-node moves polishing each plan
+DOUBLINGS = 24
+BISECTIONS = 4
+POLISH_SWEEPS = 20
+#: share of the largest memory row dual put on every row (so the scaled multipliers reach
+#: the leanest plan even where the LP's duals leave a row at zero)
+LAMBDA_FLOOR = 1e-3
 _STATUS = {mbh.SolveStatus.OPTIMAL: "OPTIMAL", mbh.SolveStatus.FEASIBLE: "FEASIBLE",
            mbh.SolveStatus.INFEASIBLE: "INFEASIBLE"}
 
@@ -56,7 +65,10 @@ _STATUS = {mbh.SolveStatus.OPTIMAL: "OPTIMAL", mbh.SolveStatus.FEASIBLE: "FEASIB
 @dataclass(frozen=True)
 class IlpResult:
     assignment: dict[int, int] | None
-    status: str  # OPTIMAL | FEASIBLE (a limit cut it) | INFEASIBLE | FRACTIONAL | UNKNOWN
+    # OPTIMAL | FEASIBLE (a limit cut it) | INFEASIBLE | FRACTIONAL | UNKNOWN (the clock cut
+    # it, nothing found) | LAGRANGIAN (a budget's rows settled by :class:`_Budgeted`; no
+    # assignment where no plan it reached fits)
+    status: str
     wall_time: float
 
 
@@ -167,6 +179,7 @@ def solve_ilp(cg: CostGraph, *, time_limit: float = 10.0, memory_budget: float |
             np.concatenate([np.ones(e.size), -np.ones(len(ri)), np.ones(e.size),
                             -np.ones(len(ci))]),
             n_p + n_g, 0.0, 0.0)
+    n_struct = rows.n  # the one-hot and pair rows; the memory rows follow
     if memory_budget is not None:
         kib = 1024.0
         for point in cg.memory:
@@ -184,17 +197,24 @@ def solve_ilp(cg: CostGraph, *, time_limit: float = 10.0, memory_budget: float |
             elif const > memory_budget // kib:
                 return IlpResult(None, "INFEASIBLE", time.perf_counter() - t0)
 
-    model = mbh.ModelBuilderHelper()
     n_choice = base[live[-1]] + len(unary[live[-1]])
     lo, hi = rows.bounds()
-    model.fill_model_from_sparse_data(
-        np.zeros(n_vars), np.ones(n_vars), np.concatenate(objective), lo, hi,
-        rows.matrix(n_vars))
-    name, values = _solve(model, None, t0 + time_limit, log)  # the LP relaxation
+    matrix = rows.matrix(n_vars)
+    cost = np.concatenate(objective)
+    deadline = t0 + time_limit
+    name, values, duals = _solve(_model(cost, lo, hi, matrix), None, deadline, log)
     if name == "OPTIMAL" and not _integral(values[:n_choice]):
         if relaxation_only:
             return IlpResult(None, "FRACTIONAL", time.perf_counter() - t0)
-        name, values = _solve(model, n_choice, t0 + time_limit, log)
+        if rows.n > n_struct:  # memory rows: their Lagrangian, not branch and bound
+            plan = _Budgeted(live, base, objective[:len(live)],
+                             {(u, v): m / unit for (u, v), m in merged.items()},
+                             matrix[n_struct:, :n_choice].toarray(), hi[n_struct:])
+            choice = plan.search(cost, lo[:n_struct], hi[:n_struct], matrix[:n_struct],
+                                 np.abs(duals[n_struct:]), values, hint, deadline)
+            return IlpResult(None if choice is None else {**hint, **choice}, "LAGRANGIAN",
+                             time.perf_counter() - t0)
+        name, values, _ = _solve(_model(cost, lo, hi, matrix), n_choice, deadline, log)
     if values is None:
         return IlpResult(None, name, time.perf_counter() - t0)
     x = dict(hint)
@@ -202,14 +222,24 @@ def solve_ilp(cg: CostGraph, *, time_limit: float = 10.0, memory_budget: float |
     return IlpResult(x, name, time.perf_counter() - t0)
 
 
+def _model(cost: np.ndarray, lo: np.ndarray, hi: np.ndarray, matrix: sparse.csr_matrix
+           ) -> mbh.ModelBuilderHelper:
+    """``min cost·z`` over ``0 <= z <= 1``, ``lo <= matrix z <= hi``."""
+    model = mbh.ModelBuilderHelper()
+    n = matrix.shape[1]
+    model.fill_model_from_sparse_data(np.zeros(n), np.ones(n), cost, lo, hi, matrix)
+    return model
+
+
 def _integral(values: np.ndarray) -> bool:
     return bool(np.all(np.minimum(values, 1.0 - values) <= INTEGRALITY))
 
 
 def _solve(model: mbh.ModelBuilderHelper, n_integral: int | None, deadline: float, log: bool
-           ) -> tuple[str, np.ndarray | None]:
+           ) -> tuple[str, np.ndarray | None, np.ndarray | None]:
     """Solve ``model`` with HiGHS: its LP relaxation (``n_integral`` None), or the MIP
-    whose first ``n_integral`` variables are binary. Returns the status and the values."""
+    whose first ``n_integral`` variables are binary. Returns the status, the values and
+    (for the LP) the rows' duals."""
     for k in range(n_integral or 0):
         model.set_var_integrality(k, True)
     solver = mbh.ModelSolverHelper("highs")
@@ -222,8 +252,155 @@ def _solve(model: mbh.ModelBuilderHelper, n_integral: int | None, deadline: floa
     solver.solve(model)
     name = _STATUS.get(solver.status(), "UNKNOWN")
     if name not in ("OPTIMAL", "FEASIBLE") or not solver.has_solution():
-        return name, None
-    return name, np.asarray(solver.variable_values())
+        return name, None, None
+    duals = None if n_integral else np.asarray(solver.dual_values())
+    return name, np.asarray(solver.variable_values()), duals
+
+
+class _Budgeted:
+    """The choice part of a memory-budgeted model, to search it by its Lagrangian: the
+    memory rows priced into the objective at multipliers ``t·λ`` (``λ``: their LP duals),
+    each such problem an LP without memory rows (integral, like the unbudgeted model), and
+    ``t`` bisected to the smallest that fits. Every plan it reaches is repaired to fit
+    (the moves freeing the most bytes per unit of cost first) and polished by single-node
+    moves that keep it fitting; the cheapest wins. Each step is an LP or a sweep run to its
+    end, so the plan depends on the model only (no branch and bound cut by the clock: a
+    budgeted MIP took 2-5 s a solve and stopped at the time limit, so budgeted plans
+    depended on the machine's load).
+
+    References:
+      Fisher, "The Lagrangian relaxation method for solving integer programming problems"
+      (Management Science, 1981) §3-4: multipliers from the LP duals, a feasible plan by
+      adjusting the relaxation's solution."""
+
+    def __init__(self, live: Sequence[int], base: dict[int, int], objective: list[np.ndarray],
+                 pair: dict[tuple[int, int], np.ndarray],
+                 mem: np.ndarray, cap: np.ndarray):
+        pos = {i: k for k, i in enumerate(live)}
+        self.live, self.objective, self.cap = live, objective, cap
+        self.mem = [mem[:, base[i]:base[i] + len(objective[k])] for k, i in enumerate(live)]
+        self.adj: list[list[tuple[np.ndarray, int]]] = [[] for _ in live]
+        self.pairs = [(pos[u], pos[v], m) for (u, v), m in pair.items()]
+        for ku, kv, m in self.pairs:
+            self.adj[ku].append((m, kv))
+            self.adj[kv].append((m.T, ku))
+        self.offsets = np.cumsum([0] + [len(o) for o in objective])
+
+    def cost(self, a: np.ndarray) -> float:
+        return float(sum(o[a[k]] for k, o in enumerate(self.objective)) +
+                     sum(m[a[ku], a[kv]] for ku, kv, m in self.pairs))
+
+    def usage(self, a: np.ndarray) -> np.ndarray:
+        return sum(m[:, a[k]] for k, m in enumerate(self.mem))
+
+    def _local(self, a: np.ndarray, k: int) -> np.ndarray:
+        local = self.objective[k].copy()
+        for m, j in self.adj[k]:
+            local += m[:, a[j]]
+        return local
+
+    def decode(self, values: np.ndarray) -> np.ndarray:
+        return np.array([int(np.argmax(values[self.offsets[k]:self.offsets[k + 1]]))
+                         for k in range(len(self.live))])
+
+    def repair(self, a: np.ndarray) -> np.ndarray | None:
+        """``a`` moved to fit: while a row is over, the single-node move with the least
+        cost per byte it frees on the rows over (None if no move frees any)."""
+        a = a.copy()
+        use = self.usage(a)
+        for _ in range(len(a) * 4):
+            over = use > self.cap
+            if not over.any():
+                return a
+            best, pick = np.inf, None
+            for k, m in enumerate(self.mem):
+                freed = np.maximum(m[over, a[k]][:, None] - m[over], 0).sum(axis=0)
+                if not freed.any():
+                    continue
+                local = self._local(a, k)
+                ratio = np.where(freed > 0, (local - local[a[k]]) / np.maximum(freed, 1e-9),
+                                 np.inf)
+                b = int(np.argmin(ratio))
+                if ratio[b] < best:
+                    best, pick = ratio[b], (k, b)
+            if pick is None:
+                return None
+            k, b = pick
+            use += self.mem[k][:, b] - self.mem[k][:, a[k]]
+            a[k] = b
+        return None
+
+    def polish(self, a: np.ndarray) -> np.ndarray:
+        """Single-node moves to the cheapest choice that keeps the plan fitting, swept
+        until none moves."""
+        a = a.copy()
+        use = self.usage(a)
+        for _ in range(POLISH_SWEEPS):
+            moved = False
+            for k, m in enumerate(self.mem):
+                local = self._local(a, k)
+                fits = np.all(use[:, None] - m[:, [a[k]]] + m <= self.cap[:, None], axis=0)
+                local[~fits] = np.inf
+                b = int(np.argmin(local))
+                if local[b] < local[a[k]] - 1e-9:
+                    use += m[:, b] - m[:, a[k]]
+                    a[k], moved = b, True
+            if not moved:
+                break
+        return a
+
+    def search(self, cost: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+               matrix: sparse.csr_matrix, duals: np.ndarray, values: np.ndarray,
+               hint: dict[int, int], deadline: float) -> dict[int, int] | None:
+        """The cheapest plan that fits, from the Lagrangian's plans at multipliers ``t·λ``
+        (``λ`` the memory rows' LP ``duals``, plus a small share on every row so a large
+        ``t`` reaches the leanest plan), from the budgeted LP's rounded ``values`` and from
+        ``hint``; None if none fits."""
+        lam = duals + LAMBDA_FLOOR * max(float(duals.max()), SCALE_RANGE / max(
+            float(self.cap.max()), 1.0))
+        price = lam @ np.concatenate(self.mem, axis=1)
+        n_choice = len(price)
+        plans = [self.decode(values)]
+
+        def relaxed(t: float) -> np.ndarray | None:
+            obj = cost.copy()
+            obj[:n_choice] += t * price
+            name, values, _ = _solve(_model(obj, lo, hi, matrix), None, deadline, False)
+            return None if values is None else self.decode(values)
+
+        t_lo, t_hi = 0.0, 1.0
+        for _ in range(DOUBLINGS):
+            a = relaxed(t_hi)
+            if a is None:
+                break
+            plans.append(a)
+            if np.all(self.usage(a) <= self.cap):
+                break
+            t_lo, t_hi = t_hi, 2 * t_hi
+        else:
+            t_hi = None
+        for _ in range(BISECTIONS if t_hi is not None else 0):
+            t = (t_lo + t_hi) / 2
+            a = relaxed(t)
+            if a is None:
+                break
+            plans.append(a)
+            if np.all(self.usage(a) <= self.cap):
+                t_hi = t
+            else:
+                t_lo = t
+        if all(i in hint for i in self.live):
+            plans.append(np.array([hint[i] for i in self.live]))
+        best, best_cost = None, np.inf
+        for a in plans:
+            a = self.repair(a)
+            if a is None:
+                continue
+            a = self.polish(a)
+            c = self.cost(a)
+            if c < best_cost - 1e-9:
+                best, best_cost = a, c
+        return None if best is None else {i: int(b) for i, b in zip(self.live, best)}
 
 
 def problem_size(cg: CostGraph, free: Sequence[int] | None = None) -> int:

@@ -1,11 +1,12 @@
 """Planning driver: cost graph → follow-merge → coordinate descent → ILP → choices.
 
 The descent result seeds the ILP as a hint; the ILP's answer is kept only when it is no
-worse. Every stage runs to its end (a proven ILP optimum, a sweep that moves nothing), so
-the plan depends on the program, mesh and cluster only; ``time_limit`` is a wall-clock
-guard over the ILP stages (building, merging, descent and folding, which take time linear
-in the program, are not counted): a stage it cuts keeps its best plan so far and the
-plan's status says so.
+worse. Every stage runs to its end (a proven ILP optimum, a memory budget's Lagrangian
+search, a sweep that moves nothing, each bounded by a count of rounds, never by the clock),
+so the plan depends on the program, mesh and cluster only; ``time_limit`` is a wall-clock
+guard on each ILP solve (an LP takes a fraction of a second, so only a machine thousands of
+times slower meets it): a solve it cuts keeps its best plan so far and the plan's status
+says so.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from shardc.ir.sbp import B, NdSbp
 from shardc.solve import descent
 from shardc.solve.fold import expand, fold, members, restrict
 from shardc.solve.ilp import problem_size, solve_ilp
-from shardc.solve.memory import memory_point, memory_profile
+from shardc.solve.memory import memory_cut, memory_profile
 from shardc.solve.problem import NOTHING_FIXED, CostGraph, Fixed, build
 
 MEMORY_ROUNDS = 6  # re-solves adding the worst violated program point
@@ -56,8 +57,8 @@ class MemoryBudgetError(ValueError):
 
 @dataclass(frozen=True)
 class SolveOptions:
-    """What the solver is asked for: a per-device byte budget, a wall-clock guard on the
-    ILP stages (seconds; 0 runs coordinate descent alone), whether to run the ILP, and
+    """What the solver is asked for: a per-device byte budget, a wall-clock guard on each
+    ILP solve (seconds; 0 runs coordinate descent alone), whether to run the ILP, and
     hand-written plans to start from (by name: graph-input layouts)."""
 
     memory_budget: float | None = None
@@ -71,6 +72,8 @@ class Status(enum.StrEnum):
 
     OPTIMAL = "optimal"  # one ILP over the whole cost graph proved its optimum
     TIME_LIMIT = "time-limit"  # the best plan found when the time limit cut the search
+    LAGRANGIAN = "lagrangian"  # one ILP under a binding memory budget, settled by its
+    # Lagrangian search (:class:`shardc.solve.ilp._Budgeted`): deterministic, not proven
     REFINED = "refined"  # too large for one ILP: the descent plan refined by smaller ILPs
     DESCENT_ONLY = "descent-only"  # no ILP ran or none found a plan: coordinate descent's
     INFEASIBLE = "infeasible-ilp"  # the ILP proved the memory budget cannot be met
@@ -122,7 +125,8 @@ def solve(cg: CostGraph, options: SolveOptions = SolveOptions()) -> Solution:
             break
         found = min(found, _peak(cg, x))
         profile = memory_profile(cg, cg.decode(x))
-        cg.memory.append(memory_point(cg, int(np.argmax(profile))))  # constrain it too
+        t = int(np.argmax(profile))
+        cg.memory.append(memory_cut(cg, x, t, profile[t]))  # constrain it too
         folding = fold(cg) if large else None  # the quotient's memory points were stale
         x = _descent(cg, folding, memory_budget)
         for y in starts:
@@ -164,11 +168,6 @@ def _descent(cg: CostGraph, folding: tuple[CostGraph, dict[int, int]] | None,
     return descent.descend(cg, expand(cls, descent.solve(q, memory_budget)))
 
 
-def _left(deadline: float) -> float:
-    """Seconds until ``deadline`` (``time.perf_counter`` clock)."""
-    return deadline - time.perf_counter()
-
-
 def _peak(cg: CostGraph, x: dict[int, int]) -> float:
     """Exact per-device peak bytes of the plan ``x`` (every program point)."""
     return float(np.max(memory_profile(cg, cg.decode(x))))
@@ -180,19 +179,19 @@ def _solve_once(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: flo
     """Improve the descent point ``x`` with the ILP (``time_limit`` None: no ILP); keep
     whichever is better and fits. ``folding`` is ``fold(cg)`` for a graph too large for one
     ILP (:mod:`shardc.solve.fold`): its quotient is solved (:func:`quotient_refine`).
-    ``time_limit`` guards the ILP stages (wall seconds from when they start). Returns the
-    plan, its status and the stages."""
+    ``time_limit`` guards each ILP solve (wall seconds). Returns the plan, its status and
+    the stages."""
     if time_limit is None:
         return x, Status.DESCENT_ONLY, ""
     if folding is not None:
-        deadline = time.perf_counter() + time_limit
-        x, stages = quotient_refine(cg, x, memory_budget, deadline, folding)
+        x, stages = quotient_refine(cg, x, memory_budget, time_limit, folding)
         return x, Status.TIME_LIMIT if "time-limit" in stages else Status.REFINED, stages
     res = solve_ilp(cg, time_limit=time_limit, memory_budget=memory_budget, hint=x)
     if res.assignment is None:
         return x, (Status.INFEASIBLE if res.status == "INFEASIBLE" else Status.DESCENT_ONLY), ""
-    return _better(cg, x, res.assignment, memory_budget), \
-        (Status.OPTIMAL if res.status == "OPTIMAL" else Status.TIME_LIMIT), ""
+    status = {"OPTIMAL": Status.OPTIMAL, "LAGRANGIAN": Status.LAGRANGIAN}.get(
+        res.status, Status.TIME_LIMIT)
+    return _better(cg, x, res.assignment, memory_budget), status, ""
 
 
 def _better(cg: CostGraph, x: dict[int, int], y: dict[int, int], memory_budget) -> dict:
@@ -281,7 +280,7 @@ def _tail_blocks(cg: CostGraph) -> list[list[int]]:
     return _pack(cg, comps, TAIL_BLOCK_TERMS)
 
 
-def quotient_refine(cg: CostGraph, x: dict[int, int], memory_budget, deadline: float,
+def quotient_refine(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: float,
                     folding: tuple[CostGraph, dict[int, int]]) -> tuple[dict[int, int], str]:
     """Solve the repeated-layer quotient of ``cg`` from ``x``, expand it, refine it by
     descent on the full graph, and keep it if it beats ``x``. A quotient small enough (or
@@ -292,13 +291,13 @@ def quotient_refine(cg: CostGraph, x: dict[int, int], memory_budget, deadline: f
     q, cls = folding
     xq = {c: x[m[0]] for c, m in enumerate(members(cls))}
     if len(q.axis_sizes) == 1 or problem_size(q) <= ILP_FULL_TERMS:
-        res = solve_ilp(q, time_limit=_left(deadline), memory_budget=memory_budget, hint=xq)
+        res = solve_ilp(q, time_limit=time_limit, memory_budget=memory_budget, hint=xq)
         if res.assignment is not None:
             xq = _better(q, xq, res.assignment, memory_budget)
-        status = {"OPTIMAL": "optimal", "INFEASIBLE": "infeasible"}.get(res.status,
-                                                                         "time-limit")
+        status = {"OPTIMAL": "optimal", "INFEASIBLE": "infeasible",
+                  "LAGRANGIAN": "lagrangian"}.get(res.status, "time-limit")
     else:
-        for seed in sub_mesh_seeds(q, memory_budget, deadline):
+        for seed in sub_mesh_seeds(q, memory_budget, time_limit):
             xq = _better(q, xq, seed, memory_budget)
         # one axis at a time first, then the cross neighbourhoods from there: each stops
         # where the other does not (the 12-layer GPT-2: axis sweeps 7.793 ms, then cross
@@ -306,22 +305,22 @@ def quotient_refine(cg: CostGraph, x: dict[int, int], memory_budget, deadline: f
         # which cross keeps); and under a memory budget the axis steps' MIPs are a fraction
         # of a cross neighbourhood's (seconds on the 70B decoder on 1024 devices)
         # (without a budget one pass over the axes: a cross round holds every axis move)
-        xq, status = axis_sweeps(q, xq, memory_budget, deadline,
+        xq, status = axis_sweeps(q, xq, memory_budget, time_limit,
                                  AXIS_ROUNDS if memory_budget is not None else 1)
-        xq, crossed = cross_sweeps(q, xq, memory_budget, deadline)
-        status = f"axes {'time-limit' if 'time-limit' in (status, crossed) else 'optimal'}"
+        xq, crossed = cross_sweeps(q, xq, memory_budget, time_limit)
+        status = f"axes {'time-limit' if 'time-limit' in (status, crossed) else status}"
     # a tail block of every layer is one block of the quotient
     tail = list(map(list, dict.fromkeys(tuple(sorted({cls[i] for i in block}))
                                         for block in _tail_blocks(cg))))
     if len(q.axis_sizes) > 2:
-        xq, refined = held_axis_blocks(q, xq, memory_budget, deadline, tail)
+        xq, refined = held_axis_blocks(q, xq, memory_budget, time_limit, tail)
     else:
-        xq, refined = block_refine(q, xq, memory_budget, deadline, tail)
+        xq, refined = block_refine(q, xq, memory_budget, time_limit, tail)
     y = descent.descend(cg, expand(cls, xq))
     return _better(cg, x, y, memory_budget), f"folded ({status}) + {refined}"
 
 
-def sub_mesh_seeds(q: CostGraph, memory_budget, deadline: float) -> list[dict[int, int]]:
+def sub_mesh_seeds(q: CostGraph, memory_budget, time_limit: float) -> list[dict[int, int]]:
     """Plans of a multi-axis mesh from 1-D problems: the whole mesh seen as one flat axis,
     then each mesh axis alone with the others idle. Each is ``q`` (a graph without
     followers, such as a quotient) with every node cut to its choices that are one 1-D
@@ -344,7 +343,7 @@ def sub_mesh_seeds(q: CostGraph, memory_budget, deadline: float) -> list[dict[in
     for axes in subsets:
         allowed = {i: axes_choices(ch, axes) or list(range(len(ch)))
                    for i, ch in enumerate(q.choices)}
-        res = solve_ilp(restrict(q, allowed), time_limit=_left(deadline),
+        res = solve_ilp(restrict(q, allowed), time_limit=time_limit,
                         memory_budget=memory_budget)
         if res.assignment is not None:
             seeds.append({i: allowed[i][b] for i, b in res.assignment.items()})
@@ -370,13 +369,13 @@ def _without_axis(c, k: int):
     return tuple(nd.sbps[:k] + nd.sbps[k + 1:] for nd in (*c.ins, *c.outs))
 
 
-def cross_sweeps(q: CostGraph, xq: dict[int, int], memory_budget, deadline: float
+def cross_sweeps(q: CostGraph, xq: dict[int, int], memory_budget, time_limit: float
                  ) -> tuple[dict[int, int], str]:
     """Large-neighbourhood descent over mesh axes on ``q`` (a graph without followers, such
     as the repeated-layer quotient), each step exact: every node may change its SBPs on any
     one mesh axis, keeping the others (different nodes may change different axes), and that
     neighbourhood of ``xq`` is solved with the ILP; rounds repeat until one moves nothing
-    (at most ``CROSS_ROUNDS``) or the deadline passes. The neighbourhood is about the mesh's
+    (at most ``CROSS_ROUNDS``). The neighbourhood is about the mesh's
     axis count times a 1-D problem's size, where the whole nd quotient has the square of a
     1-D node's choices. It moves a plan from, say, data parallel over both axes to data
     parallel over the slow one with sharded state over the fast one (the gradient then
@@ -385,26 +384,22 @@ def cross_sweeps(q: CostGraph, xq: dict[int, int], memory_budget, deadline: floa
     axis while their neighbours move along the other: on the 12-layer GPT-2 on (2, 4)
     axis-at-a-time sweeps stopped at 7.793 ms predicted, these reach the quotient's proven
     optimum, 7.272 ms. Only relaxations are solved: a round whose relaxation is fractional
-    (a memory budget's rows) ends the sweeps. Returns the plan and "optimal" or
-    "time-limit"."""
+    (a memory budget's rows) ends the sweeps. Returns the plan and its status
+    (:func:`_stage_status`)."""
     status = "optimal"
     axes = range(len(q.axis_sizes))
     for _ in range(CROSS_ROUNDS):
-        left = _left(deadline)
-        if left <= 0:
-            return xq, "time-limit"
         allowed = {}
         for i, ch in enumerate(q.choices):
             keep = [_without_axis(ch[xq[i]], k) for k in axes]
             allowed[i] = [a for a, c in enumerate(ch)
                           if any(_without_axis(c, k) == keep[k] for k in axes)]
         hint = {i: allowed[i].index(xq[i]) for i in allowed}
-        res = solve_ilp(restrict(q, allowed), time_limit=left, memory_budget=memory_budget,
-                        hint=hint, relaxation_only=True)
+        res = solve_ilp(restrict(q, allowed), time_limit=time_limit,
+                        memory_budget=memory_budget, hint=hint, relaxation_only=True)
         if res.assignment is None:  # FRACTIONAL: a memory budget's rows (see quotient_refine)
             break
-        if res.status != "OPTIMAL":
-            status = "time-limit"
+        status = _stage_status(status, res.status)
         y = {i: allowed[i][b] for i, b in res.assignment.items()}
         if not (descent.objective(q, y) < descent.objective(q, xq) - 1e-12
                 and _better(q, xq, y, memory_budget) is y):
@@ -413,17 +408,26 @@ def cross_sweeps(q: CostGraph, xq: dict[int, int], memory_budget, deadline: floa
     return xq, status
 
 
-def axis_sweeps(q: CostGraph, xq: dict[int, int], memory_budget, deadline: float,
+def _stage_status(status: str, solved: str) -> str:
+    """A stage's status after one more ILP that ended ``solved``: "time-limit" once the
+    clock cut one, else "lagrangian" once a budget's rows were settled by their Lagrangian
+    search, else what it was ("optimal")."""
+    if status == "time-limit" or solved in ("FEASIBLE", "UNKNOWN"):
+        return "time-limit"
+    return "lagrangian" if solved == "LAGRANGIAN" else status
+
+
+def axis_sweeps(q: CostGraph, xq: dict[int, int], memory_budget, time_limit: float,
                 rounds: int = AXIS_ROUNDS) -> tuple[dict[int, int], str]:
     """Coordinate descent over mesh axes on ``q`` (a graph without followers, such as the
     repeated-layer quotient; AutoDDL's per-axis search, made exact per step): hold every
     node's SBPs on all axes but one and solve that axis exactly with the ILP, for each axis
-    in turn, until a sweep moves nothing (at most ``rounds``) or the deadline passes.
+    in turn, until a sweep moves nothing (at most ``rounds``).
     One axis's choice sets are the size of a 1-D problem's, so each step is exact where the
     whole nd quotient is too large for one ILP; a step moves a plan from, say, data
     parallel over both axes to data parallel over the slow one with sharded state over the
     fast one (the gradient then reduce-scatters on the fast link and all-reduces 1/n of it
-    on the slow one). Returns the plan and "optimal" or "time-limit"."""
+    on the slow one). Returns the plan and its status (:func:`_stage_status`)."""
     status = "optimal"
     moves, solved_at = 0, {}  # axis -> the move count when it was last solved
     for _ in range(rounds):
@@ -432,20 +436,16 @@ def axis_sweeps(q: CostGraph, xq: dict[int, int], memory_budget, deadline: float
             if solved_at.get(k) == moves:
                 continue  # nothing moved since this axis was solved: its optimum is xq
             solved_at[k] = moves
-            left = _left(deadline)
-            if left <= 0:
-                return xq, "time-limit"
             allowed = {}
             for i, ch in enumerate(q.choices):
                 keep = _without_axis(ch[xq[i]], k)
                 allowed[i] = [a for a, c in enumerate(ch) if _without_axis(c, k) == keep]
             sub = restrict(q, allowed)
             hint = {i: allowed[i].index(xq[i]) for i in allowed}
-            res = solve_ilp(sub, time_limit=left, memory_budget=memory_budget, hint=hint)
+            res = solve_ilp(sub, time_limit=time_limit, memory_budget=memory_budget, hint=hint)
             if res.assignment is None:
                 continue
-            if res.status != "OPTIMAL":
-                status = "time-limit"
+            status = _stage_status(status, res.status)
             y = {i: allowed[i][b] for i, b in res.assignment.items()}
             if descent.objective(q, y) < descent.objective(q, xq) - 1e-12 and \
                     _better(q, xq, y, memory_budget) is y:
@@ -456,7 +456,7 @@ def axis_sweeps(q: CostGraph, xq: dict[int, int], memory_budget, deadline: float
     return xq, status
 
 
-def held_axis_blocks(q: CostGraph, xq: dict[int, int], memory_budget, deadline: float,
+def held_axis_blocks(q: CostGraph, xq: dict[int, int], memory_budget, time_limit: float,
                      tail: list[list[int]]) -> tuple[dict[int, int], str]:
     """:func:`block_refine` on a mesh of three or more axes, one held axis at a time: every
     node keeps its SBP on mesh axis ``k`` and the blocks re-solve the others, for each axis
@@ -469,7 +469,7 @@ def held_axis_blocks(q: CostGraph, xq: dict[int, int], memory_budget, deadline: 
         allowed = {i: [a for a, c in enumerate(ch) if _on_axis(c, k) == _on_axis(ch[xq[i]], k)]
                    for i, ch in enumerate(q.choices)}
         hint = {i: allowed[i].index(xq[i]) for i in allowed}
-        y, stage = block_refine(restrict(q, allowed), hint, memory_budget, deadline, tail)
+        y, stage = block_refine(restrict(q, allowed), hint, memory_budget, time_limit, tail)
         xq = _better(q, xq, {i: allowed[i][b] for i, b in y.items()}, memory_budget)
         if "time-limit" in stage:
             break
@@ -483,26 +483,26 @@ def _on_axis(c, k: int):
     return tuple(nd.sbps[k] for nd in (*c.ins, *c.outs))
 
 
-def block_refine(cg: CostGraph, x: dict[int, int], memory_budget, deadline: float,
+def block_refine(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: float,
                  tail: list[list[int]]) -> tuple[dict[int, int], str]:
     """Block coordinate descent with exact ILP blocks: the graph is cut into blocks of
     consecutive nodes (the tail's update chains with their state, program order, then
     breadth-first order so a layer's forward and backward meet), and each block is re-solved
-    exactly with everything else held fixed. Stops after a pass that finds nothing or at
-    the deadline. Returns the plan and the stage's name."""
+    exactly with everything else held fixed. Stops after a pass that finds nothing.
+    Returns the plan and the stage's name ("blocks (time-limit)" where the clock cut a
+    block's solve)."""
+    status = "optimal"
     for blocks in (tail, _blocks(cg, cg.live), _blocks(cg, _bfs_order(cg))):
         before = descent.objective(cg, x)
         for block in blocks:
-            left = _left(deadline)
-            if left <= 0:
-                return x, "blocks (time-limit)"
-            res = solve_ilp(cg, time_limit=left, memory_budget=memory_budget, hint=x,
+            res = solve_ilp(cg, time_limit=time_limit, memory_budget=memory_budget, hint=x,
                             free=block)
+            status = _stage_status(status, res.status)
             if res.assignment is not None:
                 x = _better(cg, x, res.assignment, memory_budget)
         if descent.objective(cg, x) >= before - 1e-12 and blocks is not tail:
             break
-    return x, "blocks"
+    return x, "blocks (time-limit)" if status == "time-limit" else "blocks"
 
 
 def plan_graph(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str],
