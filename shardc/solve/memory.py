@@ -211,19 +211,79 @@ def memory_point(cg: CostGraph, t: int) -> dict[int, np.ndarray]:
 
 def memory_cut(cg: CostGraph, x: Mapping[int, int], t: int, peak: float
                ) -> dict[int, np.ndarray]:
-    """Program point ``t``'s row (:func:`memory_point`) tightened by what the plan ``x``
-    holds there beyond the row's values: ``peak`` (its whole profile at ``t``) counts the
-    collectives' copies and the conversions' steps, which the rows do not price. The gap
-    is added to every choice of one node, so the row asks the budget to hold it too: a
-    plan pressed against the rows (an exact ILP's or a Lagrangian's) otherwise met them at
-    every round while its profile stayed over the budget (a Llama step on (2, 4): the rows
-    12.3 MiB, the profile 14.8, against 13.1)."""
+    """Program point ``t``'s row (:func:`memory_point`) with the collectives' copies live
+    there under the plan ``x``: each copy (a stack converted for its loop, a shared value's
+    settled layout, an operand converted for its reader) is priced on the node that asks
+    for it, per choice of that node, its source held at ``x``'s layout, so the row knows
+    that reading the stored layout holds no copy. :func:`memory_point` prices values only:
+    a 70B decoder's stacked weights gathered before its layer loop held 240 GiB the rows
+    never saw, and a constant gap in their place (what ``x`` held beyond them) asked the
+    same 240 GiB of every other plan, which pushed the budgeted search to its lean start.
+    What the copies leave unpriced (a conversion's intermediate steps) is added as that
+    gap, and ``peak`` is ``x``'s profile at ``t``."""
     point = memory_point(cg, t)
+    choice = cg.decode(x)
+    for node, vec in _copies_at(cg, choice, t):
+        root, f = cg.resolve(node)
+        point[root] = point[root] + vec[f] if root in point else vec[f]
     gap = peak - sum(float(vec[x[i]]) for i, vec in point.items())
     if gap > 0 and point:
         first = min(point)
         point[first] = point[first] + gap
     return point
+
+
+def _copy_bytes(cg: CostGraph, src: NdSbp, wants: Sequence[NdSbp], nbytes: int
+                ) -> np.ndarray:
+    """Per wanted layout, the bytes of the copy converting ``src`` to it (0 where no
+    collective runs)."""
+    return np.array([nbytes * w.shard_fraction(cg.axis_sizes) if _moves(cg, src, w) else 0.0
+                     for w in wants])
+
+
+def _copies_at(cg: CostGraph, choice: Sequence[int], t: int
+               ) -> list[tuple[int, np.ndarray]]:
+    """The copies :func:`memory_profile` holds at point ``t`` under ``choice``, each as
+    (the node asking for it, its bytes per choice of that node, the source as chosen)."""
+    out = []
+    for start, end, enter, node, slot, nbytes in cg.stack_spans:
+        if start <= t <= end:
+            src = cg.out_sbp(node, slot, choice[node])
+            out.append((enter, _copy_bytes(cg, src, [c.ins[0] for c in cg.choices[enter]],
+                                           nbytes)))
+    for start, end, w, node, slot, nbytes in cg.settle_spans:
+        if start <= t <= end:
+            out.append((w, _copy_bytes(cg, cg.out_sbp(node, slot, choice[node]),
+                                       cg.choices[w], nbytes)))
+    copies, askers = _operand_copies(cg, choice)
+    for (first, last, _), (op_node, k, src, nbytes) in zip(combined(copies), askers):
+        if first <= t <= last:
+            out.append((op_node, _copy_bytes(cg, src, [c.ins[k] for c in cg.choices[op_node]],
+                                             nbytes)))
+    return out
+
+
+def _operand_copies(cg: CostGraph, choice: Sequence[int]) -> tuple[list[list], list[tuple]]:
+    """Operands converted for their ops under ``choice``, one copy per (value, wanted
+    layout): ``[first read, last read, bytes, made, joins]`` each (:func:`combined`), and
+    beside each (its first reader's node, the operand's slot, its source layout, the
+    value's bytes)."""
+    copies: dict[tuple[int, NdSbp], list] = {}
+    askers: dict[tuple[int, NdSbp], tuple] = {}
+    for t, op_node, k, node, slot, nbytes, vid, born, tail in cg.read_spans:
+        want = cg.choices[op_node][choice[op_node]].ins[k]
+        src = cg.out_sbp(node, slot, choice[node])
+        if _moves(cg, src, want):
+            held_copy = copies.get((vid, want))
+            if held_copy is None:
+                joins = tail and all(c.kind in COMBINED_KINDS
+                                     for c in cg._conversion(src, want).collectives)
+                copies[(vid, want)] = [t, t, nbytes * want.shard_fraction(cg.axis_sizes),
+                                       born, joins]
+                askers[(vid, want)] = (op_node, k, src, nbytes)
+            else:
+                held_copy[1] = t
+    return list(copies.values()), list(askers.values())
 
 
 def memory_profile(cg: CostGraph, choice: Sequence[int]) -> np.ndarray:
@@ -266,21 +326,11 @@ def memory_profile(cg: CostGraph, choice: Sequence[int]) -> np.ndarray:
         if _moves(cg, src, kept):
             moved.append((start, end, nbytes * kept.shard_fraction(cg.axis_sizes)))
             moved.append((start, start, _steps_over(cg, src, kept, nbytes)))
-    copies: dict[tuple[int, NdSbp], list] = {}  # an operand converted for its ops
-    for t, op_node, k, node, slot, nbytes, vid, born, tail in cg.read_spans:
+    copies, askers = _operand_copies(cg, choice)  # an operand converted for its ops
+    for (t, *_), (op_node, k, src, nbytes) in zip(copies, askers):
         want = cg.choices[op_node][choice[op_node]].ins[k]
-        src = cg.out_sbp(node, slot, choice[node])
-        if _moves(cg, src, want):
-            held_copy = copies.get((vid, want))
-            if held_copy is None:
-                joins = tail and all(c.kind in COMBINED_KINDS
-                                     for c in cg._conversion(src, want).collectives)
-                moved.append((t, t, _steps_over(cg, src, want, nbytes)))
-                copies[(vid, want)] = [t, t, nbytes * want.shard_fraction(cg.axis_sizes),
-                                       born, joins]
-            else:
-                held_copy[1] = t
-    moved.extend(combined(list(copies.values())))
+        moved.append((t, t, _steps_over(cg, src, want, nbytes)))
+    moved.extend(combined(copies))
     delta = np.zeros(n + 2)
     for start, end, b in host(made, results) + moved:
         delta[start] += b
