@@ -124,7 +124,10 @@ def solve_ilp(cg: CostGraph, *, time_limit: float = 10.0, memory_budget: float |
               relaxation_only: bool = False, log: bool = False) -> IlpResult:
     """Solve for the live nodes in ``free`` (default: all), the others held at ``hint``.
     A node with one choice is a constant: its edges become costs of its neighbours.
-    ``time_limit`` is a wall-clock guard (seconds). ``relaxation_only``: where the LP
+    ``time_limit`` is a wall-clock guard on each HiGHS solve (seconds; one LP, one
+    Lagrangian step or a node-bounded MIP each, so only a machine far slower than this one
+    meets it: a deadline shared by a budget's Lagrangian steps could cut the later ones on a
+    loaded machine, and the plan then depended on the load). ``relaxation_only``: where the LP
     relaxation is fractional, return status ``FRACTIONAL`` (no assignment) instead of
     solving the MIP."""
     if free is not None and hint is None:
@@ -201,8 +204,7 @@ def solve_ilp(cg: CostGraph, *, time_limit: float = 10.0, memory_budget: float |
     lo, hi = rows.bounds()
     matrix = rows.matrix(n_vars)
     cost = np.concatenate(objective)
-    deadline = t0 + time_limit
-    name, values, duals = _solve(_model(cost, lo, hi, matrix), None, deadline, log)
+    name, values, duals = _solve(_model(cost, lo, hi, matrix), None, time_limit, log)
     if name == "OPTIMAL" and not _integral(values[:n_choice]):
         if relaxation_only:
             return IlpResult(None, "FRACTIONAL", time.perf_counter() - t0)
@@ -211,10 +213,10 @@ def solve_ilp(cg: CostGraph, *, time_limit: float = 10.0, memory_budget: float |
                              {(u, v): m / unit for (u, v), m in merged.items()},
                              matrix[n_struct:, :n_choice].toarray(), hi[n_struct:])
             choice = plan.search(cost, lo[:n_struct], hi[:n_struct], matrix[:n_struct],
-                                 np.abs(duals[n_struct:]), values, hint, deadline)
+                                 np.abs(duals[n_struct:]), values, hint, time_limit)
             return IlpResult(None if choice is None else {**hint, **choice}, "LAGRANGIAN",
                              time.perf_counter() - t0)
-        name, values, _ = _solve(_model(cost, lo, hi, matrix), n_choice, deadline, log)
+        name, values, _ = _solve(_model(cost, lo, hi, matrix), n_choice, time_limit, log)
     if values is None:
         return IlpResult(None, name, time.perf_counter() - t0)
     x = dict(hint)
@@ -235,7 +237,7 @@ def _integral(values: np.ndarray) -> bool:
     return bool(np.all(np.minimum(values, 1.0 - values) <= INTEGRALITY))
 
 
-def _solve(model: mbh.ModelBuilderHelper, n_integral: int | None, deadline: float, log: bool
+def _solve(model: mbh.ModelBuilderHelper, n_integral: int | None, time_limit: float, log: bool
            ) -> tuple[str, np.ndarray | None, np.ndarray | None]:
     """Solve ``model`` with HiGHS: its LP relaxation (``n_integral`` None), or the MIP
     whose first ``n_integral`` variables are binary. Returns the status, the values and
@@ -243,7 +245,7 @@ def _solve(model: mbh.ModelBuilderHelper, n_integral: int | None, deadline: floa
     for k in range(n_integral or 0):
         model.set_var_integrality(k, True)
     solver = mbh.ModelSolverHelper("highs")
-    solver.set_time_limit_in_seconds(max(deadline - time.perf_counter(), 1e-3))
+    solver.set_time_limit_in_seconds(max(time_limit, 1e-3))
     solver.set_solver_specific_parameters(
         f"mip_rel_gap={GAP}\nmip_max_nodes={MAX_NODES}\nthreads=1\nrandom_seed=0\n"
         f"presolve={'on' if n_integral else LP_PRESOLVE}\n"
@@ -351,7 +353,7 @@ class _Budgeted:
 
     def search(self, cost: np.ndarray, lo: np.ndarray, hi: np.ndarray,
                matrix: sparse.csr_matrix, duals: np.ndarray, values: np.ndarray,
-               hint: dict[int, int], deadline: float) -> dict[int, int] | None:
+               hint: dict[int, int], time_limit: float) -> dict[int, int] | None:
         """The cheapest plan that fits, from the Lagrangian's plans at multipliers ``t·λ``
         (``λ`` the memory rows' LP ``duals``, plus a small share on every row so a large
         ``t`` reaches the leanest plan), from the budgeted LP's rounded ``values`` and from
@@ -365,7 +367,7 @@ class _Budgeted:
         def relaxed(t: float) -> np.ndarray | None:
             obj = cost.copy()
             obj[:n_choice] += t * price
-            name, values, _ = _solve(_model(obj, lo, hi, matrix), None, deadline, False)
+            name, values, _ = _solve(_model(obj, lo, hi, matrix), None, time_limit, False)
             return None if values is None else self.decode(values)
 
         t_lo, t_hi = 0.0, 1.0
