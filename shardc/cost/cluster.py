@@ -14,6 +14,9 @@ References:
     a DGX H100.
   NVIDIA NCCL ``src/graph/tuning.cc`` ``hwLat``: ring/Simple per-step latency 3.4 µs on
     NVLink and 9.6 µs over the network (PaddlePaddle's ``comm_op_cost.py`` uses the same).
+  IEEE 802.3ba / 802.3bj (100GBASE-SR4, -CR4): 100 Gb/s Ethernet = 12.5 GB/s per port and
+    direction; one 100 GbE NIC per GPU (RoCE). NCCL's tuning tables have one network row
+    (``hwLat[NCCL_HW_NET]``) for InfiniBand and RoCE alike.
   PCI-SIG PCIe 5.0 specification: 32 GT/s per lane, x16 ~ 64 GB/s per direction (the H100
     SXM host link).
   Dubey et al., "The Llama 3 Herd of Models" (2024) §3.3.1: H100 servers of 8 GPUs on
@@ -38,6 +41,8 @@ NVLINK_BW = 450e9  # H100 NVLink 4, per direction per GPU
 NVLINK_LAT = 3.4e-6  # NCCL hwLat: ring/Simple step on NVLink
 IB_BW = 50e9  # NDR InfiniBand, one 400 Gb/s port per GPU
 IB_LAT = 9.6e-6  # NCCL hwLat: ring/Simple step over the network
+ETH_BW = 12.5e9  # 100 Gb/s Ethernet (RoCE), one port per GPU
+ETH_LAT = IB_LAT  # NCCL's one network row: no separate figure for RoCE
 CROSS_POD_BW = IB_BW / 7  # Llama 3: the per-GPU link, oversubscribed 1:7 between pods
 # NCCL's network step latency: no published figure separates the aggregation layer's
 # extra switch hops from the end points' software latency
@@ -216,6 +221,15 @@ class Cluster:
         """H100 nodes joined by NDR InfiniBand: ``node_axis`` over IB, ``gpu_axis`` NVLink."""
         return cls({node_axis: IB_BW, gpu_axis: NVLINK_BW},
                    {node_axis: IB_LAT, gpu_axis: NVLINK_LAT},
+                   axis_link={node_axis: "net", gpu_axis: "nvlink"})
+
+    @classmethod
+    def ethernet_nodes(cls, node_axis: str = "node", gpu_axis: str = "gpu") -> Cluster:
+        """H100 nodes joined by 100 Gb/s Ethernet, one port per GPU (12.5 GB/s per device
+        across nodes, a quarter of NDR InfiniBand): ``node_axis`` over Ethernet,
+        ``gpu_axis`` NVLink."""
+        return cls({node_axis: ETH_BW, gpu_axis: NVLINK_BW},
+                   {node_axis: ETH_LAT, gpu_axis: NVLINK_LAT},
                    axis_link={node_axis: "net", gpu_axis: "nvlink"})
 
     @classmethod

@@ -1,0 +1,186 @@
+"""The planner's choice of a pipeline: stage axis, stages, micro-batches, schedule.
+
+For a program with layer scans (:mod:`shardc.pipeline.layers`) on a mesh, every mesh axis
+``a`` whose size S divides the layer count is a stage axis. For each, the program is
+planned once more with ``a`` cut to one device (the *stage* plan: the layouts inside a
+stage, data x FSDP x TP on the other axes, chosen by the ordinary search), and every
+pipeline over ``a`` is priced from it and the unpipelined plan
+(:func:`shardc.pipeline.cost.price`): M among the divisors of the batch whose micro-batch
+the stage plan's carry layout still divides, each schedule, and for the circular one V
+among the divisors of L / S up to ``max_virtual``. The cheapest pipeline within the memory
+budget wins when its step is below ``1 - min_gain`` of the unpipelined plan's; else there
+is none. The margin stands for what the price leaves out and a pipeline adds: the loop
+over ticks, the copies that rotate the stage buffers, smaller kernels per micro-batch; it
+is a judgement, not a measured figure (5% by default). The search is deterministic:
+candidates are priced in a fixed order and ties keep the first.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+from shardc.cost.cluster import Cluster
+from shardc.ir.graph import Graph
+from shardc.pipeline.cost import PipelinePrice, parts, price
+from shardc.pipeline.layers import Layers, find_layers
+from shardc.pipeline.schedule import SCHEDULES, Pipeline
+from shardc.plan import Plan, assemble
+from shardc.solve.search import MemoryBudgetError, SolveOptions, plan_graph
+
+__all__ = ["Choice", "ChoiceOptions", "best_pipeline", "candidates"]
+
+
+@dataclass(frozen=True)
+class ChoiceOptions:
+    """``memory_budget``: bytes per device a stage may hold (None: the cluster's device
+    memory); ``time_limit``: the ILP guard of each stage plan's search (seconds);
+    ``schedules``: those considered; ``max_virtual``: the most virtual stages per device
+    a circular schedule may have; ``min_gain``: the share of the unpipelined step a
+    pipeline must save to be chosen (module doc). ``pipeline``: as ``auto_shard``'s
+    option: None chooses, False chooses none, a :class:`Pipeline` prices that one."""
+
+    memory_budget: float | None = None
+    time_limit: float = 10.0
+    schedules: tuple[str, ...] = SCHEDULES
+    max_virtual: int = 4
+    min_gain: float = 0.05
+    pipeline: Pipeline | bool | None = None
+
+    def __post_init__(self):
+        if not 0 <= self.min_gain < 1:
+            raise ValueError(f"ChoiceOptions(min_gain={self.min_gain}): a share of the "
+                             "step in [0, 1)")
+        unknown = set(self.schedules) - set(SCHEDULES)
+        if unknown:
+            raise ValueError(f"ChoiceOptions(schedules=...): {sorted(unknown)} are not "
+                             f"schedules; use some of {SCHEDULES}")
+        if self.max_virtual < 1:
+            raise ValueError(f"ChoiceOptions(max_virtual={self.max_virtual}): need >= 1")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The pipeline chosen (None: none beats the unpipelined plan, or none applies, see
+    ``reason``), the unpipelined step, the cheapest pipeline priced (chosen or not) and
+    every price, in the order priced; ``plan_s``: seconds the choice took."""
+
+    pipeline: Pipeline | None
+    base_time: float
+    best: PipelinePrice | None
+    reason: str
+    priced: tuple[PipelinePrice, ...] = field(default=(), repr=False)
+    plan_s: float = 0.0
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(axis: str, stages: int, layers: Layers, options: ChoiceOptions
+               ) -> list[Pipeline]:
+    """Every pipeline over ``axis`` with ``stages`` stages for ``layers``, in the order
+    they are priced: by micro-batches, then schedule, then virtual stages."""
+    out = []
+    for m in _divisors(layers.batch):
+        for schedule in options.schedules:
+            if schedule != "circular":
+                out.append(Pipeline(axis, stages, m, schedule))
+                continue
+            for v in _divisors(layers.length // stages):
+                if 2 <= v <= options.max_virtual:
+                    out.append(Pipeline(axis, stages, m, schedule, v))
+    return out
+
+
+def _check_request(p: Pipeline, sizes: Sequence[int], names: Sequence[str],
+                   layers: Layers) -> None:
+    """A requested pipeline fits the mesh, the layers and the batch, else the error names
+    the fix."""
+    if p.axis not in names:
+        raise ValueError(f"{p}: axis {p.axis!r} is not a mesh axis; use one of {list(names)}")
+    size = sizes[list(names).index(p.axis)]
+    if p.stages != size:
+        raise ValueError(f"{p}: axis {p.axis!r} has {size} devices; stages={size}")
+    if layers.length % (p.stages * p.virtual):
+        raise ValueError(f"{p}: {layers.length} layers do not split into {p.stages} stages "
+                         f"x {p.virtual} virtual stages; pick a divisor of {layers.length}")
+    if layers.batch % p.microbatches:
+        raise ValueError(f"{p}: the batch of {layers.batch} does not split into "
+                         f"{p.microbatches} micro-batches; pick a divisor of {layers.batch}")
+
+
+def _splits_batch(plan: Plan, layers: Layers, microbatches: int, graph: Graph) -> bool:
+    """The stage plan's carry layouts still divide a micro-batch's carry."""
+    shapes = {v.id: v.shape for v in graph.values()}
+    for c in layers.carry:
+        shape = (shapes[c][0] // microbatches, *shapes[c][1:])
+        if not plan.values[c].fits(shape, plan.axis_sizes):
+            return False
+    return True
+
+
+def _planned(graph: Graph, sizes: Sequence[int], names: Sequence[str], cluster: Cluster,
+             ties, resident, options: SolveOptions) -> Plan:
+    cg, sol = plan_graph(graph, sizes, names, cluster, options, ties=ties, resident=resident)
+    return assemble(graph, cg, sol.choice, ties, {"status": sol.status.value})
+
+
+def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str],
+                  cluster: Cluster, *, ties: Sequence[tuple[int, int]] = (),
+                  resident: Collection[int] = (), base: Plan | None = None,
+                  options: ChoiceOptions = ChoiceOptions()) -> Choice:
+    """The best pipeline for ``graph`` on the mesh (see the module doc); ``base`` is the
+    unpipelined plan on that mesh (planned here when not given), ``ties`` and
+    ``resident`` as for :func:`shardc.solve.search.plan_graph`."""
+    t0 = time.perf_counter()
+    sizes, names = tuple(axis_sizes), tuple(axis_names)
+    solve = SolveOptions(time_limit=options.time_limit)
+    if base is None:
+        base = _planned(graph, sizes, names, cluster, ties, resident, solve)
+    layers = find_layers(graph, ties, resident)
+
+    def none(reason: str, priced=(), best=None) -> Choice:
+        return Choice(None, base.predicted.step_time, best, reason, tuple(priced),
+                      time.perf_counter() - t0)
+
+    request = options.pipeline
+    if request is False:
+        return none("pipelines are forbidden (pipeline=False)")
+    if layers is None:
+        return none("no scan over layers whose carry leads with the batch")
+    if isinstance(request, Pipeline):
+        _check_request(request, sizes, names, layers)
+    budget = options.memory_budget if options.memory_budget is not None \
+        else cluster.device_memory
+    whole = parts(base, graph, layers, ties, resident)
+    priced: list[PipelinePrice] = []
+    for k, (axis, s) in enumerate(zip(names, sizes)):
+        if s < 2 or layers.length % s:
+            continue
+        cut = sizes[:k] + (1,) + sizes[k + 1:]
+        try:
+            stage_plan = _planned(graph, cut, names, cluster, ties, resident, solve)
+        except MemoryBudgetError:
+            continue
+        stage = parts(stage_plan, graph, layers, ties, resident)
+        if isinstance(request, Pipeline):
+            if request.axis == axis:
+                chosen = price(request, whole, stage, cluster)
+                return Choice(request, base.predicted.step_time, chosen, "requested",
+                              (chosen,), time.perf_counter() - t0)
+            continue
+        for p in candidates(axis, s, layers, options):
+            if _splits_batch(stage_plan, layers, p.microbatches, graph):
+                priced.append(price(p, whole, stage, cluster))
+    fits = [p for p in priced if p.peak_memory <= budget]
+    if not fits:
+        return none("no pipeline fits the memory budget" if priced else
+                    "no mesh axis's size divides the layer count", priced)
+    best = min(fits, key=lambda p: p.step_time)
+    if best.step_time >= (1 - options.min_gain) * base.predicted.step_time:
+        return none(f"no pipeline saves {options.min_gain:.0%} of the unpipelined step",
+                    priced, best)
+    return Choice(best.pipeline, base.predicted.step_time, best, "cheapest pipeline",
+                  tuple(priced), time.perf_counter() - t0)
