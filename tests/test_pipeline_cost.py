@@ -15,7 +15,7 @@ from shardc.ir.sbp import B, NdSbp, Partial
 from shardc.ir.trace import trace
 from shardc.models import llama
 from shardc.pipeline.choose import ChoiceOptions, candidates
-from shardc.pipeline.cost import Parts, price
+from shardc.pipeline.cost import Parts, permutes_per_tick, price
 from shardc.pipeline.layers import find_layers
 from shardc.pipeline.schedule import Pipeline
 
@@ -50,14 +50,20 @@ def test_price_matches_hand_computation(pipe):
     work = 32.0 / s
     assert p.layers == pytest.approx(work * ticks / (m * v))
     assert p.bubble / p.layers == pytest.approx(pipe.bubble)
-    assert p.permutes == 2 * ticks and p.permute_bytes == pytest.approx(1e6 / m)
-    hand = 2 * ticks * (ALPHA + 1e6 / m / BW) + 4 * (ALPHA + 1e6 / BW)
-    assert p.transfers == pytest.approx(hand)
+    per_tick = 3 if pipe.schedule == "circular" else 2  # + circ storage: M = 8 > S = 4
+    assert p.permutes == 2 * ticks * per_tick and p.permute_bytes == pytest.approx(1e6 / m)
+    assert p.transfers == pytest.approx(p.permutes * (ALPHA + 1e6 / m / BW))
     assert p.once == pytest.approx(0.8 / s) and p.rest == pytest.approx(10.0 - 8.0)
     assert p.step_time == pytest.approx(p.rest + p.layers + p.transfers + p.once)
     working = 5e9 - 4e9 - 1e8 - 2e8
     assert p.peak_memory == pytest.approx(4e9 / s + 1e8 + working
                                           + 2e8 * pipe.in_flight / (m * s))
+
+
+def test_circular_storage_permutes_only_with_more_micro_batches_than_stages():
+    assert permutes_per_tick(Pipeline("node", 4, 4, "circular", 2)) == 2
+    assert permutes_per_tick(Pipeline("node", 4, 8, "circular", 2)) == 3
+    assert permutes_per_tick(Pipeline("node", 4, 8, "1f1b")) == 2
 
 
 def test_one_f_one_b_holds_fewer_micro_batches_than_gpipe():

@@ -19,12 +19,15 @@ share ``(S - 1) / (M V + S - 1)`` is the idle part). The conversions of the laye
 parameters and gradients inside the scans, and the stacked parameters' updates, run once
 per step: a stage's gradient reductions span its own devices only, never the stage axis.
 
-Between ticks every stage sends the next one its micro-batch's carry (the activation
-forward, its gradient backward): one collective-permute over axis ``a`` of the carry's
-per-device bytes at the stage plan's layout, ``1 / M`` of the batch, priced on the link
-``a`` crosses (:meth:`shardc.cost.cluster.Cluster.collective_seconds`). The batch enters at
-the first stage and leaves from the last, each way: four more permutes of the whole
-carry. Communication adds to compute, as the planner prices any plan.
+Every tick each stage sends the next its micro-batch's carry (the activation forward,
+its gradient backward), and the buffer of micro-batches waiting to enter and leave the
+pipeline rotates one slot across the stage axis (MaxText's ``shift`` and ``state_io``);
+a circular schedule with more micro-batches than stages also moves the last stage's
+output into the storage it waits in for its next round (``circ_storage``). Each is one
+collective-permute over axis ``a`` of one micro-batch's carry (its per-device bytes at
+the stage plan's layout, ``1 / M`` of the batch), priced on the link ``a`` crosses
+(:meth:`shardc.cost.cluster.Cluster.collective_seconds`). Communication adds to compute,
+as the planner prices any plan.
 
 Per-stage peak memory: the stacked state (parameters and optimizer moments) at 1 / S, the
 rest of the state as the whole plan holds it, the activations the forward pass saves for
@@ -37,8 +40,9 @@ References:
     Megatron-LM" (SC 2021) §2.2: 1F1B holds at most S micro-batches per stage; the
     interleaved schedule runs M V + S - 1 ticks of 1 / V the work, one point-to-point
     transfer per tick.
-  MaxText ``layers/pipeline.py``: stages as a sharded leading dimension, activations
-    rotated by ``ppermute`` once per iteration.
+  MaxText ``layers/pipeline.py`` (``get_new_loop_state``): per iteration one ``ppermute``
+    over the stage axis each of ``shift``, the ``state_io`` slice and, circular with more
+    micro-batches than stages, ``circ_storage``; M V + S - 1 iterations.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ from shardc.pipeline.layers import Layers
 from shardc.pipeline.schedule import Pipeline
 from shardc.plan import Plan
 
-__all__ = ["Parts", "PipelinePrice", "parts", "price"]
+__all__ = ["Parts", "PipelinePrice", "parts", "permutes_per_tick", "price"]
 
 
 @dataclass(frozen=True)
@@ -135,10 +139,10 @@ class PipelinePrice:
     """A pipelined step's prediction (seconds per step, bytes per device).
 
     ``rest``: the parts over the whole mesh; ``layers``: the stages' ticks, the
-    ``bubble`` among them; ``transfers``: the point-to-point sends of carries between
-    stages, ``permutes`` collective-permutes of ``permute_bytes`` each per device (plus
-    four of the whole carry, ``io_bytes``, where the batch enters and leaves); ``once``:
-    the stages' once-per-step part; ``peak_memory``: a stage's peak."""
+    ``bubble`` among them; ``transfers``: the point-to-point sends between stages,
+    ``permutes`` collective-permutes over the stage axis per step (forward and backward),
+    of ``permute_bytes`` each per device; ``once``: the stages' once-per-step part;
+    ``peak_memory``: a stage's peak."""
 
     pipeline: Pipeline
     step_time: float
@@ -149,7 +153,6 @@ class PipelinePrice:
     once: float
     permutes: int
     permute_bytes: float
-    io_bytes: float
     peak_memory: float
 
 
@@ -160,16 +163,22 @@ def price(pipeline: Pipeline, whole: Parts, stage: Parts, cluster: Cluster) -> P
     ticks = m * v + s - 1
     work = (stage.compute + stage.sample_seconds(m)) / s
     layers = work * ticks / (m * v)
-    span = [(pipeline.axis, s)]
     step_bytes = stage.carry / m
-    permutes = 2 * ticks
-    transfers = permutes * cluster.collective_seconds("collective-permute", span, step_bytes)
-    transfers += 4 * cluster.collective_seconds("collective-permute", span, stage.carry)
+    permutes = 2 * ticks * permutes_per_tick(pipeline)
+    transfers = permutes * cluster.collective_seconds(
+        "collective-permute", [(pipeline.axis, s)], step_bytes)
     once = stage.once / s
     rest = whole.step - whole.layers
     working = max(0.0, whole.peak - whole.state - whole.other_state - whole.saved)
     peak = (stage.state / s + whole.other_state + working
             + stage.saved * pipeline.in_flight / (m * s))
     return PipelinePrice(pipeline, rest + layers + transfers + once, rest, layers,
-                         layers - work, transfers, once, permutes, step_bytes, stage.carry,
-                         peak)
+                         layers - work, transfers, once, permutes, step_bytes, peak)
+
+
+def permutes_per_tick(pipeline: Pipeline) -> int:
+    """Collective-permutes over the stage axis per tick and direction: the carry to the
+    next stage, the input/output buffer's rotation, and for a circular schedule with more
+    micro-batches than stages the move into the storage between rounds (module doc)."""
+    storage = pipeline.schedule == "circular" and pipeline.microbatches > pipeline.stages
+    return 3 if storage else 2
