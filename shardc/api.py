@@ -718,12 +718,13 @@ class AutoSharded:
 
     def pipeline_choice(self, *args, **kwargs):
         """The pipeline the planner chooses for these arguments, priced against this
-        plan (a :class:`shardc.pipeline.choose.Choice`; none with ``pipeline=False``)."""
+        plan (a :class:`shardc.pipeline.choose.Choice`; none with ``pipeline=False``); with
+        ``mesh_search``, over the stage axes of every view of the devices."""
         from shardc.pipeline.choose import ChoiceOptions, best_pipeline
 
         _, tr, plan = self._plan(self.convention.split(args, kwargs))
         opts = ChoiceOptions(self.options.memory_budget, self.options.time_limit,
-                             pipeline=self.options.pipeline)
+                             views=self.options.mesh_search, pipeline=self.options.pipeline)
         return best_pipeline(tr.traced.graph, plan.axis_sizes, plan.axis_names, plan.cluster,
                              ties=tr.ties, resident=tr.resident, base=plan, options=opts)
 

@@ -66,6 +66,18 @@ def test_circular_storage_permutes_only_with_more_micro_batches_than_stages():
     assert permutes_per_tick(Pipeline("node", 4, 8, "1f1b")) == 2
 
 
+def test_a_send_between_nodes_runs_on_one_port():
+    """A ring's channels spread over the node's NICs; a stage's send crosses one."""
+    eth = Cluster.ethernet_nodes()
+    flat = Cluster({"all": ETH_BW}, {"all": ALPHA}, axis_link={"all": "net"},
+                   axis_nodes={"all": 4}, collective_model="alpha-beta")
+    assert flat.group([("all", 32)]).bandwidth == 8 * ETH_BW  # 8 GPUs' ports per node
+    assert flat.send_seconds([("all", 32)], 1e6) == pytest.approx(ALPHA + 1e6 / ETH_BW)
+    assert eth.send_seconds([("node", 4)], 1e6) == \
+        eth.collective_seconds("collective-permute", [("node", 4)], 1e6)
+    assert eth.send_seconds([("gpu", 8)], 1e6) < eth.send_seconds([("node", 4)], 1e6)
+
+
 def test_one_f_one_b_holds_fewer_micro_batches_than_gpipe():
     whole, stage = _parts(), _parts()
     gpipe = price(Pipeline("node", 4, 16), whole, stage, CLUSTER)

@@ -12,6 +12,8 @@ References:
     per direction); 989 TFLOP/s dense BF16, 494 TFLOP/s dense TF32; 80 GB HBM3.
   NVIDIA ConnectX-7 / Quantum-2 NDR InfiniBand: 400 Gb/s = 50 GB/s per port, one per GPU in
     a DGX H100.
+  NVIDIA DGX H100 user guide (rail-optimized network): each GPU reaches other nodes through
+    its own ConnectX-7 port, so a send between two nodes runs at one port's bandwidth.
   NVIDIA NCCL ``src/graph/tuning.cc`` ``hwLat``: ring/Simple per-step latency 3.4 µs on
     NVLink and 9.6 µs over the network (PaddlePaddle's ``comm_op_cost.py`` uses the same).
   IEEE 802.3ba / 802.3bj (100GBASE-SR4, -CR4): 100 Gb/s Ethernet = 12.5 GB/s per port and
@@ -29,6 +31,7 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from collections.abc import Mapping, Sequence
@@ -170,6 +173,18 @@ class Cluster:
         ``nbytes`` (:func:`shardc.cost.collectives.seconds`), under this cluster's
         ``collective_model``."""
         return seconds(kind, self.group(spans), float(nbytes), self.collective_model, share)
+
+    def send_seconds(self, spans: Sequence[tuple[str, int]], nbytes: float) -> float:
+        """Seconds of a collective-permute over ``spans`` in which every device sends
+        ``nbytes`` to one other (a pipeline's shift to the next stage): one NCCL send /
+        receive (:func:`shardc.cost.collectives.seconds`), whose pairs on different nodes
+        each cross one NIC, the per-device link of the network axis, not the node's NICs
+        together as a ring's channels do (:meth:`group`)."""
+        g = self.group(spans)
+        if g.nodes > 1:
+            one = min(self.bandwidth(a) for a, k in spans if k > 1 and self.link(a) == "net")
+            g = dataclasses.replace(g, bandwidth=min(g.bandwidth, one))
+        return seconds("collective-permute", g, float(nbytes), self.collective_model)
 
     def check_axes(self, axis_names: Sequence[str]) -> None:
         unknown = (set(self.axis_bandwidth) | set(self.axis_latency) | set(self.axis_link)

@@ -1,10 +1,11 @@
 """The planner's choice of a pipeline: stage axis, stages, micro-batches, schedule.
 
 For a program with layer scans (:mod:`shardc.pipeline.layers`) on a mesh, every mesh axis
-``a`` whose size S divides the layer count is a stage axis. For each, the program is
-planned once more with ``a`` cut to one device (the *stage* plan: the layouts inside a
-stage, data x FSDP x TP on the other axes, chosen by the ordinary search), and every
-pipeline over ``a`` is priced from it and the unpipelined plan
+``a`` whose size S divides the layer count is a stage axis; with ``views``, so is every
+axis of the other logical views of the devices (:mod:`shardc.views`), each view planned
+unpipelined too. For each, the program is planned once more with ``a`` cut to one device
+(the *stage* plan: the layouts inside a stage, data x FSDP x TP on the other axes, chosen
+by the ordinary search), and every pipeline over ``a`` is priced from it and the unpipelined plan
 (:func:`shardc.pipeline.cost.price`): M among the divisors of the batch whose micro-batch
 the stage plan's carry layout still divides, each schedule, and for the circular one V
 among the divisors of L / S up to ``max_virtual``. The cheapest pipeline within the memory
@@ -27,7 +28,8 @@ from shardc.pipeline.cost import PipelinePrice, parts, price
 from shardc.pipeline.layers import Layers, find_layers
 from shardc.pipeline.schedule import SCHEDULES, Pipeline
 from shardc.plan import Plan, assemble
-from shardc.solve.search import MemoryBudgetError, SolveOptions, plan_graph
+from shardc.solve.search import SolveOptions, plan_graph
+from shardc.views import View, views
 
 __all__ = ["Choice", "ChoiceOptions", "best_pipeline", "candidates"]
 
@@ -38,7 +40,9 @@ class ChoiceOptions:
     memory); ``time_limit``: the ILP guard of each stage plan's search (seconds);
     ``schedules``: those considered; ``max_virtual``: the most virtual stages per device
     a circular schedule may have; ``min_gain``: the share of the unpipelined step a
-    pipeline must save to be chosen (module doc). ``pipeline``: as ``auto_shard``'s
+    pipeline must save to be chosen (module doc); ``views``: the stage axis may also be
+    an axis of another logical view of the devices (:func:`shardc.views.views`: one more
+    unpipelined plan per view, and one stage plan per axis). ``pipeline``: as ``auto_shard``'s
     option: None chooses, False chooses none, a :class:`Pipeline` prices that one."""
 
     memory_budget: float | None = None
@@ -46,6 +50,7 @@ class ChoiceOptions:
     schedules: tuple[str, ...] = SCHEDULES
     max_virtual: int = 4
     min_gain: float = 0.05
+    views: bool = False
     pipeline: Pipeline | bool | None = None
 
     def __post_init__(self):
@@ -150,30 +155,32 @@ def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[
         return none("pipelines are forbidden (pipeline=False)")
     if layers is None:
         return none("no scan over layers whose carry leads with the batch")
+    meshes = [View(sizes, names, cluster)]
     if isinstance(request, Pipeline):
         _check_request(request, sizes, names, layers)
-    budget = options.memory_budget if options.memory_budget is not None \
-        else cluster.device_memory
-    whole = parts(base, graph, layers, ties, resident)
+    elif options.views:
+        meshes += views(sizes, names, cluster)[1:]
     priced: list[PipelinePrice] = []
-    for k, (axis, s) in enumerate(zip(names, sizes)):
-        if s < 2 or layers.length % s:
-            continue
-        cut = sizes[:k] + (1,) + sizes[k + 1:]
-        try:
-            stage_plan = _planned(graph, cut, names, cluster, ties, resident, solve)
-        except MemoryBudgetError:
-            continue
-        stage = parts(stage_plan, graph, layers, ties, resident)
-        if isinstance(request, Pipeline):
-            if request.axis == axis:
-                chosen = price(request, whole, stage, cluster)
+    for view in meshes:
+        whole_plan = base if view.names == names else \
+            _planned(graph, view.shape, view.names, view.cluster, ties, resident, solve)
+        whole = parts(whole_plan, graph, layers, ties, resident)
+        for k, (axis, s) in enumerate(zip(view.names, view.shape)):
+            if s < 2 or layers.length % s or \
+                    isinstance(request, Pipeline) and request.axis != axis:
+                continue
+            cut = view.shape[:k] + (1,) + view.shape[k + 1:]
+            stage_plan = _planned(graph, cut, view.names, view.cluster, ties, resident, solve)
+            stage = parts(stage_plan, graph, layers, ties, resident)
+            if isinstance(request, Pipeline):
+                chosen = price(request, whole, stage, view.cluster, _axes(view))
                 return Choice(request, base.predicted.step_time, chosen, "requested",
                               (chosen,), time.perf_counter() - t0)
-            continue
-        for p in candidates(axis, s, layers, options):
-            if _splits_batch(stage_plan, layers, p.microbatches, graph):
-                priced.append(price(p, whole, stage, cluster))
+            priced += [price(p, whole, stage, view.cluster, _axes(view))
+                       for p in candidates(axis, s, layers, options)
+                       if _splits_batch(stage_plan, layers, p.microbatches, graph)]
+    budget = options.memory_budget if options.memory_budget is not None \
+        else cluster.device_memory
     fits = [p for p in priced if p.peak_memory <= budget]
     if not fits:
         return none("no pipeline fits the memory budget" if priced else
@@ -184,3 +191,7 @@ def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[
                     priced, best)
     return Choice(best.pipeline, base.predicted.step_time, best, "cheapest pipeline",
                   tuple(priced), time.perf_counter() - t0)
+
+
+def _axes(view: View) -> tuple[tuple[str, int], ...]:
+    return tuple(zip(view.names, view.shape))

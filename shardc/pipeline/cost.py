@@ -26,8 +26,8 @@ a circular schedule with more micro-batches than stages also moves the last stag
 output into the storage it waits in for its next round (``circ_storage``). Each is one
 collective-permute over axis ``a`` of one micro-batch's carry (its per-device bytes at
 the stage plan's layout, ``1 / M`` of the batch), priced on the link ``a`` crosses
-(:meth:`shardc.cost.cluster.Cluster.collective_seconds`). Communication adds to compute,
-as the planner prices any plan.
+(:meth:`shardc.cost.cluster.Cluster.send_seconds`: a pair on two nodes sends over one
+NIC). Communication adds to compute, as the planner prices any plan.
 
 Per-stage peak memory: the stacked state (parameters and optimizer moments) at 1 / S, the
 rest of the state as the whole plan holds it, the activations the forward pass saves for
@@ -142,7 +142,8 @@ class PipelinePrice:
     ``bubble`` among them; ``transfers``: the point-to-point sends between stages,
     ``permutes`` collective-permutes over the stage axis per step (forward and backward),
     of ``permute_bytes`` each per device; ``once``: the stages' once-per-step part;
-    ``peak_memory``: a stage's peak."""
+    ``peak_memory``: a stage's peak; ``mesh``: the view of the devices it runs on
+    (axis names and sizes; the stage axis is one of them)."""
 
     pipeline: Pipeline
     step_time: float
@@ -154,26 +155,27 @@ class PipelinePrice:
     permutes: int
     permute_bytes: float
     peak_memory: float
+    mesh: tuple[tuple[str, int], ...] = ()
 
 
-def price(pipeline: Pipeline, whole: Parts, stage: Parts, cluster: Cluster) -> PipelinePrice:
-    """The step of ``pipeline`` from the whole plan's :class:`Parts` and the stage plan's
-    (see the module doc)."""
+def price(pipeline: Pipeline, whole: Parts, stage: Parts, cluster: Cluster,
+          mesh: tuple[tuple[str, int], ...] = ()) -> PipelinePrice:
+    """The step of ``pipeline`` on ``mesh`` (priced by ``cluster``) from the whole plan's
+    :class:`Parts` and the stage plan's (see the module doc)."""
     s, m, v = pipeline.stages, pipeline.microbatches, pipeline.virtual
     ticks = m * v + s - 1
     work = (stage.compute + stage.sample_seconds(m)) / s
     layers = work * ticks / (m * v)
     step_bytes = stage.carry / m
     permutes = 2 * ticks * permutes_per_tick(pipeline)
-    transfers = permutes * cluster.collective_seconds(
-        "collective-permute", [(pipeline.axis, s)], step_bytes)
+    transfers = permutes * cluster.send_seconds([(pipeline.axis, s)], step_bytes)
     once = stage.once / s
     rest = whole.step - whole.layers
     working = max(0.0, whole.peak - whole.state - whole.other_state - whole.saved)
     peak = (stage.state / s + whole.other_state + working
             + stage.saved * pipeline.in_flight / (m * s))
     return PipelinePrice(pipeline, rest + layers + transfers + once, rest, layers,
-                         layers - work, transfers, once, permutes, step_bytes, peak)
+                         layers - work, transfers, once, permutes, step_bytes, peak, mesh)
 
 
 def permutes_per_tick(pipeline: Pipeline) -> int:
