@@ -14,7 +14,7 @@ from shardc.cost.comm import conversion
 from shardc.ir.sbp import B, NdSbp, Partial
 from shardc.ir.trace import trace
 from shardc.models import llama
-from shardc.pipeline.choose import ChoiceOptions, candidates
+from shardc.pipeline.choose import ChoiceOptions, best_pipeline, candidates
 from shardc.pipeline.cost import Parts, permutes_per_tick, price
 from shardc.pipeline.layers import find_layers
 from shardc.pipeline.schedule import Pipeline
@@ -58,6 +58,13 @@ def test_price_matches_hand_computation(pipe):
     working = 5e9 - 4e9 - 1e8 - 2e8
     assert p.peak_memory == pytest.approx(4e9 / s + 1e8 + working
                                           + 2e8 * pipe.in_flight / (m * s))
+
+
+def test_a_forward_only_program_sends_one_way():
+    train = price(Pipeline("node", 4, 8), _parts(), _parts(), CLUSTER)
+    forward = price(Pipeline("node", 4, 8), _parts(), _parts(passes=1), CLUSTER)
+    assert forward.permutes * 2 == train.permutes
+    assert forward.transfers * 2 == pytest.approx(train.transfers)
 
 
 def test_circular_storage_permutes_only_with_more_micro_batches_than_stages():
@@ -138,6 +145,19 @@ def test_candidates_cover_micro_batches_schedules_and_virtual_stages():
     assert len(got) == len(set(got))
     assert {p.microbatches for p in got} == {1, 2, 4, 8}
     assert {p.virtual for p in got if p.schedule == "circular"} == {2, 4}
+
+
+def test_the_choice_keeps_to_the_memory_budget():
+    graph, ties = _traced(llama.LlamaConfig.deep_tiny())
+    mesh = ((4, 2), ("node", "gpu"))
+    eth = Cluster.ethernet_nodes()
+    free = best_pipeline(graph, *mesh, eth, ties=ties, options=ChoiceOptions(min_gain=0.0))
+    assert free.priced and all(p.peak_memory > 0 for p in free.priced)
+    tight = best_pipeline(graph, *mesh, eth, ties=ties,
+                          options=ChoiceOptions(memory_budget=1.0, min_gain=0.0))
+    assert tight.pipeline is None and tight.reason == "no pipeline fits the memory budget"
+    # the same prices, in the same order: the search is deterministic
+    assert [p.step_time for p in tight.priced] == [p.step_time for p in free.priced]
 
 
 def _choose(model: str, preset: str, **kw):

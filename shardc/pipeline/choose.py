@@ -13,7 +13,8 @@ budget wins when its step is below ``1 - min_gain`` of the unpipelined plan's; e
 is none. The margin stands for what the price leaves out and a pipeline adds: the loop
 over ticks, the copies that rotate the stage buffers, smaller kernels per micro-batch; it
 is a judgement, not a measured figure (5% by default). The search is deterministic:
-candidates are priced in a fixed order and ties keep the first.
+candidates are priced in a fixed order; of equal steps the leaner wins (1F1B over GPipe
+where it holds fewer micro-batches), then the first.
 """
 
 from __future__ import annotations
@@ -185,7 +186,7 @@ def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[
     if not fits:
         return none("no pipeline fits the memory budget" if priced else
                     "no mesh axis's size divides the layer count", priced)
-    best = min(fits, key=lambda p: p.step_time)
+    best = min(fits, key=lambda p: (p.step_time, p.peak_memory))
     if best.step_time >= (1 - options.min_gain) * base.predicted.step_time:
         return none(f"no pipeline saves {options.min_gain:.0%} of the unpipelined step",
                     priced, best)

@@ -69,7 +69,9 @@ class Parts:
     ``sample``: per conversion of a per-sample value in the layer scans, ``(conversion,
     bytes, seconds charged)``; ``once``: the rest of the layer part. ``state`` /
     ``other_state``: the stacked / other state the plan holds; ``saved``: the forward
-    scan's saved activations; ``carry``: the layer carry at the plan's layout."""
+    scan's saved activations; ``carry``: the layer carry at the plan's layout;
+    ``passes``: the layer scans' passes over the stages (2 for a training step, forward and
+    backward; 1 for a forward-only program)."""
 
     step: float
     peak: float
@@ -81,6 +83,7 @@ class Parts:
     other_state: float
     saved: float
     carry: float
+    passes: int = 2
 
     def sample_seconds(self, microbatches: int) -> float:
         """The per-sample conversions' seconds when each runs once per micro-batch on
@@ -131,7 +134,7 @@ def parts(plan: Plan, graph: Graph, layers: Layers, ties=(), resident=()) -> Par
     carry = sum(nbytes[i] * plan.values[i].shard_fraction(sizes) for i in layers.carry)
     return Parts(plan.predicted.step_time, plan.predicted.peak_memory,
                  compute + scans + once, compute, tuple(sample), once, state, other, saved,
-                 carry)
+                 carry, min(len(layers.scans), 2))
 
 
 @dataclass(frozen=True)
@@ -167,7 +170,7 @@ def price(pipeline: Pipeline, whole: Parts, stage: Parts, cluster: Cluster,
     work = (stage.compute + stage.sample_seconds(m)) / s
     layers = work * ticks / (m * v)
     step_bytes = stage.carry / m
-    permutes = 2 * ticks * permutes_per_tick(pipeline)
+    permutes = stage.passes * ticks * permutes_per_tick(pipeline)
     transfers = permutes * cluster.send_seconds([(pipeline.axis, s)], step_bytes)
     once = stage.once / s
     rest = whole.step - whole.layers
