@@ -55,6 +55,9 @@ def test_price_matches_hand_computation(pipe):
     assert p.transfers == pytest.approx(p.permutes * (ALPHA + 1e6 / m / BW))
     assert p.once == pytest.approx(0.8 / s) and p.rest == pytest.approx(10.0 - 8.0)
     assert p.step_time == pytest.approx(p.rest + p.layers + p.transfers + p.once)
+    assert p.summary().startswith(f"4 stages over node{' x 2 virtual' if v > 1 else ''}, "
+                                  f"8 micro-batches, {pipe.schedule}: ")
+    assert f"bubble {p.bubble:.3f} s, {p.bubble / p.step_time:.0%}" in p.summary()
     working = 5e9 - 4e9 - 1e8 - 2e8
     assert p.peak_memory == pytest.approx(4e9 / s + 1e8 + working
                                           + 2e8 * pipe.in_flight / (m * s))
@@ -176,13 +179,14 @@ def test_the_deep_model_pipelines_over_slow_links():
     assert choice.best.step_time < 0.95 * choice.base_time
     assert choice.best.peak_memory <= PRESETS["4nodes-eth"].cluster.device_memory
     assert PRESETS["4nodes-eth"].cluster.bandwidth("node") == ETH_BW
+    assert choice.summary().startswith("pipeline (cheapest pipeline): 4 stages over node")
 
 
 @pytest.mark.parametrize("model,preset", [("gpt", "node-8"), ("llama", "node-8"),
                                           ("llama", "2nodes-2x8")])
 def test_no_pipeline_on_the_existing_presets(model, preset):
     choice = _choose(model, preset)
-    assert choice.pipeline is None
+    assert choice.pipeline is None and choice.summary().startswith("no pipeline: ")
     if choice.best is not None:  # priced and lost
         assert choice.best.step_time >= 0.95 * choice.base_time
 

@@ -24,6 +24,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from shardc.cost.cluster import Cluster
+from shardc.explain import fmt_time
 from shardc.ir.graph import Graph
 from shardc.pipeline.cost import PipelinePrice, parts, price
 from shardc.pipeline.layers import Layers, find_layers
@@ -78,6 +79,14 @@ class Choice:
     reason: str
     priced: tuple[PipelinePrice, ...] = field(default=(), repr=False)
     plan_s: float = 0.0
+
+    def summary(self) -> str:
+        """What was chosen and why, against the unpipelined step."""
+        base = f"unpipelined {fmt_time(self.base_time)}"
+        if self.pipeline is not None:
+            return f"pipeline ({self.reason}): {self.best.summary()}; {base}"
+        best = f"; the best priced: {self.best.summary()}" if self.best is not None else ""
+        return f"no pipeline: {self.reason} ({base}){best}"
 
 
 def _divisors(n: int) -> list[int]:

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 from shardc.cost.cluster import Cluster
 from shardc.cost.comm import Conversion, conversion
+from shardc.explain import fmt_bytes, fmt_time
 from shardc.ir.graph import Graph
 from shardc.pipeline.layers import Layers
 from shardc.pipeline.schedule import Pipeline
@@ -159,6 +160,17 @@ class PipelinePrice:
     permute_bytes: float
     peak_memory: float
     mesh: tuple[tuple[str, int], ...] = ()
+
+    def summary(self) -> str:
+        """One line: the pipeline, its step, the bubble's share of the step, the sends and
+        a stage's peak."""
+        p = self.pipeline
+        virtual = f" x {p.virtual} virtual" if p.virtual > 1 else ""
+        return (f"{p.stages} stages over {p.axis}{virtual}, {p.microbatches} micro-batches, "
+                f"{p.schedule}: {fmt_time(self.step_time)} per step (bubble "
+                f"{fmt_time(self.bubble)}, {self.bubble / self.step_time:.0%}; "
+                f"{self.permutes} sends of {fmt_bytes(self.permute_bytes)}: "
+                f"{fmt_time(self.transfers)}); {fmt_bytes(self.peak_memory)} per device")
 
 
 def price(pipeline: Pipeline, whole: Parts, stage: Parts, cluster: Cluster,
