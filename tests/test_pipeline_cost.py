@@ -163,6 +163,18 @@ def test_the_choice_keeps_to_the_memory_budget():
     assert [p.step_time for p in tight.priced] == [p.step_time for p in free.priced]
 
 
+def test_the_choice_may_stage_over_another_view_of_the_devices():
+    graph, ties = _traced(llama.LlamaConfig.deep_tiny())
+    eth = Cluster.ethernet_nodes()
+    own = best_pipeline(graph, (4, 2), ("node", "gpu"), eth, ties=ties)
+    more = best_pipeline(graph, (4, 2), ("node", "gpu"), eth, ties=ties,
+                         options=ChoiceOptions(views=True))
+    meshes = {p.mesh for p in more.priced}
+    assert {p.mesh for p in own.priced} == {(("node", 4), ("gpu", 2))}
+    assert (("node_gpu", 8),) in meshes and len(meshes) > 2
+    assert more.priced[:len(own.priced)] == own.priced  # the mesh's own axes come first
+
+
 def _choose(model: str, preset: str, **kw):
     zm, pre = ZOO[model], PRESETS[preset]
     mesh = AbstractMesh(pre.mesh_shape, pre.axis_names)

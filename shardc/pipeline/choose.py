@@ -70,8 +70,10 @@ class ChoiceOptions:
 @dataclass(frozen=True)
 class Choice:
     """The pipeline chosen (None: none beats the unpipelined plan, or none applies, see
-    ``reason``), the unpipelined step, the cheapest pipeline priced (chosen or not) and
-    every price, in the order priced; ``plan_s``: seconds the choice took."""
+    ``reason``), the unpipelined step, the cheapest pipeline priced (chosen or not; its
+    ``mesh`` is the view of the devices it runs on, another than the plan's only with
+    ``views``) and every price, in the order priced; ``plan_s``: seconds the choice
+    took."""
 
     pipeline: Pipeline | None
     base_time: float
