@@ -36,7 +36,7 @@ from shardc.views import View, views
 __all__ = ["Choice", "ChoiceOptions", "best_pipeline", "candidates"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ChoiceOptions:
     """``memory_budget``: bytes per device a stage may hold (None: the cluster's device
     memory); ``time_limit``: the ILP guard of each stage plan's search (seconds);
@@ -67,7 +67,7 @@ class ChoiceOptions:
             raise ValueError(f"ChoiceOptions(max_virtual={self.max_virtual}): need >= 1")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Choice:
     """The pipeline chosen (None: none beats the unpipelined plan, or none applies, see
     ``reason``), the unpipelined step, the cheapest pipeline priced (chosen or not; its

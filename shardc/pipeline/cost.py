@@ -60,7 +60,7 @@ from shardc.plan import Plan
 __all__ = ["Parts", "PipelinePrice", "parts", "permutes_per_tick", "price"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Parts:
     """A plan's predicted step and memory, split by what a pipeline does with each part
     (seconds per step, bytes per device).
@@ -138,7 +138,7 @@ def parts(plan: Plan, graph: Graph, layers: Layers, ties=(), resident=()) -> Par
                  carry, min(len(layers.scans), 2))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PipelinePrice:
     """A pipelined step's prediction (seconds per step, bytes per device).
 

@@ -27,7 +27,7 @@ from shardc.rules.registry import op_flops
 __all__ = ["Layers", "find_layers"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Layers:
     """The layer scans of a program and the facts a pipeline is priced from.
 
@@ -67,7 +67,7 @@ def _scan_regions(graph: Graph) -> dict[tuple[int, ...], int]:
     return out
 
 
-def fed_batch(graph: Graph, ties: Sequence[tuple[int, int]], resident: Collection[int]
+def _fed_batch(graph: Graph, ties: Sequence[tuple[int, int]], resident: Collection[int]
               ) -> int | None:
     """The leading dimension every input fed each step shares, or None when they have none
     in common (or there are none)."""
@@ -80,7 +80,7 @@ def find_layers(graph: Graph, ties: Sequence[tuple[int, int]] = (),
                 resident: Collection[int] = ()) -> Layers | None:
     """The program's layer scans and stacked values; None when it has no scan over at
     least two layers whose carry leads with the batch."""
-    batch = fed_batch(graph, ties, resident)
+    batch = _fed_batch(graph, ties, resident)
     regions = _scan_regions(graph)
     if batch is None or not regions:
         return None
