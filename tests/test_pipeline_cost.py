@@ -195,7 +195,8 @@ def test_the_deep_model_pipelines_over_slow_links():
 
 
 @pytest.mark.parametrize("model,preset", [("gpt", "node-8"), ("llama", "node-8"),
-                                          ("llama", "2nodes-2x8")])
+                                          ("llama", "2nodes-2x8"), ("deep", "node-8"),
+                                          ("deep", "2nodes-2x8")])
 def test_no_pipeline_on_the_existing_presets(model, preset):
     choice = _choose(model, preset)
     assert choice.pipeline is None and choice.summary().startswith("no pipeline: ")
