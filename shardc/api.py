@@ -56,6 +56,7 @@ from shardc.ir.trace import DEFAULT_WHILE_TRIPS, Traced, rematerialized, trace
 from shardc.lower.emit import explicit_axes, jit_plan
 from shardc.multihost import agree
 from shardc.names import input_names, output_names
+from shardc.pipeline.schedule import Pipeline
 from shardc.plan import Plan, Predicted, assemble, fingerprint
 from shardc.plan_cache import PlanCache
 from shardc.plan_overlap import ranking_time
@@ -111,8 +112,14 @@ class Options:
     keep_input_shardings: bool | None = None  # None: True on a mesh with Explicit axes
     cache_dir: str | None = None  # None: $SHARDC_CACHE_DIR if set, else no disk cache
     while_trips: int = DEFAULT_WHILE_TRIPS
+    pipeline: Pipeline | bool | None = None  # None: the planner's choice; False: never
 
     def __post_init__(self):
+        if not (self.pipeline is None or self.pipeline is False
+                or isinstance(self.pipeline, Pipeline)):
+            raise ValueError(f"pipeline must be a shardc.pipeline.schedule.Pipeline, False "
+                             f"(never pipeline) or None (the planner's choice); got "
+                             f"{self.pipeline!r}")
         if (not isinstance(self.while_trips, int) or isinstance(self.while_trips, bool)
                 or self.while_trips < 1):
             raise ValueError(f"while_trips is the iterations a while loop without static "
@@ -709,6 +716,18 @@ class AutoSharded:
                      fmt_time(counts[-1].plan.predicted.step_time) + " step")
         return DeviceSweep(tuple(counts), budget)
 
+    def pipeline_choice(self, *args, **kwargs):
+        """The pipeline the planner chooses for these arguments, priced against this
+        plan (a :class:`shardc.pipeline.choose.Choice`; none with ``pipeline=False``); with
+        ``mesh_search``, over the stage axes of every view of the devices."""
+        from shardc.pipeline.choose import ChoiceOptions, best_pipeline
+
+        _, tr, plan = self._plan(self.convention.split(args, kwargs))
+        opts = ChoiceOptions(self.options.memory_budget, self.options.time_limit,
+                             views=self.options.mesh_search, pipeline=self.options.pipeline)
+        return best_pipeline(tr.traced.graph, plan.axis_sizes, plan.axis_names, plan.cluster,
+                             ties=tr.ties, resident=tr.resident, base=plan, options=opts)
+
     def input_shardings(self, *args, **kwargs) -> tuple[tuple, dict]:
         """The shardings the plan gives the dynamic arguments (static ones left out), as
         ``(args, kwargs)`` pytrees of ``NamedSharding``, like ``jax.jit``'s
@@ -880,7 +899,7 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh | AbstractMesh,
                keep_input_shardings: bool | None = None,
                static_argnums=None, static_argnames=None, donate_argnums=None,
                donate_argnames=None, cache_dir: str | None = None,
-               while_trips: int = DEFAULT_WHILE_TRIPS):
+               while_trips: int = DEFAULT_WHILE_TRIPS, pipeline: Pipeline | bool | None = None):
     """Plan and run ``fn`` sharded over ``mesh``, called like ``jax.jit(fn)``. Usable as
     ``@auto_shard(mesh=...)``. On a ``jax.sharding.AbstractMesh`` (a shape and axis names,
     no devices: a cluster larger than this machine) the function plans only: ``plan``,
@@ -920,10 +939,14 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh | AbstractMesh,
     ``while_trips`` is how many iterations a ``lax.while_loop`` whose bounds are not
     static (a decode loop that stops at an end token) is planned for; loops with static
     bounds (``fori_loop``) are planned for their own count.
+
+    ``pipeline=False`` forbids pipelining the program's layer scans over a mesh axis; a
+    :class:`shardc.pipeline.schedule.Pipeline` asks for that one; None lets the planner
+    choose (``step.pipeline_choice(*args)`` says what it chooses and why).
     """
     options = Options(cluster if cluster is not None else DEFAULT_CLUSTER, memory_budget,
                       time_limit, _named_seeds(seeds), mesh_search, in_shardings,
-                      keep_input_shardings, cache_dir, while_trips)
+                      keep_input_shardings, cache_dir, while_trips, pipeline)
 
     def wrap(f):
         return AutoSharded(f, mesh, options, Convention.of(

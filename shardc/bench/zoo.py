@@ -53,6 +53,11 @@ PRESETS = {
     "2nodes-2x8": Preset("2nodes-2x8", (2, 8), ("node", "gpu"),
                          Cluster.multi_node("node", "gpu"),
                          "two such nodes over NDR InfiniBand as mesh (2, 8)"),
+    "4nodes-eth": Preset("4nodes-eth", (4, 8), ("node", "gpu"),
+                         Cluster.ethernet_nodes("node", "gpu"),
+                         "four such nodes over 100 Gb/s Ethernet (12.5 GB/s per device "
+                         "across nodes) as mesh (4, 8): slow links, where a deep model "
+                         "pipelines its layers over the nodes"),
 }
 
 
@@ -111,6 +116,8 @@ ZOO = {
     # its quick config (2 layers, 0.65B params, mostly the two vocab tables) fits whole
     "llama-1b": ZooModel("llama-1b", "shardc.models.llama", "tiny", "llama32_1b",
                          "llama32_1b(n_layers=2)", device_memory=SMALL_DEVICE_MEMORY),
+    # 32 scanned layers of small width: the pipelined model (4nodes-eth)
+    "deep": ZooModel("deep", "shardc.models.llama", "deep_tiny", "deep", "deep"),
     # latency-bound: data parallelism is the plan to beat (models/small.py)
     "small": ZooModel("small", "shardc.models.small", "tiny", "bench", "bench(n_layers=2)"),
     # gradient accumulation unrolled over 4 micro-batches (models/accum.py)

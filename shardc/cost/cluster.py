@@ -12,8 +12,13 @@ References:
     per direction); 989 TFLOP/s dense BF16, 494 TFLOP/s dense TF32; 80 GB HBM3.
   NVIDIA ConnectX-7 / Quantum-2 NDR InfiniBand: 400 Gb/s = 50 GB/s per port, one per GPU in
     a DGX H100.
+  NVIDIA DGX H100 user guide (rail-optimized network): each GPU reaches other nodes through
+    its own ConnectX-7 port, so a send between two nodes runs at one port's bandwidth.
   NVIDIA NCCL ``src/graph/tuning.cc`` ``hwLat``: ring/Simple per-step latency 3.4 µs on
     NVLink and 9.6 µs over the network (PaddlePaddle's ``comm_op_cost.py`` uses the same).
+  IEEE 802.3ba / 802.3bj (100GBASE-SR4, -CR4): 100 Gb/s Ethernet = 12.5 GB/s per port and
+    direction; one 100 GbE NIC per GPU (RoCE). NCCL's tuning tables have one network row
+    (``hwLat[NCCL_HW_NET]``) for InfiniBand and RoCE alike.
   PCI-SIG PCIe 5.0 specification: 32 GT/s per lane, x16 ~ 64 GB/s per direction (the H100
     SXM host link).
   Dubey et al., "The Llama 3 Herd of Models" (2024) §3.3.1: H100 servers of 8 GPUs on
@@ -26,6 +31,7 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from collections.abc import Mapping, Sequence
@@ -38,6 +44,8 @@ NVLINK_BW = 450e9  # H100 NVLink 4, per direction per GPU
 NVLINK_LAT = 3.4e-6  # NCCL hwLat: ring/Simple step on NVLink
 IB_BW = 50e9  # NDR InfiniBand, one 400 Gb/s port per GPU
 IB_LAT = 9.6e-6  # NCCL hwLat: ring/Simple step over the network
+ETH_BW = 12.5e9  # 100 Gb/s Ethernet (RoCE), one port per GPU
+ETH_LAT = IB_LAT  # NCCL's one network row: no separate figure for RoCE
 CROSS_POD_BW = IB_BW / 7  # Llama 3: the per-GPU link, oversubscribed 1:7 between pods
 # NCCL's network step latency: no published figure separates the aggregation layer's
 # extra switch hops from the end points' software latency
@@ -166,6 +174,18 @@ class Cluster:
         ``collective_model``."""
         return seconds(kind, self.group(spans), float(nbytes), self.collective_model, share)
 
+    def send_seconds(self, spans: Sequence[tuple[str, int]], nbytes: float) -> float:
+        """Seconds of a collective-permute over ``spans`` in which every device sends
+        ``nbytes`` to one other (a pipeline's shift to the next stage): one NCCL send /
+        receive (:func:`shardc.cost.collectives.seconds`), whose pairs on different nodes
+        each cross one NIC, the per-device link of the network axis, not the node's NICs
+        together as a ring's channels do (:meth:`group`)."""
+        g = self.group(spans)
+        if g.nodes > 1:
+            one = min(self.bandwidth(a) for a, k in spans if k > 1 and self.link(a) == "net")
+            g = dataclasses.replace(g, bandwidth=min(g.bandwidth, one))
+        return seconds("collective-permute", g, float(nbytes), self.collective_model)
+
     def check_axes(self, axis_names: Sequence[str]) -> None:
         unknown = (set(self.axis_bandwidth) | set(self.axis_latency) | set(self.axis_link)
                    | set(self.axis_nodes))
@@ -216,6 +236,15 @@ class Cluster:
         """H100 nodes joined by NDR InfiniBand: ``node_axis`` over IB, ``gpu_axis`` NVLink."""
         return cls({node_axis: IB_BW, gpu_axis: NVLINK_BW},
                    {node_axis: IB_LAT, gpu_axis: NVLINK_LAT},
+                   axis_link={node_axis: "net", gpu_axis: "nvlink"})
+
+    @classmethod
+    def ethernet_nodes(cls, node_axis: str = "node", gpu_axis: str = "gpu") -> Cluster:
+        """H100 nodes joined by 100 Gb/s Ethernet, one port per GPU (12.5 GB/s per device
+        across nodes, a quarter of NDR InfiniBand): ``node_axis`` over Ethernet,
+        ``gpu_axis`` NVLink."""
+        return cls({node_axis: ETH_BW, gpu_axis: NVLINK_BW},
+                   {node_axis: ETH_LAT, gpu_axis: NVLINK_LAT},
                    axis_link={node_axis: "net", gpu_axis: "nvlink"})
 
     @classmethod

@@ -107,6 +107,19 @@ class LlamaConfig:
                    d_ff=8192, n_layers=n_layers, batch=8, learning_rate=3e-4)
 
     @classmethod
+    def deep(cls, n_layers: int = 32) -> LlamaConfig:
+        """A deep, narrow decoder (the bench's pipelined model): 32 layers of d 512, 8
+        heads over 2 kv heads, d_ff 1408, seq 512, vocab 8192 (99M params at 32 layers);
+        batch 8 on 8 devices."""
+        return cls(vocab=8192, seq_len=512, d_model=512, n_heads=8, n_kv_heads=2, d_ff=1408,
+                   n_layers=n_layers, batch=8, learning_rate=3e-4)
+
+    @classmethod
+    def deep_tiny(cls, n_layers: int = 32) -> LlamaConfig:
+        """The deep model at test size: :meth:`tiny`'s widths, 32 layers."""
+        return cls(n_layers=n_layers)
+
+    @classmethod
     def realistic(cls, n_layers: int = 8) -> LlamaConfig:
         """Benchmark preset: d 1024, 16 heads over 4 kv heads, d_ff 2816, seq 512, vocab 32000
         (156M params at 8 layers)."""

@@ -1,0 +1,209 @@
+"""The planner's choice of a pipeline: stage axis, stages, micro-batches, schedule.
+
+For a program with layer scans (:mod:`shardc.pipeline.layers`) on a mesh, every mesh axis
+``a`` whose size S divides the layer count is a stage axis; with ``views``, so is every
+axis of the other logical views of the devices (:mod:`shardc.views`), each view planned
+unpipelined too. For each, the program is planned once more with ``a`` cut to one device
+(the *stage* plan: the layouts inside a stage, data x FSDP x TP on the other axes, chosen
+by the ordinary search), and every pipeline over ``a`` is priced from it and the unpipelined plan
+(:func:`shardc.pipeline.cost.price`): M among the divisors of the batch whose micro-batch
+the stage plan's carry layout still divides, each schedule, and for the circular one V
+among the divisors of L / S up to ``max_virtual``. The cheapest pipeline within the memory
+budget wins when its step is below ``1 - min_gain`` of the unpipelined plan's; else there
+is none. The margin stands for what the price leaves out and a pipeline adds: the loop
+over ticks, the copies that rotate the stage buffers, smaller kernels per micro-batch; it
+is a judgement, not a measured figure (5% by default). The search is deterministic:
+candidates are priced in a fixed order; of equal steps the leaner wins (1F1B over GPipe
+where it holds fewer micro-batches), then the first.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+from shardc.cost.cluster import Cluster
+from shardc.explain import fmt_time
+from shardc.ir.graph import Graph
+from shardc.pipeline.cost import PipelinePrice, parts, price
+from shardc.pipeline.layers import Layers, find_layers
+from shardc.pipeline.schedule import SCHEDULES, Pipeline
+from shardc.plan import Plan, assemble
+from shardc.solve.search import SolveOptions, plan_graph
+from shardc.views import View, views
+
+__all__ = ["Choice", "ChoiceOptions", "best_pipeline", "candidates"]
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceOptions:
+    """``memory_budget``: bytes per device a stage may hold (None: the cluster's device
+    memory); ``time_limit``: the ILP guard of each stage plan's search (seconds);
+    ``schedules``: those considered; ``max_virtual``: the most virtual stages per device
+    a circular schedule may have; ``min_gain``: the share of the unpipelined step a
+    pipeline must save to be chosen (module doc); ``views``: the stage axis may also be
+    an axis of another logical view of the devices (:func:`shardc.views.views`: one more
+    unpipelined plan per view, and one stage plan per axis). ``pipeline``: as ``auto_shard``'s
+    option: None chooses, False chooses none, a :class:`Pipeline` prices that one."""
+
+    memory_budget: float | None = None
+    time_limit: float = 10.0
+    schedules: tuple[str, ...] = SCHEDULES
+    max_virtual: int = 4
+    min_gain: float = 0.05
+    views: bool = False
+    pipeline: Pipeline | bool | None = None
+
+    def __post_init__(self):
+        if not 0 <= self.min_gain < 1:
+            raise ValueError(f"ChoiceOptions(min_gain={self.min_gain}): a share of the "
+                             "step in [0, 1)")
+        unknown = set(self.schedules) - set(SCHEDULES)
+        if unknown:
+            raise ValueError(f"ChoiceOptions(schedules=...): {sorted(unknown)} are not "
+                             f"schedules; use some of {SCHEDULES}")
+        if self.max_virtual < 1:
+            raise ValueError(f"ChoiceOptions(max_virtual={self.max_virtual}): need >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The pipeline chosen (None: none beats the unpipelined plan, or none applies, see
+    ``reason``), the unpipelined step, the cheapest pipeline priced (chosen or not; its
+    ``mesh`` is the view of the devices it runs on, another than the plan's only with
+    ``views``) and every price, in the order priced; ``plan_s``: seconds the choice
+    took."""
+
+    pipeline: Pipeline | None
+    base_time: float
+    best: PipelinePrice | None
+    reason: str
+    priced: tuple[PipelinePrice, ...] = field(default=(), repr=False)
+    plan_s: float = 0.0
+
+    def summary(self) -> str:
+        """What was chosen and why, against the unpipelined step."""
+        base = f"unpipelined {fmt_time(self.base_time)}"
+        if self.pipeline is not None:
+            return f"pipeline ({self.reason}): {self.best.summary()}; {base}"
+        best = f"; the best priced: {self.best.summary()}" if self.best is not None else ""
+        return f"no pipeline: {self.reason} ({base}){best}"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(axis: str, stages: int, layers: Layers, options: ChoiceOptions
+               ) -> list[Pipeline]:
+    """Every pipeline over ``axis`` with ``stages`` stages for ``layers``, in the order
+    they are priced: by micro-batches, then schedule, then virtual stages."""
+    out = []
+    for m in _divisors(layers.batch):
+        for schedule in options.schedules:
+            if schedule != "circular":
+                out.append(Pipeline(axis, stages, m, schedule))
+                continue
+            for v in _divisors(layers.length // stages):
+                if 2 <= v <= options.max_virtual:
+                    out.append(Pipeline(axis, stages, m, schedule, v))
+    return out
+
+
+def _check_request(p: Pipeline, sizes: Sequence[int], names: Sequence[str],
+                   layers: Layers) -> None:
+    """A requested pipeline fits the mesh, the layers and the batch, else the error names
+    the fix."""
+    if p.axis not in names:
+        raise ValueError(f"{p}: axis {p.axis!r} is not a mesh axis; use one of {list(names)}")
+    size = sizes[list(names).index(p.axis)]
+    if p.stages != size:
+        raise ValueError(f"{p}: axis {p.axis!r} has {size} devices; stages={size}")
+    if layers.length % (p.stages * p.virtual):
+        raise ValueError(f"{p}: {layers.length} layers do not split into {p.stages} stages "
+                         f"x {p.virtual} virtual stages; pick a divisor of {layers.length}")
+    if layers.batch % p.microbatches:
+        raise ValueError(f"{p}: the batch of {layers.batch} does not split into "
+                         f"{p.microbatches} micro-batches; pick a divisor of {layers.batch}")
+
+
+def _splits_batch(plan: Plan, layers: Layers, microbatches: int, graph: Graph) -> bool:
+    """The stage plan's carry layouts still divide a micro-batch's carry."""
+    shapes = {v.id: v.shape for v in graph.values()}
+    for c in layers.carry:
+        shape = (shapes[c][0] // microbatches, *shapes[c][1:])
+        if not plan.values[c].fits(shape, plan.axis_sizes):
+            return False
+    return True
+
+
+def _planned(graph: Graph, sizes: Sequence[int], names: Sequence[str], cluster: Cluster,
+             ties, resident, options: SolveOptions) -> Plan:
+    cg, sol = plan_graph(graph, sizes, names, cluster, options, ties=ties, resident=resident)
+    return assemble(graph, cg, sol.choice, ties, {"status": sol.status.value})
+
+
+def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str],
+                  cluster: Cluster, *, ties: Sequence[tuple[int, int]] = (),
+                  resident: Collection[int] = (), base: Plan | None = None,
+                  options: ChoiceOptions = ChoiceOptions()) -> Choice:
+    """The best pipeline for ``graph`` on the mesh (see the module doc); ``base`` is the
+    unpipelined plan on that mesh (planned here when not given), ``ties`` and
+    ``resident`` as for :func:`shardc.solve.search.plan_graph`."""
+    t0 = time.perf_counter()
+    sizes, names = tuple(axis_sizes), tuple(axis_names)
+    solve = SolveOptions(time_limit=options.time_limit)
+    if base is None:
+        base = _planned(graph, sizes, names, cluster, ties, resident, solve)
+    layers = find_layers(graph, ties, resident)
+
+    def none(reason: str, priced=(), best=None) -> Choice:
+        return Choice(None, base.predicted.step_time, best, reason, tuple(priced),
+                      time.perf_counter() - t0)
+
+    request = options.pipeline
+    if request is False:
+        return none("pipelines are forbidden (pipeline=False)")
+    if layers is None:
+        return none("no scan over layers whose carry leads with the batch")
+    meshes = [View(sizes, names, cluster)]
+    if isinstance(request, Pipeline):
+        _check_request(request, sizes, names, layers)
+    elif options.views:
+        meshes += views(sizes, names, cluster)[1:]
+    priced: list[PipelinePrice] = []
+    for view in meshes:
+        whole_plan = base if view.names == names else \
+            _planned(graph, view.shape, view.names, view.cluster, ties, resident, solve)
+        whole = parts(whole_plan, graph, layers, ties, resident)
+        for k, (axis, s) in enumerate(zip(view.names, view.shape)):
+            if s < 2 or layers.length % s or \
+                    isinstance(request, Pipeline) and request.axis != axis:
+                continue
+            cut = view.shape[:k] + (1,) + view.shape[k + 1:]
+            stage_plan = _planned(graph, cut, view.names, view.cluster, ties, resident, solve)
+            stage = parts(stage_plan, graph, layers, ties, resident)
+            if isinstance(request, Pipeline):
+                chosen = price(request, whole, stage, view.cluster, _axes(view))
+                return Choice(request, base.predicted.step_time, chosen, "requested",
+                              (chosen,), time.perf_counter() - t0)
+            priced += [price(p, whole, stage, view.cluster, _axes(view))
+                       for p in candidates(axis, s, layers, options)
+                       if _splits_batch(stage_plan, layers, p.microbatches, graph)]
+    budget = options.memory_budget if options.memory_budget is not None \
+        else cluster.device_memory
+    fits = [p for p in priced if p.peak_memory <= budget]
+    if not fits:
+        return none("no pipeline fits the memory budget" if priced else
+                    "no mesh axis's size divides the layer count", priced)
+    best = min(fits, key=lambda p: (p.step_time, p.peak_memory))
+    if best.step_time >= (1 - options.min_gain) * base.predicted.step_time:
+        return none(f"no pipeline saves {options.min_gain:.0%} of the unpipelined step",
+                    priced, best)
+    return Choice(best.pipeline, base.predicted.step_time, best, "cheapest pipeline",
+                  tuple(priced), time.perf_counter() - t0)
+
+
+def _axes(view: View) -> tuple[tuple[str, int], ...]:
+    return tuple(zip(view.names, view.shape))

@@ -1,0 +1,216 @@
+"""Pricing pipelines (shardc.pipeline.cost) and the planner's choice of one
+(shardc.pipeline.choose): formulas by hand, the layer scans found, and the choice on the
+bench presets (abstract meshes: nothing runs)."""
+
+import jax
+import pytest
+from jax.sharding import AbstractMesh
+
+import shardc
+from shardc.api import Options, tie_outputs
+from shardc.bench.zoo import PRESETS, ZOO
+from shardc.cost.cluster import ETH_BW, Cluster
+from shardc.cost.comm import conversion
+from shardc.ir.sbp import B, NdSbp, Partial
+from shardc.ir.trace import trace
+from shardc.models import llama
+from shardc.pipeline.choose import ChoiceOptions, best_pipeline, candidates
+from shardc.pipeline.cost import Parts, permutes_per_tick, price
+from shardc.pipeline.layers import find_layers
+from shardc.pipeline.schedule import Pipeline
+
+#: alpha-beta links, for prices computed by hand: a permute over ``node`` is
+#: ``ALPHA + bytes / BW``
+ALPHA, BW = 1e-5, 1e9
+CLUSTER = Cluster({"node": BW}, {"node": ALPHA}, axis_link={"node": "net"},
+                  collective_model="alpha-beta")
+
+
+def _parts(**kw) -> Parts:
+    base = dict(step=10.0, peak=5e9, layers=8.0, compute=8.0, sample=(), once=0.4,
+                state=4e9, other_state=1e8, saved=2e8, carry=1e6)
+    return Parts(**{**base, **kw})
+
+
+def test_bubble_and_in_flight_formulas():
+    assert Pipeline("node", 4, 8).bubble == pytest.approx(3 / 11)
+    assert Pipeline("node", 4, 8, "circular", 2).bubble == pytest.approx(3 / 19)
+    assert Pipeline("node", 4, 8, "1f1b").in_flight == 4
+    assert Pipeline("node", 4, 2, "1f1b").in_flight == 2
+    assert Pipeline("node", 4, 8, "gpipe").in_flight == 8
+
+
+@pytest.mark.parametrize("pipe", [Pipeline("node", 4, 8), Pipeline("node", 4, 8, "1f1b"),
+                                  Pipeline("node", 4, 8, "circular", 2)])
+def test_price_matches_hand_computation(pipe):
+    whole, stage = _parts(), _parts(step=40.0, layers=32.0, compute=32.0, once=0.8)
+    p = price(pipe, whole, stage, CLUSTER)
+    s, m, v = 4, 8, pipe.virtual
+    ticks = m * v + s - 1
+    work = 32.0 / s
+    assert p.layers == pytest.approx(work * ticks / (m * v))
+    assert p.bubble / p.layers == pytest.approx(pipe.bubble)
+    per_tick = 3 if pipe.schedule == "circular" else 2  # + circ storage: M = 8 > S = 4
+    assert p.permutes == 2 * ticks * per_tick and p.permute_bytes == pytest.approx(1e6 / m)
+    assert p.transfers == pytest.approx(p.permutes * (ALPHA + 1e6 / m / BW))
+    assert p.once == pytest.approx(0.8 / s) and p.rest == pytest.approx(10.0 - 8.0)
+    assert p.step_time == pytest.approx(p.rest + p.layers + p.transfers + p.once)
+    assert p.summary().startswith(f"4 stages over node{' x 2 virtual' if v > 1 else ''}, "
+                                  f"8 micro-batches, {pipe.schedule}: ")
+    assert f"bubble {p.bubble:.3f} s, {p.bubble / p.step_time:.0%}" in p.summary()
+    working = 5e9 - 4e9 - 1e8 - 2e8
+    assert p.peak_memory == pytest.approx(4e9 / s + 1e8 + working
+                                          + 2e8 * pipe.in_flight / (m * s))
+
+
+def test_a_forward_only_program_sends_one_way():
+    train = price(Pipeline("node", 4, 8), _parts(), _parts(), CLUSTER)
+    forward = price(Pipeline("node", 4, 8), _parts(), _parts(passes=1), CLUSTER)
+    assert forward.permutes * 2 == train.permutes
+    assert forward.transfers * 2 == pytest.approx(train.transfers)
+
+
+def test_circular_storage_permutes_only_with_more_micro_batches_than_stages():
+    assert permutes_per_tick(Pipeline("node", 4, 4, "circular", 2)) == 2
+    assert permutes_per_tick(Pipeline("node", 4, 8, "circular", 2)) == 3
+    assert permutes_per_tick(Pipeline("node", 4, 8, "1f1b")) == 2
+
+
+def test_a_send_between_nodes_runs_on_one_port():
+    """A ring's channels spread over the node's NICs; a stage's send crosses one."""
+    eth = Cluster.ethernet_nodes()
+    flat = Cluster({"all": ETH_BW}, {"all": ALPHA}, axis_link={"all": "net"},
+                   axis_nodes={"all": 4}, collective_model="alpha-beta")
+    assert flat.group([("all", 32)]).bandwidth == 8 * ETH_BW  # 8 GPUs' ports per node
+    assert flat.send_seconds([("all", 32)], 1e6) == pytest.approx(ALPHA + 1e6 / ETH_BW)
+    assert eth.send_seconds([("node", 4)], 1e6) == \
+        eth.collective_seconds("collective-permute", [("node", 4)], 1e6)
+    assert eth.send_seconds([("gpu", 8)], 1e6) < eth.send_seconds([("node", 4)], 1e6)
+
+
+def test_one_f_one_b_holds_fewer_micro_batches_than_gpipe():
+    whole, stage = _parts(), _parts()
+    gpipe = price(Pipeline("node", 4, 16), whole, stage, CLUSTER)
+    onefb = price(Pipeline("node", 4, 16, "1f1b"), whole, stage, CLUSTER)
+    assert onefb.step_time == pytest.approx(gpipe.step_time)
+    assert gpipe.peak_memory - onefb.peak_memory == pytest.approx(2e8 * (16 - 4) / (16 * 4))
+
+
+def test_per_sample_conversions_pay_their_latency_per_micro_batch():
+    sizes, names = (4, 2), ("node", "gpu")
+    cluster = Cluster({"node": BW, "gpu": BW}, {"node": ALPHA, "gpu": ALPHA},
+                      collective_model="alpha-beta")
+    conv = conversion(NdSbp((B, Partial())), NdSbp((B, B)), sizes, names, cluster)
+    n = 4e6
+    parts = _parts(sample=((conv, n, 32 * conv.time(n)),))
+    assert parts.sample_seconds(1) == pytest.approx(32 * conv.time(n))
+    wire = conv.time(n) - ALPHA  # all-reduce over 2: alpha + n / bw
+    assert parts.sample_seconds(8) == pytest.approx(32 * (8 * ALPHA + wire))
+
+
+def _traced(cfg):
+    args = llama.abstract_args(cfg)
+    tr = trace(llama.build_step(cfg), *args)
+    ties = tie_outputs([jax.tree.structure(a) for a in args], tr.out_tree, tr.graph)
+    return tr.graph, ties
+
+
+def test_find_layers_of_a_scanned_decoder():
+    cfg = llama.LlamaConfig.deep_tiny()
+    graph, ties = _traced(cfg)
+    layers = find_layers(graph, ties)
+    assert (layers.length, layers.batch, len(layers.scans)) == (32, cfg.batch, 2)
+    carried = [v for k, v in enumerate(graph.inputs) if k in {i for _, i in ties}]
+    stacked_in = [v for v in carried if v.id in layers.stacked]
+    # every stacked parameter and its two Adam moments; nothing else the state holds
+    assert stacked_in and len(stacked_in) % 3 == 0
+    assert all(v.shape[0] == 32 for v in stacked_in)
+    assert not any(v.id in layers.stacked for v in carried if v.shape[:1] != (32,))
+    values = {v.id: v for v in graph.values()}
+    assert [values[c].shape for c in layers.carry] == [(cfg.batch, cfg.seq_len, cfg.d_model)]
+    assert layers.saved and all(values[i].shape[:2] == (32, cfg.batch) for i in layers.saved)
+    assert layers.outside  # the stacked parameters' optimizer updates
+
+
+def test_an_unrolled_model_has_no_layer_scan():
+    zm = ZOO["gpt"]
+    mod = zm.load()
+    args = mod.abstract_args(zm.config("tiny"))
+    tr = trace(mod.build_step(zm.config("tiny")), *args)
+    ties = tie_outputs([jax.tree.structure(a) for a in args], tr.out_tree, tr.graph)
+    assert find_layers(tr.graph, ties) is None
+
+
+def test_candidates_cover_micro_batches_schedules_and_virtual_stages():
+    cfg = llama.LlamaConfig.deep_tiny()
+    layers = find_layers(*_traced(cfg))
+    got = candidates("node", 4, layers, ChoiceOptions())
+    assert len(got) == len(set(got))
+    assert {p.microbatches for p in got} == {1, 2, 4, 8}
+    assert {p.virtual for p in got if p.schedule == "circular"} == {2, 4}
+
+
+def test_the_choice_keeps_to_the_memory_budget():
+    graph, ties = _traced(llama.LlamaConfig.deep_tiny())
+    mesh = ((4, 2), ("node", "gpu"))
+    eth = Cluster.ethernet_nodes()
+    free = best_pipeline(graph, *mesh, eth, ties=ties, options=ChoiceOptions(min_gain=0.0))
+    assert free.priced and all(p.peak_memory > 0 for p in free.priced)
+    tight = best_pipeline(graph, *mesh, eth, ties=ties,
+                          options=ChoiceOptions(memory_budget=1.0, min_gain=0.0))
+    assert tight.pipeline is None and tight.reason == "no pipeline fits the memory budget"
+    # the same prices, in the same order: the search is deterministic
+    assert [p.step_time for p in tight.priced] == [p.step_time for p in free.priced]
+
+
+def test_the_choice_may_stage_over_another_view_of_the_devices():
+    graph, ties = _traced(llama.LlamaConfig.deep_tiny())
+    eth = Cluster.ethernet_nodes()
+    own = best_pipeline(graph, (4, 2), ("node", "gpu"), eth, ties=ties)
+    more = best_pipeline(graph, (4, 2), ("node", "gpu"), eth, ties=ties,
+                         options=ChoiceOptions(views=True))
+    meshes = {p.mesh for p in more.priced}
+    assert {p.mesh for p in own.priced} == {(("node", 4), ("gpu", 2))}
+    assert (("node_gpu", 8),) in meshes and len(meshes) > 2
+    assert more.priced[:len(own.priced)] == own.priced  # the mesh's own axes come first
+
+
+def _choose(model: str, preset: str, **kw):
+    zm, pre = ZOO[model], PRESETS[preset]
+    mesh = AbstractMesh(pre.mesh_shape, pre.axis_names)
+    mod = zm.load()
+    step = shardc.auto_shard(mod.build_step(zm.config("bench", pre.devices)), mesh=mesh,
+                             cluster=pre.cluster, memory_budget=zm.device_memory, **kw)
+    return step.pipeline_choice(*mod.abstract_args(zm.config("bench", pre.devices)))
+
+
+def test_the_deep_model_pipelines_over_slow_links():
+    choice = _choose("deep", "4nodes-eth")
+    assert choice.pipeline is not None, choice.reason
+    assert (choice.pipeline.axis, choice.pipeline.stages) == ("node", 4)
+    assert choice.best.step_time < 0.95 * choice.base_time
+    assert choice.best.peak_memory <= PRESETS["4nodes-eth"].cluster.device_memory
+    assert PRESETS["4nodes-eth"].cluster.bandwidth("node") == ETH_BW
+    assert choice.summary().startswith("pipeline (cheapest pipeline): 4 stages over node")
+
+
+@pytest.mark.parametrize("model,preset", [("gpt", "node-8"), ("llama", "node-8"),
+                                          ("llama", "2nodes-2x8"), ("deep", "node-8"),
+                                          ("deep", "2nodes-2x8")])
+def test_no_pipeline_on_the_existing_presets(model, preset):
+    choice = _choose(model, preset)
+    assert choice.pipeline is None and choice.summary().startswith("no pipeline: ")
+    if choice.best is not None:  # priced and lost
+        assert choice.best.step_time >= 0.95 * choice.base_time
+
+
+def test_pipelines_can_be_forbidden_or_requested():
+    assert _choose("deep", "4nodes-eth", pipeline=False).reason.startswith(
+        "pipelines are forbidden")
+    want = Pipeline("node", 4, 2, "1f1b")
+    choice = _choose("deep", "4nodes-eth", pipeline=want)
+    assert choice.pipeline == want and choice.best.pipeline == want
+    with pytest.raises(ValueError, match="stages=4"):
+        _choose("deep", "4nodes-eth", pipeline=Pipeline("node", 2, 2))
+    with pytest.raises(ValueError, match="Pipeline"):
+        Options(pipeline="yes")
