@@ -25,6 +25,7 @@ def test_calibrate_fits_every_axis():
         assert f.size == mesh.shape[f.axis]
         assert f.latency > 0 and f.bandwidth > 0
         assert cluster.latency(f.axis) == f.latency and cluster.bandwidth(f.axis) == f.bandwidth
+        assert f.model == cluster.collective_model
         # every collective at every size was timed, its wire bytes per the ring model
         assert sorted((s.kind, s.message) for s in f.samples) == sorted(
             (k, m) for k in WIRE_FACTOR for m in QUICK.sizes)
@@ -32,7 +33,7 @@ def test_calibrate_fits_every_axis():
             assert s.seconds > 0
             assert s.wire == pytest.approx(WIRE_FACTOR[s.kind](f.size) * s.message)
         # the reported residuals are those of the fitted line, and the fit beats the mean
-        fitted = np.array([f.latency + s.wire / f.bandwidth for s in f.samples])
+        fitted = np.array([f.fitted(s) for s in f.samples])
         times = np.array([s.seconds for s in f.samples])
         np.testing.assert_allclose(f.residuals, (times - fitted) / times, rtol=1e-9)
         # (how well a line fits the timings depends on the machine's load: beside another
@@ -57,6 +58,30 @@ def test_fit_recovers_alpha_and_beta():
     f = _fit("gpu", n, samples)
     assert f.latency == pytest.approx(alpha, rel=1e-9) and f.bandwidth == pytest.approx(bw)
     assert f.r2 == pytest.approx(1.0) and f.max_residual < 1e-9
+
+
+def test_fit_recovers_a_latency_per_ring_step_and_calibrate_keeps_the_better_model():
+    # timings made by the ring model (NCCL's base, then a latency per ring step): the ring
+    # fit recovers its latency and bandwidth exactly, and fits them better than one α
+    from shardc.cost.calibrate import _latency
+
+    lam, bw, n = 4e-6, 5e9, 8
+    samples = [Sample(k, m, WIRE_FACTOR[k](n) * m,
+                      _latency("ring", k, n, lam) + WIRE_FACTOR[k](n) * m / bw)
+               for k in WIRE_FACTOR for m in (1 << 10, 1 << 16, 1 << 20)]
+    ring, ab = _fit("gpu", n, samples, "ring"), _fit("gpu", n, samples, "alpha-beta")
+    assert ring.latency == pytest.approx(lam, rel=1e-9)
+    assert ring.bandwidth == pytest.approx(bw)
+    assert ring.max_residual < 1e-9 < ab.max_residual
+    assert ring.weighted_sse < ab.weighted_sse
+    # and priced by the planner's own ring model, the fitted cluster gives those times
+    cluster = shardc.Cluster(axis_bandwidth={"gpu": bw}, axis_latency={"gpu": lam},
+                             collective_model="ring", axis_link={"gpu": "nvlink"})
+    for s in samples[::3]:
+        kind = s.kind
+        nbytes = s.message * (n if kind == "all-gather" else 1)  # NCCL's buffer
+        assert cluster.collective_seconds(kind, [("gpu", n)], nbytes) == pytest.approx(
+            s.seconds, rel=1e-6), kind
 
 
 def test_fit_refuses_flat_times():

@@ -9,15 +9,30 @@ XLA can neither combine nor drop them), so one program launch is spread over ``c
 collectives; the time of one collective is the fastest of ``reps`` runs, after a warm-up
 run, divided by ``chain``.
 
-The α-β fit uses the same model the planner prices with (:mod:`shardc.cost.comm`): one
-collective takes ``α + wire / bandwidth`` seconds, ``wire`` the bytes each device moves for
-a per-device message of ``L`` bytes on an axis of ``n`` devices: all-gather ``(n−1)·L``,
-all-reduce ``2(n−1)/n·L``, all-to-all ``(n−1)/n·L``. ``α`` and ``β = 1/bandwidth`` are fit
-per axis by least squares over every (collective, size) sample, weighted by ``1/time`` so
-the small messages that carry ``α`` count as much as the large ones that carry ``β``; the
-fit reports R² and each sample's relative residual. The calibrated Cluster prices with the
-model it was fit with (``collective_model="alpha-beta"``): NCCL's tables describe NCCL on
-GPUs, not whatever runs the collectives of the devices measured.
+Two models the planner prices with (:mod:`shardc.cost.collectives`) are fit to the
+timings, and the calibrated Cluster prices with the one that fits them better:
+
+- ``"alpha-beta"``: one collective takes ``α + wire / bandwidth`` seconds;
+- ``"ring"``: NCCL's ring/Simple base latency, then a latency per ring step (``2(n−1)``
+  steps for an all-reduce, ``n−1`` for the others, as NCCL's ``ncclTopoTuneModel`` counts
+  them; an all-to-all's sends one step), then ``wire / bandwidth``:
+  ``base + steps·λ + wire / bandwidth``. Where a link's
+  latency grows with the ring's length (GPUs, NCCL), this fits the small messages of
+  every collective kind at once where one α cannot.
+
+``wire`` is the bytes each device moves for a per-device message of ``L`` bytes on an axis
+of ``n`` devices: all-gather ``(n−1)·L``, all-reduce ``2(n−1)/n·L``, all-to-all
+``(n−1)/n·L``. The latency (``α`` or ``λ``) and ``β = 1/bandwidth`` are fit per axis by
+least squares over every (collective, size) sample, weighted by ``1/time`` so the small
+messages that carry the latency count as much as the large ones that carry ``β``; the
+model whose weighted squared residuals, summed over the axes, are smaller is kept, and the
+fit reports R² and each sample's relative residual under it. NCCL's algorithm and protocol
+tables are not fit (``"nccl"`` is never chosen): they describe NCCL on GPUs, not whatever
+runs the collectives of the devices measured.
+
+References:
+  NVIDIA NCCL ``src/graph/tuning.cc`` (``ncclTopoTuneModel``: ring steps ``2(n−1)`` for
+  all-reduce, ``n−1`` otherwise; ``baseLat`` of ring/Simple).
 
 Achievable FLOP/s is a ``matmul_size`` square float32 matmul on every device at once (the
 fastest of ``reps`` runs after a warm-up), so the Cluster's ``utilization`` is 1: the
@@ -43,6 +58,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardc.cost.cluster import Cluster
+from shardc.cost.collectives import BASE_LATENCY
+
+#: the models :func:`calibrate` fits, in the order a tie goes
+FIT_MODELS = ("alpha-beta", "ring")
 
 __all__ = ["AxisFit", "CalibrateOptions", "Calibration", "CalibrationError", "Sample",
            "WIRE_FACTOR", "calibrate"]
@@ -99,8 +118,9 @@ class Sample:
 
 @dataclass(frozen=True)
 class AxisFit:
-    """The α-β fit of one mesh axis: ``latency`` α in seconds, ``bandwidth`` 1/β in bytes/s
-    per device, ``r2`` the fit's R² on the samples' times, ``residuals`` each sample's
+    """The fit of one mesh axis under ``model``: ``latency`` in seconds (α for
+    ``"alpha-beta"``, per ring step for ``"ring"``), ``bandwidth`` 1/β in bytes/s per
+    device, ``r2`` the fit's R² on the samples' times, ``residuals`` each sample's
     ``(measured - fitted) / measured``."""
 
     axis: str
@@ -110,6 +130,17 @@ class AxisFit:
     r2: float
     samples: tuple[Sample, ...]
     residuals: tuple[float, ...]
+    model: str = "alpha-beta"
+
+    def fitted(self, s: Sample) -> float:
+        """The model's seconds for the sample ``s``."""
+        return _latency(self.model, s.kind, self.size, self.latency) + s.wire / self.bandwidth
+
+    @property
+    def weighted_sse(self) -> float:
+        """Σ residual², the quantity the fit minimised (residuals are relative: weights
+        1/time)."""
+        return float(sum(r * r for r in self.residuals))
 
     @property
     def max_residual(self) -> float:
@@ -127,10 +158,13 @@ class Calibration:
     options: CalibrateOptions
 
     def report(self) -> str:
-        lines = [f"{'axis':<8}{'devices':>8}{'α (µs)':>10}{'bandwidth (GB/s)':>18}"
-                 f"{'R²':>8}{'max |residual|':>16}"]
+        model = self.cluster.collective_model
+        latency = "α (µs)" if model == "alpha-beta" else "λ/step (µs)"
+        lines = [f"collective model: {model} (the better fit of {', '.join(FIT_MODELS)})",
+                 f"{'axis':<8}{'devices':>8}{latency:>12}"
+                 f"{'bandwidth (GB/s)':>18}{'R²':>8}{'max |residual|':>16}"]
         for f in self.axes:
-            lines.append(f"{f.axis:<8}{f.size:>8}{f.latency * 1e6:>10.2f}"
+            lines.append(f"{f.axis:<8}{f.size:>8}{f.latency * 1e6:>12.2f}"
                          f"{f.bandwidth / 1e9:>18.3f}{f.r2:>8.4f}{f.max_residual:>16.1%}")
         lines.append(f"matmul {self.options.matmul_size}^3 float32: "
                      f"{self.matmul_flops / 1e9:.2f} GFLOP/s per device (utilization 1)")
@@ -141,7 +175,7 @@ class Calibration:
     def to_json(self) -> dict:
         return {
             "cluster": self.cluster.to_json(),
-            "axes": [{"axis": f.axis, "size": f.size, "latency": f.latency,
+            "axes": [{"axis": f.axis, "size": f.size, "model": f.model, "latency": f.latency,
                       "bandwidth": f.bandwidth, "r2": f.r2,
                       "samples": [[s.kind, s.message, s.wire, s.seconds] for s in f.samples],
                       "residuals": list(f.residuals)} for f in self.axes],
@@ -166,19 +200,23 @@ def calibrate(mesh: Mesh, options: CalibrateOptions | None = None
                                  for axis, kind, size in timed]
                                 + [_time_matmul(mesh, opts), memory]))
     seconds, memory = measured[:-1], float(measured[-1])
-    fits = []
+    per_model = {model: [] for model in FIT_MODELS}
     for axis, n in mesh.shape.items():
         if n == 1:
             continue
         samples = tuple(Sample(kind, size, WIRE_FACTOR[kind](n) * size, float(t))
                         for (a, kind, size), t in zip(timed, seconds) if a == axis)
-        fits.append(_fit(axis, n, samples))
+        for model in FIT_MODELS:
+            per_model[model].append(_fit(axis, n, samples, model))
+    model = min(FIT_MODELS, key=lambda m: (sum(f.weighted_sse for f in per_model[m]),
+                                           FIT_MODELS.index(m)))
+    fits = per_model[model]
     side = opts.matmul_size
     flops = 2 * side ** 3 / float(seconds[-1])
     cluster = Cluster(axis_bandwidth={f.axis: f.bandwidth for f in fits},
                       axis_latency={f.axis: f.latency for f in fits},
                       device_flops=flops, device_memory=memory, utilization=1.0,
-                      collective_model="alpha-beta")
+                      collective_model=model)
     return cluster, Calibration(cluster, tuple(fits), flops, source, opts)
 
 
@@ -242,23 +280,47 @@ def _time_matmul(mesh: Mesh, opts: CalibrateOptions) -> float:
     return _fastest(fn, x, opts.reps)
 
 
-def _fit(axis: str, n: int, samples: Sequence[Sample]) -> AxisFit:
-    """Weighted least squares of ``seconds = α + β·wire`` (weights ``1/seconds``)."""
+def _steps(kind: str, n: int) -> int:
+    """Latencies one ``kind`` pays on ``n`` devices under the planner's ring model: NCCL's
+    ring steps (``ncclTopoTuneModel``: ``2(n−1)`` for an all-reduce, ``n−1`` for an
+    all-gather), one for an all-to-all (its sends run at once: priced as one point-to-point
+    step, :mod:`shardc.cost.collectives`)."""
+    if kind == "all-to-all":
+        return 1
+    return 2 * (n - 1) if kind == "all-reduce" else n - 1
+
+
+def _latency(model: str, kind: str, n: int, latency: float) -> float:
+    """The latency part of one collective's seconds under ``model``."""
+    if model == "alpha-beta":
+        return latency
+    return BASE_LATENCY["ring"]["Simple"] * 1e-6 + _steps(kind, n) * latency
+
+
+def _fit(axis: str, n: int, samples: Sequence[Sample], model: str = "alpha-beta"
+         ) -> AxisFit:
+    """Weighted least squares (weights ``1/seconds``) of ``seconds = α + β·wire``
+    (``"alpha-beta"``) or ``seconds - base = λ·steps + β·wire`` (``"ring"``)."""
     x = np.array([s.wire for s in samples])
     t = np.array([s.seconds for s in samples])
-    w = 1.0 / t
-    (alpha, beta), *_ = np.linalg.lstsq(np.stack([w, w * x], axis=1), w * t, rcond=None)
-    if alpha < 0:  # noise at the small sizes: the best fit through the origin
-        alpha, beta = 0.0, float(np.sum(w * w * x * t) / np.sum(w * w * x * x))
+    if model == "alpha-beta":
+        fixed, per = np.zeros(len(t)), np.ones(len(t))
+    else:
+        fixed = np.full(len(t), BASE_LATENCY["ring"]["Simple"] * 1e-6)
+        per = np.array([float(_steps(s.kind, n)) for s in samples])
+    y, w = t - fixed, 1.0 / t
+    (lat, beta), *_ = np.linalg.lstsq(np.stack([w * per, w * x], axis=1), w * y, rcond=None)
+    if lat < 0:  # noise at the small sizes: the best fit without a latency of its own
+        lat, beta = 0.0, float(np.sum(w * w * x * y) / np.sum(w * w * x * x))
     if not beta > 0:
         raise CalibrationError(
             f"axis {axis!r}: collective time does not grow with message size over "
             f"{sorted({s.message for s in samples})} bytes, so its bandwidth cannot be fit; "
             "calibrate with larger sizes (CalibrateOptions(sizes=...))")
-    fitted = alpha + beta * x
+    fitted = fixed + lat * per + beta * x
     r2 = 1.0 - float(np.sum((t - fitted) ** 2) / np.sum((t - t.mean()) ** 2))
-    return AxisFit(axis, n, float(alpha), float(1.0 / beta), r2, tuple(samples),
-                   tuple(float(r) for r in (t - fitted) / t))
+    return AxisFit(axis, n, float(lat), float(1.0 / beta), r2, tuple(samples),
+                   tuple(float(r) for r in (t - fitted) / t), model)
 
 
 def _device_memory(mesh: Mesh) -> tuple[float, str]:
