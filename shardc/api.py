@@ -56,6 +56,8 @@ from shardc.ir.trace import DEFAULT_WHILE_TRIPS, Traced, rematerialized, trace
 from shardc.lower.emit import explicit_axes, jit_plan
 from shardc.multihost import agree
 from shardc.names import input_names, output_names
+from shardc.pipeline.runtime import check_axis
+from shardc.pipeline.schedule import Pipeline
 from shardc.plan import Plan, Predicted, assemble, fingerprint
 from shardc.plan_cache import PlanCache
 from shardc.plan_overlap import ranking_time
@@ -111,8 +113,12 @@ class Options:
     keep_input_shardings: bool | None = None  # None: True on a mesh with Explicit axes
     cache_dir: str | None = None  # None: $SHARDC_CACHE_DIR if set, else no disk cache
     while_trips: int = DEFAULT_WHILE_TRIPS
+    pipeline: Pipeline | None = None
 
     def __post_init__(self):
+        if self.pipeline is not None and not isinstance(self.pipeline, Pipeline):
+            raise TypeError(f"pipeline must be a shardc.pipeline.Pipeline or None, got "
+                            f"{type(self.pipeline).__name__}")
         if (not isinstance(self.while_trips, int) or isinstance(self.while_trips, bool)
                 or self.while_trips < 1):
             raise ValueError(f"while_trips is the iterations a while loop without static "
@@ -211,6 +217,8 @@ class AutoSharded:
         self.keep = options.keep_input_shardings if options.keep_input_shardings is not None \
             else bool(explicit_axes(mesh))
         options.cluster.check_axes(self.mesh.axis_names)
+        if options.pipeline is not None:
+            check_axis(options.pipeline, self.mesh)
         self._traces: dict[Any, _Traced] = {}
         self._plans: dict[Any, Plan] = {}
         self._execs: dict[Any, Callable] = {}
@@ -326,6 +334,8 @@ class AutoSharded:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._compatible(key, tr.fixed) or self._cached_or_solved(tr, call)
+            if plan.pipeline != self.options.pipeline:  # the pipeline the plan runs
+                plan = dataclasses.replace(plan, pipeline=self.options.pipeline)
             # under jax.distributed: every process runs the same plan (process 0's)
             plan = agree(self._named(call, tr, plan))
             self._plans[key] = plan
@@ -880,7 +890,7 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh | AbstractMesh,
                keep_input_shardings: bool | None = None,
                static_argnums=None, static_argnames=None, donate_argnums=None,
                donate_argnames=None, cache_dir: str | None = None,
-               while_trips: int = DEFAULT_WHILE_TRIPS):
+               while_trips: int = DEFAULT_WHILE_TRIPS, pipeline: Pipeline | None = None):
     """Plan and run ``fn`` sharded over ``mesh``, called like ``jax.jit(fn)``. Usable as
     ``@auto_shard(mesh=...)``. On a ``jax.sharding.AbstractMesh`` (a shape and axis names,
     no devices: a cluster larger than this machine) the function plans only: ``plan``,
@@ -920,10 +930,14 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh | AbstractMesh,
     ``while_trips`` is how many iterations a ``lax.while_loop`` whose bounds are not
     static (a decode loop that stops at an end token) is planned for; loops with static
     bounds (``fori_loop``) are planned for their own count.
+
+    ``pipeline`` (a :class:`shardc.pipeline.Pipeline`) runs the function's layer stacks,
+    written with :func:`shardc.pipeline.layers` (a drop-in for ``jax.lax.scan``), as that
+    pipeline over its mesh axis (:mod:`shardc.pipeline.lowering`); the plan records it.
     """
     options = Options(cluster if cluster is not None else DEFAULT_CLUSTER, memory_budget,
                       time_limit, _named_seeds(seeds), mesh_search, in_shardings,
-                      keep_input_shardings, cache_dir, while_trips)
+                      keep_input_shardings, cache_dir, while_trips, pipeline)
 
     def wrap(f):
         return AutoSharded(f, mesh, options, Convention.of(

@@ -49,7 +49,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from shardc.pipeline.schedule import Pipeline
 
-__all__ = ["check_pipeline", "pipeline_scan"]
+__all__ = ["carry_of", "check_axis", "check_pipeline", "pipeline_scan"]
 
 
 def _leading(tree, what: str) -> int:
@@ -60,11 +60,10 @@ def _leading(tree, what: str) -> int:
     return sizes.pop()
 
 
-def check_pipeline(pipeline: Pipeline, mesh, batch: int, layers: int) -> None:
-    """Raise a ValueError naming the fix when ``pipeline`` cannot run a stack of ``layers``
-    layers on a batch of ``batch`` over ``mesh``."""
-    p = pipeline
-    shape = dict(mesh.shape)
+def check_axis(pipeline: Pipeline, mesh) -> None:
+    """Raise a ValueError naming the fix when ``mesh`` has no axis of ``pipeline.stages``
+    devices named ``pipeline.axis``."""
+    p, shape = pipeline, dict(mesh.shape)
     if p.axis not in shape:
         raise ValueError(f"Pipeline(axis={p.axis!r}): the mesh has axes {tuple(shape)}; name "
                          "one of them")
@@ -72,6 +71,13 @@ def check_pipeline(pipeline: Pipeline, mesh, batch: int, layers: int) -> None:
         raise ValueError(f"Pipeline(stages={p.stages}) over mesh axis {p.axis!r} of size "
                          f"{shape[p.axis]}: one stage per device of the axis; use "
                          f"stages={shape[p.axis]}")
+
+
+def check_pipeline(pipeline: Pipeline, mesh, batch: int, layers: int) -> None:
+    """Raise a ValueError naming the fix when ``pipeline`` cannot run a stack of ``layers``
+    layers on a batch of ``batch`` over ``mesh``."""
+    p = pipeline
+    check_axis(p, mesh)
     chunks = p.stages * p.virtual
     if layers % chunks:
         raise ValueError(f"Pipeline(stages={p.stages}, virtual={p.virtual}) cuts {layers} "
@@ -84,6 +90,18 @@ def check_pipeline(pipeline: Pipeline, mesh, batch: int, layers: int) -> None:
         raise ValueError(f"Pipeline(schedule='circular', microbatches={p.microbatches}, "
                          f"stages={p.stages}): a micro-batch must be back at stage 0 before "
                          f"its next pass is due; use microbatches >= {p.stages}")
+
+
+def carry_of(layer_fn: Callable, who: str) -> Callable:
+    """``layer_fn`` returning its carry only; per-layer outputs (a scan's ys) raise."""
+    def one(c, w):
+        c, ys = layer_fn(c, w)
+        if ys is not None and jax.tree.leaves(ys):
+            raise ValueError(f"{who}: layer_fn returns per-layer outputs (the scan's ys); a "
+                             "layer stack carries its activations only: return (carry, "
+                             "None), or use jax.lax.scan for this loop")
+        return c
+    return one
 
 
 def _at(tree, i):
@@ -110,15 +128,10 @@ def _stages(layer_fn: Callable, pipeline: Pipeline, steps: int):
     ring = [(i, (i + 1) % s_n) for i in range(s_n)] if v_n > 1 else \
         [(i, i + 1) for i in range(s_n - 1)]
 
+    one = carry_of(layer_fn, "pipeline_scan")
+
     def chunk(x, w):
-        def layer(c, wl):
-            c, y = layer_fn(c, wl)
-            if y is not None and jax.tree.leaves(y):
-                raise ValueError("pipeline_scan: layer_fn returns per-layer outputs (the "
-                                 "scan's ys); a pipelined stack carries its activations "
-                                 "only: return (carry, None)")
-            return c, None
-        return jax.lax.scan(layer, x, w)[0]
+        return jax.lax.scan(lambda c, wl: (one(c, wl), None), x, w)[0]
 
     def run(params, mbs):
         params = jax.tree.map(lambda w: w[:, 0], params)

@@ -1,0 +1,99 @@
+"""A plan's pipeline in the lowering: the layer stacks of the program
+(:func:`shardc.pipeline.stack.layers`) run as :func:`~shardc.pipeline.runtime.pipeline_scan`.
+
+Which scans are pipelined: every stack written with :func:`~shardc.pipeline.stack.layers`,
+found by the names of its inner ``jit`` calls (a plain ``jax.lax.scan`` is not pipelined:
+its traced body is fixed at the full batch). The forward call runs the pipelined forward
+under ``jax.vjp`` and keeps its backward; the backward call of the same operands (the
+program's gradient, traced in the same ``jit``) runs that kept backward, so the step
+computes the pipelined forward once. A backward call whose forward ran elsewhere (another
+trace: a recomputed segment, a user's gradient of the whole step) recomputes the pipelined
+forward and differentiates it.
+
+A plan with a pipeline over a program without a stack raises: the pipeline would silently
+run nothing.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import Mesh
+
+from shardc.pipeline.runtime import pipeline_scan
+from shardc.pipeline.schedule import Pipeline
+from shardc.pipeline.stack import Stack, stack_named
+
+__all__ = ["NoStackError", "Stacks"]
+
+
+class NoStackError(ValueError):
+    """A pipeline was asked for, but the program has no layer stack to run as one."""
+
+    def __init__(self, pipeline: Pipeline):
+        super().__init__(
+            f"auto_shard(pipeline={pipeline}): the function has no layer stack to pipeline; "
+            "write the stack as shardc.pipeline.layers(layer_fn, carry, stacked_params), a "
+            "drop-in for jax.lax.scan(layer_fn, carry, stacked_params), or leave "
+            "pipeline=None")
+
+
+class Stacks:
+    """The lowering's pipelined stacks: ``call`` runs an inner ``jit`` call of a stack as
+    the pipeline, or returns None for any other call."""
+
+    __slots__ = ("pipeline", "mesh", "kept", "ran")
+
+    def __init__(self, pipeline: Pipeline, mesh: Mesh):
+        self.pipeline = pipeline
+        self.mesh = mesh
+        #: ids of a forward call's operands -> (those operands, held so their ids are not
+        #: reused, and the pipelined forward's backward)
+        self.kept: dict[tuple[int, ...], tuple[list, object]] = {}
+        self.ran = 0
+
+    def _forward(self, stack: Stack):
+        """The stack's pipelined forward: the user's ``layer_fn`` traced again on
+        micro-batches (the converted layer is a jaxpr fixed at the full batch)."""
+        if stack.consts:
+            raise ValueError(
+                f"shardc.pipeline.layers: the layer function {stack.fn.__qualname__} closes "
+                f"over {stack.consts} traced array(s); a pipelined stack traces it again on "
+                "micro-batches, where those values are gone: pass them in the carry or the "
+                "stacked params (a per-layer copy), or leave pipeline=None")
+
+        def fn(carry, params, consts):
+            return pipeline_scan(stack.fn, carry, params, pipeline=self.pipeline,
+                                 mesh=self.mesh)[0]
+        return fn
+
+    def call(self, eqn, args: list) -> list | None:
+        if eqn.primitive.name not in ("jit", "pjit"):
+            return None
+        found = stack_named(str(eqn.params.get("name", "")))
+        if found is None:
+            return None
+        stack, kind = found
+        self.ran += 1
+        n = stack.carry.num_leaves + stack.params.num_leaves + stack.consts
+        operands = list(args[:n])
+        key = tuple(map(id, operands))
+        if kind == "fwd":
+            out, back = jax.vjp(self._forward(stack), *stack.split(operands))
+            self.kept[key] = (operands, back)
+            outs = jax.tree.leaves(out)
+        else:
+            hit = self.kept.get(key)
+            if hit is not None and all(a is b for a, b in zip(hit[0], operands)):
+                back = hit[1]
+            else:
+                back = jax.vjp(self._forward(stack), *stack.split(operands))[1]
+            ct = jax.tree.unflatten(stack.carry, args[n:])
+            outs = jax.tree.leaves(back(ct))
+        if len(outs) != len(eqn.outvars):
+            raise AssertionError(f"{eqn.params['name']}: {len(outs)} results for "
+                                 f"{len(eqn.outvars)} outputs")
+        return outs
+
+    def check_used(self) -> None:
+        if not self.ran:
+            raise NoStackError(self.pipeline)
