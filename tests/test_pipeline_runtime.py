@@ -1,0 +1,189 @@
+"""Pipelined layer stacks (shardc.pipeline.runtime / stack / lowering) on 8 CPU devices: a
+2-, 4- and 8-stage step (GPipe, 1F1B, circular) equals the lax.scan step (loss, gradients,
+an SGD update), by hand and through auto_shard; the compiled program runs the
+collective-permutes the runtime states; a bad Pipeline names its fix."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+import shardc
+from shardc.inspect.hlo import collectives
+from shardc.inspect.loops import multiplicity
+from shardc.pipeline import Pipeline, layers, pipeline_scan
+from shardc.pipeline.lowering import NoStackError
+from shardc.plan import Plan
+
+D = 8
+
+
+def layer(c, w):
+    """A residual MLP layer that reshapes on the batch it is given (so it must be traced
+    again on micro-batches), normalizes, and returns no per-layer output."""
+    h = jnp.tanh(c @ w["w"] + w["b"])
+    h = h.reshape(c.shape[0], 2, D // 2)
+    h = h - h.mean(axis=-1, keepdims=True)
+    return c + h.reshape(c.shape[0], D), None
+
+
+def params(n_layers, seed=0):
+    k = jax.random.split(jax.random.key(seed), 3)
+    return {"layers": {"w": jax.random.normal(k[0], (n_layers, D, D)) / 3,
+                       "b": jax.random.normal(k[1], (n_layers, D)) / 3},
+            "head": jax.random.normal(k[2], (D, 1))}
+
+
+def batch(n, seed=1):
+    k = jax.random.split(jax.random.key(seed))
+    return jax.random.normal(k[0], (n, D)), jax.random.normal(k[1], (n, 1))
+
+
+def train_step(stack):
+    """(params, x, y) -> (params after one SGD step, loss), the stack run by ``stack``."""
+    def loss(p, x, y):
+        h = stack(layer, x, p["layers"])[0]
+        return jnp.mean((h @ p["head"] - y) ** 2)
+
+    def step(p, x, y):
+        value, g = jax.value_and_grad(loss)(p, x, y)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), value, g
+    return step
+
+
+def auto_mesh(stages):
+    return jax.make_mesh((stages, 8 // stages), ("stage", "data"),
+                         axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def close(got, want):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+
+
+# (stages, micro-batches, schedule, virtual, layers)
+CASES = [(2, 4, "gpipe", 1, 4), (2, 2, "1f1b", 1, 4), (2, 4, "circular", 2, 4),
+         (4, 4, "gpipe", 1, 8), (4, 8, "1f1b", 1, 8), (4, 4, "circular", 2, 8),
+         (8, 8, "gpipe", 1, 8), (8, 2, "1f1b", 1, 8), (8, 8, "circular", 1, 8),
+         (8, 8, "circular", 2, 16)]
+
+
+@pytest.mark.parametrize("stages,micro,schedule,virtual,n_layers", CASES)
+def test_pipeline_scan_step_equals_scan_step(stages, micro, schedule, virtual, n_layers):
+    pipe = Pipeline("stage", stages, micro, schedule, virtual)
+    mesh = auto_mesh(stages)
+    p, (x, y) = params(n_layers), batch(16)
+
+    def stack(fn, carry, xs):
+        return pipeline_scan(fn, carry, xs, pipeline=pipe, mesh=mesh)
+
+    close(jax.jit(train_step(stack))(p, x, y), jax.jit(train_step(jax.lax.scan))(p, x, y))
+
+
+def permutes(compiled, mesh):
+    """(result bytes, runs per call, device pairs' axes) of each collective-permute."""
+    runs = multiplicity(compiled.as_text())
+    return sorted((c.result_bytes, runs[c.computation], c.axes)
+                  for c in collectives(compiled, mesh) if c.kind == "collective-permute")
+
+
+@pytest.mark.parametrize("stages,micro,schedule,virtual,n_layers",
+                         [(4, 4, "gpipe", 1, 8), (2, 4, "circular", 2, 8)])
+def test_collective_permutes_are_the_stated_ones(stages, micro, schedule, virtual, n_layers):
+    """One collective-permute of a micro-batch's activation per step, M * V + S - 1 steps,
+    in the forward loop and again (reversed) in the backward loop; one all-reduce of the
+    stack's output (the last stage's micro-batches to every device) in the forward."""
+    pipe = Pipeline("stage", stages, micro, schedule, virtual)
+    mesh = auto_mesh(stages)
+    p, (x, y) = params(n_layers), batch(16)
+
+    def stack(fn, carry, xs):
+        return pipeline_scan(fn, carry, xs, pipeline=pipe, mesh=mesh)
+
+    steps = micro * virtual + stages - 1
+    micro_bytes = 16 // micro * D * 4
+    forward = jax.jit(lambda p, x: stack(layer, x, p["layers"])[0]).lower(p, x).compile()
+    assert permutes(forward, mesh) == [(micro_bytes, steps, ("stage",))]
+    reduced = [c for c in collectives(forward, mesh) if c.kind == "all-reduce"]
+    assert [(c.result_bytes, c.axes) for c in reduced] == [(16 * D * 4, ("stage",))]
+    step = jax.jit(train_step(stack)).lower(p, x, y).compile()
+    assert permutes(step, mesh) == [(micro_bytes, steps, ("stage",))] * 2
+
+
+@pytest.mark.parametrize("stages,micro,schedule,virtual,n_layers",
+                         [(2, 4, "gpipe", 1, 4), (4, 4, "1f1b", 1, 8),
+                          (4, 4, "circular", 2, 8), (8, 8, "gpipe", 1, 8)])
+def test_auto_shard_pipelined_step_equals_jit(stages, micro, schedule, virtual, n_layers):
+    """Through auto_shard (an Explicit mesh, as jax.make_mesh makes): the plan records
+    the pipeline, the step equals jax.jit of the lax.scan step, and the forward runs once
+    (two collective-permutes: the forward loop's and the backward loop's, no recompute)."""
+    pipe = Pipeline("stage", stages, micro, schedule, virtual)
+    mesh = jax.make_mesh((stages, 8 // stages), ("stage", "data"))
+    p, (x, y) = params(n_layers), batch(16)
+    step = shardc.auto_shard(train_step(layers), mesh=mesh, pipeline=pipe)
+    close(step(p, x, y), jax.jit(train_step(jax.lax.scan))(p, x, y))
+    assert step.plan(p, x, y).pipeline == pipe
+    assert len(permutes(step.lower(p, x, y).compile(), mesh)) == 2
+
+
+def test_layers_without_pipeline_is_the_scan():
+    """shardc.pipeline.layers under jax.jit and under auto_shard without a pipeline: the
+    scan's values and gradients, and no collective-permute."""
+    p, (x, y) = params(4), batch(16)
+    want = jax.jit(train_step(jax.lax.scan))(p, x, y)
+    close(jax.jit(train_step(layers))(p, x, y), want)
+    mesh = auto_mesh(2)
+    step = shardc.auto_shard(train_step(layers), mesh=mesh)
+    close(step(p, x, y), want)
+    assert step.plan(p, x, y).pipeline is None
+    assert permutes(step.lower(p, x, y).compile(), mesh) == []
+
+
+def test_plan_json_keeps_the_pipeline_and_use_plan_runs_it():
+    pipe = Pipeline("stage", 2, 4, "circular", 2)
+    mesh = auto_mesh(2)
+    p, (x, y) = params(4), batch(16)
+    plan = shardc.auto_shard(train_step(layers), mesh=mesh, pipeline=pipe).plan(p, x, y)
+    saved = Plan.from_json(plan.to_json())
+    assert saved.pipeline == pipe
+    other = shardc.auto_shard(train_step(layers), mesh=mesh)
+    other.use_plan(saved, p, x, y)
+    close(other(p, x, y), jax.jit(train_step(jax.lax.scan))(p, x, y))
+    assert len(permutes(other.lower(p, x, y).compile(), mesh)) == 2
+
+
+@pytest.mark.parametrize("pipe,mesh_stages,n_layers,match", [
+    (Pipeline("stage", 4, 2), 2, 4, r"use stages=2"),
+    (Pipeline("pipe", 2, 2), 2, 4, r"mesh has axes \('stage', 'data'\)"),
+    (Pipeline("stage", 2, 2), 2, 3, r"divides 3"),
+    (Pipeline("stage", 2, 2, "circular", 2), 2, 6, r"divides 6"),
+    (Pipeline("stage", 2, 3), 2, 4, r"micro-batch count that divides 16"),
+    (Pipeline("stage", 4, 2, "circular", 2), 4, 8, r"microbatches >= 4"),
+])
+def test_bad_pipeline_names_the_fix(pipe, mesh_stages, n_layers, match):
+    mesh = auto_mesh(mesh_stages)
+    p, (x, _) = params(n_layers), batch(16)
+    with pytest.raises(ValueError, match=match):
+        jax.jit(lambda p, x: pipeline_scan(layer, x, p["layers"], pipeline=pipe,
+                                           mesh=mesh)).lower(p, x)
+
+
+def test_auto_shard_refuses_what_it_cannot_pipeline():
+    mesh = auto_mesh(2)
+    p, (x, y) = params(4), batch(16)
+    with pytest.raises(ValueError, match="use stages=2"):
+        shardc.auto_shard(train_step(layers), mesh=mesh, pipeline=Pipeline("stage", 4, 2))
+    with pytest.raises(TypeError, match="shardc.pipeline.Pipeline"):
+        shardc.auto_shard(train_step(layers), mesh=mesh, pipeline=("stage", 2, 2))
+    plain = shardc.auto_shard(train_step(jax.lax.scan), mesh=mesh,
+                              pipeline=Pipeline("stage", 2, 2))
+    with pytest.raises(NoStackError, match="shardc.pipeline.layers"):
+        plain(p, x, y)
+
+    def closes_over(p, x, scale):
+        return layers(lambda c, w: (jnp.tanh(c @ w["w"]) * scale, None), x, p["layers"])[0]
+
+    closing = shardc.auto_shard(closes_over, mesh=mesh, pipeline=Pipeline("stage", 2, 2))
+    with pytest.raises(ValueError, match="closes over 1 traced array"):
+        closing(p, x, jnp.float32(2.0))
