@@ -88,27 +88,32 @@ def permutes(compiled, mesh):
                   for c in collectives(compiled, mesh) if c.kind == "collective-permute")
 
 
-@pytest.mark.parametrize("stages,micro,schedule,virtual,n_layers",
-                         [(4, 4, "gpipe", 1, 8), (2, 4, "circular", 2, 8)])
-def test_collective_permutes_are_the_stated_ones(stages, micro, schedule, virtual, n_layers):
-    """One collective-permute of a micro-batch's activation per step, M * V + S - 1 steps,
-    in the forward loop and again (reversed) in the backward loop; one all-reduce of the
-    stack's output (the last stage's micro-batches to every device) in the forward."""
+@pytest.mark.parametrize("stages,micro,schedule,virtual,n_layers,data",
+                         [(4, 4, "gpipe", 1, 8, ()), (2, 4, "circular", 2, 8, ()),
+                          (2, 2, "1f1b", 1, 4, ("data",))])
+def test_collective_permutes_are_the_stated_ones(stages, micro, schedule, virtual, n_layers,
+                                                 data):
+    """One collective-permute of a micro-batch's activation (split over ``batch_axes``)
+    per step, M * V + S - 1 steps, in the forward loop and again (reversed) in the
+    backward loop; one all-reduce of the stack's output (the last stage's micro-batches
+    to every device of the stage axis) in the forward."""
     pipe = Pipeline("stage", stages, micro, schedule, virtual)
     mesh = auto_mesh(stages)
-    p, (x, y) = params(n_layers), batch(16)
+    p, (x, y) = params(n_layers), batch(32)
 
     def stack(fn, carry, xs):
-        return pipeline_scan(fn, carry, xs, pipeline=pipe, mesh=mesh)
+        return pipeline_scan(fn, carry, xs, pipeline=pipe, mesh=mesh, batch_axes=data)
 
     steps = micro * virtual + stages - 1
-    micro_bytes = 16 // micro * D * 4
+    split = 8 // stages if data else 1
+    micro_bytes = 32 // micro * D * 4 // split
     forward = jax.jit(lambda p, x: stack(layer, x, p["layers"])[0]).lower(p, x).compile()
     assert permutes(forward, mesh) == [(micro_bytes, steps, ("stage",))]
     reduced = [c for c in collectives(forward, mesh) if c.kind == "all-reduce"]
-    assert [(c.result_bytes, c.axes) for c in reduced] == [(16 * D * 4, ("stage",))]
+    assert [(c.result_bytes, c.axes) for c in reduced] == [(32 * D * 4 // split, ("stage",))]
     step = jax.jit(train_step(stack)).lower(p, x, y).compile()
     assert permutes(step, mesh) == [(micro_bytes, steps, ("stage",))] * 2
+    close(step(p, x, y), jax.jit(train_step(jax.lax.scan))(p, x, y))
 
 
 @pytest.mark.parametrize("stages,micro,schedule,virtual,n_layers",

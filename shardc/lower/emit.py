@@ -115,7 +115,8 @@ class _Lowering(ControlFlow):
         #: (id of a traced value, source, target) -> (that value, its converted copy)
         self.converted: dict = {}
         #: the layer stacks run as the plan's pipeline (:mod:`shardc.pipeline.lowering`)
-        self.stacks = Stacks(plan.pipeline, mesh) if plan.pipeline is not None else None
+        self.stacks = Stacks(plan.pipeline, mesh, self.by_op) \
+            if plan.pipeline is not None else None
 
     def constrain(self, x, nd: NdSbp | None):
         if nd is None or nd.has_partial or not hasattr(x, "shape"):
@@ -313,7 +314,7 @@ class _Lowering(ControlFlow):
     def call(self, eqn, region: Region, args: list) -> list:
         """Bind a call with its body rewritten: this interpreter traced over the body; a
         layer stack's call, with a pipeline planned, runs as the pipeline."""
-        outs = self.stacks.call(eqn, args) if self.stacks is not None else None
+        outs = self.stacks.call(eqn, region, args) if self.stacks is not None else None
         if outs is not None:
             return outs
         key = facts(eqn.primitive.name).call

@@ -10,6 +10,10 @@ computes the pipelined forward once. A backward call whose forward ran elsewhere
 trace: a recomputed segment, a user's gradient of the whole step) recomputes the pipelined
 forward and differentiates it.
 
+Within each stage, the micro-batches are split over the mesh axes the plan splits the
+stack's carry's batch dim over (as the stack's scan reads it; the stage axis aside): the
+plan's data parallelism runs inside the pipeline.
+
 A plan with a pipeline over a program without a stack raises: the pipeline would silently
 run nothing.
 """
@@ -19,6 +23,8 @@ from __future__ import annotations
 import jax
 from jax.sharding import Mesh
 
+from shardc.ir.sbp import Split
+from shardc.ir.trace import Loop, Region
 from shardc.pipeline.runtime import pipeline_scan
 from shardc.pipeline.schedule import Pipeline
 from shardc.pipeline.stack import Stack, stack_named
@@ -37,21 +43,42 @@ class NoStackError(ValueError):
             "pipeline=None")
 
 
+def batch_axes(region: Region, by_op: dict, names: tuple[str, ...], axis: str
+               ) -> tuple[str, ...]:
+    """The mesh axes but ``axis`` that the plan splits the batch dim (dim 0) of the carry of
+    ``region``'s first scan over, as the scan reads it, in mesh order; none unless every
+    carry leaf agrees."""
+    at = next((k for k, st in enumerate(region.steps) if isinstance(st, Loop)), None)
+    if at is None:
+        return ()
+    loop, params = region.steps[at], region.jaxpr.eqns[at].params
+    nc, nk = params["num_consts"], params["num_carry"]
+    found = set()
+    for e in loop.enters[nc:nc + nk]:
+        planned = by_op.get(e.id)
+        if planned is None:
+            return ()
+        found.add(tuple(n for n, sbp in zip(names, planned.ins[0].sbps)
+                        if isinstance(sbp, Split) and sbp.dim == 0 and n != axis))
+    return found.pop() if len(found) == 1 else ()
+
+
 class Stacks:
     """The lowering's pipelined stacks: ``call`` runs an inner ``jit`` call of a stack as
     the pipeline, or returns None for any other call."""
 
-    __slots__ = ("pipeline", "mesh", "kept", "ran")
+    __slots__ = ("pipeline", "mesh", "by_op", "kept", "ran")
 
-    def __init__(self, pipeline: Pipeline, mesh: Mesh):
+    def __init__(self, pipeline: Pipeline, mesh: Mesh, by_op: dict):
         self.pipeline = pipeline
         self.mesh = mesh
+        self.by_op = by_op  # the plan's ops by id
         #: ids of a forward call's operands -> (those operands, held so their ids are not
         #: reused, and the pipelined forward's backward)
         self.kept: dict[tuple[int, ...], tuple[list, object]] = {}
         self.ran = 0
 
-    def _forward(self, stack: Stack):
+    def _forward(self, stack: Stack, region: Region):
         """The stack's pipelined forward: the user's ``layer_fn`` traced again on
         micro-batches (the converted layer is a jaxpr fixed at the full batch)."""
         if stack.consts:
@@ -61,12 +88,14 @@ class Stacks:
                 "micro-batches, where those values are gone: pass them in the carry or the "
                 "stacked params (a per-layer copy), or leave pipeline=None")
 
+        axes = batch_axes(region, self.by_op, tuple(self.mesh.axis_names), self.pipeline.axis)
+
         def fn(carry, params, consts):
             return pipeline_scan(stack.fn, carry, params, pipeline=self.pipeline,
-                                 mesh=self.mesh)[0]
+                                 mesh=self.mesh, batch_axes=axes)[0]
         return fn
 
-    def call(self, eqn, args: list) -> list | None:
+    def call(self, eqn, region: Region, args: list) -> list | None:
         if eqn.primitive.name not in ("jit", "pjit"):
             return None
         found = stack_named(str(eqn.params.get("name", "")))
@@ -78,7 +107,7 @@ class Stacks:
         operands = list(args[:n])
         key = tuple(map(id, operands))
         if kind == "fwd":
-            out, back = jax.vjp(self._forward(stack), *stack.split(operands))
+            out, back = jax.vjp(self._forward(stack, region), *stack.split(operands))
             self.kept[key] = (operands, back)
             outs = jax.tree.leaves(out)
         else:
@@ -86,7 +115,7 @@ class Stacks:
             if hit is not None and all(a is b for a, b in zip(hit[0], operands)):
                 back = hit[1]
             else:
-                back = jax.vjp(self._forward(stack), *stack.split(operands))[1]
+                back = jax.vjp(self._forward(stack, region), *stack.split(operands))[1]
             ct = jax.tree.unflatten(stack.carry, args[n:])
             outs = jax.tree.leaves(back(ct))
         if len(outs) != len(eqn.outvars):

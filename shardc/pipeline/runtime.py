@@ -45,7 +45,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardc.pipeline.schedule import Pipeline
 
@@ -120,7 +120,7 @@ def _where(c, a, b):
     return jax.tree.map(lambda x, y: jnp.where(c, x, y), a, b)
 
 
-def _stages(layer_fn: Callable, pipeline: Pipeline, steps: int):
+def _stages(layer_fn: Callable, pipeline: Pipeline, steps: int, pin: Callable):
     """The per-device loop (the body of the ``shard_map``): ``params`` leaves
     ``[V, 1, K, ...]`` (this device's chunks), ``mbs`` leaves ``[M, b, ...]``."""
     p = pipeline
@@ -148,8 +148,8 @@ def _stages(layer_fn: Callable, pipeline: Pipeline, steps: int):
             live = (t - s >= 0) & (t - s < m_n * v_n)
             head = _at(mbs, m) if circ is None else \
                 _where(v == 0, _at(mbs, m), _at(circ, m))
-            x = _where(s == 0, head, cur)
-            y = chunk(x, _at(params, v))
+            x = pin(_where(s == 0, head, cur))
+            y = pin(chunk(x, _at(params, v)))
             outs = _put(outs, m, y, ~(live & (s == s_n - 1) & (v == v_n - 1)))
             nxt = jax.tree.map(lambda a: jax.lax.ppermute(a, axis, ring), y)
             if circ is not None:  # stage 0 keeps what came round for its next pass
@@ -166,22 +166,45 @@ def _stages(layer_fn: Callable, pipeline: Pipeline, steps: int):
 
 
 def pipeline_scan(layer_fn: Callable, carry: Any, stacked_params: Any, *,
-                  pipeline: Pipeline, mesh: Mesh) -> tuple[Any, None]:
+                  pipeline: Pipeline, mesh: Mesh, batch_axes: tuple[str, ...] = ()
+                  ) -> tuple[Any, None]:
     """``jax.lax.scan(layer_fn, carry, stacked_params)`` run as ``pipeline`` on ``mesh``:
     ``carry``'s leaves share a leading batch dim (cut into ``pipeline.microbatches``),
     ``stacked_params``' leaves a leading layer dim (cut into ``stages * virtual`` chunks,
     chunk ``v * stages + s`` on stage ``s``); ``layer_fn(carry, layer_params)`` returns
     ``(carry, None)``. Returns ``(carry, None)``, as the scan does. Differentiable; see the
-    module docstring for the schedules and what ``"1f1b"`` is here."""
+    module docstring for the schedules and what ``"1f1b"`` is here. The layers must treat
+    the examples of a batch apart (as a transformer's layers do, not a batch norm):
+    micro-batch ``m`` holds examples ``m, m + M, m + 2M, ...``.
+
+    ``batch_axes`` (mesh axes other than the stage axis) split every micro-batch's batch
+    dim inside the pipeline: data parallelism within each stage; by default XLA lays the
+    micro-batches out as it likes."""
     p = pipeline
     batch, layers = _leading(carry, "carry"), _leading(stacked_params, "stacked params")
     check_pipeline(p, mesh, batch, layers)
     s_n, m_n, v_n = p.stages, p.microbatches, p.virtual
     k = layers // (s_n * v_n)
     params = jax.tree.map(lambda w: w.reshape((v_n, s_n, k) + w.shape[1:]), stacked_params)
-    mbs = jax.tree.map(lambda x: x.reshape((m_n, batch // m_n) + x.shape[1:]), carry)
-    run = jax.shard_map(_stages(layer_fn, p, m_n * v_n + s_n - 1), mesh=mesh,
+    if p.axis in batch_axes:
+        raise ValueError(f"pipeline_scan(batch_axes={batch_axes}): the stage axis {p.axis!r} "
+                         "cannot also split the batch; name the other mesh axes only")
+    # micro-batch m is rows m, m + M, m + 2M, ...: a batch split over mesh axes (in blocks)
+    # stays split within every micro-batch, not across them
+    mbs = jax.tree.map(
+        lambda x: x.reshape((batch // m_n, m_n) + x.shape[1:]).swapaxes(0, 1), carry)
+    spec = PartitionSpec(batch_axes) if batch_axes else None
+
+    def pin(tree):  # inside the shard_map: its context mesh, the stage axis manual
+        if spec is None:
+            return tree
+        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, spec), tree)
+
+    if spec is not None:
+        mbs = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
+            x, NamedSharding(mesh, PartitionSpec(None, *spec))), mbs)
+    run = jax.shard_map(_stages(layer_fn, p, m_n * v_n + s_n - 1, pin), mesh=mesh,
                         in_specs=(PartitionSpec(None, p.axis), PartitionSpec()),
                         out_specs=PartitionSpec(), axis_names={p.axis})
     out = run(params, mbs)
-    return jax.tree.map(lambda o: o.reshape((batch,) + o.shape[2:]), out), None
+    return jax.tree.map(lambda o: o.swapaxes(0, 1).reshape((batch,) + o.shape[2:]), out), None
