@@ -192,3 +192,24 @@ def test_auto_shard_refuses_what_it_cannot_pipeline():
     closing = shardc.auto_shard(closes_over, mesh=mesh, pipeline=Pipeline("stage", 2, 2))
     with pytest.raises(ValueError, match="closes over 1 traced array"):
         closing(p, x, jnp.float32(2.0))
+
+
+def test_plan_data_split_runs_inside_the_stages():
+    """A plan that splits the stack's carry over ``data`` (here fixed by the layer's own
+    constraint) runs each micro-batch split over ``data`` inside the stages: each permute
+    carries a quarter of a micro-batch."""
+    def constrained(c, w):
+        return layer(jax.lax.with_sharding_constraint(c, jax.P("data")), w)
+
+    def step(p, x):
+        return jax.grad(lambda p, x: jnp.sum(layers(constrained, x, p)[0] ** 2))(p, x)
+
+    mesh = auto_mesh(2)
+    p, (x, _) = params(4)["layers"], batch(64)
+    with jax.set_mesh(mesh):
+        want = jax.jit(lambda p, x: jax.grad(
+            lambda p, x: jnp.sum(jax.lax.scan(constrained, x, p)[0] ** 2))(p, x))(p, x)
+        run = shardc.auto_shard(step, mesh=mesh, pipeline=Pipeline("stage", 2, 4))
+        close(run(p, x), want)
+        compiled = run.lower(p, x).compile()
+    assert permutes(compiled, mesh) == [(64 // 4 // 4 * D * 4, 5, ("stage",))] * 2
