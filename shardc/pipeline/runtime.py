@@ -52,6 +52,8 @@ from shardc.pipeline.schedule import Pipeline
 __all__ = ["carry_of", "check_axis", "check_pipeline", "pipeline_scan"]
 
 
+
+
 def _leading(tree, what: str) -> int:
     sizes = {x.shape[0] if getattr(x, "ndim", 0) else None for x in jax.tree.leaves(tree)}
     if len(sizes) != 1 or None in sizes:
@@ -130,11 +132,19 @@ def _stages(layer_fn: Callable, pipeline: Pipeline, steps: int, pin: Callable):
 
     one = carry_of(layer_fn, "pipeline_scan")
 
-    def chunk(x, w):
+    def layers_of(w, x):
         return jax.lax.scan(lambda c, wl: (one(c, wl), None), x, w)[0]
+
+    @jax.checkpoint
+    def picked(params, v, x):
+        """Chunk ``v`` of the stage's ``[V, K, ...]`` weights on ``x``, recomputed in the
+        backward: weights sliced by a step's ``v`` are saved per step otherwise (a copy
+        of a chunk's weights per step, ``T / V`` copies of the stage's)."""
+        return layers_of(_at(params, v), x)
 
     def run(params, mbs):
         params = jax.tree.map(lambda w: w[:, 0], params)
+        only = jax.tree.map(lambda w: w[0], params)  # V = 1: sliced once, outside the loop
         s = jax.lax.axis_index(axis)
         vary = (lambda x: jax.lax.pcast(x, axis, to="varying"))
         first = jax.tree.map(vary, _at(mbs, 0))  # a stand-in for the bubble steps
@@ -149,7 +159,7 @@ def _stages(layer_fn: Callable, pipeline: Pipeline, steps: int, pin: Callable):
             head = _at(mbs, m) if circ is None else \
                 _where(v == 0, _at(mbs, m), _at(circ, m))
             x = pin(_where(s == 0, head, cur))
-            y = pin(chunk(x, _at(params, v)))
+            y = pin(layers_of(only, x) if v_n == 1 else picked(params, v, x))
             outs = _put(outs, m, y, ~(live & (s == s_n - 1) & (v == v_n - 1)))
             nxt = jax.tree.map(lambda a: jax.lax.ppermute(a, axis, ring), y)
             if circ is not None:  # stage 0 keeps what came round for its next pass
