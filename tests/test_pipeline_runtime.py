@@ -213,3 +213,24 @@ def test_plan_data_split_runs_inside_the_stages():
         close(run(p, x), want)
         compiled = run.lower(p, x).compile()
     assert permutes(compiled, mesh) == [(64 // 4 // 4 * D * 4, 5, ("stage",))] * 2
+
+
+def test_exported_module_runs_the_pipeline(tmp_path):
+    """The exported module of a pipelined plan runs the stacks as its pipeline."""
+    import importlib.util
+
+    from shardc.export import python_module
+
+    pipe = Pipeline("stage", 2, 4)
+    mesh = auto_mesh(2)
+    p, (x, y) = params(4), batch(16)
+    plan = shardc.auto_shard(train_step(layers), mesh=mesh, pipeline=pipe).plan(p, x, y)
+    path = tmp_path / "pipelined_plan.py"
+    path.write_text(python_module(plan))
+    spec = importlib.util.spec_from_file_location("pipelined_plan", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.PIPELINE == pipe.to_json()
+    step = module.jitted(train_step(layers), p, x, y, mesh=mesh)
+    close(step(p, x, y), jax.jit(train_step(jax.lax.scan))(p, x, y))
+    assert len(permutes(step.lower(p, x, y).compile(), mesh)) == 2

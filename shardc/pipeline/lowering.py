@@ -78,7 +78,7 @@ class Stacks:
         self.kept: dict[tuple[int, ...], tuple[list, object]] = {}
         self.ran = 0
 
-    def _forward(self, stack: Stack, region: Region):
+    def _forward(self, stack: Stack, region: Region | None):
         """The stack's pipelined forward: the user's ``layer_fn`` traced again on
         micro-batches (the converted layer is a jaxpr fixed at the full batch)."""
         if stack.consts:
@@ -88,14 +88,18 @@ class Stacks:
                 "micro-batches, where those values are gone: pass them in the carry or the "
                 "stacked params (a per-layer copy), or leave pipeline=None")
 
-        axes = batch_axes(region, self.by_op, tuple(self.mesh.axis_names), self.pipeline.axis)
+        axes = () if region is None else \
+            batch_axes(region, self.by_op, tuple(self.mesh.axis_names), self.pipeline.axis)
 
         def fn(carry, params, consts):
             return pipeline_scan(stack.fn, carry, params, pipeline=self.pipeline,
                                  mesh=self.mesh, batch_axes=axes)[0]
         return fn
 
-    def call(self, eqn, region: Region, args: list) -> list | None:
+    def call(self, eqn, region: Region | None, args: list) -> list | None:
+        """The results of the inner ``jit`` call ``eqn`` on ``args`` run as the pipeline, or
+        None where it is not a stack's; ``region`` (the call as the trace walked it; None
+        outside shardc's lowering) gives the plan's batch axes."""
         if eqn.primitive.name not in ("jit", "pjit"):
             return None
         found = stack_named(str(eqn.params.get("name", "")))
