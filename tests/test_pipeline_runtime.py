@@ -57,9 +57,9 @@ def auto_mesh(stages):
                          axis_types=(AxisType.Auto, AxisType.Auto))
 
 
-def close(got, want):
+def close(got, want, rtol=2e-5, atol=2e-6):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
 
 
 # (stages, micro-batches, schedule, virtual, layers)
@@ -195,24 +195,31 @@ def test_auto_shard_refuses_what_it_cannot_pipeline():
 
 
 def test_plan_data_split_runs_inside_the_stages():
-    """A plan that splits the stack's carry over ``data`` (here fixed by the layer's own
-    constraint) runs each micro-batch split over ``data`` inside the stages: each permute
-    carries a quarter of a micro-batch."""
-    def constrained(c, w):
-        return layer(jax.lax.with_sharding_constraint(c, jax.P("data")), w)
+    """A plan that splits the stack's carry over ``data`` (a batch large enough for data
+    parallelism) runs each micro-batch split over ``data`` inside the stages: each permute
+    carries a quarter of a micro-batch, and the weight gradients are summed over ``data``
+    once, after the backward loop."""
+    def wide(c, w):
+        return c + jnp.tanh(c @ w), None
 
-    def step(p, x):
-        return jax.grad(lambda p, x: jnp.sum(layers(constrained, x, p)[0] ** 2))(p, x)
+    def grads(stack):
+        return jax.grad(lambda p, x: jnp.sum(stack(wide, x, p)[0] ** 2))
 
     mesh = auto_mesh(2)
-    p, (x, _) = params(4)["layers"], batch(64)
-    with jax.set_mesh(mesh):
-        want = jax.jit(lambda p, x: jax.grad(
-            lambda p, x: jnp.sum(jax.lax.scan(constrained, x, p)[0] ** 2))(p, x))(p, x)
-        run = shardc.auto_shard(step, mesh=mesh, pipeline=Pipeline("stage", 2, 4))
-        close(run(p, x), want)
-        compiled = run.lower(p, x).compile()
-    assert permutes(compiled, mesh) == [(64 // 4 // 4 * D * 4, 5, ("stage",))] * 2
+    width, n = 128, 2048
+    p = jax.random.normal(jax.random.key(0), (4, width, width)) / width
+    x = jax.random.normal(jax.random.key(1), (n, width))
+    run = shardc.auto_shard(grads(layers), mesh=mesh, pipeline=Pipeline("stage", 2, 4))
+    want = jax.jit(grads(jax.lax.scan))(p, x)
+    # each gradient entry sums 2048 examples, in another order: to 1e-5 of the largest
+    close(run(p, x), want, atol=1e-5 * float(jnp.max(jnp.abs(want))))
+    compiled = run.lower(p, x).compile()
+    # the loops' permutes (the plan's layouts of x around the stack add one-off moves)
+    assert [c for c in permutes(compiled, mesh) if c[1] > 1] == \
+        [(n // 4 // 4 * width * 4, 5, ("stage",))] * 2
+    runs = multiplicity(compiled.as_text())
+    assert [runs[c.computation] for c in collectives(compiled, mesh)
+            if c.kind == "all-reduce" and c.axes == ("data",)] == [1]
 
 
 def test_exported_module_runs_the_pipeline(tmp_path):

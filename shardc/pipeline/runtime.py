@@ -40,12 +40,13 @@ References:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from shardc.pipeline.schedule import Pipeline
 
@@ -106,6 +107,20 @@ def carry_of(layer_fn: Callable, who: str) -> Callable:
     return one
 
 
+def _check_batch_axes(p: Pipeline, mesh, batch_axes, batch: int) -> None:
+    shape = dict(mesh.shape)
+    bad = [a for a in batch_axes if a not in shape or a == p.axis]
+    if bad:
+        raise ValueError(f"pipeline_scan(batch_axes={tuple(batch_axes)}): {bad} are not mesh "
+                         f"axes other than the stage axis {p.axis!r}; name axes of "
+                         f"{tuple(a for a in shape if a != p.axis)}")
+    ways = math.prod(shape[a] for a in batch_axes)
+    if (batch // p.microbatches) % ways:
+        raise ValueError(f"pipeline_scan(batch_axes={tuple(batch_axes)}): a micro-batch of "
+                         f"{batch // p.microbatches} does not split {ways} ways; use fewer "
+                         "micro-batches or fewer batch axes")
+
+
 def _at(tree, i):
     return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
 
@@ -122,9 +137,10 @@ def _where(c, a, b):
     return jax.tree.map(lambda x, y: jnp.where(c, x, y), a, b)
 
 
-def _stages(layer_fn: Callable, pipeline: Pipeline, steps: int, pin: Callable):
+def _stages(layer_fn: Callable, pipeline: Pipeline, steps: int, batch_axes: tuple[str, ...]):
     """The per-device loop (the body of the ``shard_map``): ``params`` leaves
-    ``[V, 1, K, ...]`` (this device's chunks), ``mbs`` leaves ``[M, b, ...]``."""
+    ``[V, 1, K, ...]`` (this device's chunks), ``mbs`` leaves ``[M, b, ...]`` (this
+    device's part of every micro-batch over ``batch_axes``)."""
     p = pipeline
     s_n, m_n, v_n, axis = p.stages, p.microbatches, p.virtual, p.axis
     ring = [(i, (i + 1) % s_n) for i in range(s_n)] if v_n > 1 else \
@@ -143,12 +159,18 @@ def _stages(layer_fn: Callable, pipeline: Pipeline, steps: int, pin: Callable):
         return layers_of(_at(params, v), x)
 
     def run(params, mbs):
+        # made varying once, before the loop: the cotangents' sums over the axes (the
+        # input's over the stages, the weights' over the batch axes: data parallelism's
+        # gradient all-reduce) run once after the backward loop, not once per step
+        mbs = jax.tree.map(lambda x: jax.lax.pcast(x, axis, to="varying"), mbs)
         params = jax.tree.map(lambda w: w[:, 0], params)
+        if batch_axes:
+            params = jax.tree.map(lambda w: jax.lax.pcast(w, batch_axes, to="varying"),
+                                  params)
         only = jax.tree.map(lambda w: w[0], params)  # V = 1: sliced once, outside the loop
         s = jax.lax.axis_index(axis)
-        vary = (lambda x: jax.lax.pcast(x, axis, to="varying"))
-        first = jax.tree.map(vary, _at(mbs, 0))  # a stand-in for the bubble steps
-        outs = jax.tree.map(lambda x: vary(jnp.zeros_like(x)), mbs)
+        first = _at(mbs, 0)  # a stand-in for the bubble steps
+        outs = jax.tree.map(jnp.zeros_like, mbs)
         circ = outs if v_n > 1 else None
 
         def step(state, t):
@@ -158,8 +180,8 @@ def _stages(layer_fn: Callable, pipeline: Pipeline, steps: int, pin: Callable):
             live = (t - s >= 0) & (t - s < m_n * v_n)
             head = _at(mbs, m) if circ is None else \
                 _where(v == 0, _at(mbs, m), _at(circ, m))
-            x = pin(_where(s == 0, head, cur))
-            y = pin(layers_of(only, x) if v_n == 1 else picked(params, v, x))
+            x = _where(s == 0, head, cur)
+            y = layers_of(only, x) if v_n == 1 else picked(params, v, x)
             outs = _put(outs, m, y, ~(live & (s == s_n - 1) & (v == v_n - 1)))
             nxt = jax.tree.map(lambda a: jax.lax.ppermute(a, axis, ring), y)
             if circ is not None:  # stage 0 keeps what came round for its next pass
@@ -188,33 +210,24 @@ def pipeline_scan(layer_fn: Callable, carry: Any, stacked_params: Any, *,
     micro-batch ``m`` holds examples ``m, m + M, m + 2M, ...``.
 
     ``batch_axes`` (mesh axes other than the stage axis) split every micro-batch's batch
-    dim inside the pipeline: data parallelism within each stage; by default XLA lays the
-    micro-batches out as it likes."""
+    dim inside the pipeline: data parallelism within each stage, the ``shard_map`` manual
+    over them too (so ``layer_fn`` must not constrain its values over them); the weight
+    gradients are summed over them once, after the backward loop. Without, the other
+    axes stay Auto and XLA lays the micro-batches out as it likes."""
     p = pipeline
     batch, layers = _leading(carry, "carry"), _leading(stacked_params, "stacked params")
     check_pipeline(p, mesh, batch, layers)
     s_n, m_n, v_n = p.stages, p.microbatches, p.virtual
     k = layers // (s_n * v_n)
     params = jax.tree.map(lambda w: w.reshape((v_n, s_n, k) + w.shape[1:]), stacked_params)
-    if p.axis in batch_axes:
-        raise ValueError(f"pipeline_scan(batch_axes={batch_axes}): the stage axis {p.axis!r} "
-                         "cannot also split the batch; name the other mesh axes only")
+    _check_batch_axes(p, mesh, batch_axes, batch)
     # micro-batch m is rows m, m + M, m + 2M, ...: a batch split over mesh axes (in blocks)
     # stays split within every micro-batch, not across them
     mbs = jax.tree.map(
         lambda x: x.reshape((batch // m_n, m_n) + x.shape[1:]).swapaxes(0, 1), carry)
-    spec = PartitionSpec(batch_axes) if batch_axes else None
-
-    def pin(tree):  # inside the shard_map: its context mesh, the stage axis manual
-        if spec is None:
-            return tree
-        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, spec), tree)
-
-    if spec is not None:
-        mbs = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
-            x, NamedSharding(mesh, PartitionSpec(None, *spec))), mbs)
-    run = jax.shard_map(_stages(layer_fn, p, m_n * v_n + s_n - 1, pin), mesh=mesh,
-                        in_specs=(PartitionSpec(None, p.axis), PartitionSpec()),
-                        out_specs=PartitionSpec(), axis_names={p.axis})
+    split = PartitionSpec(None, batch_axes or None)
+    run = jax.shard_map(_stages(layer_fn, p, m_n * v_n + s_n - 1, tuple(batch_axes)),
+                        mesh=mesh, in_specs=(PartitionSpec(None, p.axis), split),
+                        out_specs=split, axis_names={p.axis, *batch_axes})
     out = run(params, mbs)
     return jax.tree.map(lambda o: o.swapaxes(0, 1).reshape((batch,) + o.shape[2:]), out), None
