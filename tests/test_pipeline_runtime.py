@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import AxisType
 
 import shardc
@@ -241,3 +242,19 @@ def test_exported_module_runs_the_pipeline(tmp_path):
     step = module.jitted(train_step(layers), p, x, y, mesh=mesh)
     close(step(p, x, y), jax.jit(train_step(jax.lax.scan))(p, x, y))
     assert len(permutes(step.lower(p, x, y).compile(), mesh)) == 2
+
+
+@pytest.mark.parametrize("schedule,virtual", [("gpipe", 1), ("circular", 2)])
+def test_backward_saves_the_weights_once(capsys, schedule, virtual):
+    """What the backward keeps of the stage's weights is the weights themselves, once: not
+    a copy per step of the loop (the chunk a step runs is sliced before the loop for
+    GPipe, recomputed in the backward for the circular schedule)."""
+    pipe = Pipeline("stage", 4, 4, schedule, virtual)
+    mesh = auto_mesh(4)
+    p, (x, _) = params(8), batch(16)
+    print_saved_residuals(
+        lambda w, x: pipeline_scan(layer, x, {"w": w, "b": p["layers"]["b"]},
+                                   pipeline=pipe, mesh=mesh)[0], p["layers"]["w"], x)
+    shapes = [tuple(int(d) for d in line.split("[")[1].split("]")[0].split(",") if d)
+              for line in capsys.readouterr().out.splitlines() if line.startswith("f32[")]
+    assert sum(np.prod(s) for s in shapes if s[-2:] == (D, D)) == 8 * D * D
