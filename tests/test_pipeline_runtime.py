@@ -115,6 +115,13 @@ def test_collective_permutes_are_the_stated_ones(stages, micro, schedule, virtua
     step = jax.jit(train_step(stack)).lower(p, x, y).compile()
     assert permutes(step, mesh) == [(micro_bytes, steps, ("stage",))] * 2
     close(step(p, x, y), jax.jit(train_step(jax.lax.scan))(p, x, y))
+    # differentiated in the input too: its cotangent summed over the stages once
+    both = jax.jit(jax.grad(lambda p, x: jnp.sum(stack(layer, x, p["layers"])[0] ** 2),
+                            argnums=(0, 1))).lower(p, x).compile()
+    runs = multiplicity(both.as_text())
+    assert sorted((c.result_bytes, runs[c.computation]) for c in collectives(both, mesh)
+                  if c.kind == "all-reduce" and c.axes == ("stage",)) == \
+        [(32 * D * 4 // split, 1)] * 2
 
 
 @pytest.mark.parametrize("stages,micro,schedule,virtual,n_layers",

@@ -2,12 +2,13 @@
 ``jax.lax.scan(layer_fn, carry, stacked_params)`` computes, with the layers split into
 stages over one mesh axis and the batch cut into micro-batches.
 
-The whole loop is one ``shard_map`` manual over the stage axis only (the other mesh axes
-stay Auto, laid out by whoever calls it). Device ``s`` of the stage axis holds its layers
-(``stacked_params`` cut ``[V, S, K, ...]``: chunk ``v * S + s`` of ``K`` layers is
-stage ``s``'s ``v``-th), every device holds the micro-batched input ``[M, b, ...]``.
-Step ``t`` of ``T = M * V + S - 1`` (MaxText's iteration count): device ``s`` runs its
-chunk ``v = (t - s) // M`` on micro-batch ``m = (t - s) % M`` when ``0 <= t - s < M * V``
+The whole loop is one ``shard_map`` manual over the stage axis and ``batch_axes`` (the
+other mesh axes stay Auto, laid out by whoever calls it). Device ``s`` of the stage axis
+holds its layers (``stacked_params`` cut ``[V, S, K, ...]``: chunk ``v * S + s`` of ``K``
+layers is stage ``s``'s ``v``-th), every device the micro-batched input ``[M, b, ...]``
+(micro-batch ``m`` is examples ``m, m + M, ...``, split over ``batch_axes``). Step ``t`` of
+``T = M * V + S - 1`` (MaxText's iteration count): device ``s`` runs its chunk
+``v = (t - s) // M`` on micro-batch ``m = (t - s) % M`` when ``0 <= t - s < M * V``
 (otherwise a bubble: it computes on a stand-in and the result is dropped), then passes the
 result to device ``s + 1`` with one ``ppermute`` (a ``collective-permute``). Stage 0 takes a
 fresh micro-batch in the first pass and, in later passes of the circular schedule, the one
@@ -18,8 +19,30 @@ device at the end.
 
 Gradients are autodiff of this loop: the backward is the loop transposed (a GPipe
 backward: all forward steps first, then all backward steps; each ``ppermute`` transposes
-to the reverse ``ppermute``, the closing ``psum`` to a no-op and the replicated input to
-one ``psum`` of its cotangent).
+to the reverse ``ppermute``, the closing ``psum`` to a no-op). The input and the weights
+are made varying before the loop, so their cotangents are summed once after it: the
+input's over the stage axis, the weights' over ``batch_axes``.
+
+What one step compiles to (per device; ``a`` the bytes of one example's carry, ``b = B/M``
+over the ``batch_axes`` ways; ``tests/test_pipeline_runtime.py`` reads these from the HLO):
+
+- forward loop: one collective-permute of ``b * a`` bytes per step, ``T`` runs, over the
+  stage axis (``S - 1`` pairs ``s -> s + 1``; ``S`` pairs, the ring, for ``"circular"``);
+- after it: one all-reduce of the finished micro-batches, ``M * b * a`` bytes, stage axis;
+- backward loop: the same collective-permute, reversed, ``T`` runs;
+- after it: one all-reduce of the input's cotangent, ``M * b * a`` bytes, stage axis (where
+  the input is differentiated), and one all-reduce of the stage's weight gradients over
+  ``batch_axes`` (where there are any);
+- the weights stay split over the stage axis; a caller's other layout of them is converted
+  before and after (for ``"circular"``, whose chunks interleave, a contiguous split of the
+  layer dim is not theirs: an all-to-all or permute of the weights each way).
+
+What a stage holds live for the backward: ``T`` steps of what autodiff of ``layer_fn``
+saves for ``K`` layers on ``b`` examples (the unpipelined scan's residuals times
+``T * K * b / (L * B)``: ``(M + S - 1) / (M * S)`` of them for GPipe), and, not those, for
+``"circular"``: ``T`` chunk inputs of ``b * a`` (each step's chunk is recomputed in the
+backward, one extra forward of the stack); besides, the micro-batched input, the
+finished micro-batches and (circular) the buffer of returning ones, ``M * b * a`` each.
 
 What the ``"1f1b"`` schedule is here: the same forward order as ``"gpipe"`` and the same
 autodiff backward, so its values and gradients equal the scan's, but it is not a
