@@ -265,3 +265,26 @@ def test_backward_saves_the_weights_once(capsys, schedule, virtual):
     shapes = [tuple(int(d) for d in line.split("[")[1].split("]")[0].split(",") if d)
               for line in capsys.readouterr().out.splitlines() if line.startswith("f32[")]
     assert sum(np.prod(s) for s in shapes if s[-2:] == (D, D)) == 8 * D * D
+
+
+def test_two_stacks_inside_a_gradient_accumulation_loop():
+    """Two stacks (an encoder and a decoder) in a step that accumulates gradients over a
+    scan of two steps: both pipelined, each forward run once (4 permutes: 2 stacks x
+    forward and backward), values and gradients those of the scans."""
+    def step(stack):
+        def loss(p, x):
+            h = stack(layer, x, p["enc"])[0]
+            return jnp.mean(stack(layer, jnp.tanh(h), p["dec"])[0] ** 2)
+
+        def accumulate(p, xs):
+            def one(g, x):
+                return jax.tree.map(jnp.add, g, jax.grad(loss)(p, x)), None
+            return jax.lax.scan(one, jax.tree.map(jnp.zeros_like, p), xs)[0]
+        return accumulate
+
+    mesh = auto_mesh(2)
+    p = {"enc": params(4, 0)["layers"], "dec": params(4, 1)["layers"]}
+    xs = jnp.stack([batch(16, 2)[0], batch(16, 3)[0]])
+    run = shardc.auto_shard(step(layers), mesh=mesh, pipeline=Pipeline("stage", 2, 4))
+    close(run(p, xs), jax.jit(step(jax.lax.scan))(p, xs))
+    assert len(permutes(run.lower(p, xs).compile(), mesh)) == 4
