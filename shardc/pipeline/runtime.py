@@ -27,7 +27,7 @@ What one step compiles to (per device; ``a`` the bytes of one example's carry, `
 over the ``batch_axes`` ways; ``tests/test_pipeline_runtime.py`` reads these from the HLO):
 
 - forward loop: one collective-permute of ``b * a`` bytes per step, ``T`` runs, over the
-  stage axis (``S - 1`` pairs ``s -> s + 1``; ``S`` pairs, the ring, for ``"circular"``);
+  stage axis (``S - 1`` pairs ``s -> s + 1``; ``S`` pairs, the ring, where ``V > 1``);
 - after it: one all-reduce of the finished micro-batches, ``M * b * a`` bytes, stage axis;
 - backward loop: the same collective-permute, reversed, ``T`` runs;
 - after it: one all-reduce of the input's cotangent, ``M * b * a`` bytes, stage axis (where
@@ -74,8 +74,6 @@ from jax.sharding import Mesh, PartitionSpec
 from shardc.pipeline.schedule import Pipeline
 
 __all__ = ["carry_of", "check_axis", "check_pipeline", "pipeline_scan"]
-
-
 
 
 def _leading(tree, what: str) -> int:
