@@ -3,6 +3,8 @@
 an SGD update), by hand and through auto_shard; the compiled program runs the
 collective-permutes the runtime states; a bad Pipeline names its fix."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +17,7 @@ from shardc.inspect.hlo import collectives
 from shardc.inspect.loops import multiplicity
 from shardc.pipeline import Pipeline, layers, pipeline_scan
 from shardc.pipeline.lowering import NoStackError
+from shardc.pipeline.stack import stack_named
 from shardc.plan import Plan
 
 D = 8
@@ -288,3 +291,21 @@ def test_two_stacks_inside_a_gradient_accumulation_loop():
     run = shardc.auto_shard(step(layers), mesh=mesh, pipeline=Pipeline("stage", 2, 4))
     close(run(p, xs), jax.jit(step(jax.lax.scan))(p, xs))
     assert len(permutes(run.lower(p, xs).compile(), mesh)) == 4
+
+
+def test_stack_names_follow_the_layer_functions_code():
+    """The same layer function traced twice files one stack; another function of the same
+    jaxpr at the full batch (it may differ on micro-batches) files its own."""
+    def first(c, w):
+        return layer(c, w)
+
+    def second(c, w):
+        return layer(c, w)
+
+    def names(fn):
+        jaxpr = jax.make_jaxpr(lambda p, x: layers(fn, x, p)[0])(params(4)["layers"],
+                                                                 batch(16)[0])
+        return re.findall(r"name=(shardc_layers_\w+)", str(jaxpr))
+
+    assert len(names(first)) == 1 and names(first) == names(first) != names(second)
+    assert all(stack_named(n) is not None for n in names(first) + names(second))

@@ -5,7 +5,8 @@ A scan in a traced program is fixed at the batch it was traced for (its reshapes
 broadcasts name the batch size), so it cannot be re-run on micro-batches; running a stack as
 a pipeline needs the layer as a function. :func:`layers` keeps it: it closure-converts
 ``layer_fn`` (closed-over traced arrays become explicit operands), files both under a
-name that is a digest of its jaxpr and the operands' structure, and runs the stack as a
+name that is a digest of its code's place, its jaxpr and the operands' structure (the
+same function traced again replaces its entry), and runs the stack as a
 ``jax.custom_vjp`` whose forward and backward are inner ``jit`` calls with that name
 (``shardc_layers_<digest>_fwd`` and ``_bwd``; the backward recomputes the forward and
 differentiates the scan). Everywhere but a pipelined ``auto_shard`` these compute exactly
@@ -62,8 +63,9 @@ class Stack:
         return jax.lax.scan(body, carry, params)[0]
 
 
-#: stack name -> Stack; a name is a digest of what the stack computes, so a stack filed
-#: again under the same name (the next trace of the same function) computes the same
+#: stack name -> Stack; a name is a digest of the layer function's code location and of
+#: what it computes at the full batch, so a stack filed again under the same name (the
+#: next trace of the same function) replaces one that computes the same
 _STACKS: dict[str, Stack] = {}
 
 
@@ -77,6 +79,16 @@ def stack_named(name: str) -> tuple[Stack, str] | None:
     if stack is None or kind not in ("fwd", "bwd"):
         return None
     return stack, kind
+
+
+def _origin(fn: Callable) -> str:
+    """Where ``fn``'s code is (the wrapped function's, for a ``functools.partial``): two
+    layer functions of one jaxpr at the full batch may differ on micro-batches."""
+    fn = getattr(fn, "func", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return type(fn).__qualname__
+    return f"{code.co_filename}:{code.co_firstlineno}:{code.co_name}"
 
 
 def _named(fn: Callable, name: str) -> Callable:
@@ -122,7 +134,7 @@ def layers(layer_fn: Callable, carry: Any, stacked_params: Any) -> tuple[Any, No
                                         one)
     text = str(jax.make_jaxpr(layer)(carry, one, *consts))
     trees = (jax.tree.structure(carry), jax.tree.structure(stacked_params))
-    digest = hashlib.sha1(f"{text}|{trees}".encode()).hexdigest()[:16]
+    digest = hashlib.sha1(f"{_origin(layer_fn)}|{text}|{trees}".encode()).hexdigest()[:16]
     name = f"{PREFIX}{digest}"
     _STACKS[name] = Stack(layer_fn, layer, *trees, len(consts))
     return _run(name, carry, stacked_params, tuple(consts)), None
