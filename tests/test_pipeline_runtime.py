@@ -92,6 +92,12 @@ def permutes(compiled, mesh):
                   for c in collectives(compiled, mesh) if c.kind == "collective-permute")
 
 
+def loop_permutes(compiled, mesh):
+    """The collective-permutes inside loops: the pipeline's (a plan's layouts around the
+    stack may add one-off moves, run once)."""
+    return [c for c in permutes(compiled, mesh) if c[1] > 1]
+
+
 @pytest.mark.parametrize("stages,micro,schedule,virtual,n_layers,data",
                          [(4, 4, "gpipe", 1, 8, ()), (2, 4, "circular", 2, 8, ()),
                           (2, 2, "1f1b", 1, 4, ("data",))])
@@ -140,7 +146,7 @@ def test_auto_shard_pipelined_step_equals_jit(stages, micro, schedule, virtual, 
     step = shardc.auto_shard(train_step(layers), mesh=mesh, pipeline=pipe)
     close(step(p, x, y), jax.jit(train_step(jax.lax.scan))(p, x, y))
     assert step.plan(p, x, y).pipeline == pipe
-    assert len(permutes(step.lower(p, x, y).compile(), mesh)) == 2
+    assert len(loop_permutes(step.lower(p, x, y).compile(), mesh)) == 2
 
 
 def test_layers_without_pipeline_is_the_scan():
@@ -153,7 +159,7 @@ def test_layers_without_pipeline_is_the_scan():
     step = shardc.auto_shard(train_step(layers), mesh=mesh)
     close(step(p, x, y), want)
     assert step.plan(p, x, y).pipeline is None
-    assert permutes(step.lower(p, x, y).compile(), mesh) == []
+    assert loop_permutes(step.lower(p, x, y).compile(), mesh) == []
 
 
 def test_plan_json_keeps_the_pipeline_and_use_plan_runs_it():
@@ -166,7 +172,7 @@ def test_plan_json_keeps_the_pipeline_and_use_plan_runs_it():
     other = shardc.auto_shard(train_step(layers), mesh=mesh)
     other.use_plan(saved, p, x, y)
     close(other(p, x, y), jax.jit(train_step(jax.lax.scan))(p, x, y))
-    assert len(permutes(other.lower(p, x, y).compile(), mesh)) == 2
+    assert len(loop_permutes(other.lower(p, x, y).compile(), mesh)) == 2
 
 
 @pytest.mark.parametrize("pipe,mesh_stages,n_layers,match", [
@@ -225,8 +231,7 @@ def test_plan_data_split_runs_inside_the_stages():
     # each gradient entry sums 2048 examples, in another order: to 1e-5 of the largest
     close(run(p, x), want, atol=1e-5 * float(jnp.max(jnp.abs(want))))
     compiled = run.lower(p, x).compile()
-    # the loops' permutes (the plan's layouts of x around the stack add one-off moves)
-    assert [c for c in permutes(compiled, mesh) if c[1] > 1] == \
+    assert loop_permutes(compiled, mesh) == \
         [(n // 4 // 4 * width * 4, 5, ("stage",))] * 2
     runs = multiplicity(compiled.as_text())
     assert [runs[c.computation] for c in collectives(compiled, mesh)
@@ -251,7 +256,7 @@ def test_exported_module_runs_the_pipeline(tmp_path):
     assert module.PIPELINE == pipe.to_json()
     step = module.jitted(train_step(layers), p, x, y, mesh=mesh)
     close(step(p, x, y), jax.jit(train_step(jax.lax.scan))(p, x, y))
-    assert len(permutes(step.lower(p, x, y).compile(), mesh)) == 2
+    assert len(loop_permutes(step.lower(p, x, y).compile(), mesh)) == 2
 
 
 @pytest.mark.parametrize("schedule,virtual", [("gpipe", 1), ("circular", 2)])
@@ -290,7 +295,7 @@ def test_two_stacks_inside_a_gradient_accumulation_loop():
     xs = jnp.stack([batch(16, 2)[0], batch(16, 3)[0]])
     run = shardc.auto_shard(step(layers), mesh=mesh, pipeline=Pipeline("stage", 2, 4))
     close(run(p, xs), jax.jit(step(jax.lax.scan))(p, xs))
-    assert len(permutes(run.lower(p, xs).compile(), mesh)) == 4
+    assert len(loop_permutes(run.lower(p, xs).compile(), mesh)) == 4
 
 
 def test_stack_names_follow_the_layer_functions_code():
@@ -309,3 +314,18 @@ def test_stack_names_follow_the_layer_functions_code():
 
     assert len(names(first)) == 1 and names(first) == names(first) != names(second)
     assert all(stack_named(n) is not None for n in names(first) + names(second))
+
+
+def test_forward_only_step_is_pipelined():
+    """Inference (no gradient in the step): the stack's custom-derivative call is kept and
+    its forward runs as the pipeline (one collective-permute in a loop of M + S - 1 steps;
+    the plan's layouts of x around the stack add one-off moves)."""
+    def forward(p, x):
+        return layers(layer, x, p)[0] @ jnp.ones((D, 1))
+
+    mesh = auto_mesh(4)
+    p, (x, _) = params(8)["layers"], batch(16)
+    run = shardc.auto_shard(forward, mesh=mesh, pipeline=Pipeline("stage", 4, 4))
+    close(run(p, x), jax.jit(lambda p, x: jax.lax.scan(layer, x, p)[0] @ jnp.ones((D, 1)))(p, x))
+    assert [c[1:] for c in loop_permutes(run.lower(p, x).compile(), mesh)] == \
+        [(7, ("stage",))]
