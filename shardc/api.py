@@ -334,8 +334,9 @@ class AutoSharded:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._compatible(key, tr.fixed) or self._cached_or_solved(tr, call)
-            if plan.pipeline != self.options.pipeline:  # the pipeline the plan runs
-                plan = dataclasses.replace(plan, pipeline=self.options.pipeline)
+            pipe = self.options.pipeline  # asked for: the plan runs it
+            if pipe is not None and plan.pipeline != pipe:
+                plan = dataclasses.replace(plan, pipeline=pipe)
             # under jax.distributed: every process runs the same plan (process 0's)
             plan = agree(self._named(call, tr, plan))
             self._plans[key] = plan
