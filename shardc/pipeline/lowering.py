@@ -15,7 +15,9 @@ stack's carry's batch dim over (as the stack's scan reads it; the stage axis asi
 plan's data parallelism runs inside the pipeline.
 
 A plan with a pipeline over a program without a stack raises: the pipeline would silently
-run nothing.
+run nothing. A gradient taken outside the ``auto_shard`` function (``jax.grad(step)`` of a
+step that computes no gradient itself) differentiates the stack's own rules, the scan's:
+its values are right but it runs unpipelined; take the gradient inside the step.
 """
 
 from __future__ import annotations
