@@ -329,3 +329,19 @@ def test_forward_only_step_is_pipelined():
     close(run(p, x), jax.jit(lambda p, x: jax.lax.scan(layer, x, p)[0] @ jnp.ones((D, 1)))(p, x))
     assert [c[1:] for c in loop_permutes(run.lower(p, x).compile(), mesh)] == \
         [(7, ("stage",))]
+
+
+def test_gradient_taken_outside_auto_shard_is_pipelined():
+    """``jax.grad`` of an auto_shard function that takes no gradient itself: the stack's
+    call runs as the pipeline whole, so the gradient differentiates the pipeline (the
+    forward and the backward loop's permutes), with the scan's values."""
+    def loss(p, x):
+        return jnp.sum(layers(layer, x, p)[0] ** 2)
+
+    mesh = auto_mesh(2)
+    p, (x, _) = params(4)["layers"], batch(16)
+    run = jax.jit(jax.grad(shardc.auto_shard(loss, mesh=mesh,
+                                             pipeline=Pipeline("stage", 2, 4))))
+    close(run(p, x), jax.grad(lambda p, x: jnp.sum(jax.lax.scan(layer, x, p)[0] ** 2))(p, x))
+    assert [c[1:] for c in loop_permutes(run.lower(p, x).compile(), mesh)] == \
+        [(5, ("stage",))] * 2

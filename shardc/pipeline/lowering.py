@@ -15,9 +15,9 @@ stack's carry's batch dim over (as the stack's scan reads it; the stage axis asi
 plan's data parallelism runs inside the pipeline.
 
 A plan with a pipeline over a program without a stack raises: the pipeline would silently
-run nothing. A gradient taken outside the ``auto_shard`` function (``jax.grad(step)`` of a
-step that computes no gradient itself) differentiates the stack's own rules, the scan's:
-its values are right but it runs unpipelined; take the gradient inside the step.
+run nothing. A step that takes no gradient inside keeps the stack's custom-derivative
+call; it runs as the pipeline whole, so a gradient taken outside ``auto_shard``
+(``jax.grad(step)``) differentiates the pipeline too (the call's own rules are the scan's).
 """
 
 from __future__ import annotations
@@ -101,7 +101,11 @@ class Stacks:
     def call(self, eqn, region: Region | None, args: list) -> list | None:
         """The results of the inner ``jit`` call ``eqn`` on ``args`` run as the pipeline, or
         None where it is not a stack's; ``region`` (the call as the trace walked it; None
-        outside shardc's lowering) gives the plan's batch axes."""
+        outside shardc's lowering) gives the plan's batch axes. A stack's own
+        custom-derivative call (a step that takes no gradient inside) runs as the pipeline
+        whole, differentiable as it is: a gradient taken outside pipelines too."""
+        if eqn.primitive.name == "custom_vjp_call":
+            return self._whole(eqn, region, args)
         if eqn.primitive.name not in ("jit", "pjit"):
             return None
         found = stack_named(str(eqn.params.get("name", "")))
@@ -128,6 +132,25 @@ class Stacks:
             raise AssertionError(f"{eqn.params['name']}: {len(outs)} results for "
                                  f"{len(eqn.outvars)} outputs")
         return outs
+
+    def _whole(self, eqn, region: Region | None, args: list) -> list | None:
+        """A ``custom_vjp_call`` of :func:`~shardc.pipeline.stack.layers` (its body one
+        forward call of a stack on the call's operands) run as the pipeline; None for
+        another ``custom_vjp_call``."""
+        body = eqn.params["call_jaxpr"].jaxpr
+        if len(body.eqns) != 1 or eqn.params["num_consts"] or \
+                body.eqns[0].primitive.name not in ("jit", "pjit"):
+            return None
+        inner = body.eqns[0]
+        found = stack_named(str(inner.params.get("name", "")))
+        if found is None or found[1] != "fwd" or list(inner.invars) != list(body.invars):
+            return None
+        stack = found[0]
+        self.ran += 1
+        step = region.steps[0] if region is not None else None
+        out = self._forward(stack, step if isinstance(step, Region) else None)(
+            *stack.split(list(args)))
+        return jax.tree.leaves(out)
 
     def check_used(self) -> None:
         if not self.ran:
