@@ -56,6 +56,7 @@ from shardc.ir.trace import DEFAULT_WHILE_TRIPS, Traced, rematerialized, trace
 from shardc.lower.emit import explicit_axes, jit_plan
 from shardc.multihost import agree
 from shardc.names import input_names, output_names
+from shardc.pipeline.runtime import check_axis
 from shardc.pipeline.schedule import Pipeline
 from shardc.plan import Plan, Predicted, assemble, fingerprint
 from shardc.plan_cache import PlanCache
@@ -117,9 +118,8 @@ class Options:
     def __post_init__(self):
         if not (self.pipeline is None or self.pipeline is False
                 or isinstance(self.pipeline, Pipeline)):
-            raise ValueError(f"pipeline must be a shardc.pipeline.schedule.Pipeline, False "
-                             f"(never pipeline) or None (the planner's choice); got "
-                             f"{self.pipeline!r}")
+            raise TypeError(f"pipeline must be a shardc.pipeline.Pipeline, False (never "
+                            f"pipeline) or None (the planner's choice); got {self.pipeline!r}")
         if (not isinstance(self.while_trips, int) or isinstance(self.while_trips, bool)
                 or self.while_trips < 1):
             raise ValueError(f"while_trips is the iterations a while loop without static "
@@ -218,6 +218,8 @@ class AutoSharded:
         self.keep = options.keep_input_shardings if options.keep_input_shardings is not None \
             else bool(explicit_axes(mesh))
         options.cluster.check_axes(self.mesh.axis_names)
+        if isinstance(options.pipeline, Pipeline):
+            check_axis(options.pipeline, self.mesh)
         self._traces: dict[Any, _Traced] = {}
         self._plans: dict[Any, Plan] = {}
         self._execs: dict[Any, Callable] = {}
@@ -333,6 +335,9 @@ class AutoSharded:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._compatible(key, tr.fixed) or self._cached_or_solved(tr, call)
+            pipe = self.options.pipeline  # asked for: the plan runs it
+            if isinstance(pipe, Pipeline) and plan.pipeline != pipe:
+                plan = dataclasses.replace(plan, pipeline=pipe)
             # under jax.distributed: every process runs the same plan (process 0's)
             plan = agree(self._named(call, tr, plan))
             self._plans[key] = plan
@@ -940,9 +945,11 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh | AbstractMesh,
     static (a decode loop that stops at an end token) is planned for; loops with static
     bounds (``fori_loop``) are planned for their own count.
 
-    ``pipeline=False`` forbids pipelining the program's layer scans over a mesh axis; a
-    :class:`shardc.pipeline.schedule.Pipeline` asks for that one; None lets the planner
-    choose (``step.pipeline_choice(*args)`` says what it chooses and why).
+    ``pipeline``: a :class:`shardc.pipeline.Pipeline` runs the function's layer stacks,
+    written with :func:`shardc.pipeline.layers` (a drop-in for ``jax.lax.scan``), as that
+    pipeline over its mesh axis (:mod:`shardc.pipeline.lowering`), and the plan records it;
+    ``False`` forbids pipelining; None (the default) leaves it to the planner
+    (``step.pipeline_choice(*args)`` says what it would choose and why).
     """
     options = Options(cluster if cluster is not None else DEFAULT_CLUSTER, memory_budget,
                       time_limit, _named_seeds(seeds), mesh_search, in_shardings,

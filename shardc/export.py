@@ -101,6 +101,21 @@ def _table(per_op: dict, args: dict) -> str:
     return "\n".join(rows)
 
 
+def _stacks_code(plan) -> str:
+    """The exported ``_stacks(mesh)``: the layer stacks run as the plan's pipeline
+    (:mod:`shardc.pipeline.lowering`: a pipelined program's stacks are
+    ``shardc.pipeline.layers``, so it has shardc), or None for a plan without one."""
+    if plan.pipeline is None:
+        return 'def _stacks(mesh):\n    """None: the plan runs no pipeline."""\n    return None\n'
+    return '''def _stacks(mesh):
+    """The layer stacks (shardc.pipeline.layers) run as the plan's pipeline."""
+    from shardc.pipeline import Pipeline
+    from shardc.pipeline.lowering import Stacks
+
+    return Stacks(Pipeline.from_json(PIPELINE), mesh, {})
+'''
+
+
 def python_module(plan, source: str = "") -> str:
     """The text of a Python module that runs ``plan`` with ``jax.jit`` (see the module
     docstring of the result for its API). ``source`` names where the plan came from. A
@@ -123,7 +138,9 @@ def python_module(plan, source: str = "") -> str:
     return f'''"""Sharding plan{origin}, exported by shardc: run it with plain jax.jit.
 
 Mesh {mesh_label(plan.mesh_axes)}; program fingerprint {plan.fingerprint}; predicted step
-{plan.predicted.step_time * 1e3:.4f} ms on the plan's cluster. Nothing here imports shardc.
+{plan.predicted.step_time * 1e3:.4f} ms on the plan's cluster. Nothing here imports shardc,
+but for a plan with a pipeline (``PIPELINE``), whose program's layer stacks are
+``shardc.pipeline.layers``: ``constrained`` runs them as that pipeline.
 
 Arguments are the program's positional arguments, flattened as ``jax.tree.leaves(args)``
 (dict keys sorted, as JAX flattens them): leaf k gets ``INPUTS[k]``'s PartitionSpec.
@@ -163,6 +180,9 @@ from jax.sharding import PartitionSpec as P
 
 MESH_AXES = {tuple(plan.mesh_axes)!r}
 
+#: the pipeline the program's layer stacks (shardc.pipeline.layers) run as; None: none
+PIPELINE = {plan.pipeline.to_json() if plan.pipeline is not None else None!r}
+
 #: (name, shape, PartitionSpec) per leaf of the positional arguments, in jax.tree.leaves order
 INPUTS = (
 {_leaves(names_in, plan.input_types, plan.input_specs())}
@@ -188,7 +208,9 @@ def _pin(x, specs, mesh):
     return x
 
 
-def _run(jaxpr, consts, args, where, mesh):
+{_stacks_code(plan)}
+
+def _run(jaxpr, consts, args, where, mesh, stacks=None):
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
 
@@ -205,11 +227,13 @@ def _run(jaxpr, consts, args, where, mesh):
                                 "not the program the plan was made for")
             for k, specs in entry[1].items():
                 ins[k] = _pin(ins[k], specs, mesh)
-        if name in _INLINED:
+        outs = stacks.call(eqn, None, ins) if stacks is not None else None
+        if outs is None and name in _INLINED:
             sub = eqn.params[_INLINED[name]]
             body, body_consts = (sub.jaxpr, sub.consts) if hasattr(sub, "consts") else (sub, ())
-            outs = _run(body, body_consts, ins[len(ins) - len(body.invars):], place, mesh)
-        else:
+            outs = _run(body, body_consts, ins[len(ins) - len(body.invars):], place, mesh,
+                        stacks)
+        elif outs is None:
             with eqn.ctx.manager:
                 outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
             outs = list(outs) if eqn.primitive.multiple_results else [outs]
@@ -232,7 +256,10 @@ def constrained(fn, mesh: Mesh):
         closed, shape = jax.make_jaxpr(fn, return_shape=True)(*jax.tree.map(bare, args))
         leaves = [_pin(x, ARGUMENTS.get(k, ()), mesh)
                   for k, x in enumerate(jax.tree.leaves(args))]
-        outs = _run(closed.jaxpr, closed.consts, leaves, (), mesh)
+        stacks = _stacks(mesh)
+        outs = _run(closed.jaxpr, closed.consts, leaves, (), mesh, stacks)
+        if stacks is not None:
+            stacks.check_used()
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
     return run
@@ -387,6 +414,9 @@ from jax.sharding import PartitionSpec as P
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 MESH_AXES = {tuple(plan.mesh_axes)!r}
+
+#: the pipeline the program's layer stacks (shardc.pipeline.layers) run as; None: none
+PIPELINE = {plan.pipeline.to_json() if plan.pipeline is not None else None!r}
 
 #: (regular expression over a leaf's path, PartitionSpec); the first match wins
 RULES = (

@@ -27,6 +27,7 @@ from shardc.cost.combine import COMBINED_KINDS, alpha_scales
 from shardc.cost.comm import conversion
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Partial, to_partition_spec
+from shardc.pipeline.schedule import Pipeline
 from shardc.solve.memory import carry_exit, memory_profile, reads
 from shardc.solve.problem import CostGraph, feed_time, loop_tests, loop_ties, read_runs
 from shardc.solve.reduced_ys import unreduced_ys, ys_exits, ys_shares
@@ -144,6 +145,8 @@ class Plan:
     #: backward pass (indices, :mod:`shardc.ir.remat`), of ``segments`` it has
     remat: tuple[int, ...] = ()
     segments: int = 0
+    #: the pipeline the program's layer stacks run as (:mod:`shardc.pipeline`); None: none
+    pipeline: Pipeline | None = None
 
     def read_as(self, value_id: int) -> NdSbp | None:
         """The layout the uses of a value read it from: settled, else as produced."""
@@ -273,6 +276,7 @@ class Plan:
             "output_names": list(self.output_names),
             "remat": list(self.remat),
             "segments": self.segments,
+            "pipeline": self.pipeline.to_json() if self.pipeline is not None else None,
         }
         d["layouts"] = [nd.to_json() for nd in layouts]
         d["strings"] = list(strings)
@@ -350,6 +354,9 @@ class Plan:
             if any(not 0 <= k < described["segments"] for k in described["remat"]):
                 raise ValueError(f"segments {list(described['remat'])} of "
                                  f"{described['segments']}")
+        with _field("pipeline"):  # a plan saved before pipelines runs none
+            pipe = d.get("pipeline")
+            described["pipeline"] = Pipeline.from_json(pipe) if pipe is not None else None
         return cls(mesh_axes=mesh_axes, cluster=cluster, inputs=inputs, outputs=outputs,
                    values=values, settled=settled, ops=ops, reshards=reshards,
                    predicted=predicted, solver=dict(d["solver"]),

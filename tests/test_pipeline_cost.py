@@ -212,5 +212,5 @@ def test_pipelines_can_be_forbidden_or_requested():
     assert choice.pipeline == want and choice.best.pipeline == want
     with pytest.raises(ValueError, match="stages=4"):
         _choose("deep", "4nodes-eth", pipeline=Pipeline("node", 2, 2))
-    with pytest.raises(ValueError, match="Pipeline"):
+    with pytest.raises(TypeError, match="shardc.pipeline.Pipeline"):
         Options(pipeline="yes")

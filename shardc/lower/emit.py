@@ -49,6 +49,7 @@ from shardc.lower.partial import (
     unstack,
     vmapped,
 )
+from shardc.pipeline.lowering import Stacks
 from shardc.solve.memory import carry_exit, reads
 from shardc.solve.problem import loop_ties
 
@@ -99,7 +100,7 @@ class _Lowering(ControlFlow):
     left unconstrained (:meth:`~shardc.ir.graph.Graph.constants`)."""
 
     __slots__ = ("plan", "mesh", "by_op", "free", "read_whole", "shardings", "stacked",
-                 "converted")
+                 "converted", "stacks")
 
     def __init__(self, plan, mesh: Mesh, graph):
         self.plan = plan
@@ -113,6 +114,9 @@ class _Lowering(ControlFlow):
         self.stacked: dict[int, tuple[int, ...]] = {}
         #: (id of a traced value, source, target) -> (that value, its converted copy)
         self.converted: dict = {}
+        #: the layer stacks run as the plan's pipeline (:mod:`shardc.pipeline.lowering`)
+        self.stacks = Stacks(plan.pipeline, mesh, self.by_op) \
+            if plan.pipeline is not None else None
 
     def constrain(self, x, nd: NdSbp | None):
         if nd is None or nd.has_partial or not hasattr(x, "shape"):
@@ -308,7 +312,11 @@ class _Lowering(ControlFlow):
         return False
 
     def call(self, eqn, region: Region, args: list) -> list:
-        """Bind a call with its body rewritten: this interpreter traced over the body."""
+        """Bind a call with its body rewritten: this interpreter traced over the body; a
+        layer stack's call, with a pipeline planned, runs as the pipeline."""
+        outs = self.stacks.call(eqn, region, args) if self.stacks is not None else None
+        if outs is not None:
+            return outs
         key = facts(eqn.primitive.name).call
         sub = eqn.params[key]
         consts = tuple(sub.consts) if hasattr(sub, "consts") else ()
@@ -454,6 +462,8 @@ def evaluator(traced: Traced, plan, mesh: Mesh) -> Callable[..., list]:
         ins = [low.settle(v.id, low.constrain(x, nd))
                for v, x, nd in zip(graph.inputs, flat, plan.inputs)]
         outs = low.region(traced.region, traced.consts, ins)
+        if low.stacks is not None:
+            low.stacks.check_used()
         result = []
         for v, x, nd in zip(graph.outputs, outs, plan.outputs):
             if v.is_const or not hasattr(x, "shape"):

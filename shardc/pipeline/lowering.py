@@ -1,0 +1,157 @@
+"""A plan's pipeline in the lowering: the layer stacks of the program
+(:func:`shardc.pipeline.stack.layers`) run as :func:`~shardc.pipeline.runtime.pipeline_scan`.
+
+Which scans are pipelined: every stack written with :func:`~shardc.pipeline.stack.layers`,
+found by the names of its inner ``jit`` calls (a plain ``jax.lax.scan`` is not pipelined:
+its traced body is fixed at the full batch). The forward call runs the pipelined forward
+under ``jax.vjp`` and keeps its backward; the backward call of the same operands (the
+program's gradient, traced in the same ``jit``) runs that kept backward, so the step
+computes the pipelined forward once. A backward call whose forward ran elsewhere (another
+trace: a recomputed segment, a user's gradient of the whole step) recomputes the pipelined
+forward and differentiates it.
+
+Within each stage, the micro-batches are split over the mesh axes the plan splits the
+stack's carry's batch dim over (as the stack's scan reads it; the stage axis aside): the
+plan's data parallelism runs inside the pipeline.
+
+A plan with a pipeline over a program without a stack raises: the pipeline would silently
+run nothing. A step that takes no gradient inside keeps the stack's custom-derivative
+call; it runs as the pipeline whole, so a gradient taken outside ``auto_shard``
+(``jax.grad(step)``) differentiates the pipeline too (the call's own rules are the scan's).
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import Mesh
+
+from shardc.ir.sbp import Split
+from shardc.ir.trace import Loop, Region
+from shardc.pipeline.runtime import pipeline_scan
+from shardc.pipeline.schedule import Pipeline
+from shardc.pipeline.stack import Stack, stack_named
+
+__all__ = ["NoStackError", "Stacks"]
+
+
+class NoStackError(ValueError):
+    """A pipeline was asked for, but the program has no layer stack to run as one."""
+
+    def __init__(self, pipeline: Pipeline):
+        super().__init__(
+            f"auto_shard(pipeline={pipeline}): the function has no layer stack to pipeline; "
+            "write the stack as shardc.pipeline.layers(layer_fn, carry, stacked_params), a "
+            "drop-in for jax.lax.scan(layer_fn, carry, stacked_params), or leave "
+            "pipeline=None")
+
+
+def batch_axes(region: Region, by_op: dict, names: tuple[str, ...], axis: str
+               ) -> tuple[str, ...]:
+    """The mesh axes but ``axis`` that the plan splits the batch dim (dim 0) of the carry of
+    ``region``'s first scan over, as the scan reads it, in mesh order; none unless every
+    carry leaf agrees."""
+    at = next((k for k, st in enumerate(region.steps) if isinstance(st, Loop)), None)
+    if at is None:
+        return ()
+    loop, params = region.steps[at], region.jaxpr.eqns[at].params
+    nc, nk = params["num_consts"], params["num_carry"]
+    found = set()
+    for e in loop.enters[nc:nc + nk]:
+        planned = by_op.get(e.id)
+        if planned is None:
+            return ()
+        found.add(tuple(n for n, sbp in zip(names, planned.ins[0].sbps)
+                        if isinstance(sbp, Split) and sbp.dim == 0 and n != axis))
+    return found.pop() if len(found) == 1 else ()
+
+
+class Stacks:
+    """The lowering's pipelined stacks: ``call`` runs an inner ``jit`` call of a stack as
+    the pipeline, or returns None for any other call."""
+
+    __slots__ = ("pipeline", "mesh", "by_op", "kept", "ran")
+
+    def __init__(self, pipeline: Pipeline, mesh: Mesh, by_op: dict):
+        self.pipeline = pipeline
+        self.mesh = mesh
+        self.by_op = by_op  # the plan's ops by id
+        #: ids of a forward call's operands -> (those operands, held so their ids are not
+        #: reused, and the pipelined forward's backward)
+        self.kept: dict[tuple[int, ...], tuple[list, object]] = {}
+        self.ran = 0
+
+    def _forward(self, stack: Stack, region: Region | None):
+        """The stack's pipelined forward: the user's ``layer_fn`` traced again on
+        micro-batches (the converted layer is a jaxpr fixed at the full batch)."""
+        if stack.consts:
+            raise ValueError(
+                f"shardc.pipeline.layers: the layer function {stack.fn.__qualname__} closes "
+                f"over {stack.consts} traced array(s); a pipelined stack traces it again on "
+                "micro-batches, where those values are gone: pass them in the carry or the "
+                "stacked params (a per-layer copy), or leave pipeline=None")
+
+        axes = () if region is None else \
+            batch_axes(region, self.by_op, tuple(self.mesh.axis_names), self.pipeline.axis)
+
+        def fn(carry, params, consts):
+            return pipeline_scan(stack.fn, carry, params, pipeline=self.pipeline,
+                                 mesh=self.mesh, batch_axes=axes)[0]
+        return fn
+
+    def call(self, eqn, region: Region | None, args: list) -> list | None:
+        """The results of the inner ``jit`` call ``eqn`` on ``args`` run as the pipeline, or
+        None where it is not a stack's; ``region`` (the call as the trace walked it; None
+        outside shardc's lowering) gives the plan's batch axes. A stack's own
+        custom-derivative call (a step that takes no gradient inside) runs as the pipeline
+        whole, differentiable as it is: a gradient taken outside pipelines too."""
+        if eqn.primitive.name == "custom_vjp_call":
+            return self._whole(eqn, region, args)
+        if eqn.primitive.name not in ("jit", "pjit"):
+            return None
+        found = stack_named(str(eqn.params.get("name", "")))
+        if found is None:
+            return None
+        stack, kind = found
+        self.ran += 1
+        n = stack.carry.num_leaves + stack.params.num_leaves + stack.consts
+        operands = list(args[:n])
+        key = tuple(map(id, operands))
+        if kind == "fwd":
+            out, back = jax.vjp(self._forward(stack, region), *stack.split(operands))
+            self.kept[key] = (operands, back)
+            outs = jax.tree.leaves(out)
+        else:
+            hit = self.kept.get(key)
+            if hit is not None and all(a is b for a, b in zip(hit[0], operands)):
+                back = hit[1]
+            else:
+                back = jax.vjp(self._forward(stack, region), *stack.split(operands))[1]
+            ct = jax.tree.unflatten(stack.carry, args[n:])
+            outs = jax.tree.leaves(back(ct))
+        if len(outs) != len(eqn.outvars):
+            raise AssertionError(f"{eqn.params['name']}: {len(outs)} results for "
+                                 f"{len(eqn.outvars)} outputs")
+        return outs
+
+    def _whole(self, eqn, region: Region | None, args: list) -> list | None:
+        """A ``custom_vjp_call`` of :func:`~shardc.pipeline.stack.layers` (its body one
+        forward call of a stack on the call's operands) run as the pipeline; None for
+        another ``custom_vjp_call``."""
+        body = eqn.params["call_jaxpr"].jaxpr
+        if len(body.eqns) != 1 or eqn.params["num_consts"] or \
+                body.eqns[0].primitive.name not in ("jit", "pjit"):
+            return None
+        inner = body.eqns[0]
+        found = stack_named(str(inner.params.get("name", "")))
+        if found is None or found[1] != "fwd" or list(inner.invars) != list(body.invars):
+            return None
+        stack = found[0]
+        self.ran += 1
+        step = region.steps[0] if region is not None else None
+        out = self._forward(stack, step if isinstance(step, Region) else None)(
+            *stack.split(list(args)))
+        return jax.tree.leaves(out)
+
+    def check_used(self) -> None:
+        if not self.ran:
+            raise NoStackError(self.pipeline)

@@ -1,0 +1,140 @@
+"""The layer stack a pipeline may run: :func:`layers`, a drop-in for
+``jax.lax.scan(layer_fn, carry, stacked_params)`` that ``auto_shard`` can pipeline.
+
+A scan in a traced program is fixed at the batch it was traced for (its reshapes and
+broadcasts name the batch size), so it cannot be re-run on micro-batches; running a stack as
+a pipeline needs the layer as a function. :func:`layers` keeps it: it closure-converts
+``layer_fn`` (closed-over traced arrays become explicit operands), files both under a
+name that is a digest of its code's place, its jaxpr and the operands' structure (the
+same function traced again replaces its entry), and runs the stack as a
+``jax.custom_vjp`` whose forward and backward are inner ``jit`` calls with that name
+(``shardc_layers_<digest>_fwd`` and ``_bwd``; the backward recomputes the forward and
+differentiates the scan). Everywhere but a pipelined ``auto_shard`` these compute exactly
+``jax.lax.scan``'s results and gradients; the lowering of a plan with a pipeline
+(:mod:`shardc.pipeline.lowering`) finds the calls by name and runs
+:func:`~shardc.pipeline.runtime.pipeline_scan` in their place.
+
+The residuals the backward reads are the stack's operands themselves (its carry, its
+stacked parameters and the closed-over arrays), so the forward and the backward calls
+exchange nothing a pipeline would have to lay out as the scan did.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import jax
+
+from shardc.pipeline.runtime import carry_of
+
+__all__ = ["PREFIX", "Stack", "layers", "stack_named"]
+
+#: the name prefix of the inner ``jit`` calls of a layer stack
+PREFIX = "shardc_layers_"
+
+
+@dataclass(frozen=True, slots=True)
+class Stack:
+    """A filed layer stack: the user's ``layer_fn``, its closure-converted form
+    ``layer(carry, layer_params, *consts) -> carry`` (closed-over traced arrays as
+    operands), and the trees of its flat operands (carry, stacked parameters, ``consts``
+    closed-over arrays)."""
+
+    fn: Callable
+    layer: Callable
+    carry: Any  # treedef
+    params: Any  # treedef
+    consts: int
+
+    def split(self, flat) -> tuple[Any, Any, tuple]:
+        """Flat operands -> (carry, stacked params, consts)."""
+        nc, npar = self.carry.num_leaves, self.params.num_leaves
+        return (jax.tree.unflatten(self.carry, flat[:nc]),
+                jax.tree.unflatten(self.params, flat[nc:nc + npar]),
+                tuple(flat[nc + npar:nc + npar + self.consts]))
+
+    def scan(self, carry, params, consts):
+        def body(c, w):
+            return self.layer(c, w, *consts), None
+        return jax.lax.scan(body, carry, params)[0]
+
+
+#: stack name -> Stack; a name is a digest of the layer function's code location and of
+#: what it computes at the full batch, so a stack filed again under the same name (the
+#: next trace of the same function) replaces one that computes the same
+_STACKS: dict[str, Stack] = {}
+
+
+def stack_named(name: str) -> tuple[Stack, str] | None:
+    """The filed stack an inner ``jit`` call of this name runs, and whether it is the
+    stack's ``"fwd"`` or ``"bwd"``; None for any other name."""
+    if not name.startswith(PREFIX):
+        return None
+    base, _, kind = name.rpartition("_")
+    stack = _STACKS.get(base)
+    if stack is None or kind not in ("fwd", "bwd"):
+        return None
+    return stack, kind
+
+
+def _origin(fn: Callable) -> str:
+    """Where ``fn``'s code is (the wrapped function's, for a ``functools.partial``): two
+    layer functions of one jaxpr at the full batch may differ on micro-batches."""
+    fn = getattr(fn, "func", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return type(fn).__qualname__
+    return f"{code.co_filename}:{code.co_firstlineno}:{code.co_name}"
+
+
+def _named(fn: Callable, name: str) -> Callable:
+    fn.__name__ = fn.__qualname__ = name
+    return jax.jit(fn)
+
+
+def _forward(name: str, carry, params, consts):
+    stack = _STACKS[name]
+    return _named(lambda c, p, k: stack.scan(c, p, k), f"{name}_fwd")(carry, params, consts)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _run(name: str, carry, params, consts):
+    return _forward(name, carry, params, consts)
+
+
+def _fwd(name, carry, params, consts):
+    return _forward(name, carry, params, consts), (carry, params, consts)
+
+
+def _bwd(name, res, ct):
+    stack = _STACKS[name]
+
+    def back(c, p, k, ct):
+        return jax.vjp(stack.scan, c, p, k)[1](ct)
+
+    return _named(back, f"{name}_bwd")(*res, ct)
+
+
+_run.defvjp(_fwd, _bwd)
+
+
+def layers(layer_fn: Callable, carry: Any, stacked_params: Any) -> tuple[Any, None]:
+    """``jax.lax.scan(layer_fn, carry, stacked_params)`` for a layer stack: ``layer_fn(carry,
+    layer_params)`` returns ``(carry, None)`` (no per-layer outputs); ``carry``'s leaves share
+    the leading batch dim, ``stacked_params``' leaves the leading layer dim. Returns
+    ``(carry, None)``. Under ``auto_shard(..., pipeline=Pipeline(...))`` the stack runs as
+    that pipeline; everywhere else it is the scan (its backward recomputes the forward)."""
+    one = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape[1:], w.dtype), stacked_params)
+
+    layer, consts = jax.closure_convert(carry_of(layer_fn, "shardc.pipeline.layers"), carry,
+                                        one)
+    text = str(jax.make_jaxpr(layer)(carry, one, *consts))
+    trees = (jax.tree.structure(carry), jax.tree.structure(stacked_params))
+    digest = hashlib.sha1(f"{_origin(layer_fn)}|{text}|{trees}".encode()).hexdigest()[:16]
+    name = f"{PREFIX}{digest}"
+    _STACKS[name] = Stack(layer_fn, layer, *trees, len(consts))
+    return _run(name, carry, stacked_params, tuple(consts)), None
