@@ -271,7 +271,9 @@ def solve(cg: CostGraph, memory_budget: float | None = None) -> dict[int, int]:
         for _ in range(12):
             x = descend(cg, s, weight)
             over = memory_budget is not None and memory(cg, x) > memory_budget
-            if not over:
+            if not over or weight > objective(cg, x):
+                # fits; or a byte already outweighs the whole step, so more weight moves
+                # nothing (a budget below every plan: 1 byte, as the frontier asks first)
                 break
             weight = max(weight * 4, 1e-3 * objective(cg, x) / memory_budget)
         key = (over, objective(cg, x))

@@ -118,7 +118,10 @@ def solve(cg: CostGraph, options: SolveOptions = SolveOptions()) -> Solution:
         x = _better(cg, x, y, memory_budget)
     t2 = time.perf_counter()
     status, stages, found = Status.DESCENT_ONLY, "", math.inf
-    for _ in range(MEMORY_ROUNDS):
+    # below what the inputs alone hold no round can fit: the leanest plan reached names the
+    # budget (the frontier's first ask, 1 byte, ran every round's ILPs for nothing)
+    hopeless = memory_budget is not None and memory_budget < _floor(cg)
+    for _ in range(0 if hopeless else MEMORY_ROUNDS):
         x, status, stages = _solve_once(cg, x, memory_budget,
                                         options.time_limit if use_ilp else None, folding)
         if memory_budget is None or _peak(cg, x) <= memory_budget:
@@ -139,7 +142,7 @@ def solve(cg: CostGraph, options: SolveOptions = SolveOptions()) -> Solution:
             # named from the starts alone: they are planned again at any budget (a plan the
             # search reached may not be), so the budget named is met when asked for
             needed = min(_peak(cg, y) for y in starts)
-            raise MemoryBudgetError(memory_budget, math.ceil(needed), found)
+            raise MemoryBudgetError(memory_budget, math.ceil(needed), min(found, _peak(cg, x)))
         x = min(fits, key=lambda y: descent.objective(cg, y))
     stats = {"nodes": n_all, "live_nodes": len(cg.live), "edges": len(cg.edges),
              "merge_s": t1 - t0, "descent_s": t2 - t1, "ilp_s": time.perf_counter() - t2}
@@ -166,6 +169,13 @@ def _descent(cg: CostGraph, folding: tuple[CostGraph, dict[int, int]] | None,
         return descent.solve(cg, memory_budget)
     q, cls = folding
     return descent.descend(cg, expand(cls, descent.solve(q, memory_budget)))
+
+
+def _floor(cg: CostGraph) -> float:
+    """Bytes per device no plan goes below: every graph input held for the whole step
+    (:func:`shardc.solve.memory.memory_profile`), each at its most split layout."""
+    return sum(nbytes * min(nd.shard_fraction(cg.axis_sizes) for nd in cg.out_sbps(node, slot))
+               for _, _, node, slot, nbytes in cg.spans[:len(cg.graph.inputs)])
 
 
 def _peak(cg: CostGraph, x: dict[int, int]) -> float:
