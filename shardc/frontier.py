@@ -168,10 +168,9 @@ class Sources:
     ``layouts``: hand-written input layouts the frontier must not lose to (the generic
     layouts of :mod:`shardc.baselines`, the user's seeds); ``segments``: the program's
     forward segments (:mod:`shardc.ir.remat`); ``inputs``, ``shapes``: its graph inputs'
-    bytes and shapes;
-    ``optimizer``: the inputs only its update reads (:func:`shardc.baselines.
-    optimizer_state`); ``mesh``: the physical mesh's axes (a plan on another view lends
-    no layouts)."""
+    bytes and shapes; ``optimizer``: the inputs only its update reads
+    (:func:`shardc.baselines.optimizer_state`); ``mesh``: the physical mesh's axes (a
+    plan on another view lends no layouts)."""
 
     solve: Callable[..., Plan]
     place: Callable[[tuple[int, ...], Mapping[str, Layouts]], Sequence[Plan]] = \
@@ -207,6 +206,8 @@ class _Sweep:
         self.at = {c: k for k, c in enumerate(self.chain)}
         self.kept = [sum(sources.segments[i].kept for i in c) for c in self.chain]
         self.plans: list[Plan] = []
+        self.fast: dict[int, Plan] = {}  # by remat choice (index in chain): no budget
+        self.lean: dict[int, Plan] = {}  # and the smallest budget planned
         self.tried, self.total = 0, 2 + budgets + 2 * bool(sources.segments)
 
     def found(self, what: str, plan: Plan | None) -> Plan | None:
@@ -236,8 +237,8 @@ class _Sweep:
 
     def run(self) -> Frontier:
         src, n = self.src, len(self.chain) - 1
-        self.fast = {0: self.found("no budget", src.solve(None))}
-        self.lean = {0: self.found("the leanest", _leanest(src.solve, ()))}
+        self.fast[0] = self.found("no budget", src.solve(None))
+        self.lean[0] = self.found("the leanest", _leanest(src.solve, ()))
         if n:
             self.fast[n] = self.found(f"{n} segments recomputed", src.solve(None, self.chain[n]))
             self.lean[n] = self.found(f"the leanest with {n} segments recomputed",
