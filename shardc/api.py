@@ -49,7 +49,15 @@ from shardc.calling import (
 )
 from shardc.cost.cluster import DEFAULT_CLUSTER, Cluster
 from shardc.explain import fmt_bytes, fmt_time
-from shardc.frontier import BUDGETS, DeviceCount, DeviceSweep, Frontier, device_counts, sweep
+from shardc.frontier import (
+    BUDGETS,
+    DeviceCount,
+    DeviceSweep,
+    Frontier,
+    Sources,
+    device_counts,
+    sweep,
+)
 from shardc.ir.remat import levels
 from shardc.ir.sbp import Broadcast, NdSbp, from_partition_spec, to_partition_spec
 from shardc.ir.trace import DEFAULT_WHILE_TRIPS, Traced, rematerialized, trace
@@ -624,21 +632,53 @@ class AutoSharded:
 
     def pareto(self, *args, budgets: int = BUDGETS, **kwargs) -> Frontier:
         """The time-memory frontier for these arguments (:mod:`shardc.frontier`): plans at no
-        memory budget, at the smallest one a plan was found for, and at ``budgets`` budgets
-        between, and plans that recompute forward segments' activations (the fastest and
-        the leanest that do); the non-dominated ones, each a plan ``use_plan`` runs.
-        Nothing is cached:
+        memory budget, at the smallest one a plan was found for, at ``budgets`` budgets
+        between and in the gaps they leave, recomputing forward segments' activations as
+        the budget needs, and the generic layouts' plans (:mod:`shardc.baselines`, which
+        also seed every search, with the ``seeds`` option's); the non-dominated ones, each
+        a plan ``use_plan`` runs. Nothing is cached:
         ``step.use_plan(frontier.pick(budget), *args)`` adopts one."""
+        from shardc.baselines import generic_layouts, layout_plan, optimizer_state
+
         call = self.convention.split(args, kwargs)
         _, tr = self._traced(call)
         candidates, seeds = self._problem(call, tr)
+        sizes, names = tuple(self.mesh.axis_sizes), tuple(self.mesh.axis_names)
+        graph, state = tr.traced.graph, self._state(call, tr)
+        optimizer = optimizer_state(graph, state)
+        generic = {f"generic {name}": layouts for name, layouts in generic_layouts(
+            [v.shape for v in graph.inputs], state, sizes, optimizer).items()
+                   if not isinstance(layouts, str)}
+        physical = next((i for i, v in enumerate(candidates) if v.names == names), None)
+        if physical is not None:
+            seeds = [{**s, **generic} if i == physical else s for i, s in enumerate(seeds)]
 
         def solve(budget: float | None, remat: tuple[int, ...] = ()) -> Plan:
             opts = dataclasses.replace(self.options, memory_budget=budget)
             rtr = self._traced(call, remat)[1]
             return self._named(call, rtr, self._solve_views(rtr, candidates, seeds, opts))
 
-        return sweep(solve, budgets, levels(tr.traced.segments))
+        def place(remat: tuple[int, ...], layouts: Mapping[str, Mapping[int, NdSbp]]
+                  ) -> list[Plan]:
+            """The program recomputing ``remat`` placed around each of ``layouts``."""
+            rtr = self._traced(call, remat)[1]
+            t = rtr.traced
+            return [self._named(call, rtr, layout_plan(
+                t.graph, rtr.ties, sizes, names, self.options.cluster, inputs, rtr.fixed,
+                tuple(rtr.resident), t.remat, len(t.segments), name))
+                for name, inputs in layouts.items()]
+
+        inputs = tuple(math.prod(v.shape) * v.dtype.itemsize for v in graph.inputs)
+        return sweep(Sources(solve, place, {} if physical is None else seeds[physical],
+                             tr.traced.segments, inputs,
+                             tuple(tuple(v.shape) for v in graph.inputs), frozenset(optimizer),
+                             tuple(zip(names, sizes))), budgets)
+
+    def _state(self, call: Call, tr: _Traced) -> set[int]:
+        """The graph inputs that are the program's state (:mod:`shardc.baselines`): those
+        its results replace, else the first argument's leaves."""
+        trees = call.arg_trees()
+        return {i for _, i in tr.ties} or set(range(trees[0].num_leaves if trees else 0))
 
     def margins(self, *args, **kwargs):
         """The plan for these arguments beside generic data-parallel, FSDP, Megatron and
@@ -649,12 +689,11 @@ class AutoSharded:
 
         call = self.convention.split(args, kwargs)
         _, tr, plan = self._plan(call)
-        trees = call.arg_trees()
-        state = {i for _, i in tr.ties} or set(range(trees[0].num_leaves if trees else 0))
         compile = None
         if not isinstance(self.mesh, AbstractMesh):
             compile = functools.partial(self._compiled_margin, call, tr, plan, args, kwargs)
-        return margins(tr.traced.graph, tr.ties, plan, state, compile, tuple(tr.resident))
+        return margins(tr.traced.graph, tr.ties, plan, self._state(call, tr), compile,
+                       tuple(tr.resident))
 
     def _compiled_margin(self, call: Call, tr: _Traced, plan: Plan, args, kwargs,
                          layouts: dict[int, NdSbp] | None) -> Predicted:

@@ -14,7 +14,9 @@ argument:
   axes (in argument order; optimizer slots that repeat the parameters' shapes in the same
   order get their parameter's split), other state replicated, data replicated;
 - **DP x TP** (a mesh of two or more axes): Megatron's split over the last axis, data split
-  over the others.
+  over the others;
+- **ZeRO-1** (a state with optimizer slots: inputs only the update reads): data parallel
+  with those slots split as FSDP splits them.
 
 A split that does not divide a dim evenly is left out (that leaf replicated). Each layout
 fixes the graph inputs only. Where the mesh has devices, each layout is compiled as a user
@@ -28,30 +30,34 @@ descent) and priced by :func:`shardc.plan.assemble`, like the plan itself: the t
 these are estimates.
 
 References:
-  ZeRO-3 / FSDP (Rajbhandari et al. 2020); Megatron-LM (Shoeybi et al. 2019) column/row
+  ZeRO-1 and ZeRO-3 / FSDP (Rajbhandari et al. 2020); Megatron-LM (Shoeybi et al. 2019) column/row
   split pairs.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+from shardc.cost.cluster import Cluster
+from shardc.cost.combine import tail_values
 from shardc.explain import fmt_bytes, fmt_time
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Split
 from shardc.plan import Plan, Predicted, assemble
 from shardc.solve import descent
-from shardc.solve.problem import Fixed, build
+from shardc.solve.problem import NOTHING_FIXED, Fixed, build
+from shardc.solve.search import Status
 from shardc.tables import Table
 
-__all__ = ["Baseline", "Margins", "generic_layouts", "margins"]
+__all__ = ["Baseline", "Margins", "generic_layouts", "layout_plan", "margins", "optimizer_state"]
 
 CAPTION = ("generic layouts: DP replicates the state (the arguments the step returns "
            "updated) and splits the data's first dim; FSDP splits each state leaf's largest "
            "divisible dim; Megatron splits 2-D state leaves alternately by column and row, "
-           "data whole; DP x TP: Megatron over the last axis, data over the rest. ")
+           "data whole; DP x TP: Megatron over the last axis, data over the rest; ZeRO-1: "
+           "DP with the optimizer slots split as FSDP splits them. ")
 HOW = {"compiled": "Each compiled with jax.jit from its input shardings, and this plan's "
                    "program, priced from the compiled HLO on the plan's cluster (+ input feed).",
        "estimate": "Estimates (an abstract mesh: nothing to compile): between the fixed "
@@ -127,10 +133,19 @@ def _columns_rows(shapes: list[tuple[int, ...]]) -> list[int]:
     return [1 - (k % period) % 2 for k in range(n)]
 
 
+def optimizer_state(graph: Graph, state: Collection[int]) -> set[int]:
+    """The state inputs that only the update reads (no forward or backward equation: an
+    optimizer's moments and step count), which ZeRO-1 shards."""
+    tail = tail_values(graph)
+    return {k for k in state if graph.inputs[k].id in tail}
+
+
 def generic_layouts(shapes: Sequence[tuple[int, ...]], state: set[int],
-                    sizes: Sequence[int]) -> dict[str, dict[int, NdSbp] | str]:
+                    sizes: Sequence[int], optimizer: Collection[int] = ()
+                    ) -> dict[str, dict[int, NdSbp] | str]:
     """Per baseline, the layout of every graph input (by flat index), or why the mesh
-    cannot express it."""
+    cannot express it; ZeRO-1 where the state has ``optimizer`` inputs
+    (:func:`optimizer_state`)."""
     every = list(range(len(sizes)))
     n = math.prod(sizes)
     data = [k for k in range(len(shapes)) if k not in state]
@@ -153,6 +168,9 @@ def generic_layouts(shapes: Sequence[tuple[int, ...]], state: set[int],
     }
     out["DP x TP"] = {**megatron(every[-1:]), **batch(every[:-1])} if len(sizes) > 1 else \
         "needs a mesh of two or more axes"
+    if optimizer:
+        out["ZeRO-1"] = {**rep, **{k: _split(shapes[k], _largest(shapes[k], n), every, sizes)
+                                   for k in optimizer}, **batch(every)}
     return out
 
 
@@ -168,10 +186,11 @@ def margins(graph: Graph, ties: Sequence[tuple[int, int]], plan: Plan,
     state = set(state) if state is not None else {i for _, i in ties}
     shapes = [v.shape for v in graph.inputs]
     every = "+".join(names)
-    over = {"data parallel": every, "FSDP": every, "Megatron TP": every,
+    over = {"data parallel": every, "FSDP": every, "Megatron TP": every, "ZeRO-1": every,
             "DP x TP": f"dp {'+'.join(names[:-1])}, tp {names[-1]}"}
     out = []
-    for name, layouts in generic_layouts(shapes, state, sizes).items():
+    for name, layouts in generic_layouts(shapes, state, sizes,
+                                         optimizer_state(graph, state)).items():
         if isinstance(layouts, str):
             out.append(Baseline(name, "", None, layouts))
         elif compile is not None:
@@ -187,10 +206,27 @@ def margins(graph: Graph, ties: Sequence[tuple[int, int]], plan: Plan,
 
 def _estimate(graph: Graph, ties: Sequence[tuple[int, int]], plan: Plan,
               layouts: dict[int, NdSbp], resident: Sequence[int]) -> Predicted:
-    cg = build(graph, plan.axis_sizes, plan.axis_names, plan.cluster, ties,
-               fixed=Fixed(inputs=layouts), resident=resident)
+    return layout_plan(graph, ties, plan.axis_sizes, plan.axis_names, plan.cluster, layouts,
+                       resident=resident).predicted
+
+
+def layout_plan(graph: Graph, ties: Sequence[tuple[int, int]], sizes: Sequence[int],
+                names: Sequence[str], cluster: Cluster, layouts: Mapping[int, NdSbp],
+                fixed: Fixed = NOTHING_FIXED, resident: Sequence[int] = (),
+                remat: tuple[int, ...] = (), segments: int = 0, name: str = "") -> Plan:
+    """The plan a hand-written layout of the graph inputs leads to without a search:
+    ``layouts`` pinned (``fixed`` too, which wins where both name an input), the rest placed
+    as a seed is (greedy from the inputs, then coordinate descent) and priced by
+    :func:`shardc.plan.assemble`, for ``graph``, a program that recomputes its forward
+    segments ``remat`` of ``segments``; its solver record names the layout ``name``. A plan
+    that runs: what the margins estimate, and
+    what the frontier (:mod:`shardc.frontier`) holds beside its searched plans."""
+    pinned = Fixed(inputs={**layouts, **fixed.inputs}, outputs=fixed.outputs)
+    cg = build(graph, tuple(sizes), tuple(names), cluster, ties, fixed=pinned,
+               resident=resident)
     cg.merge_followers()
-    x = descent.from_inputs(cg, layouts)
+    x = descent.from_inputs(cg, pinned.inputs)
     if x is None:  # no input kept a layout of its own (every one merged into a use)
         x = descent.solve(cg)
-    return assemble(graph, cg, cg.decode(x), ties, {}).predicted
+    return assemble(graph, cg, cg.decode(x), ties,
+                    {"status": Status.DESCENT_ONLY.value, "seed": name}, remat, segments)

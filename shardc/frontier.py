@@ -18,23 +18,32 @@ References:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import overload
 
 from shardc.explain import fmt_bytes, fmt_time
+from shardc.ir.remat import Segment, prefixes
+from shardc.ir.sbp import NdSbp
 from shardc.plan import Plan
 from shardc.solve.search import MemoryBudgetError
 from shardc.views import mesh_label
 
-__all__ = ["DeviceCount", "DeviceSweep", "Frontier", "device_counts", "sweep"]
+__all__ = ["DeviceCount", "DeviceSweep", "Frontier", "Sources", "device_counts", "sweep"]
 
 log = logging.getLogger("shardc")
 
 BUDGETS = 6
 """Budgets planned between the leanest and the fastest plan's peaks (besides those two)."""
+GAP = 0.1
+"""The widest gap between neighbouring plans :func:`sweep` leaves where it finds a plan: this
+fraction of the frontier's memory range."""
+FILLS = 12
+"""Gaps :func:`sweep` tries to fill at most (each with a few cheap placements, and a search
+where they land nothing in it)."""
 
 
 @dataclass(frozen=True)
@@ -145,57 +154,245 @@ def non_dominated(plans: list[Plan]) -> tuple[Plan, ...]:
     return tuple(out)
 
 
-def sweep(solve: Callable[..., Plan], budgets: int = BUDGETS,
-          remat: Sequence[tuple[int, ...]] = ()) -> Frontier:
-    """Plans from ``solve(memory_budget, remat=())`` (None: no budget; ``remat``: the
-    forward segments the program recomputes): at no budget and at the smallest budget one
-    was found for; for each remat choice in ``remat`` (most recomputed first) the fastest
-    plan recomputing those segments, and for the first the leanest; then at ``budgets``
-    budgets spaced geometrically between the leanest and the fastest plans' peaks, each
-    planned with the choice that recomputes least among those the budget binds (its
-    fastest plan does not fit) and whose leanest plan, where known, fits; a budget no
-    choice can place a new plan in is skipped. Their non-dominated set."""
-    plans: list[Plan] = []
-    tried, total = 0, 2 + budgets + len(remat) + bool(remat)
+Layouts = Mapping[int, NdSbp]
+"""Hand-written layouts of a program's graph inputs, by input index."""
 
-    def found(what: str, plan: Plan | None) -> Plan | None:
+
+@dataclass(frozen=True)
+class Sources:
+    """What :func:`sweep` plans a frontier from. ``solve(budget, remat)``: the fastest plan
+    of the program recomputing the forward segments ``remat`` within ``budget`` bytes per
+    device (None: no budget; :class:`MemoryBudgetError` when none fits).
+    ``place(remat, layouts)``: that program's plan around each of ``layouts`` (by name;
+    input layouts on the physical mesh), placed without a search (as a seed is).
+    ``layouts``: hand-written input layouts the frontier must not lose to (the generic
+    layouts of :mod:`shardc.baselines`, the user's seeds); ``segments``: the program's
+    forward segments (:mod:`shardc.ir.remat`); ``inputs``, ``shapes``: its graph inputs'
+    bytes and shapes; ``optimizer``: the inputs only its update reads
+    (:func:`shardc.baselines.optimizer_state`); ``mesh``: the physical mesh's axes (a
+    plan on another view lends no layouts)."""
+
+    solve: Callable[..., Plan]
+    place: Callable[[tuple[int, ...], Mapping[str, Layouts]], Sequence[Plan]] = \
+        lambda remat, layouts: ()
+    layouts: Mapping[str, Layouts] = field(default_factory=dict)
+    segments: tuple[Segment, ...] = ()
+    inputs: tuple[int, ...] = ()
+    shapes: tuple[tuple[int, ...], ...] = ()
+    optimizer: frozenset[int] = frozenset()
+    mesh: tuple[tuple[str, int], ...] = ()
+
+
+def sweep(sources: Sources, budgets: int = BUDGETS) -> Frontier:
+    """The non-dominated plans among: the fastest plan (no budget) and the leanest (the
+    smallest budget one was found for), of the program as written and of the one that
+    recomputes every forward segment; the hand-written layouts' plans and the fastest
+    plan's layouts at a few remat choices, so no hand-written layout lies below the
+    staircase; plans at ``budgets`` budgets spaced geometrically between the leanest and
+    the fastest peaks; and plans that fill each gap between neighbours wider than
+    :data:`GAP` of the frontier's memory range (:meth:`_Sweep.fill`). The remat choices are
+    the greedy's (:func:`shardc.ir.remat.prefixes`: segments by bytes saved per recomputed
+    FLOP); each budget takes the one :meth:`_Sweep.choose` picks for it."""
+    return _Sweep(sources, budgets).run()
+
+
+class _Sweep:
+    """The bookkeeping of one :func:`sweep`: the plans found, and the remat choices'
+    bytes, to pick one per budget (:meth:`choose`)."""
+
+    def __init__(self, sources: Sources, budgets: int):
+        self.src, self.budgets = sources, budgets
+        self.chain = prefixes(sources.segments)  # remat choices, least recomputed first
+        self.at = {c: k for k, c in enumerate(self.chain)}
+        self.kept = [sum(sources.segments[i].kept for i in c) for c in self.chain]
+        self.plans: list[Plan] = []
+        self.fast: dict[int, Plan] = {}  # by remat choice (index in chain): no budget
+        self.lean: dict[int, Plan] = {}  # and the smallest budget planned
+        self.tried, self.total = 0, 2 + budgets + 2 * bool(sources.segments)
+
+    def found(self, what: str, plan: Plan | None) -> Plan | None:
         """Keep ``plan`` and say so at INFO (``shardc pareto`` prints these lines: a large
         model's frontier takes minutes)."""
-        nonlocal tried
-        tried += 1
+        self.tried += 1
+        self.total = max(self.total, self.tried)
         if plan is not None:
-            plans.append(plan)
-        log.info("shardc: frontier plan %d of %d (%s): %s", tried, total, what,
+            self.plans.append(plan)
+        log.info("shardc: frontier plan %d of %d (%s): %s", self.tried, self.total, what,
                  "none fits" if plan is None else f"{fmt_time(plan.predicted.step_time)} "
                  f"step, {fmt_bytes(plan.predicted.peak_memory)} peak")
         return plan
 
-    def peak(plan: Plan) -> float:
-        return plan.predicted.peak_memory
-
-    fastest = {(): found("no budget", solve(None))}
-    leanest = {(): found("the leanest", _leanest(solve, ()))}
-    for k, segments in enumerate(remat):
-        fastest[segments] = found(f"{len(segments)} segments recomputed", solve(None, segments))
-        if k == 0:
-            leanest[segments] = found(f"the leanest with {len(segments)} segments "
-                                      "recomputed", _leanest(solve, segments))
-    lo, hi = min(map(peak, plans)), peak(fastest[()])
-    ratio = (hi / lo) ** (1.0 / (budgets + 1)) if hi > lo else 1.0
-    for k in range(1, budgets + 1):
-        budget = lo * ratio ** k
-        useful = [c for c in ((), *reversed(remat)) if peak(fastest[c]) > budget and
-                  (c not in leanest or peak(leanest[c]) <= budget)]
-        if not useful:
-            total -= 1  # every choice's fastest plan fits, or none of its plans can
-            continue
+    def solve(self, what: str, budget: float, k: int) -> Plan | None:
         try:
-            plan = solve(budget, useful[0])
+            plan = self.src.solve(budget, self.chain[k])
         except MemoryBudgetError:
             plan = None  # the sampled memory points let no plan through at this budget
-        found(f"budget {fmt_bytes(budget)}" + (
-            f", {len(useful[0])} segments recomputed" if useful[0] else ""), plan)
-    return Frontier(non_dominated(plans))
+        return self.found(f"{what} {fmt_bytes(budget)}" + (
+            f", {len(self.chain[k])} segments recomputed" if k else ""), plan)
+
+    def place(self, k: int, layouts: Mapping[str, Layouts]) -> list[Plan]:
+        plans = list(self.src.place(self.chain[k], layouts)) if layouts else []
+        self.plans.extend(plans)
+        return plans
+
+    def run(self) -> Frontier:
+        src, n = self.src, len(self.chain) - 1
+        self.fast[0] = self.found("no budget", src.solve(None))
+        self.lean[0] = self.found("the leanest", _leanest(src.solve, ()))
+        if n:
+            self.fast[n] = self.found(f"{n} segments recomputed", src.solve(None, self.chain[n]))
+            self.lean[n] = self.found(f"the leanest with {n} segments recomputed",
+                                      _leanest(src.solve, self.chain[n]))
+        # the hand-written layouts with no and every segment recomputed, and the fastest
+        # plan's layouts recomputing a quarter, half and three quarters of the bytes (cheap)
+        self.place(0, src.layouts)
+        if n:
+            self.place(n, src.layouts)
+        for k in sorted({min(range(1, n), key=lambda k: abs(self.kept[k] - q * self.kept[n]))
+                         for q in (0.25, 0.5, 0.75)} if n > 1 else ()):
+            self.place(k, self._own(self.fast[0]))
+        lo, hi = min(map(_peak, self.plans)), _peak(self.fast[0])
+        ratio = (hi / lo) ** (1.0 / (self.budgets + 1)) if hi > lo else 1.0
+        for j in range(1, self.budgets + 1):
+            budget = lo * ratio ** j
+            k = self.choose(budget)
+            if k in self.fast and _peak(self.fast[k]) <= budget:
+                self.total -= 1  # the budget does not bind this choice's fastest plan
+                continue
+            self.solve("budget", budget, k)
+        self.fill()
+        return Frontier(non_dominated(self.plans))
+
+    def choose(self, budget: float) -> int:
+        """The remat choice to plan ``budget`` with: where recomputing saves bytes more
+        cheaply (in step time per byte, between the fastest plans with none and every
+        segment recomputed) than sharding more does (between the fastest and the leanest
+        plan recomputing every segment), the least recomputed whose fastest plan is
+        estimated to fit (else all); otherwise the least recomputed whose leanest plan is.
+        Peaks are estimated by interpolating the two ends in the bytes each choice stops
+        holding."""
+        n = len(self.chain) - 1
+        if not n:
+            return 0
+
+        def est(ends: dict[int, Plan], k: int) -> float:
+            return _peak(ends[0]) + (_peak(ends[n]) - _peak(ends[0])) * self.kept[k] / \
+                max(self.kept[n], 1)
+
+        def rate(a: Plan, b: Plan) -> float:  # step time per byte b saves over a
+            saved = _peak(a) - _peak(b)
+            return (_time(b) - _time(a)) / saved if saved > 0 else math.inf
+
+        ends = self.fast if rate(self.fast[0], self.fast[n]) <= \
+            rate(self.fast[n], self.lean[n]) else self.lean
+        return next((k for k in range(n + 1) if est(ends, k) <= budget), n)
+
+    def fill(self) -> None:
+        """Plan into each gap between neighbouring plans ``a`` (leaner) and ``b`` wider than
+        :data:`GAP` of the memory range, widest first: once cheaply, ``b``'s layouts
+        recomputing enough more segments to reach the gap's middle, and ``b``'s layouts
+        partly replaced by ``a``'s (:meth:`_mixed`); where none lands in the gap, a search
+        at the middle's budget. A search that finds no plan in the gap shows that none
+        below its budget beats ``a`` (as far as the search sees), so the gap left to
+        explore is its upper part: searches bisect it until what is left is narrower than
+        :data:`GAP`. At most :data:`FILLS` tries and ``budgets + 3`` searches."""
+        cheap_tried: set[tuple[float, float]] = set()
+        explored: list[tuple[float, float]] = []  # (peak, budget): nothing better between
+        searches = 0
+
+        def floor(a: Plan, b: Plan) -> float:
+            """Where the unexplored part of the gap from ``a`` to ``b`` starts."""
+            return max([hi for lo, hi in explored if lo <= _peak(a) and hi < _peak(b)],
+                       default=_peak(a))
+
+        for _ in range(FILLS):
+            front = non_dominated(self.plans)
+            width = GAP * (_peak(front[-1]) - _peak(front[0]))
+            gaps = [(_peak(b) - max(_peak(a), floor(a, b)), a, b)
+                    for a, b in zip(front, front[1:])
+                    if (searches < self.budgets + 3 or (_peak(a), _peak(b)) not in cheap_tried)
+                    and _peak(b) - max(_peak(a), floor(a, b)) > width]
+            if not gaps:
+                return
+            _, a, b = max(gaps, key=lambda g: g[0])
+            start = max(_peak(a), floor(a, b))
+            middle = (start + _peak(b)) / 2
+            if (_peak(a), _peak(b)) not in cheap_tried:
+                cheap_tried.add((_peak(a), _peak(b)))
+                cheap = self._more_remat(b, middle) + self._mixed(a, b)
+                if any(_peak(a) < _peak(p) < _peak(b) and _time(p) < _time(a) for p in cheap):
+                    continue
+                if searches >= self.budgets + 3:
+                    continue
+            self.total += 1
+            searches += 1
+            plan = self.solve("gap at", middle, self.choose(middle))
+            explored.append((start if plan is None else min(_peak(plan), start), middle))
+
+    def _more_remat(self, b: Plan, middle: float) -> list[Plan]:
+        """``b``'s layouts on the program recomputing the fewest more segments (greedy
+        order) estimated to bring its peak to ``middle``, at the rate the fastest plans'
+        peaks fall per byte a segment stops holding."""
+        n, k = len(self.chain) - 1, self.at.get(b.remat)
+        if not n or k is None or k == n or _peak(self.fast[n]) >= _peak(self.fast[0]):
+            return []
+        per_byte = (_peak(self.fast[0]) - _peak(self.fast[n])) / max(self.kept[n], 1)
+        need = (_peak(b) - middle) / per_byte
+        more = next((j for j in range(k + 1, n + 1) if self.kept[j] - self.kept[k] >= need), n)
+        return self.place(more, self._own(b))
+
+    def _own(self, plan: Plan) -> dict[str, Layouts]:
+        """``plan``'s input layouts, to place a program around (none from another view)."""
+        if plan.mesh_axes != self.src.mesh:
+            return {}
+        return {f"the inputs of a plan recomputing {len(plan.remat)} segments":
+                dict(enumerate(plan.inputs))}
+
+    def _mixed(self, a: Plan, b: Plan) -> list[Plan]:
+        """``b``'s input layouts partly replaced by ``a``'s, on ``b``'s program: ``a``'s
+        layouts of some inputs, until half the bytes per device ``a``'s save over ``b``'s
+        (the largest savings first; and the optimizer's slots first, ZeRO's trade: the
+        update alone reads them); and ``a``'s layouts over some of the mesh axes only,
+        ``b``'s over the rest (sharded within a node and replicated across, as HSDP is),
+        where that splits every input evenly."""
+        k = self.at.get(b.remat)
+        if k is None or not self._own(a) or not self._own(b) or not self.src.shapes:
+            return []
+        sizes = a.axis_sizes
+        saves = {i: self.src.inputs[i] * (y.shard_fraction(sizes) - x.shard_fraction(sizes))
+                 for i, (x, y) in enumerate(zip(a.inputs, b.inputs)) if x != y}
+        saves = {i: s for i, s in saves.items() if s > 0}
+        mixes: dict[str, dict[int, NdSbp]] = {}
+        for first in (frozenset(), self.src.optimizer):
+            run, taken = 0.0, []
+            for i in sorted(saves, key=lambda i: (i not in first, -saves[i], i)):
+                if run >= sum(saves.values()) / 2:
+                    break
+                run += saves[i]
+                taken.append(i)
+            mix = {**dict(enumerate(b.inputs)), **{i: a.inputs[i] for i in taken}}
+            if taken and mix not in mixes.values():
+                mixes[f"{len(taken)} inputs laid out as a leaner plan's" + (
+                    ", the optimizer's first" if first else "")] = mix
+        names = [n for n, _ in a.mesh_axes]
+        for r in range(1, len(sizes)):
+            for axes in itertools.combinations(range(len(sizes)), r):
+                mix = {i: NdSbp(tuple(x.sbps[j] if j in axes else y.sbps[j]
+                                      for j in range(len(sizes))))
+                       for i, (x, y) in enumerate(zip(a.inputs, b.inputs))}
+                if all(nd.fits(self.src.shapes[i], sizes) for i, nd in mix.items()) and \
+                        mix not in mixes.values():
+                    mixes[f"a leaner plan's layouts over {'+'.join(names[j] for j in axes)}"
+                          ] = mix
+        return self.place(k, mixes)
+
+
+def _peak(plan: Plan) -> float:
+    return plan.predicted.peak_memory
+
+
+def _time(plan: Plan) -> float:
+    return plan.predicted.step_time
 
 
 def _leanest(solve: Callable[..., Plan], remat: tuple[int, ...]) -> Plan:

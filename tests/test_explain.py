@@ -146,6 +146,10 @@ def test_generic_layouts_follow_their_rules():
     gpu = lambda d: NdSbp((B, Split(d)))  # noqa: E731
     assert got["DP x TP"] == {0: gpu(1), 1: gpu(0), 2: rep, 3: gpu(1), 4: gpu(0),
                               5: NdSbp((Split(0), B))}
+    assert "ZeRO-1" not in got  # no optimizer slots named
+    # ZeRO-1: data parallel, with the slots (inputs only the update reads) split as in FSDP
+    zero = generic_layouts(shapes, state, (2, 4), optimizer={3, 4})["ZeRO-1"]
+    assert zero == {0: rep, 1: rep, 2: rep, 3: both(1), 4: both(0), 5: both(0)}
     assert isinstance(generic_layouts(shapes, state, (8,))["DP x TP"], str)
     # a split that does not divide: replicated
     assert generic_layouts([(6, 3), (5,)], {0}, (4,))["FSDP"] == {0: NdSbp((B,)),
@@ -161,6 +165,7 @@ def test_explain_prints_margins_against_generic_layouts(mlp_plan):
                                  cluster=shardc.Cluster.multi_node())
     margins = abstract.margins(*args)
     assert margins.source == "estimate"
+    # plain SGD: no optimizer slots, so no ZeRO-1
     assert [b.name for b in margins.baselines] == ["data parallel", "FSDP", "Megatron TP",
                                                    "DP x TP"]
     text = plan.explain(max_rows=3, margins=margins)

@@ -102,8 +102,9 @@ def test_the_cli_prints_plots_and_saves_the_frontier(tmp_path, capsys):
     from shardc.cli import main
 
     out, png = tmp_path / "f.json", tmp_path / "f.png"
-    main(["pareto", "mlp", "--mesh", "2x4", "--budgets", "2", "--plot", str(png),
-          "--out", str(out)])
+    # a short ILP guard: the test reads the command's output, not the plans' quality
+    main(["pareto", "mlp", "--mesh", "2x4", "--budgets", "2", "--time-limit", "0.5",
+          "--plot", str(png), "--out", str(out)])
     captured = capsys.readouterr()
     printed = captured.out
     assert "plans on the time-memory frontier" in printed and "peak per device" in printed

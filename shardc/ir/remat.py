@@ -41,8 +41,8 @@ import jax
 from jax._src import ad_checkpoint
 from jax.extend import core as jcore
 
-__all__ = ["GATE", "Segment", "gate_checkpoints", "is_gate", "levels", "order", "rematerialize",
-           "segments"]
+__all__ = ["GATE", "Segment", "gate_checkpoints", "is_gate", "levels", "order", "prefixes",
+           "rematerialize", "segments"]
 
 GATE = "shardc_remat_gate"
 """The name scope of :func:`_gate`'s equations: the lowering runs a gate's select in its
@@ -222,6 +222,14 @@ def levels(segs: Sequence[Segment]) -> list[tuple[int, ...]]:
     if half != out[0]:
         out.append(half)
     return out
+
+
+def prefixes(segs: Sequence[Segment]) -> list[tuple[int, ...]]:
+    """The greedy's remat choices, least recomputed first: none, the segment with the best
+    trade (:func:`order`), the best two, and so on to every segment (each sorted). The
+    time-memory frontier (:mod:`shardc.frontier`) picks among them by budget."""
+    best = order(segs)
+    return [tuple(sorted(best[:k])) for k in range(len(segs) + 1)]
 
 
 def rematerialize(closed, segs: Sequence[Segment], chosen: Iterable[int]):
