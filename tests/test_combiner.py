@@ -64,3 +64,32 @@ def test_tensor_parallel_mlp_predicts_the_compiled_collective_counts():
     check = plan.verify(step.lower(*args).compile(), mesh)
     assert check.counts_match, check.report()
     assert abs(check.time_error) < 0.01, check.report()
+
+
+def _peak(compiled) -> float:
+    m = compiled.memory_analysis()
+    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - m.alias_size_in_bytes)
+
+
+def test_micro_batched_step_predicts_the_reduce_scatters_whole_buffers():
+    """Gradient accumulation unrolled over 4 micro-batches, planned on a (2, 4) NVLink node
+    (the bench's accum cell): each micro-batch's weight gradients are reduce-scattered, and
+    XLA:CPU combines all eight into one all-reduce of the whole gradients (then slices
+    them), its operands and results live at once, the summed gradients read after it. The
+    predicted peak is within 10% of what XLA allocates (it was 30% under)."""
+    from shardc.models.accum import AccumConfig, abstract_args, build_step
+
+    cfg = AccumConfig.bench(n_layers=2)
+    mesh = jax.make_mesh((2, 4), ("gpu2", "gpu4"), axis_types=(AxisType.Auto,) * 2)
+    step = shardc.auto_shard(build_step(cfg), mesh=mesh,
+                             cluster=Cluster.nvlink_node(("gpu2", "gpu4")), mesh_search=False)
+    args = abstract_args(cfg)
+    plan = step.plan(*args)
+    compiled = step.lower(*args).compile()
+    scattered = [r for r in plan.reshards if any(c.startswith("reduce-scatter")
+                                                 for c in r.collectives)]
+    assert len(scattered) == 8  # 2 weights x 4 micro-batches: the case this pins
+    assert abs(plan.predicted.peak_memory / _peak(compiled) - 1) <= 0.10, \
+        (plan.predicted.peak_memory / 2**20, _peak(compiled) / 2**20)
+
