@@ -128,7 +128,12 @@ def test_micro_batched_step_reduces_the_summed_gradients_once():
         feed = feed_seconds(compiled, args[1], cluster)
         return [c.time + feed for c in price_all(compiled, mesh, models)]
 
-    ours = priced(step.lower(*args).compile())
+    compiled = step.lower(*args).compile()
+    ours = priced(compiled)
+    # the partial sums are pinned stacked, so XLA fuses none into its reader: each
+    # micro-batch's gradient dies at the add that reads it (the peak was 18% over)
+    assert abs(plan.predicted.peak_memory / _peak(compiled) - 1) <= 0.10, \
+        (plan.predicted.peak_memory / 2**20, _peak(compiled) / 2**20)
     dp = next(e for e in seed_experts(mesh, cluster) if e.name == "data-parallel")
     theirs = priced(compile_expert(fn, *args, mesh, dp, accum.param_axes)[1].compile())
     assert all(a <= b for a, b in zip(ours, theirs, strict=True)), (ours, theirs)

@@ -328,6 +328,12 @@ def memory_profile(cg: CostGraph, choice: Sequence[int]) -> np.ndarray:
             made[k] = (start, max(start, min(end, max(c[0] for c in via))), b)
         elif vid in cg.fusion[0] and all(c is not None for c in via):
             made += _cut_fusion(cg, choice, vid, max(c[0] for c in via), made, made_at)
+        elif vid in cg.fusion[0] and vid in cg.producer and \
+                cg.out_sbp(*cg.producer[vid], choice[cg.producer[vid][0]]).has_partial:
+            # a partial sum the lowering holds stacked: pinned, so XLA fuses it into none
+            # of its readers; it lives to its last read, as do the values it is made from
+            (start, _, b), = _cut_fusion(cg, choice, vid, 0, made, made_at)
+            made.append((start, max(start, cg.fusion[1].get(vid, start)), b))
     delta = np.zeros(n + 2)
     for start, end, b in host(made, results) + moved:
         delta[start] += b
