@@ -521,13 +521,14 @@ class AutoSharded:
                 priced[name if is_physical else f"{name} on {view.label}"] = cost
             solver = {"status": sol.status.value, "objective": sol.objective, **sol.stats}
             plan = assemble(graph, cg, sol.choice, tr.ties, solver, tr.traced.remat,
-                            len(tr.traced.segments))
+                            len(tr.traced.segments), _platform(self.mesh))
             for name, choice in sol.seed_choices.items():
                 # the objective prices combined collectives by shares; a seed close to the
                 # plan is priced as the plan is, so the plan predicts no more than any seed
                 if costs.get(name, math.inf) <= sol.objective * SEED_RECHECK:
                     other = assemble(graph, cg, choice, tr.ties, {**solver, "seed": name},
-                                     tr.traced.remat, len(tr.traced.segments))
+                                     tr.traced.remat, len(tr.traced.segments),
+                                     _platform(self.mesh))
                     if other.predicted.step_time < plan.predicted.step_time:
                         plan = other
             tried.append({"mesh": view.label, "predicted_s": plan.predicted.step_time,

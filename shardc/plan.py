@@ -23,7 +23,8 @@ from jax.sharding import PartitionSpec
 
 from shardc.cost.cluster import Cluster
 from shardc.cost.collectives import seconds
-from shardc.cost.combine import COMBINED_KINDS, alpha_scales
+from shardc.cost.combine import alpha_scales, combiner_for
+from shardc.cost.combiner import Pending, Use, combine_groups
 from shardc.cost.comm import conversion
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Partial, to_partition_spec
@@ -493,13 +494,14 @@ def _field(name: str):
 
 def _combine(reshards: list, ops: list, comm: float, combined: dict, model: str
              ) -> tuple[list, list, float]:
-    """Price each group of collectives XLA combines into one tuple collective (the tail
-    values' all-reduces of one loop level and group: :mod:`shardc.cost.combine`) as that
-    one collective: NCCL picks its algorithm and protocol for the whole buffer, and it pays
-    one latency. Each member's reshard (and its reader's comm time) gets its part of the
-    group's time in proportion to its bytes, in place of the share it was charged."""
+    """Price each group of collectives XLA combines into one tuple collective
+    (:func:`shardc.cost.combiner.combine_groups`; one of a kind per combined set, keyed
+    ``(kind, group, runs, set)``) as that one collective: NCCL picks its algorithm and
+    protocol for the whole buffer, and it pays one latency. Each member's reshard (and its
+    reader's comm time) gets its part of the group's time in proportion to its bytes, in
+    place of the share it was charged (a collective left alone: its full time)."""
     delta: dict[int, float] = {}
-    for (kind, group, times), members in combined.items():
+    for (kind, group, times, _), members in combined.items():
         whole = sum(b for _, b, _ in members)
         if not whole:
             continue
@@ -520,10 +522,33 @@ def _combine(reshards: list, ops: list, comm: float, combined: dict, model: str
     return out, ops, comm + sum(delta.values())
 
 
+def _joined(graph: Graph, uses: list, via: dict, pending: list, combiner, reshards: list
+            ) -> dict[tuple, list[tuple[int, float, float]]]:
+    """Run XLA's combiner on the plan's collectives (:func:`shardc.cost.combiner.
+    combine_groups`): mark each reshard's collectives with the combined collective they join
+    (``Reshard.combined``, in place) and return the members of each, keyed ``(kind, group,
+    runs, set)``, as :func:`_combine` prices them (a collective left alone is a set of one)."""
+    sets = combine_groups(graph, uses, via, [p for p, _ in pending], combiner)
+    combined: dict[tuple, list[tuple[int, float, float]]] = {}
+    joins = {k: list(r.combined) for k, r in enumerate(reshards)}
+    for n, ((p, (kind, group, times, charged)), g) in enumerate(zip(pending, sets, strict=True)):
+        key = (kind, group, times, g if g >= 0 else -1 - n)
+        combined.setdefault(key, []).append((p.reshard, p.nbytes, charged))
+        if g >= 0:
+            joins[p.reshard][p.position] = list(combined).index(key)
+    for k, j in joins.items():
+        if tuple(j) != reshards[k].combined:
+            reshards[k] = dataclasses.replace(reshards[k], combined=tuple(j))
+    return combined
+
+
 def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[tuple[int, int]],
-             solver: dict, remat: tuple[int, ...] = (), segments: int = 0) -> Plan:
+             solver: dict, remat: tuple[int, ...] = (), segments: int = 0,
+             platform: str | None = None) -> Plan:
     """Build the Plan from per-node choices of a cost graph ``cg`` (solve.problem.CostGraph)
-    of ``graph``, a program that recomputes its segments ``remat`` of ``segments``."""
+    of ``graph``, a program that recomputes its segments ``remat`` of ``segments``, compiled
+    for ``platform`` (whose combiners join collectives: :func:`shardc.cost.combiner.
+    combiner_for`; XLA:CPU's when None)."""
     sizes, names, cluster = cg.axis_sizes, cg.axis_names, cg.cluster
     rate = cluster.device_flops * cluster.utilization
     values: dict[int, NdSbp] = {}
@@ -534,11 +559,13 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
     ops, reshards = [], []
     comm = wire = compute = 0.0
 
-    done: set = set()
+    done: dict[tuple, int] = {}  # (value, src, dst) -> its reshard
     folded = graph.constants()  # read partial, one is made so (as in the cost graph)
-    #: (kind, group, runs) -> (reshard index, buffer bytes, seconds charged) of the
-    #: collectives XLA combines into one tuple collective (see :func:`_combine`)
-    combined: dict[tuple, list[tuple[int, float, float]]] = {}
+    combiner = combiner_for(platform)
+    uses: list[Use] = []  # per reshard, where it sits (for XLA's combiner)
+    via: dict[tuple[int, int], int] = {}  # (consumer, value) -> the reshard it reads
+    #: the collectives a combiner may join, with (kind, group, runs, seconds charged)
+    pending: list[tuple[Pending, tuple]] = []
 
     def record(value, consumer, src, dst, times: int = 1) -> float:
         """Price converting ``value`` from ``src`` to ``dst`` for ``consumer``, ``times``
@@ -548,21 +575,25 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
         gathered for the forward and the backward dot compiles to one all-gather)."""
         nonlocal comm, wire
         conv = conversion(src, dst, sizes, names, cluster)
-        if not conv.collectives or (value.id, src, dst) in done or \
-                value.id in folded and dst.has_partial:
+        if not conv.collectives or value.id in folded and dst.has_partial:
             return 0.0
-        done.add((value.id, src, dst))
+        if (value.id, src, dst) in done:
+            via.setdefault((consumer, value.id), done[(value.id, src, dst)])
+            return 0.0
+        done[(value.id, src, dst)] = via[(consumer, value.id)] = len(reshards)
+        uses.append(Use(value.id, consumer))
         share = scale.get(value.id, 1.0)
         t = conv.time(value.nbytes, share) * times
-        joins = []
-        for c in conv.collectives:
-            if share < 1.0 and c.group is not None and c.kind in COMBINED_KINDS:
-                members = combined.setdefault((c.kind, c.group, times), [])
-                members.append((len(reshards), c.buffer_factor * value.nbytes,
-                                c.seconds(value.nbytes, cluster.collective_model, share) * times))
-                joins.append(list(combined).index((c.kind, c.group, times)))
-            else:
-                joins.append(-1)
+        for k, c in enumerate(conv.collectives):
+            family = combiner.family(c.kind)
+            if c.group is not None and family is not None:
+                op = next((s.op for a in c.axes if isinstance(s := src.sbps[a], Partial)),
+                          "sum")
+                key = (family, c.axes, op, value.type_str().split("[")[0], times)
+                pending.append((Pending(len(reshards), k, key, c.buffer_factor * value.nbytes),
+                                (c.kind, c.group, times,
+                                 c.seconds(value.nbytes, cluster.collective_model, share)
+                                 * times)))
         comm += t
         wire += conv.wire_bytes(value.nbytes) * times
         reshards.append(Reshard(value.id, consumer, src, dst, t,
@@ -570,7 +601,8 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
                                 tuple(f"{c.kind}@{'+'.join(names[a] for a in c.axes)}"
                                       for c in conv.collectives),
                                 tuple(c.bytes_factor * value.nbytes * times
-                                      for c in conv.collectives), tuple(joins)))
+                                      for c in conv.collectives),
+                                (-1,) * len(conv.collectives)))
         return t
 
     settled = {vid: cg.choices[w][choice[w]] for vid, w in cg.settle.items()}
@@ -626,6 +658,7 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
         if not v.is_const:
             record(v, -1 - j, src, dst)
         outputs.append(dst)
+    combined = _joined(graph, uses, via, pending, combiner, reshards)
     reshards, ops, comm = _combine(reshards, ops, comm, combined, cluster.collective_model)
     peak = float(np.max(memory_profile(cg, choice)))  # the profile budgets are held to
     carried = set(tied.values()) | cg.resident

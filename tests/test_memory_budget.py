@@ -108,11 +108,16 @@ def test_fused_values_hold_no_buffer():
 def test_the_gradients_all_reduces_are_one_buffer_from_the_last_gradient_on():
     # XLA:CPU combines a data-parallel step's gradient all-reduces into one tuple
     # all-reduce: it waits for the last gradient, and every reduced gradient lives from
-    # there to its reader; a copy read before the last gradient is made runs alone
+    # there to its reader (a reader before it waits: a micro-batch's gradient summed with
+    # the next); a copy another member is computed from cannot wait: it runs alone.
+    # ``joins``: (the copy's value's bit, the bits of the tail values computed from it)
     from shardc.solve.memory import combined
 
-    copies = [[10, 12, 100.0, 5, True], [11, 11, 100.0, 8, True], [6, 9, 50.0, 2, True],
-              [3, 4, 10.0, 1, False]]
+    copies = [[10, 12, 100.0, 5, (1, 0)], [11, 11, 100.0, 8, (2, 0)],
+              [6, 9, 50.0, 2, (4, 0)], [3, 4, 10.0, 1, None]]
+    assert combined(copies) == [(9, 12, 100.0), (9, 11, 100.0), (9, 9, 50.0), (3, 4, 10.0)]
+    copies = [[10, 12, 100.0, 5, (1, 0)], [11, 11, 100.0, 8, (2, 0)],
+              [6, 9, 50.0, 2, (4, 2)], [3, 4, 10.0, 1, None]]  # the second is made from it
     assert combined(copies) == [(9, 12, 100.0), (9, 11, 100.0), (6, 9, 50.0), (3, 4, 10.0)]
 
 

@@ -8,10 +8,14 @@ each other in that sense: their collectives share one latency. The cost model ch
 them ``α / K`` for ``K`` tail values, so a plan that reduces all of them pays about one ``α``,
 as the compiled program does.
 
-Only the kinds in :data:`COMBINED_KINDS` share: XLA:CPU (jax 0.10) runs the all-reduce
-combiner but no all-gather combiner (five independent all-gathers of sharded parameters
-compile to five ``all-gather`` ops), and its reduce-scatters are all-reduces followed by a
-slice, so they combine as all-reduces do.
+These shares are the search's estimate; the plan's predicted figures and counts run
+XLA's combiner itself on the chosen collectives (:mod:`shardc.cost.combiner`), which also
+joins collectives outside the tail that do not depend on each other (a loss's all-reduce
+and the backward pass's). Only the kinds in :data:`COMBINED_KINDS` share: XLA:CPU (jax
+0.10) runs the all-reduce combiner but no all-gather combiner (five independent all-gathers
+of sharded parameters compile to five ``all-gather`` ops), and its reduce-scatters are
+all-reduces followed by a slice, so they combine as all-reduces do (:class:`Combiner`: the
+backends' combiners).
 
 References:
   XLA ``all_reduce_combiner.cc`` / ``all_gather_combiner.cc`` (combine independent
@@ -19,6 +23,8 @@ References:
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from shardc.ir.graph import Graph
 from shardc.ir.prims import facts
@@ -63,3 +69,44 @@ def alpha_scales(graph: Graph) -> dict[int, float]:
                 if v.id in tail:
                     entries[op.weight] = entries.get(op.weight, 0) + 1
     return {vid: 1.0 / max(entries.get(runs.get(vid, 1), 1), 1) for vid in tail}
+
+
+@dataclass(frozen=True, slots=True)
+class Combiner:
+    """A backend's collective combiners: which kinds join (``families``: kind -> the
+    combiner that takes it; kinds of one family combine with each other), and each combined
+    collective's limits in result bytes and operands.
+
+    Backend-specific: :data:`XLA_CPU` is what the bench compiles on (jax 0.10 XLA:CPU:
+    an all-reduce combiner only; a reduce-scatter is an all-reduce and a slice there, so it
+    combines with all-reduces of its group), :data:`XLA_GPU` XLA:GPU's defaults (all-reduce,
+    all-gather and reduce-scatter combiners, each to 30 MiB). ``scatter_as_all_reduce``:
+    the backend runs a reduce-scatter as an all-reduce of the whole buffer and a slice
+    (XLA:CPU), so the whole buffer is held while it runs.
+
+    References:
+      XLA ``cpu_compiler.cc`` (``AllReduceCombiner`` with ``kCombineBytes`` = int64 max,
+      ``kCombineCount`` = 256); XLA:GPU ``xla_gpu_all_reduce_combine_threshold_bytes`` and
+      its all-gather / reduce-scatter twins (30 MiB).
+    """
+
+    backend: str
+    families: tuple[tuple[str, str], ...]
+    threshold_bytes: float
+    threshold_count: int
+    scatter_as_all_reduce: bool = False
+
+    def family(self, kind: str) -> str | None:
+        return dict(self.families).get(kind)
+
+
+XLA_CPU = Combiner("cpu", (("all-reduce", "all-reduce"), ("reduce-scatter", "all-reduce")),
+                   float(2**63 - 1), 256, scatter_as_all_reduce=True)
+XLA_GPU = Combiner("gpu", (("all-reduce", "all-reduce"), ("all-gather", "all-gather"),
+                           ("reduce-scatter", "reduce-scatter")), 30 * 2**20, 256)
+COMBINERS = {"cpu": XLA_CPU, "gpu": XLA_GPU, "cuda": XLA_GPU, "rocm": XLA_GPU}
+
+
+def combiner_for(platform: str | None) -> Combiner:
+    """The combiner of the backend ``platform`` compiles for (XLA:CPU's when unknown)."""
+    return COMBINERS.get(platform or "cpu", XLA_CPU)

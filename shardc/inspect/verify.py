@@ -4,10 +4,10 @@ Collectives are compared per kind (all-reduce, all-gather, reduce-scatter, all-t
 collective-permute): count (each op once, a loop body's once), wire bytes per device and
 time on the plan's cluster (inside a loop body, times its trips). The planned count counts
 the collectives the plan expects XLA to combine into one tuple collective once
-(``Reshard.combined``: the gradients' all-reduces of a step's tail); XLA:CPU has no
-all-gather combiner, and GPU backends may combine more, so counts are a backend's, while
-bytes and time are the measures. A kind only in the HLO is *unplanned*, only in the plan
-is *missing*.
+(``Reshard.combined``, made by running the backend's combiner on the plan:
+:mod:`shardc.cost.combiner`). Counts are a backend's: XLA:CPU has an all-reduce combiner
+only, XLA:GPU combines all-gathers and reduce-scatters too, each to a byte limit. A kind
+only in the HLO is *unplanned*, only in the plan is *missing*.
 """
 
 from __future__ import annotations

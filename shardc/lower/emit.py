@@ -51,7 +51,7 @@ from shardc.lower.partial import (
 )
 from shardc.pipeline.lowering import Stacks
 from shardc.solve.memory import carry_exit, reads
-from shardc.solve.problem import loop_ties
+from shardc.solve.problem import loop_ties, unrolled_sums
 
 
 def _split_whole(planned) -> bool:
@@ -100,7 +100,7 @@ class _Lowering(ControlFlow):
     left unconstrained (:meth:`~shardc.ir.graph.Graph.constants`)."""
 
     __slots__ = ("plan", "mesh", "by_op", "free", "read_whole", "shardings", "stacked",
-                 "converted", "stacks")
+                 "converted", "stacks", "sums")
 
     def __init__(self, plan, mesh: Mesh, graph):
         self.plan = plan
@@ -117,6 +117,7 @@ class _Lowering(ControlFlow):
         #: the layer stacks run as the plan's pipeline (:mod:`shardc.pipeline.lowering`)
         self.stacks = Stacks(plan.pipeline, mesh, self.by_op) \
             if plan.pipeline is not None else None
+        self.sums = unrolled_sums(graph)  # a Python loop's sums, which may stay partial
 
     def constrain(self, x, nd: NdSbp | None):
         if nd is None or nd.has_partial or not hasattr(x, "shape"):
@@ -167,7 +168,7 @@ class _Lowering(ControlFlow):
             for nd in conversion_steps(self.plan, src, dst):
                 arr = self.constrain_stacked(arr, want, nd)
             return Stacked(arr, want)
-        x = unstack(x)
+        x = self._unstack(x, src)
         if not want:
             return x if src is None else self.convert(x, src, dst)
         whole = NdSbp(tuple(B if a in want else s for a, s in enumerate(dst.sbps)))
@@ -202,17 +203,49 @@ class _Lowering(ControlFlow):
             held.append(axes)
             if axes:
                 todo.append(v)
+        self._stack_back(made, todo)
+        return held
+
+    def _unstack(self, x, nd: NdSbp | None):
+        """``x``'s value (:func:`unstack`); held stacked over several mesh axes (in layout
+        ``nd``), its summands' dims made one, split over all those axes, and summed: one
+        all-reduce over them all, as priced (summed dim by dim, XLA runs one per axis)."""
+        if not isinstance(x, Stacked) or len(x.axes) < 2 or nd is None:
+            return unstack(x)
+        k = len(x.axes)
+        sh = stacked_sharding(self.mesh, x.axes, nd, x.x.ndim - k)
+        if sh is None:
+            return unstack(x)
+        arr = jax.lax.with_sharding_constraint(x.x, sh)
+        arr = arr.reshape((-1,) + arr.shape[k:])
+        arr = jax.lax.with_sharding_constraint(arr, NamedSharding(
+            self.mesh, PartitionSpec(tuple(sh.spec[:k]), *sh.spec[k:])))
+        return jnp.sum(arr, axis=0, dtype=arr.dtype)
+
+    def stack_top(self, region: Region) -> None:
+        """Record which of the program's own values are held stacked: the sums a Python
+        loop makes of partial values (:func:`shardc.solve.problem.unrolled_sums`) the plan
+        keeps partial, and back from each, the partial values they are made from."""
+        made = {v.id: op for op in region.steps
+                if not isinstance(op, (Region, Loop, Fork, Inlined)) for v in op.outputs}
+        self._stack_back(made, [v for v, op in made.items() if op.id in self.sums
+                                and sum_axes(self.by_op[op.id].outs[0])
+                                and v not in self.plan.settled])
+
+    def _stack_back(self, made: dict, todo: list) -> None:
+        """Hold stacked each value of ``todo`` (or id) made by an op of ``made`` that
+        :func:`stackable` allows, and back from it, every partial value it reads."""
         while todo:
             v = todo.pop()
-            op = made.get(v.id)
+            vid = v if isinstance(v, int) else v.id
+            op = made.get(vid)
             planned = self.by_op.get(op.id) if op is not None else None
-            if planned is None or v.id in self.stacked or len(op.outputs) != 1 or \
+            if planned is None or vid in self.stacked or len(op.outputs) != 1 or \
                     not stackable(op.name, planned.ins, planned.outs[0]):
                 continue
-            self.stacked[v.id] = sum_axes(planned.outs[0])
+            self.stacked[vid] = sum_axes(planned.outs[0])
             todo.extend(u for k, u in enumerate(op.inputs)
                         if not u.is_const and sum_axes(planned.ins[k]))
-        return held
 
     def _stacked_op(self, eqn, op, planned, args: list) -> Stacked:
         """Each device's summand of ``op``'s partial output, under ``jax.vmap``."""
@@ -243,7 +276,8 @@ class _Lowering(ControlFlow):
         if is_gate(eqn):
             return self._gate(eqn, op, planned, args)
         args = [x if v.is_const or v.id in self.free
-                else self.convert(unstack(x), self.plan.read_as(v.id), planned.ins[k])
+                else self.convert(self._unstack(x, self.plan.read_as(v.id)),
+                                  self.plan.read_as(v.id), planned.ins[k])
                 for k, (v, x) in enumerate(zip(op.inputs, args))]
         if facts(op.name).fixed and op.name == "sharding_constraint":
             outs = args  # the user's layout is the plan's: constrained just below
@@ -461,6 +495,7 @@ def evaluator(traced: Traced, plan, mesh: Mesh) -> Callable[..., list]:
         # runs inside another transformation (jax.grad / jax.vmap / jax.jit of the step)
         ins = [low.settle(v.id, low.constrain(x, nd))
                for v, x, nd in zip(graph.inputs, flat, plan.inputs)]
+        low.stack_top(traced.region)
         outs = low.region(traced.region, traced.consts, ins)
         if low.stacks is not None:
             low.stacks.check_used()
@@ -469,7 +504,8 @@ def evaluator(traced: Traced, plan, mesh: Mesh) -> Callable[..., list]:
             if v.is_const or not hasattr(x, "shape"):
                 result.append(x)
             else:
-                result.append(low.convert(x, plan.read_as(v.id), nd))
+                src = plan.read_as(v.id)
+                result.append(low.convert(low._unstack(x, src), src, nd))
         return result
 
     return run

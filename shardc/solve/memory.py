@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from shardc.cost.combine import COMBINED_KINDS, tail_values
+from shardc.cost.combine import COMBINED_KINDS, XLA_CPU, tail_values
 from shardc.ir.graph import Graph, Op, Value
 from shardc.ir.prims import facts
 from shardc.ir.sbp import NdSbp
@@ -114,6 +114,7 @@ def _lifetimes(cg: CostGraph) -> None:
             last[v.id] = max(last.get(v.id, t), t)
     # a branch reads the cond's operand in place: its ``cond_enter`` holds no copy
     fused = fused_values(graph) | {op.outputs[0].id for op in graph.ops if op.prim is COND_ENTER}
+    cg.fusion = (frozenset(fused), dict(last))
     for t in range(n - 1, -1, -1):  # consumers first: a chain of fused values extends back
         op = graph.ops[t]
         end = max((last[v.id] for v in op.outputs if v.id in fused), default=t)
@@ -136,6 +137,7 @@ def _lifetimes(cg: CostGraph) -> None:
     first_read: dict[int, int] = {}
     made = {v.id: t for t, op in enumerate(graph.ops) for v in op.outputs}
     tail = tail_values(graph)
+    after = _tail_after(graph, tail)
     cg.read_spans = []
     for t, op in enumerate(graph.ops):
         for k, val in reads(op):
@@ -145,7 +147,7 @@ def _lifetimes(cg: CostGraph) -> None:
             u, slot = cg.producer[val.id] if carry_exit(op) or val.id not in cg.settle \
                 else (cg.settle[val.id], 0)
             cg.read_spans.append((t, len(graph.inputs) + t, k, u, slot, val.nbytes, val.id,
-                                  made.get(val.id, 0), val.id in tail))
+                                  made.get(val.id, 0), after.get(val.id)))
     cg.settle_spans = []
     for vid, w in cg.settle.items():
         if vid in first_read:
@@ -159,6 +161,53 @@ def _lifetimes(cg: CostGraph) -> None:
     for t, end, val in stacked_reads(graph):
         u, slot = (cg.settle[val.id], 0) if val.id in cg.settle else cg.producer[val.id]
         cg.stack_spans.append((t, end, len(graph.inputs) + t, u, slot, val.nbytes))
+
+
+def _cut_fusion(cg: CostGraph, choice: Sequence[int], vid: int, at: int, made: list,
+                made_at: dict) -> list[tuple[int, int, float]]:
+    """A value counted as fused into its readers (:func:`fused_values`) that the plan reads
+    through a collective only: a collective's operand is a buffer (returned, from its op
+    to ``at``, where the collective runs), and its fusion ends there, so the values its
+    fused chain reads die by ``at`` (``made`` shortened in place; ``made_at``: the
+    temporary of each (node, slot) making a value). On a micro-batched step the gradients
+    summed before one all-reduce die there, not at the optimizer's end."""
+    fused, own = cg.fusion
+    node, slot = cg.producer[vid]
+    op = cg.refs[node]
+    start = next((t for t, o in enumerate(cg.graph.ops) if o is op), at)
+    nbytes = op.outputs[slot].nbytes * cg.out_sbp(node, slot, choice[node]).shard_fraction(
+        cg.axis_sizes)
+    todo = [op]
+    while todo:
+        op = todo.pop()
+        for u in op.inputs:
+            if u.is_const or u.id not in cg.producer:
+                continue
+            k = made_at.get(cg.producer[u.id])
+            if k is not None:
+                s0, e0, b0 = made[k]
+                made[k] = (s0, min(e0, max(own.get(u.id, s0), at, s0)), b0)
+            if u.id in fused and u.producer is not None:
+                todo.append(u.producer)
+    return [(start, max(start, at), nbytes)]
+
+
+def _tail_after(graph: Graph, tail: set[int]) -> dict[int, tuple[int, int]]:
+    """Per tail value (:func:`shardc.cost.combine.tail_values`), ``(its bit, the bits of the
+    tail values computed from it)``: a tail value's collective can join XLA's combined one
+    with another's unless one is computed from the other (``CombineInstructionsByKey``
+    combines independent collectives only)."""
+    bit = {vid: 1 << k for k, vid in enumerate(sorted(tail))}
+    after: dict[int, int] = {}
+    for op in reversed(graph.ops):
+        down = 0
+        for v in op.outputs:
+            if v.id in bit:
+                down |= bit[v.id] | after.get(v.id, 0)
+        for v in op.inputs:
+            if v.id in bit:
+                after[v.id] = after.get(v.id, 0) | down
+    return {vid: (b, after.get(vid, 0)) for vid, b in bit.items()}
 
 
 def stacked_reads(graph: Graph) -> list[tuple[int, int, Value]]:
@@ -255,7 +304,7 @@ def _copies_at(cg: CostGraph, choice: Sequence[int], t: int
         if start <= t <= end:
             out.append((w, _copy_bytes(cg, cg.out_sbp(node, slot, choice[node]),
                                        cg.choices[w], nbytes)))
-    copies, askers = _operand_copies(cg, choice)
+    copies, askers, _ = _operand_copies(cg, choice)
     for (first, last, _), (op_node, k, src, nbytes) in zip(combined(copies), askers):
         if first <= t <= last:
             out.append((op_node, _copy_bytes(cg, src, [c.ins[k] for c in cg.choices[op_node]],
@@ -263,27 +312,36 @@ def _copies_at(cg: CostGraph, choice: Sequence[int], t: int
     return out
 
 
-def _operand_copies(cg: CostGraph, choice: Sequence[int]) -> tuple[list[list], list[tuple]]:
+def _operand_copies(cg: CostGraph, choice: Sequence[int]
+                    ) -> tuple[list[list], list[tuple], dict[int, list]]:
     """Operands converted for their ops under ``choice``, one copy per (value, wanted
-    layout): ``[first read, last read, bytes, made, joins]`` each (:func:`combined`), and
-    beside each (its first reader's node, the operand's slot, its source layout, the
-    value's bytes)."""
+    layout): ``[first read, last read, bytes, made, joins, bytes held while made]`` each
+    (:func:`combined`; ``joins``: the tail bits of a copy XLA's combined collective may
+    make, else None); beside each (its first reader's node, the operand's slot, its source
+    layout, the value's bytes); and per value, for each of its reads, the copy it reads
+    (None: the value itself)."""
     copies: dict[tuple[int, NdSbp], list] = {}
     askers: dict[tuple[int, NdSbp], tuple] = {}
-    for t, op_node, k, node, slot, nbytes, vid, born, tail in cg.read_spans:
+    read_via: dict[int, list] = {}
+    for t, op_node, k, node, slot, nbytes, vid, born, tail in cg.read_spans:  # tail: bits
         want = cg.choices[op_node][choice[op_node]].ins[k]
         src = cg.out_sbp(node, slot, choice[node])
         if _moves(cg, src, want):
             held_copy = copies.get((vid, want))
             if held_copy is None:
-                joins = tail and all(c.kind in COMBINED_KINDS
-                                     for c in cg._conversion(src, want).collectives)
-                copies[(vid, want)] = [t, t, nbytes * want.shard_fraction(cg.axis_sizes),
-                                       born, joins]
+                joins = tail if tail and all(
+                    c.kind in COMBINED_KINDS for c in cg._conversion(src, want).collectives) \
+                    else None
+                held_copy = copies[(vid, want)] = [
+                    t, t, nbytes * want.shard_fraction(cg.axis_sizes), born, joins,
+                    _steps_over(cg, src, want, nbytes)]
                 askers[(vid, want)] = (op_node, k, src, nbytes)
             else:
                 held_copy[1] = t
-    return list(copies.values()), list(askers.values())
+            read_via.setdefault(vid, []).append(held_copy)
+        else:
+            read_via.setdefault(vid, []).append(None)
+    return list(copies.values()), list(askers.values()), read_via
 
 
 def memory_profile(cg: CostGraph, choice: Sequence[int]) -> np.ndarray:
@@ -305,6 +363,7 @@ def memory_profile(cg: CostGraph, choice: Sequence[int]) -> np.ndarray:
     results = []  # (bytes, first point)
     made = []  # an op's temporaries: (first, last, bytes)
     moved = []  # the collectives' copies: (first, last, bytes)
+    made_at: dict[tuple[int, int], int] = {}  # (node, slot) making a value -> its temporary
     for k, (start, end, node, slot, nbytes) in enumerate(cg.spans):
         b = nbytes * cg.out_sbp(node, slot, choice[node]).shard_fraction(cg.axis_sizes)
         if k < nin or k in cg.results:
@@ -312,6 +371,7 @@ def memory_profile(cg: CostGraph, choice: Sequence[int]) -> np.ndarray:
             if k >= nin:
                 results.append((b, start))
         else:
+            made_at[(node, slot)] = len(made)
             made.append((start, end, b))
     for start, end, node, nbytes in cg.ys_spans:  # a stack of summands, reduced after
         if cg.choices[node][choice[node]].ins[0].has_partial:
@@ -326,11 +386,22 @@ def memory_profile(cg: CostGraph, choice: Sequence[int]) -> np.ndarray:
         if _moves(cg, src, kept):
             moved.append((start, end, nbytes * kept.shard_fraction(cg.axis_sizes)))
             moved.append((start, start, _steps_over(cg, src, kept, nbytes)))
-    copies, askers = _operand_copies(cg, choice)  # an operand converted for its ops
-    for (t, *_), (op_node, k, src, nbytes) in zip(copies, askers):
-        want = cg.choices[op_node][choice[op_node]].ins[k]
-        moved.append((t, t, _steps_over(cg, src, want, nbytes)))
+    copies, _, read_via = _operand_copies(cg, choice)  # operands converted for ops
     moved.extend(combined(copies))
+    moved += [(c[0], c[0], c[5]) for c in copies if c[5]]  # held while made
+    for vid, via in read_via.items():  # read only through combined collectives: the value
+        k = made_at.get(cg.producer.get(vid, (-1, 0)))  # dies once they have run
+        if k is not None and all(c is not None and c[4] for c in via):
+            start, end, b = made[k]
+            made[k] = (start, max(start, min(end, max(c[0] for c in via))), b)
+        elif vid in cg.fusion[0] and all(c is not None for c in via):
+            made += _cut_fusion(cg, choice, vid, max(c[0] for c in via), made, made_at)
+        elif vid in cg.fusion[0] and vid in cg.producer and \
+                cg.out_sbp(*cg.producer[vid], choice[cg.producer[vid][0]]).has_partial:
+            # a partial sum the lowering holds stacked: pinned, so XLA fuses it into none
+            # of its readers; it lives to its last read, as do the values it is made from
+            (start, _, b), = _cut_fusion(cg, choice, vid, 0, made, made_at)
+            made.append((start, max(start, cg.fusion[1].get(vid, start)), b))
     delta = np.zeros(n + 2)
     for start, end, b in host(made, results) + moved:
         delta[start] += b
@@ -347,27 +418,31 @@ bytes``)."""
 
 def combined(copies: list[list]) -> list[tuple[int, int, float]]:
     """``(first, last, bytes)`` of each converted copy ``[first read, last read, bytes,
-    made, joins]``. The copies that join XLA's combined collective (a tail value's
-    all-reduce: the gradients on their way into the optimizer) are made by one tuple
-    collective per :data:`COMBINE_COUNT`, which runs once its last operand is made, and
-    all live from there to their last reads: on a data-parallel step the whole gradient
-    sits in temporaries at once, where separate all-reduces would each live at their
-    reader. A copy read before the others are made cannot wait for them: it runs alone."""
+    made, joins, ...]``, its first point moved to where it is made. The copies that join
+    XLA's combined collective (a tail value's all-reduce: the gradients on their way into
+    the optimizer; ``joins``: its bit and those of the tail values computed from it,
+    :func:`_tail_after`) are made by one tuple collective per :data:`COMBINE_COUNT`, which
+    runs once its last operand is made, and all live from there to their last reads (their
+    readers wait for it): on a data-parallel step the whole gradient sits in temporaries
+    at once, where separate all-reduces would each live at their reader. A copy from which
+    another member is computed cannot wait for it: it runs alone."""
     group = [c for c in copies if c[4]]
-    while group:  # drop the copies read before the group's last operand is made
-        at = max(c[3] for c in group)
-        early = [c for c in group if c[0] <= at]
+    while group:  # drop the copies another member is computed from
+        bits = 0
+        for c in group:
+            bits |= c[4][0]
+        early = [c for c in group if c[4][1] & bits & ~c[4][0]]
         if not early:
             break
         for c in early:
-            c[4] = False
+            c[4] = None
         group = [c for c in group if c[4]]
     group.sort(key=lambda c: c[3])
     for i in range(0, len(group), COMBINE_COUNT):
         chunk = group[i:i + COMBINE_COUNT]
         at = max(c[3] for c in chunk) + 1
         for c in chunk:
-            c[0] = min(c[0], at)
+            c[0], c[1] = at, max(c[1], at)
     return [(c[0], c[1], c[2]) for c in copies]
 
 
@@ -403,12 +478,21 @@ def _steps_over(cg: CostGraph, src: NdSbp, dst: NdSbp, nbytes: int) -> float:
     output live together, so a conversion of several steps (a gather in two, one mesh axis
     each) peaks at the largest two consecutive layouts, more than its result alone (a
     GPT's logits gathered over both axes of a (2, 4) mesh: a quarter and the whole at
-    once). The source is counted as its own value."""
-    sizes = [nbytes * nd.shard_fraction(cg.axis_sizes)
-             for nd in cg._conversion(src, dst).layouts]
-    if len(sizes) < 2:
+    once). On a backend that runs a reduce-scatter as an all-reduce and a slice
+    (``Combiner.scatter_as_all_reduce``: XLA:CPU, whose buffers ``memory_analysis()``
+    counts), the step's result is the whole reduced buffer, in a buffer of its own beside
+    its operand's (the micro-batched step's combined reduce-scatters: every gradient twice,
+    whole, before the slices), sliced after. The source is counted as its own value."""
+    conv = cg._conversion(src, dst)
+    sizes = [nbytes * nd.shard_fraction(cg.axis_sizes) for nd in conv.layouts]
+    peaks = [a + b for a, b in zip(sizes, sizes[1:])]
+    if XLA_CPU.scatter_as_all_reduce:
+        peaks += [c.buffer_factor * nbytes
+                  for c in conv.collectives if c.kind == "reduce-scatter" and c.group]
+    if not peaks:
         return 0.0
-    return max(0.0, max(a + b for a, b in zip(sizes, sizes[1:])) - sizes[-1])
+    last = sizes[-1] if sizes else nbytes * dst.shard_fraction(cg.axis_sizes)
+    return max(0.0, max(peaks) - last)
 
 
 def _moves(cg: CostGraph, src: NdSbp, dst: NdSbp) -> bool:

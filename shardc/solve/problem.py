@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardc.cost.cluster import Cluster
-from shardc.cost.combine import alpha_scales
+from shardc.cost.combine import alpha_scales, tail_values
 from shardc.cost.comm import Conversion, conversion
 from shardc.ir.graph import Graph, Op, Value
 from shardc.ir.prims import facts
@@ -101,6 +101,9 @@ class CostGraph:
     #: XLA's combined tuple collective (a tail value's: see ``cost/combine.py``)
     read_spans: list = field(default_factory=list)
     settle_spans: list = field(default_factory=list)  # (first, last, settle, node, slot, bytes)
+    #: (ids of the values XLA fuses into their readers, value id -> its last read before a
+    #: fused reader extends it): ``solve/memory.py``
+    fusion: tuple = (frozenset(), {})
     conversions: dict = field(default_factory=dict)  # (src, dst) -> Conversion
     terms: dict = field(default_factory=dict)  # (srcs, dsts) -> reshard_matrix's cost terms
     carried: set = field(default_factory=set)  # input nodes tied to an output (the state)
@@ -615,8 +618,21 @@ def accumulators(graph: Graph) -> set[int]:
     for op in graph.ops:
         if carry_exit(op) and op.params["enter"].producer.id in out:
             out.add(op.id)
-    out |= stacked_ys(graph)
+    out |= stacked_ys(graph) | unrolled_sums(graph)
     return out
+
+
+def unrolled_sums(graph: Graph) -> set[int]:
+    """Ids of the program's own adds (not a loop's or a call's) of two values made by ops,
+    on a tail path (:func:`shardc.cost.combine.tail_values`): the micro-batches' gradients
+    summed by a Python loop, on their way into the optimizer. They may read partial values
+    as a scan's accumulator does: each micro-batch's partial gradient is then held apart
+    per device and the sum reduced once (``lower/emit.py``), not once per micro-batch."""
+    tail = tail_values(graph)
+    return {op.id for op in graph.ops
+            if op.name in ("add", "add_any") and len(op.where) == 1 and op.weight == 1
+            and op.outputs[0].id in tail and jnp.issubdtype(op.outputs[0].dtype, jnp.inexact)
+            and all(v.producer is not None for v in op.inputs)}
 
 
 def _adds_to(v: Value, acc: Value, depth: int) -> bool:
