@@ -13,8 +13,8 @@ budget wins when its step is below ``1 - min_gain`` of the unpipelined plan's; e
 is none. The margin stands for what the price leaves out and a pipeline adds: the loop
 over ticks, the copies that rotate the stage buffers, smaller kernels per micro-batch; it
 is a judgement, not a measured figure (5% by default). The search is deterministic:
-candidates are priced in a fixed order; of equal steps the leaner wins (1F1B over GPipe
-where it holds fewer micro-batches), then the first.
+candidates are priced in a fixed order; of equal steps the leaner wins, then the first
+(GPipe before 1F1B, which runs GPipe's order here and is priced the same).
 """
 
 from __future__ import annotations

@@ -19,20 +19,26 @@ share ``(S - 1) / (M V + S - 1)`` is the idle part). The conversions of the laye
 parameters and gradients inside the scans, and the stacked parameters' updates, run once
 per step: a stage's gradient reductions span its own devices only, never the stage axis.
 
-Every tick each stage sends the next its micro-batch's carry (the activation forward,
-its gradient backward), and the buffer of micro-batches waiting to enter and leave the
-pipeline rotates one slot across the stage axis (MaxText's ``shift`` and ``state_io``);
-a circular schedule with more micro-batches than stages also moves the last stage's
-output into the storage it waits in for its next round (``circ_storage``). Each is one
-collective-permute over axis ``a`` of one micro-batch's carry (its per-device bytes at
-the stage plan's layout, ``1 / M`` of the batch), priced on the link ``a`` crosses
-(:meth:`shardc.cost.cluster.Cluster.send_seconds`: a pair on two nodes sends over one
-NIC). Communication adds to compute, as the planner prices any plan.
+Each tick every stage sends the next its micro-batch's carry: one collective-permute over
+axis ``a`` of ``1 / M`` of the carry's per-device bytes at the stage plan's layout, ``M V +
+S - 1`` ticks forward and as many backward (the transposed permute). After the forward loop
+one all-reduce over ``a`` of the whole carry hands the last stage's finished micro-batches to
+every stage; after the backward loop one more sums the stack input's cotangent over ``a``
+(:mod:`shardc.pipeline.runtime` states what it compiles to). The permutes are priced on
+the link ``a`` crosses (:meth:`shardc.cost.cluster.Cluster.send_seconds`: a pair on two
+nodes sends over one NIC), the all-reduces as any collective over ``a``. Communication adds
+to compute, as the planner prices any plan.
 
-Per-stage peak memory: the stacked state (parameters and optimizer moments) at 1 / S, the
-rest of the state as the whole plan holds it, the activations the forward pass saves for
-``in_flight`` micro-batches of L / S layers, and the whole plan's working memory besides
-state and saved activations (the head's logits, the gradients being formed).
+Per-stage peak memory, as the runtime holds it: the stacked state (parameters and
+optimizer moments) at 1 / S, the rest of the state as the whole plan holds it, the whole
+plan's working memory besides state and saved activations (the head's logits, the
+gradients being formed), and what the backward reads: autodiff's residuals of ``T = M V + S
+- 1`` steps of ``L / (S V)`` layers on a micro-batch, ``T / (S V M)`` of the stage plan's
+saved activations (GPipe and, run in GPipe's order, 1F1B); for the circular schedule,
+whose chunks are recomputed in the backward, ``T`` chunk inputs (``T / M`` carries) and
+one chunk's residuals instead. Besides, the micro-batched input and the finished
+micro-batches, a carry each (and for the circular schedule the buffer of micro-batches
+coming round, a third).
 
 References:
   Huang et al., "GPipe" (NeurIPS 2019): M + S - 1 ticks per pass, the bubble.
@@ -40,9 +46,9 @@ References:
     Megatron-LM" (SC 2021) §2.2: 1F1B holds at most S micro-batches per stage; the
     interleaved schedule runs M V + S - 1 ticks of 1 / V the work, one point-to-point
     transfer per tick.
-  MaxText ``layers/pipeline.py`` (``get_new_loop_state``): per iteration one ``ppermute``
-    over the stage axis each of ``shift``, the ``state_io`` slice and, circular with more
-    micro-batches than stages, ``circ_storage``; M V + S - 1 iterations.
+  MaxText ``layers/pipeline.py``: M V + S - 1 iterations.
+  :mod:`shardc.pipeline.runtime`: one ``ppermute`` per step each way, the closing
+    all-reduces, what a stage holds for the backward.
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ from shardc.pipeline.layers import Layers
 from shardc.pipeline.schedule import Pipeline
 from shardc.plan import Plan
 
-__all__ = ["Parts", "PipelinePrice", "parts", "permutes_per_tick", "price"]
+__all__ = ["Parts", "PipelinePrice", "parts", "price"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,11 +149,13 @@ class PipelinePrice:
     """A pipelined step's prediction (seconds per step, bytes per device).
 
     ``rest``: the parts over the whole mesh; ``layers``: the stages' ticks, the
-    ``bubble`` among them; ``transfers``: the point-to-point sends between stages,
-    ``permutes`` collective-permutes over the stage axis per step (forward and backward),
-    of ``permute_bytes`` each per device; ``once``: the stages' once-per-step part;
-    ``peak_memory``: a stage's peak; ``mesh``: the view of the devices it runs on
-    (axis names and sizes; the stage axis is one of them)."""
+    ``bubble`` among them; ``transfers``: the sends between stages, ``permutes``
+    collective-permutes over the stage axis per step (forward and backward), of
+    ``permute_bytes`` each per device; ``gathers``: the closing all-reduces over the stage
+    axis, ``reduces`` of ``reduce_bytes`` each per device (the finished micro-batches,
+    and in a training step the stack input's cotangent); ``once``: the stages'
+    once-per-step part; ``peak_memory``: a stage's peak; ``mesh``: the view of the devices
+    it runs on (axis names and sizes; the stage axis is one of them)."""
 
     pipeline: Pipeline
     step_time: float
@@ -155,9 +163,12 @@ class PipelinePrice:
     layers: float
     bubble: float
     transfers: float
+    gathers: float
     once: float
     permutes: int
     permute_bytes: float
+    reduces: int
+    reduce_bytes: float
     peak_memory: float
     mesh: tuple[tuple[str, int], ...] = ()
 
@@ -181,21 +192,19 @@ def price(pipeline: Pipeline, whole: Parts, stage: Parts, cluster: Cluster,
     ticks = m * v + s - 1
     work = (stage.compute + stage.sample_seconds(m)) / s
     layers = work * ticks / (m * v)
-    step_bytes = stage.carry / m
-    permutes = stage.passes * ticks * permutes_per_tick(pipeline)
-    transfers = permutes * cluster.send_seconds([(pipeline.axis, s)], step_bytes)
+    spans = [(pipeline.axis, s)]
+    permutes = stage.passes * ticks
+    transfers = permutes * cluster.send_seconds(spans, stage.carry / m)
+    reduces = stage.passes
+    gathers = reduces * cluster.collective_seconds("all-reduce", spans, stage.carry)
     once = stage.once / s
     rest = whole.step - whole.layers
     working = max(0.0, whole.peak - whole.state - whole.other_state - whole.saved)
-    peak = (stage.state / s + whole.other_state + working
-            + stage.saved * pipeline.in_flight / (m * s))
-    return PipelinePrice(pipeline, rest + layers + transfers + once, rest, layers,
-                         layers - work, transfers, once, permutes, step_bytes, peak, mesh)
-
-
-def permutes_per_tick(pipeline: Pipeline) -> int:
-    """Collective-permutes over the stage axis per tick and direction: the carry to the
-    next stage, the input/output buffer's rotation, and for a circular schedule with more
-    micro-batches than stages the move into the storage between rounds (module doc)."""
-    storage = pipeline.schedule == "circular" and pipeline.microbatches > pipeline.stages
-    return 3 if storage else 2
+    if v > 1:  # chunk inputs kept, one chunk recomputed at a time; the returning buffer
+        held = stage.carry * ticks / m + stage.saved / (s * v * m) + 3 * stage.carry
+    else:
+        held = stage.saved * ticks / (s * m) + 2 * stage.carry
+    peak = stage.state / s + whole.other_state + working + held
+    return PipelinePrice(pipeline, rest + layers + transfers + gathers + once, rest, layers,
+                         layers - work, transfers, gathers, once, permutes, stage.carry / m,
+                         reduces, stage.carry, peak, mesh)

@@ -109,7 +109,7 @@ def find_layers(graph: Graph, ties: Sequence[tuple[int, int]] = (),
     shapes = {v.shape for v in params} | {v.shape[1:] for v in params}
     per_sample = frozenset(i for i in from_batch if values[i].shape not in shapes)
     saved = tuple(op.outputs[0].id for op in graph.ops if op.prim is SCAN_EXIT
-                  and op.where == forward and op.params["kind"] == "ys"
+                  and op.where in scans and op.params["kind"] == "ys"
                   and op.outputs[0].id in per_sample)
     stacked, outside = _stacked(graph, scans, length, {v.id for v in params}, per_sample)
     return Layers(length, batch, scans, ops, frozenset(stacked), frozenset(outside),

@@ -47,10 +47,10 @@ finished micro-batches and (circular) the buffer of returning ones, ``M * b * a`
 What the ``"1f1b"`` schedule is here: the same forward order as ``"gpipe"`` and the same
 autodiff backward, so its values and gradients equal the scan's, but it is not a
 one-forward-one-backward interleaving: a stage holds the residuals of all ``M + S - 1``
-steps, not 1F1B's ``min(M, S)`` micro-batches (:attr:`Pipeline.in_flight` states 1F1B's
-bound, which this runtime does not reach). A true 1F1B needs the loss inside the pipelined
-loop (the backward of micro-batch ``m`` runs before the forward of ``m + S``), which a
-function returning the stack's carry cannot give.
+steps, not 1F1B's bound of ``min(M, S)`` micro-batches (:mod:`shardc.pipeline.cost`
+prices what it holds). A true 1F1B needs the loss inside the pipelined loop (the
+backward of micro-batch ``m`` runs before the forward of ``m + S``), which a function
+returning the stack's carry cannot give.
 
 References:
   Huang et al., "GPipe" (NeurIPS 2019): micro-batches through stages, the bubble.

@@ -52,13 +52,6 @@ class Pipeline:
         s, m = self.stages, self.microbatches
         return (s - 1) / (m * self.virtual + s - 1) if self.virtual > 1 else (s - 1) / (m + s - 1)
 
-    @property
-    def in_flight(self) -> int:
-        """Micro-batches whose activations one stage holds at its peak: all M for GPipe and
-        the circular schedule (forward all, then backward), at most S for 1F1B."""
-        return min(self.microbatches, self.stages) if self.schedule == "1f1b" \
-            else self.microbatches
-
     def to_json(self) -> dict:
         return {"axis": self.axis, "stages": self.stages, "microbatches": self.microbatches,
                 "schedule": self.schedule, "virtual": self.virtual}
