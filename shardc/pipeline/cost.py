@@ -1,7 +1,7 @@
 """What a pipelined step costs, priced from plans the planner already makes.
 
 A pipeline over mesh axis ``a`` (S = size(a) stages, M micro-batches, V virtual stages per
-device) runs the program's layer scans (:mod:`shardc.pipeline.layers`) in stages, each
+device) runs the program's layer scans (:mod:`shardc.pipeline.scans`) in stages, each
 stage on the devices of the other axes, and everything else (embedding, head, loss, the
 other parameters' updates) over the whole mesh. Its step is priced from two plans of the
 program:
@@ -15,9 +15,12 @@ Of the stage plan's layer part, the layer scans' compute and their conversions o
 per-sample values run once per micro-batch and tick: the stage does ``1 / (S M V)`` of them
 per tick (each conversion re-priced at ``1 / M`` of its bytes, so its latency is paid per
 micro-batch), over ``M V + S - 1`` ticks each way, forward and backward (GPipe; the bubble
-share ``(S - 1) / (M V + S - 1)`` is the idle part). The conversions of the layers'
-parameters and gradients inside the scans, and the stacked parameters' updates, run once
-per step: a stage's gradient reductions span its own devices only, never the stage axis.
+share ``(S - 1) / (M V + S - 1)`` is the idle part). A scan that recomputes the forward
+for the backward (a :func:`shardc.pipeline.layers` stack's) does not run under GPipe, which
+keeps the forward's residuals; the circular schedule recomputes each chunk. The
+conversions of the layers' parameters and gradients inside the scans, and the stacked
+parameters' updates, run once per step: a stage's gradient reductions span its own
+devices only, never the stage axis.
 
 Each tick every stage sends the next its micro-batch's carry: one collective-permute over
 axis ``a`` of ``1 / M`` of the carry's per-device bytes at the stage plan's layout, ``M V +
@@ -38,7 +41,9 @@ saved activations (GPipe and, run in GPipe's order, 1F1B); for the circular sche
 whose chunks are recomputed in the backward, ``T`` chunk inputs (``T / M`` carries) and
 one chunk's residuals instead. Besides, the micro-batched input and the finished
 micro-batches, a carry each (and for the circular schedule the buffer of micro-batches
-coming round, a third).
+coming round, a third), and the loop's own copy of the stage's weights and, training, the
+gradient one step's chunk accumulates over its layers (the backward loop's state, as
+compiled: ``tests/test_pipeline_plan.py`` checks the total against ``memory_analysis()``).
 
 References:
   Huang et al., "GPipe" (NeurIPS 2019): M + S - 1 ticks per pass, the bubble.
@@ -59,7 +64,7 @@ from shardc.cost.cluster import Cluster
 from shardc.cost.comm import Conversion, conversion
 from shardc.explain import fmt_bytes, fmt_time
 from shardc.ir.graph import Graph
-from shardc.pipeline.layers import Layers
+from shardc.pipeline.scans import Layers
 from shardc.pipeline.schedule import Pipeline
 from shardc.plan import Plan
 
@@ -78,7 +83,9 @@ class Parts:
     ``other_state``: the stacked / other state the plan holds; ``saved``: the forward
     scan's saved activations; ``carry``: the layer carry at the plan's layout;
     ``passes``: the layer scans' passes over the stages (2 for a training step, forward and
-    backward; 1 for a forward-only program)."""
+    backward; 1 for a forward-only program); ``rerun``: the compute of the scans that
+    recompute the forward for the backward (:attr:`Layers.rerun`); ``params``: the bytes
+    of the stacked parameters the layer scans read (:attr:`Layers.params`)."""
 
     step: float
     peak: float
@@ -91,6 +98,8 @@ class Parts:
     saved: float
     carry: float
     passes: int = 2
+    rerun: float = 0.0
+    params: float = 0.0
 
     def sample_seconds(self, microbatches: int) -> float:
         """The per-sample conversions' seconds when each runs once per micro-batch on
@@ -108,10 +117,13 @@ def parts(plan: Plan, graph: Graph, layers: Layers, ties=(), resident=()) -> Par
     sizes = plan.axis_sizes
     producer = {v.id: op.id for op in graph.ops for v in op.outputs}
     nbytes = {v.id: v.nbytes for v in graph.values()}
-    compute = scans = outside = 0.0
+    compute = scans = outside = rerun = 0.0
+    reruns = {op.id for op in graph.ops
+              if any(op.where[:len(w)] == w for w in layers.rerun)}
     for op in plan.ops:
         if op.id in layers.ops:
             compute += op.compute_time
+            rerun += op.compute_time if op.id in reruns else 0.0
         elif op.id in layers.outside:
             outside += op.compute_time
     sample, once = [], outside
@@ -141,7 +153,8 @@ def parts(plan: Plan, graph: Graph, layers: Layers, ties=(), resident=()) -> Par
     carry = sum(nbytes[i] * plan.values[i].shard_fraction(sizes) for i in layers.carry)
     return Parts(plan.predicted.step_time, plan.predicted.peak_memory,
                  compute + scans + once, compute, tuple(sample), once, state, other, saved,
-                 carry, min(len(layers.scans), 2))
+                 carry, min(len(layers.scans), 2), rerun,
+                 sum(nbytes[i] * plan.values[i].shard_fraction(sizes) for i in layers.params))
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +203,8 @@ def price(pipeline: Pipeline, whole: Parts, stage: Parts, cluster: Cluster,
     :class:`Parts` and the stage plan's (see the module doc)."""
     s, m, v = pipeline.stages, pipeline.microbatches, pipeline.virtual
     ticks = m * v + s - 1
-    work = (stage.compute + stage.sample_seconds(m)) / s
+    # GPipe keeps its forward's residuals (no rerun); circular recomputes each chunk
+    work = (stage.compute - (stage.rerun if v == 1 else 0.0) + stage.sample_seconds(m)) / s
     layers = work * ticks / (m * v)
     spans = [(pipeline.axis, s)]
     permutes = stage.passes * ticks
@@ -204,6 +218,9 @@ def price(pipeline: Pipeline, whole: Parts, stage: Parts, cluster: Cluster,
         held = stage.carry * ticks / m + stage.saved / (s * v * m) + 3 * stage.carry
     else:
         held = stage.saved * ticks / (s * m) + 2 * stage.carry
+    # the pipelined loop's own copy of the stage's weights, and (training) the gradient a
+    # step's chunk accumulates over its layers before it joins the stage's
+    held += stage.params / s * (2 if stage.passes > 1 else 1)
     peak = stage.state / s + whole.other_state + working + held
     return PipelinePrice(pipeline, rest + layers + transfers + gathers + once, rest, layers,
                          layers - work, transfers, gathers, once, permutes, stage.carry / m,
