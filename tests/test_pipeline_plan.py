@@ -109,3 +109,21 @@ def test_pipelines_forbidden_or_not_worth_it_run_none():
     fast = shardc.auto_shard(train_step(layers), mesh=m,
                              cluster=Cluster.nvlink_node(("stage", "data")))
     assert fast.plan(w, x).pipeline is None
+
+
+@pytest.mark.slow
+def test_the_deep_zoo_model_runs_pipelined():
+    """The zoo's deep model (a Llama whose layers are a stack) at test size, its train step
+    pipelined over 4 stages of 8 layers: the Adam step of jax.jit, to rounding (Adam divides
+    by the gradient's size: a gradient near zero summed in another order moves its update
+    by a few percent of the learning rate, 1e-3)."""
+    from shardc.models import llama
+
+    cfg = llama.LlamaConfig.deep_tiny()
+    step, (state, batch) = llama.make_train_step(cfg)
+    want = jax.jit(step)(state, batch)
+    m = jax.make_mesh((4, 2), ("node", "gpu"))
+    run = shardc.auto_shard(step, mesh=m, pipeline=Pipeline("node", 4, 4))
+    for g, w in zip(jax.tree.leaves(run(state, batch)), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=5e-5)
+    assert run.plan(state, batch).pipeline == Pipeline("node", 4, 4)
