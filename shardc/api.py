@@ -373,29 +373,35 @@ class AutoSharded:
         run as one: planned again on the mesh with the layer state pinned as a stage holds
         it (:func:`shardc.pipeline.choose.pinned`), and priced as the pipeline
         (:func:`~shardc.pipeline.choose.adopt`). Unpipelined with ``pipeline=False``,
-        without a stack, where no pipeline pays, or where ``mesh_search`` ran another view
-        of the devices than the mesh (the runtime stages over an axis of the mesh)."""
+        without a stack, or where no pipeline pays: against the plan on the mesh, and with
+        ``mesh_search``, against the best view's (the stages are over an axis of the
+        mesh itself)."""
         from shardc.pipeline.choose import adopt, best_pipeline, pinned
         from shardc.pipeline.stack import has_stack
 
         plan = self._solve(call, tr, candidates, seeds, self.options)
-        if self.options.pipeline is False or not has_stack(tr.traced.jaxpr) or \
-                plan.axis_names != tuple(self.mesh.axis_names):  # a stage axis is a mesh's
+        if self.options.pipeline is False or not has_stack(tr.traced.jaxpr):
             return plan
-        graph = tr.traced.graph
-        choice = best_pipeline(graph, plan.axis_sizes, plan.axis_names, plan.cluster,
-                               ties=tr.ties, resident=tr.resident, base=plan,
-                               options=self._choice_options(views=False))
+        # the stage axis is one of the mesh's: priced against the plan on the mesh itself,
+        # and where mesh_search ran another view, the pipeline must beat that one too
+        own = plan.axis_names == tuple(self.mesh.axis_names)
+        base = plan if own else self._solve(call, tr, candidates[:1], seeds[:1], self.options)
+        graph, opts = tr.traced.graph, self._choice_options(views=False)
+        choice = best_pipeline(graph, base.axis_sizes, base.axis_names, base.cluster,
+                               ties=tr.ties, resident=tr.resident, base=base, options=opts)
         log.info("shardc: %s", choice.summary())
+        if choice.pipeline is None or not own and choice.reason != "requested" and \
+                choice.best.step_time >= (1 - opts.min_gain) * plan.predicted.step_time:
+            return plan
         ins, outs = pinned(graph, choice, tr.ties, tr.resident)
         if ins:
             keep = dataclasses.replace(tr, fixed=Fixed({**ins, **tr.fixed.inputs},
                                                        {**outs, **tr.fixed.outputs}))
             try:  # on the mesh itself: the stage axis is one of its axes
-                plan = self._solve(call, keep, candidates[:1], seeds[:1], self.options)
+                base = self._solve(call, keep, candidates[:1], seeds[:1], self.options)
             except MemoryBudgetError:
                 return plan
-        return adopt(plan, choice)
+        return adopt(base, choice)
 
     def _choice_options(self, views: bool):
         from shardc.pipeline.choose import ChoiceOptions

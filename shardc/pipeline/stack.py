@@ -83,8 +83,11 @@ def stack_named(name: str) -> tuple[Stack, str] | None:
 
 
 def has_stack(jaxpr) -> bool:
-    """Whether ``jaxpr`` (open or closed) calls a filed layer stack, at any depth."""
+    """Whether ``jaxpr`` (open or closed; None: no program) calls a filed layer stack, at
+    any depth."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    if jaxpr is None:
+        return False
     for eqn in jaxpr.eqns:
         if stack_named(str(eqn.params.get("name", ""))) is not None:
             return True
