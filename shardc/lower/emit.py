@@ -117,6 +117,8 @@ class _Lowering(ControlFlow):
         #: the layer stacks run as the plan's pipeline (:mod:`shardc.pipeline.lowering`)
         self.stacks = Stacks(plan.pipeline, mesh, self.by_op) \
             if plan.pipeline is not None else None
+        if self.stacks is not None:  # the layer state's update, as the stages hold it
+            self.free |= set(plan.solver.get("pipeline", {}).get("free", ()))
 
     def constrain(self, x, nd: NdSbp | None):
         if nd is None or nd.has_partial or not hasattr(x, "shape"):

@@ -35,7 +35,8 @@ from shardc.plan import Plan, Predicted, assemble
 from shardc.solve.search import SolveOptions, plan_graph
 from shardc.views import View, views
 
-__all__ = ["Choice", "ChoiceOptions", "adopt", "best_pipeline", "candidates", "pinned"]
+__all__ = ["Choice", "ChoiceOptions", "adopt", "best_pipeline", "candidates", "pinned",
+           "updates"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,12 +218,13 @@ def _axes(view: View) -> tuple[tuple[str, int], ...]:
     return tuple(zip(view.names, view.shape))
 
 
-def adopt(plan: Plan, choice: Choice) -> Plan:
+def adopt(plan: Plan, choice: Choice, free: Collection[int] = ()) -> Plan:
     """``plan`` running ``choice``'s pipeline: its predicted step and peak are the
     pipeline's (the sends and the closing all-reduces as communication, the rest, the
     stages' own conversions among it, as compute; the wire bytes stay the unpipelined
-    plan's), and ``solver["pipeline"]`` keeps the price that ``plan.explain()`` shows.
-    ``plan`` itself where the choice is none."""
+    plan's), and ``solver["pipeline"]`` keeps the price that ``plan.explain()`` shows and,
+    as ``"free"``, the ids of the values ``free`` (:func:`updates`) the lowering leaves
+    unconstrained. ``plan`` itself where the choice is none."""
     best = choice.best
     if choice.pipeline is None or best is None:
         return plan
@@ -234,7 +236,7 @@ def adopt(plan: Plan, choice: Choice) -> Plan:
               "bubble_s": best.bubble, "unpipelined_s": choice.base_time,
               "permutes": best.permutes, "permute_bytes": best.permute_bytes,
               "reduces": best.reduces, "reduce_bytes": best.reduce_bytes,
-              "choice_s": choice.plan_s}
+              "choice_s": choice.plan_s, "free": sorted(free)}
     return dataclasses.replace(plan, pipeline=choice.pipeline, predicted=predicted,
                                solver={**plan.solver, "pipeline": record})
 
@@ -261,3 +263,16 @@ def pinned(graph: Graph, choice: Choice, ties: Sequence[tuple[int, int]] = (),
             continue
         ins[k] = NdSbp(nd.sbps[:at] + (Split(0),) + nd.sbps[at + 1:])
     return ins, {tied[k]: nd for k, nd in ins.items()}
+
+
+def updates(graph: Graph, ties: Sequence[tuple[int, int]] = (),
+            resident: Collection[int] = ()) -> set[int]:
+    """Ids of the values the layer state's update makes outside the layer scans (the
+    optimizer's step of the stacked parameters, :attr:`Layers.outside`). Under a pipeline
+    they are left unconstrained: their operands come from the pipeline split over the
+    stages and their results are pinned so, where the unpipelined plan, whose layer
+    gradients leave the scan whole, laid them out whole on every stage."""
+    layers = find_layers(graph, ties, resident)
+    if layers is None:
+        return set()
+    return {v.id for op in graph.ops if op.id in layers.outside for v in op.outputs}
