@@ -15,6 +15,7 @@ from shardc.ir.sbp import Broadcast as Broadcast
 from shardc.ir.sbp import NdSbp as NdSbp
 from shardc.ir.sbp import Partial as Partial
 from shardc.ir.sbp import Split as Split
+from shardc.pipeline.schedule import Pipeline as Pipeline
 from shardc.plan import Plan as Plan
 from shardc.plan import PlanFormatError as PlanFormatError
 from shardc.plan import Predicted as Predicted
@@ -24,7 +25,7 @@ from shardc.solve.search import MemoryBudgetError as MemoryBudgetError
 
 __all__ = ["AutoSharded", "B", "Broadcast", "Cluster", "DeviceSweep", "Frontier",
            "MemoryBudgetError", "NdSbp", "NeedsDevicesError", "NoRuleWarning", "Options",
-           "Partial", "Plan", "PlanFormatError", "Predicted", "Split", "auto_shard",
+           "Partial", "Pipeline", "Plan", "PlanFormatError", "Predicted", "Split", "auto_shard",
            "device_sweep", "pareto", "register", "rules"]
 
 __version__ = "0.1.0"

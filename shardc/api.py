@@ -362,7 +362,7 @@ class AutoSharded:
         candidates, seeds = self._problem(call, tr)
         store = PlanCache.at(self.options.cache_dir)
         if store is None:
-            return self._solve(call, tr, candidates, seeds, self.options)
+            return self._pipelined(call, tr, candidates, seeds)
         program = fingerprint(tr.traced.graph)
         flat = {f"{view.label}: {name}": layouts
                 for view, named in zip(candidates, seeds) for name, layouts in named.items()}
@@ -370,9 +370,53 @@ class AutoSharded:
                         tr.ties, tr.fixed, tr.resident)
         plan = store.load(key, lambda p: fingerprint(self._traced(call, p.remat)[1].traced.graph))
         if plan is None:
-            plan = self._solve(call, tr, candidates, seeds, self.options)
+            plan = self._pipelined(call, tr, candidates, seeds)
             store.save(key, plan)
         return plan
+
+    def _pipelined(self, call: Call, tr: _Traced, candidates: list[View],
+                   seeds: list[dict[str, dict[int, NdSbp]]]) -> Plan:
+        """The solved plan, with the pipeline the planner chooses (``pipeline=None``) or was
+        asked for where the program has a layer stack (:func:`shardc.pipeline.layers`) to
+        run as one: planned again on the mesh with the layer state pinned as a stage holds
+        it (:func:`shardc.pipeline.choose.pinned`), and priced as the pipeline
+        (:func:`~shardc.pipeline.choose.adopt`). Unpipelined with ``pipeline=False``,
+        without a stack, or where no pipeline pays: against the plan on the mesh, and with
+        ``mesh_search``, against the best view's (the stages are over an axis of the
+        mesh itself)."""
+        from shardc.pipeline.choose import adopt, best_pipeline, pinned, updates
+        from shardc.pipeline.stack import has_stack
+
+        plan = self._solve(call, tr, candidates, seeds, self.options)
+        if self.options.pipeline is False or not has_stack(tr.traced.jaxpr):
+            return plan
+        # the stage axis is one of the mesh's: priced against the plan on the mesh itself,
+        # and where mesh_search ran another view, the pipeline must beat that one too
+        own = plan.axis_names == tuple(self.mesh.axis_names)
+        base = plan if own else self._solve(call, tr, candidates[:1], seeds[:1], self.options)
+        graph, opts = tr.traced.graph, self._choice_options(views=False)
+        choice = best_pipeline(graph, base.axis_sizes, base.axis_names, base.cluster,
+                               ties=tr.ties, resident=tr.resident, base=base, options=opts)
+        log.info("shardc: %s", choice.summary())
+        if choice.pipeline is None or not own and choice.reason != "requested" and \
+                choice.best.step_time >= (1 - opts.min_gain) * plan.predicted.step_time:
+            return plan
+        ins, outs = pinned(graph, choice, tr.ties, tr.resident)
+        if ins:
+            keep = dataclasses.replace(tr, fixed=Fixed({**ins, **tr.fixed.inputs},
+                                                       {**outs, **tr.fixed.outputs}))
+            try:  # on the mesh itself: the stage axis is one of its axes
+                base = self._solve(call, keep, candidates[:1], seeds[:1], self.options)
+            except MemoryBudgetError:
+                return plan
+        return adopt(base, choice, updates(graph, tr.ties, tr.resident))
+
+    def _choice_options(self, views: bool):
+        from shardc.pipeline.choose import ChoiceOptions
+
+        opts = self.options
+        return ChoiceOptions(opts.memory_budget, opts.time_limit, views=views,
+                             pipeline=opts.pipeline)
 
     def _problem(self, call: Call, tr: _Traced
                  ) -> tuple[list[View], list[dict[str, dict[int, NdSbp]]]]:
@@ -765,13 +809,13 @@ class AutoSharded:
         """The pipeline the planner chooses for these arguments, priced against this
         plan (a :class:`shardc.pipeline.choose.Choice`; none with ``pipeline=False``); with
         ``mesh_search``, over the stage axes of every view of the devices."""
-        from shardc.pipeline.choose import ChoiceOptions, best_pipeline
+        from shardc.pipeline.choose import best_pipeline
 
         _, tr, plan = self._plan(self.convention.split(args, kwargs))
-        opts = ChoiceOptions(self.options.memory_budget, self.options.time_limit,
-                             views=self.options.mesh_search, pipeline=self.options.pipeline)
+        base = plan if plan.pipeline is None else None  # a pipelined plan's step is not one
         return best_pipeline(tr.traced.graph, plan.axis_sizes, plan.axis_names, plan.cluster,
-                             ties=tr.ties, resident=tr.resident, base=plan, options=opts)
+                             ties=tr.ties, resident=tr.resident, base=base,
+                             options=self._choice_options(self.options.mesh_search))
 
     def input_shardings(self, *args, **kwargs) -> tuple[tuple, dict]:
         """The shardings the plan gives the dynamic arguments (static ones left out), as
@@ -988,8 +1032,10 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh | AbstractMesh,
     ``pipeline``: a :class:`shardc.pipeline.Pipeline` runs the function's layer stacks,
     written with :func:`shardc.pipeline.layers` (a drop-in for ``jax.lax.scan``), as that
     pipeline over its mesh axis (:mod:`shardc.pipeline.lowering`), and the plan records it;
-    ``False`` forbids pipelining; None (the default) leaves it to the planner
-    (``step.pipeline_choice(*args)`` says what it would choose and why).
+    ``False`` forbids pipelining; None (the default) leaves it to the planner: where the
+    function has such a stack, the cheapest pipeline that saves 5% of the unpipelined step
+    and fits ``memory_budget`` runs (:mod:`shardc.pipeline.choose`; ``plan.explain()``
+    shows it, ``step.pipeline_choice(*args)`` says what was priced and why).
     """
     options = Options(cluster if cluster is not None else DEFAULT_CLUSTER, memory_budget,
                       time_limit, _named_seeds(seeds), mesh_search, in_shardings,

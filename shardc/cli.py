@@ -459,7 +459,11 @@ def _bench_calls(out) -> None:
 
 def cmd_bench(args) -> None:
     _needs_zoo("bench")
-    _force_cpu_devices(16)
+    from shardc.bench.zoo import PRESETS
+
+    asked = args.presets.split(",") if args.presets else []
+    # as many devices as the largest preset asked for has (4nodes-eth: 32), at least 16
+    _force_cpu_devices(max([16] + [PRESETS[p].devices for p in asked if p in PRESETS]))
     from pathlib import Path
 
     if args.planning:

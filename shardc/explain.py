@@ -279,6 +279,32 @@ def op_table(plan, names: _Names, max_rows: int | None) -> Table:
                  widths=(0, 0, 44, 0, 0, 0, 40, 0))
 
 
+def _pipeline(plan) -> str:
+    """The plan's pipeline: the stages (their layers and devices), the schedule, the
+    micro-batches, and as priced, the bubble's share of the step and the sends."""
+    p = plan.pipeline
+    others = [f"{n}={k}" for n, k in plan.mesh_axes if n != p.axis]
+    virtual = f", {p.virtual} virtual stages per device" if p.virtual > 1 else ""
+    head = (f"pipeline: {p.stages} stages over mesh axis {p.axis!r} (stage s on the devices "
+            f"at {p.axis}=s{', each ' + ' x '.join(others) if others else ''}), "
+            f"{p.schedule} schedule{virtual}, {p.microbatches} micro-batches")
+    if p.schedule == "1f1b":
+        head += " (run in GPipe's order: 1F1B's values, not its memory)"
+    priced = plan.solver.get("pipeline")
+    if not priced:
+        return head + f"; bubble {p.bubble:.0%} of the pipelined part (not priced)"
+    step = priced["step_s"]
+    return textwrap.fill(
+        head + f"; {p.describe(priced['layers'])}; bubble {fmt_time(priced['bubble_s'])}, "
+        f"{priced['bubble_s'] / step:.0%} of the step; {priced['permutes']} "
+        f"collective-permutes of {fmt_bytes(priced['permute_bytes'])} and "
+        f"{priced['reduces']} all-reduces of {fmt_bytes(priced['reduce_bytes'])} over "
+        f"{p.axis!r} per step; unpipelined step {fmt_time(priced['unpipelined_s'])} "
+        f"(the tables below lay out the unpipelined program; each stage splits a "
+        f"micro-batch as they split the stack's carry)",
+        width=100, subsequent_indent="  ", break_on_hyphens=False)
+
+
 def explain_report(plan, max_rows: int | None = 60, top: int = 10, margins=None,
                    verification=None) -> Report:
     """The plan as a :class:`Report`: totals, the argument and result tables, the per-op
@@ -299,6 +325,8 @@ def explain_report(plan, max_rows: int | None = 60, top: int = 10, margins=None,
         blocks.append(f"remat: recomputes the activations of {len(plan.remat)} of "
                       f"{plan.segments} forward segments in the backward pass (segments "
                       f"{', '.join(map(str, plan.remat))}) instead of keeping them")
+    if plan.pipeline is not None:
+        blocks.append(_pipeline(plan))
     tried = plan.solver.get("mesh_search")
     if tried:
         blocks.append("mesh search (predicted step per view of the devices): " + "; ".join(

@@ -327,7 +327,7 @@ def test_per_layer_gradients_are_reduced_once_after_the_loop():
 def test_a_memory_budget_keeps_the_gradient_reduction_in_the_loop():
     """Reduced after the loop, a per-layer gradient is held unreduced, the whole stack on
     every device, through the loop (the memory model counts it); under a budget that does
-    not hold it, the plan reduce-scatters each layer's gradient inside the loop instead."""
+    not hold it, the plan reduces the weights' gradient inside the loop instead."""
     from tests.clusters import SLOW_DEVICES
 
     layers, width = 8, 512
@@ -349,7 +349,10 @@ def test_a_memory_budget_keeps_the_gradient_reduction_in_the_loop():
     budget = 0.6 * free.predicted.peak_memory
     s, plan, ys = planned(memory_budget=budget)
     assert plan.predicted.peak_memory <= budget
-    assert len(ys) == 2 and not any(o.ins[0].has_partial for o in ys)
+    # the weights' gradient stack does not fit: reduced in the loop (the scales' small one
+    # may stay partial where the budget holds it)
+    weights = [o for o in ys if o.types == f"f32[{width},{width}]->f32[{layers},{width},{width}]"]
+    assert len(ys) == 2 and not weights[0].ins[0].has_partial
     assert plan.predicted.step_time > free.predicted.step_time  # the budget costs time
     cost = price(s.lower(params, x).compile(), m, SLOW_DEVICES)
     assert max(cost.runs) == layers, "the gradients are reduced every iteration"

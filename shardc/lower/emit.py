@@ -49,7 +49,7 @@ from shardc.lower.partial import (
     unstack,
     vmapped,
 )
-from shardc.pipeline.lowering import Stacks
+from shardc.pipeline.lowering import Stacks, made_by
 from shardc.solve.memory import carry_exit, reads
 from shardc.solve.problem import loop_ties, unrolled_sums
 
@@ -118,6 +118,8 @@ class _Lowering(ControlFlow):
         self.stacks = Stacks(plan.pipeline, mesh, self.by_op) \
             if plan.pipeline is not None else None
         self.sums = unrolled_sums(graph)  # a Python loop's sums, which may stay partial
+        if self.stacks is not None:  # the layer state's update, as the stages hold it
+            self.free |= set(plan.solver.get("pipeline", {}).get("free", ()))
 
     def constrain(self, x, nd: NdSbp | None):
         if nd is None or nd.has_partial or not hasattr(x, "shape"):
@@ -349,7 +351,8 @@ class _Lowering(ControlFlow):
         """Bind a call with its body rewritten: this interpreter traced over the body; a
         layer stack's call, with a pipeline planned, runs as the pipeline."""
         outs = self.stacks.call(eqn, region, args) if self.stacks is not None else None
-        if outs is not None:
+        if outs is not None:  # as the pipeline leaves them: read without the plan's source
+            self.free |= made_by(region)
             return outs
         key = facts(eqn.primitive.name).call
         sub = eqn.params[key]

@@ -32,6 +32,7 @@ import optax
 from flax import nnx
 from jax.typing import DTypeLike
 
+from shardc import pipeline
 from shardc.models.common import (
     Batch,
     TrainState,
@@ -71,8 +72,14 @@ class LlamaConfig:
     dtype: DTypeLike = jnp.float32
     remat: bool = True
     scan_layers: bool = True  # False: the same stacked layers applied by a Python loop
+    #: True: the scan written as :func:`shardc.pipeline.layers` (a stack auto_shard can
+    #: pipeline; its backward recomputes the forward, so ``remat`` adds a third forward)
+    stack_layers: bool = False
 
     def __post_init__(self) -> None:
+        if self.stack_layers and not self.scan_layers:
+            raise ValueError("stack_layers=True writes the layer scan as "
+                             "shardc.pipeline.layers; it needs scan_layers=True")
         for name in ("vocab", "seq_len", "d_model", "n_heads", "n_kv_heads", "d_ff",
                      "n_layers", "batch"):
             if getattr(self, name) < 1:
@@ -110,14 +117,18 @@ class LlamaConfig:
     def deep(cls, n_layers: int = 32) -> LlamaConfig:
         """A deep, narrow decoder (the bench's pipelined model): 32 layers of d 512, 8
         heads over 2 kv heads, d_ff 1408, seq 512, vocab 8192 (99M params at 32 layers);
-        batch 8 on 8 devices."""
+        batch 8 on 8 devices. Its layers are a :func:`shardc.pipeline.layers` stack, not
+        checkpointed (the stack's backward recomputes the forward: the FLOPs of a
+        checkpointed scan)."""
         return cls(vocab=8192, seq_len=512, d_model=512, n_heads=8, n_kv_heads=2, d_ff=1408,
-                   n_layers=n_layers, batch=8, learning_rate=3e-4)
+                   n_layers=n_layers, batch=8, learning_rate=3e-4, remat=False,
+                   stack_layers=True)
 
     @classmethod
     def deep_tiny(cls, n_layers: int = 32) -> LlamaConfig:
-        """The deep model at test size: :meth:`tiny`'s widths, 32 layers."""
-        return cls(n_layers=n_layers)
+        """The deep model at test size: :meth:`tiny`'s widths, 32 layers, a stack as
+        :meth:`deep`'s."""
+        return cls(n_layers=n_layers, remat=False, stack_layers=True)
 
     @classmethod
     def realistic(cls, n_layers: int = 8) -> LlamaConfig:
@@ -240,11 +251,16 @@ class Llama(nnx.Module):
         graphdef, stacked = nnx.split(self.layers)  # every leaf [n_layers, ...]
 
         def one_layer(h: jax.Array, params: nnx.State) -> tuple[jax.Array, None]:
+            if cfg.stack_layers:  # a pipelined stack closes over no traced array
+                return nnx.merge(graphdef, params)(h, *rope_tables(h.shape[1], cfg.head_dim,
+                                                                   cfg.dtype)), None
             return nnx.merge(graphdef, params)(h, cos, sin), None
 
         if cfg.remat:  # a scan keeps iterations apart: no CSE barrier there (MaxText too)
             one_layer = jax.checkpoint(one_layer, prevent_cse=not cfg.scan_layers)
-        if cfg.scan_layers:
+        if cfg.stack_layers:
+            x, _ = pipeline.layers(one_layer, x, stacked)
+        elif cfg.scan_layers:
             x, _ = jax.lax.scan(one_layer, x, stacked)
         else:  # unrolled: the program a scan replaces, for comparing the two
             for layer in range(cfg.n_layers):

@@ -1,6 +1,6 @@
 """The planner's choice of a pipeline: stage axis, stages, micro-batches, schedule.
 
-For a program with layer scans (:mod:`shardc.pipeline.layers`) on a mesh, every mesh axis
+For a program with layer scans (:mod:`shardc.pipeline.scans`) on a mesh, every mesh axis
 ``a`` whose size S divides the layer count is a stage axis; with ``views``, so is every
 axis of the other logical views of the devices (:mod:`shardc.views`), each view planned
 unpipelined too. For each, the program is planned once more with ``a`` cut to one device
@@ -13,12 +13,13 @@ budget wins when its step is below ``1 - min_gain`` of the unpipelined plan's; e
 is none. The margin stands for what the price leaves out and a pipeline adds: the loop
 over ticks, the copies that rotate the stage buffers, smaller kernels per micro-batch; it
 is a judgement, not a measured figure (5% by default). The search is deterministic:
-candidates are priced in a fixed order; of equal steps the leaner wins (1F1B over GPipe
-where it holds fewer micro-batches), then the first.
+candidates are priced in a fixed order; of equal steps the leaner wins, then the first
+(GPipe before 1F1B, which runs GPipe's order here and is priced the same).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -26,14 +27,16 @@ from dataclasses import dataclass, field
 from shardc.cost.cluster import Cluster
 from shardc.explain import fmt_time
 from shardc.ir.graph import Graph
+from shardc.ir.sbp import NdSbp, Split
 from shardc.pipeline.cost import PipelinePrice, parts, price
-from shardc.pipeline.layers import Layers, find_layers
+from shardc.pipeline.scans import Layers, find_layers
 from shardc.pipeline.schedule import SCHEDULES, Pipeline
-from shardc.plan import Plan, assemble
+from shardc.plan import Plan, Predicted, assemble
 from shardc.solve.search import SolveOptions, plan_graph
 from shardc.views import View, views
 
-__all__ = ["Choice", "ChoiceOptions", "best_pipeline", "candidates"]
+__all__ = ["Choice", "ChoiceOptions", "adopt", "best_pipeline", "candidates", "pinned",
+           "updates"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +76,7 @@ class Choice:
     ``reason``), the unpipelined step, the cheapest pipeline priced (chosen or not; its
     ``mesh`` is the view of the devices it runs on, another than the plan's only with
     ``views``) and every price, in the order priced; ``plan_s``: seconds the choice
-    took."""
+    took; ``layers``: the layer count of the program's layer scans (0: none found)."""
 
     pipeline: Pipeline | None
     base_time: float
@@ -81,6 +84,9 @@ class Choice:
     reason: str
     priced: tuple[PipelinePrice, ...] = field(default=(), repr=False)
     plan_s: float = 0.0
+    layers: int = 0
+    #: the stage plan the chosen pipeline was priced from (its layouts inside a stage)
+    stage_plan: Plan | None = field(default=None, repr=False, compare=False)
 
     def summary(self) -> str:
         """What was chosen and why, against the unpipelined step."""
@@ -160,7 +166,7 @@ def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[
 
     def none(reason: str, priced=(), best=None) -> Choice:
         return Choice(None, base.predicted.step_time, best, reason, tuple(priced),
-                      time.perf_counter() - t0)
+                      time.perf_counter() - t0, layers.length if layers else 0)
 
     request = options.pipeline
     if request is False:
@@ -173,6 +179,7 @@ def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[
     elif options.views:
         meshes += views(sizes, names, cluster)[1:]
     priced: list[PipelinePrice] = []
+    stage_plans: dict = {}
     for view in meshes:
         whole_plan = base if view.names == names else \
             _planned(graph, view.shape, view.names, view.cluster, ties, resident, solve)
@@ -183,11 +190,12 @@ def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[
                 continue
             cut = view.shape[:k] + (1,) + view.shape[k + 1:]
             stage_plan = _planned(graph, cut, view.names, view.cluster, ties, resident, solve)
+            stage_plans[(_axes(view), axis)] = stage_plan
             stage = parts(stage_plan, graph, layers, ties, resident)
             if isinstance(request, Pipeline):
                 chosen = price(request, whole, stage, view.cluster, _axes(view))
                 return Choice(request, base.predicted.step_time, chosen, "requested",
-                              (chosen,), time.perf_counter() - t0)
+                              (chosen,), time.perf_counter() - t0, layers.length, stage_plan)
             priced += [price(p, whole, stage, view.cluster, _axes(view))
                        for p in candidates(axis, s, layers, options)
                        if _splits_batch(stage_plan, layers, p.microbatches, graph)]
@@ -202,8 +210,69 @@ def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[
         return none(f"no pipeline saves {options.min_gain:.0%} of the unpipelined step",
                     priced, best)
     return Choice(best.pipeline, base.predicted.step_time, best, "cheapest pipeline",
-                  tuple(priced), time.perf_counter() - t0)
+                  tuple(priced), time.perf_counter() - t0, layers.length,
+                  stage_plans[(best.mesh, best.pipeline.axis)])
 
 
 def _axes(view: View) -> tuple[tuple[str, int], ...]:
     return tuple(zip(view.names, view.shape))
+
+
+def adopt(plan: Plan, choice: Choice, free: Collection[int] = ()) -> Plan:
+    """``plan`` running ``choice``'s pipeline: its predicted step and peak are the
+    pipeline's (the sends and the closing all-reduces as communication, the rest, the
+    stages' own conversions among it, as compute; the wire bytes stay the unpipelined
+    plan's), and ``solver["pipeline"]`` keeps the price that ``plan.explain()`` shows and,
+    as ``"free"``, the ids of the values ``free`` (:func:`updates`) the lowering leaves
+    unconstrained. ``plan`` itself where the choice is none."""
+    best = choice.best
+    if choice.pipeline is None or best is None:
+        return plan
+    old = plan.predicted
+    comm = best.transfers + best.gathers
+    predicted = Predicted(comm, best.step_time - comm - old.feed_time, old.comm_bytes,
+                          best.peak_memory, old.feed_time)
+    record = {"reason": choice.reason, "layers": choice.layers, "step_s": best.step_time,
+              "bubble_s": best.bubble, "unpipelined_s": choice.base_time,
+              "permutes": best.permutes, "permute_bytes": best.permute_bytes,
+              "reduces": best.reduces, "reduce_bytes": best.reduce_bytes,
+              "choice_s": choice.plan_s, "free": sorted(free)}
+    return dataclasses.replace(plan, pipeline=choice.pipeline, predicted=predicted,
+                               solver={**plan.solver, "pipeline": record})
+
+
+def pinned(graph: Graph, choice: Choice, ties: Sequence[tuple[int, int]] = (),
+           resident: Collection[int] = ()) -> tuple[dict[int, NdSbp], dict[int, NdSbp]]:
+    """(graph input index -> layout, graph output index -> layout): the layer state
+    (stacked parameters and their optimizer moments, fed back step to step) as a stage holds
+    it, for the plan that runs ``choice``'s pipeline to keep: the stage plan's layout with
+    the layer dim split over the stage axis (stage ``s`` holds layers ``s L / S`` on, the
+    runtime's chunks for ``V = 1``), tied results alike. A value whose stage layout splits
+    the layer dim already is left to the planner. Empty without a chosen pipeline."""
+    p, stage = choice.pipeline, choice.stage_plan
+    layers = find_layers(graph, ties, resident)
+    if p is None or stage is None or layers is None:
+        return {}, {}
+    at = list(stage.axis_names).index(p.axis)
+    tied = {i: j for j, i in ties}
+    ins: dict[int, NdSbp] = {}
+    for k, v in enumerate(graph.inputs):
+        nd = stage.inputs[k]
+        if k not in tied or v.id not in layers.stacked or \
+                any(isinstance(sbp, Split) and sbp.dim == 0 for sbp in nd.sbps):
+            continue
+        ins[k] = NdSbp(nd.sbps[:at] + (Split(0),) + nd.sbps[at + 1:])
+    return ins, {tied[k]: nd for k, nd in ins.items()}
+
+
+def updates(graph: Graph, ties: Sequence[tuple[int, int]] = (),
+            resident: Collection[int] = ()) -> set[int]:
+    """Ids of the values the layer state's update makes outside the layer scans (the
+    optimizer's step of the stacked parameters, :attr:`Layers.outside`). Under a pipeline
+    they are left unconstrained: their operands come from the pipeline split over the
+    stages and their results are pinned so, where the unpipelined plan, whose layer
+    gradients leave the scan whole, laid them out whole on every stage."""
+    layers = find_layers(graph, ties, resident)
+    if layers is None:
+        return set()
+    return {v.id for op in graph.ops if op.id in layers.outside for v in op.outputs}

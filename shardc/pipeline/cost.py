@@ -1,7 +1,7 @@
 """What a pipelined step costs, priced from plans the planner already makes.
 
 A pipeline over mesh axis ``a`` (S = size(a) stages, M micro-batches, V virtual stages per
-device) runs the program's layer scans (:mod:`shardc.pipeline.layers`) in stages, each
+device) runs the program's layer scans (:mod:`shardc.pipeline.scans`) in stages, each
 stage on the devices of the other axes, and everything else (embedding, head, loss, the
 other parameters' updates) over the whole mesh. Its step is priced from two plans of the
 program:
@@ -15,24 +15,35 @@ Of the stage plan's layer part, the layer scans' compute and their conversions o
 per-sample values run once per micro-batch and tick: the stage does ``1 / (S M V)`` of them
 per tick (each conversion re-priced at ``1 / M`` of its bytes, so its latency is paid per
 micro-batch), over ``M V + S - 1`` ticks each way, forward and backward (GPipe; the bubble
-share ``(S - 1) / (M V + S - 1)`` is the idle part). The conversions of the layers'
-parameters and gradients inside the scans, and the stacked parameters' updates, run once
-per step: a stage's gradient reductions span its own devices only, never the stage axis.
+share ``(S - 1) / (M V + S - 1)`` is the idle part). A scan that recomputes the forward
+for the backward (a :func:`shardc.pipeline.layers` stack's) does not run under GPipe, which
+keeps the forward's residuals; the circular schedule recomputes each chunk. The
+conversions of the layers' parameters and gradients inside the scans, and the stacked
+parameters' updates, run once per step: a stage's gradient reductions span its own
+devices only, never the stage axis.
 
-Every tick each stage sends the next its micro-batch's carry (the activation forward,
-its gradient backward), and the buffer of micro-batches waiting to enter and leave the
-pipeline rotates one slot across the stage axis (MaxText's ``shift`` and ``state_io``);
-a circular schedule with more micro-batches than stages also moves the last stage's
-output into the storage it waits in for its next round (``circ_storage``). Each is one
-collective-permute over axis ``a`` of one micro-batch's carry (its per-device bytes at
-the stage plan's layout, ``1 / M`` of the batch), priced on the link ``a`` crosses
-(:meth:`shardc.cost.cluster.Cluster.send_seconds`: a pair on two nodes sends over one
-NIC). Communication adds to compute, as the planner prices any plan.
+Each tick every stage sends the next its micro-batch's carry: one collective-permute over
+axis ``a`` of ``1 / M`` of the carry's per-device bytes at the stage plan's layout, ``M V +
+S - 1`` ticks forward and as many backward (the transposed permute). After the forward loop
+one all-reduce over ``a`` of the whole carry hands the last stage's finished micro-batches to
+every stage; after the backward loop one more sums the stack input's cotangent over ``a``
+(:mod:`shardc.pipeline.runtime` states what it compiles to). The permutes are priced on
+the link ``a`` crosses (:meth:`shardc.cost.cluster.Cluster.send_seconds`: a pair on two
+nodes sends over one NIC), the all-reduces as any collective over ``a``. Communication adds
+to compute, as the planner prices any plan.
 
-Per-stage peak memory: the stacked state (parameters and optimizer moments) at 1 / S, the
-rest of the state as the whole plan holds it, the activations the forward pass saves for
-``in_flight`` micro-batches of L / S layers, and the whole plan's working memory besides
-state and saved activations (the head's logits, the gradients being formed).
+Per-stage peak memory, as the runtime holds it: the stacked state (parameters and
+optimizer moments) at 1 / S, the rest of the state as the whole plan holds it, the whole
+plan's working memory besides state and saved activations (the head's logits, the
+gradients being formed), and what the backward reads: autodiff's residuals of ``T = M V + S
+- 1`` steps of ``L / (S V)`` layers on a micro-batch, ``T / (S V M)`` of the stage plan's
+saved activations (GPipe and, run in GPipe's order, 1F1B); for the circular schedule,
+whose chunks are recomputed in the backward, ``T`` chunk inputs (``T / M`` carries) and
+one chunk's residuals instead. Besides, the micro-batched input and the finished
+micro-batches, a carry each (and for the circular schedule the buffer of micro-batches
+coming round, a third), and the loop's own copy of the stage's weights and, training, the
+gradient one step's chunk accumulates over its layers (the backward loop's state, as
+compiled: ``tests/test_pipeline_plan.py`` checks the total against ``memory_analysis()``).
 
 References:
   Huang et al., "GPipe" (NeurIPS 2019): M + S - 1 ticks per pass, the bubble.
@@ -40,9 +51,9 @@ References:
     Megatron-LM" (SC 2021) §2.2: 1F1B holds at most S micro-batches per stage; the
     interleaved schedule runs M V + S - 1 ticks of 1 / V the work, one point-to-point
     transfer per tick.
-  MaxText ``layers/pipeline.py`` (``get_new_loop_state``): per iteration one ``ppermute``
-    over the stage axis each of ``shift``, the ``state_io`` slice and, circular with more
-    micro-batches than stages, ``circ_storage``; M V + S - 1 iterations.
+  MaxText ``layers/pipeline.py``: M V + S - 1 iterations.
+  :mod:`shardc.pipeline.runtime`: one ``ppermute`` per step each way, the closing
+    all-reduces, what a stage holds for the backward.
 """
 
 from __future__ import annotations
@@ -53,11 +64,11 @@ from shardc.cost.cluster import Cluster
 from shardc.cost.comm import Conversion, conversion
 from shardc.explain import fmt_bytes, fmt_time
 from shardc.ir.graph import Graph
-from shardc.pipeline.layers import Layers
+from shardc.pipeline.scans import Layers
 from shardc.pipeline.schedule import Pipeline
 from shardc.plan import Plan
 
-__all__ = ["Parts", "PipelinePrice", "parts", "permutes_per_tick", "price"]
+__all__ = ["Parts", "PipelinePrice", "parts", "price"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +83,9 @@ class Parts:
     ``other_state``: the stacked / other state the plan holds; ``saved``: the forward
     scan's saved activations; ``carry``: the layer carry at the plan's layout;
     ``passes``: the layer scans' passes over the stages (2 for a training step, forward and
-    backward; 1 for a forward-only program)."""
+    backward; 1 for a forward-only program); ``rerun``: the compute of the scans that
+    recompute the forward for the backward (:attr:`Layers.rerun`); ``params``: the bytes
+    of the stacked parameters the layer scans read (:attr:`Layers.params`)."""
 
     step: float
     peak: float
@@ -85,6 +98,8 @@ class Parts:
     saved: float
     carry: float
     passes: int = 2
+    rerun: float = 0.0
+    params: float = 0.0
 
     def sample_seconds(self, microbatches: int) -> float:
         """The per-sample conversions' seconds when each runs once per micro-batch on
@@ -102,10 +117,13 @@ def parts(plan: Plan, graph: Graph, layers: Layers, ties=(), resident=()) -> Par
     sizes = plan.axis_sizes
     producer = {v.id: op.id for op in graph.ops for v in op.outputs}
     nbytes = {v.id: v.nbytes for v in graph.values()}
-    compute = scans = outside = 0.0
+    compute = scans = outside = rerun = 0.0
+    reruns = {op.id for op in graph.ops
+              if any(op.where[:len(w)] == w for w in layers.rerun)}
     for op in plan.ops:
         if op.id in layers.ops:
             compute += op.compute_time
+            rerun += op.compute_time if op.id in reruns else 0.0
         elif op.id in layers.outside:
             outside += op.compute_time
     sample, once = [], outside
@@ -135,7 +153,8 @@ def parts(plan: Plan, graph: Graph, layers: Layers, ties=(), resident=()) -> Par
     carry = sum(nbytes[i] * plan.values[i].shard_fraction(sizes) for i in layers.carry)
     return Parts(plan.predicted.step_time, plan.predicted.peak_memory,
                  compute + scans + once, compute, tuple(sample), once, state, other, saved,
-                 carry, min(len(layers.scans), 2))
+                 carry, min(len(layers.scans), 2), rerun,
+                 sum(nbytes[i] * plan.values[i].shard_fraction(sizes) for i in layers.params))
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,11 +162,13 @@ class PipelinePrice:
     """A pipelined step's prediction (seconds per step, bytes per device).
 
     ``rest``: the parts over the whole mesh; ``layers``: the stages' ticks, the
-    ``bubble`` among them; ``transfers``: the point-to-point sends between stages,
-    ``permutes`` collective-permutes over the stage axis per step (forward and backward),
-    of ``permute_bytes`` each per device; ``once``: the stages' once-per-step part;
-    ``peak_memory``: a stage's peak; ``mesh``: the view of the devices it runs on
-    (axis names and sizes; the stage axis is one of them)."""
+    ``bubble`` among them; ``transfers``: the sends between stages, ``permutes``
+    collective-permutes over the stage axis per step (forward and backward), of
+    ``permute_bytes`` each per device; ``gathers``: the closing all-reduces over the stage
+    axis, ``reduces`` of ``reduce_bytes`` each per device (the finished micro-batches,
+    and in a training step the stack input's cotangent); ``once``: the stages'
+    once-per-step part; ``peak_memory``: a stage's peak; ``mesh``: the view of the devices
+    it runs on (axis names and sizes; the stage axis is one of them)."""
 
     pipeline: Pipeline
     step_time: float
@@ -155,9 +176,12 @@ class PipelinePrice:
     layers: float
     bubble: float
     transfers: float
+    gathers: float
     once: float
     permutes: int
     permute_bytes: float
+    reduces: int
+    reduce_bytes: float
     peak_memory: float
     mesh: tuple[tuple[str, int], ...] = ()
 
@@ -179,23 +203,25 @@ def price(pipeline: Pipeline, whole: Parts, stage: Parts, cluster: Cluster,
     :class:`Parts` and the stage plan's (see the module doc)."""
     s, m, v = pipeline.stages, pipeline.microbatches, pipeline.virtual
     ticks = m * v + s - 1
-    work = (stage.compute + stage.sample_seconds(m)) / s
+    # GPipe keeps its forward's residuals (no rerun); circular recomputes each chunk
+    work = (stage.compute - (stage.rerun if v == 1 else 0.0) + stage.sample_seconds(m)) / s
     layers = work * ticks / (m * v)
-    step_bytes = stage.carry / m
-    permutes = stage.passes * ticks * permutes_per_tick(pipeline)
-    transfers = permutes * cluster.send_seconds([(pipeline.axis, s)], step_bytes)
+    spans = [(pipeline.axis, s)]
+    permutes = stage.passes * ticks
+    transfers = permutes * cluster.send_seconds(spans, stage.carry / m)
+    reduces = stage.passes
+    gathers = reduces * cluster.collective_seconds("all-reduce", spans, stage.carry)
     once = stage.once / s
     rest = whole.step - whole.layers
     working = max(0.0, whole.peak - whole.state - whole.other_state - whole.saved)
-    peak = (stage.state / s + whole.other_state + working
-            + stage.saved * pipeline.in_flight / (m * s))
-    return PipelinePrice(pipeline, rest + layers + transfers + once, rest, layers,
-                         layers - work, transfers, once, permutes, step_bytes, peak, mesh)
-
-
-def permutes_per_tick(pipeline: Pipeline) -> int:
-    """Collective-permutes over the stage axis per tick and direction: the carry to the
-    next stage, the input/output buffer's rotation, and for a circular schedule with more
-    micro-batches than stages the move into the storage between rounds (module doc)."""
-    storage = pipeline.schedule == "circular" and pipeline.microbatches > pipeline.stages
-    return 3 if storage else 2
+    if v > 1:  # chunk inputs kept, one chunk recomputed at a time; the returning buffer
+        held = stage.carry * ticks / m + stage.saved / (s * v * m) + 3 * stage.carry
+    else:
+        held = stage.saved * ticks / (s * m) + 2 * stage.carry
+    # the pipelined loop's own copy of the stage's weights, and (training) the gradient a
+    # step's chunk accumulates over its layers before it joins the stage's
+    held += stage.params / s * (2 if stage.passes > 1 else 1)
+    peak = stage.state / s + whole.other_state + working + held
+    return PipelinePrice(pipeline, rest + layers + transfers + gathers + once, rest, layers,
+                         layers - work, transfers, gathers, once, permutes, stage.carry / m,
+                         reduces, stage.carry, peak, mesh)

@@ -31,7 +31,7 @@ from shardc.pipeline.runtime import pipeline_scan
 from shardc.pipeline.schedule import Pipeline
 from shardc.pipeline.stack import Stack, stack_named
 
-__all__ = ["NoStackError", "Stacks"]
+__all__ = ["NoStackError", "Stacks", "made_by"]
 
 
 class NoStackError(ValueError):
@@ -63,6 +63,29 @@ def batch_axes(region: Region, by_op: dict, names: tuple[str, ...], axis: str
         found.add(tuple(n for n, sbp in zip(names, planned.ins[0].sbps)
                         if isinstance(sbp, Split) and sbp.dim == 0 and n != axis))
     return found.pop() if len(found) == 1 else ()
+
+
+def made_by(region: Region, outvars=None) -> set[int]:
+    """Ids of the graph values that ``region``'s results (those of ``outvars``, default all)
+    are: the ops, loop exits or inner calls making them. A pipelined stack's results are
+    laid out as the pipeline leaves them, not as the unpipelined plan made them: read from
+    there, they are converted straight to the layouts their readers want (through the
+    unpipelined layout, the layer gradients split over the stages were gathered first)."""
+    where = {id(v): (k, j) for k, e in enumerate(region.jaxpr.eqns)
+             for j, v in enumerate(e.outvars)}
+    out: set[int] = set()
+    for var in region.jaxpr.outvars if outvars is None else outvars:
+        k, j = where.get(id(var), (None, None))
+        if k is None:
+            continue
+        step = region.steps[k]
+        if isinstance(step, Region):
+            out |= made_by(step, [step.jaxpr.outvars[j]])
+        elif isinstance(step, Loop):
+            out.add(step.exits[j].outputs[0].id)
+        elif getattr(step, "outputs", None):
+            out.add(step.outputs[j].id)
+    return out
 
 
 class Stacks:

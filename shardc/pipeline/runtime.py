@@ -47,10 +47,10 @@ finished micro-batches and (circular) the buffer of returning ones, ``M * b * a`
 What the ``"1f1b"`` schedule is here: the same forward order as ``"gpipe"`` and the same
 autodiff backward, so its values and gradients equal the scan's, but it is not a
 one-forward-one-backward interleaving: a stage holds the residuals of all ``M + S - 1``
-steps, not 1F1B's ``min(M, S)`` micro-batches (:attr:`Pipeline.in_flight` states 1F1B's
-bound, which this runtime does not reach). A true 1F1B needs the loss inside the pipelined
-loop (the backward of micro-batch ``m`` runs before the forward of ``m + S``), which a
-function returning the stack's carry cannot give.
+steps, not 1F1B's bound of ``min(M, S)`` micro-batches (:mod:`shardc.pipeline.cost`
+prices what it holds). A true 1F1B needs the loss inside the pipelined loop (the
+backward of micro-batch ``m`` runs before the forward of ``m + S``), which a function
+returning the stack's carry cannot give.
 
 References:
   Huang et al., "GPipe" (NeurIPS 2019): micro-batches through stages, the bubble.
@@ -160,8 +160,8 @@ def _where(c, a, b):
 
 def _stages(layer_fn: Callable, pipeline: Pipeline, steps: int, batch_axes: tuple[str, ...]):
     """The per-device loop (the body of the ``shard_map``): ``params`` leaves
-    ``[V, 1, K, ...]`` (this device's chunks), ``mbs`` leaves ``[M, b, ...]`` (this
-    device's part of every micro-batch over ``batch_axes``)."""
+    ``[V, 1, K, ...]`` (this device's chunks; ``[K, ...]`` where V = 1), ``mbs`` leaves
+    ``[M, b, ...]`` (this device's part of every micro-batch over ``batch_axes``)."""
     p = pipeline
     s_n, m_n, v_n, axis = p.stages, p.microbatches, p.virtual, p.axis
     ring = [(i, (i + 1) % s_n) for i in range(s_n)] if v_n > 1 else \
@@ -184,11 +184,12 @@ def _stages(layer_fn: Callable, pipeline: Pipeline, steps: int, batch_axes: tupl
         # input's over the stages, the weights' over the batch axes: data parallelism's
         # gradient all-reduce) run once after the backward loop, not once per step
         mbs = jax.tree.map(lambda x: jax.lax.pcast(x, axis, to="varying"), mbs)
-        params = jax.tree.map(lambda w: w[:, 0], params)
+        if v_n > 1:  # [V, 1, K, ...] -> [V, K, ...]; V = 1 comes as this stage's [K, ...]
+            params = jax.tree.map(lambda w: w[:, 0], params)
         if batch_axes:
             params = jax.tree.map(lambda w: jax.lax.pcast(w, batch_axes, to="varying"),
                                   params)
-        only = jax.tree.map(lambda w: w[0], params)  # V = 1: sliced once, outside the loop
+        only = params  # V = 1: the stage's one chunk, outside the loop
         s = jax.lax.axis_index(axis)
         first = _at(mbs, 0)  # a stand-in for the bubble steps
         outs = jax.tree.map(jnp.zeros_like, mbs)
@@ -240,7 +241,11 @@ def pipeline_scan(layer_fn: Callable, carry: Any, stacked_params: Any, *,
     check_pipeline(p, mesh, batch, layers)
     s_n, m_n, v_n = p.stages, p.microbatches, p.virtual
     k = layers // (s_n * v_n)
-    params = jax.tree.map(lambda w: w.reshape((v_n, s_n, k) + w.shape[1:]), stacked_params)
+    # V = 1: the layer dim split over the stage axis as it is (a plan's layout of it, split
+    # over the stages, stays put: reshaped to [V, S, K] first, XLA gathered it whole)
+    params = stacked_params if v_n == 1 else \
+        jax.tree.map(lambda w: w.reshape((v_n, s_n, k) + w.shape[1:]), stacked_params)
+    weights = PartitionSpec(p.axis) if v_n == 1 else PartitionSpec(None, p.axis)
     _check_batch_axes(p, mesh, batch_axes, batch)
     # micro-batch m is rows m, m + M, m + 2M, ...: a batch split over mesh axes (in blocks)
     # stays split within every micro-batch, not across them
@@ -248,7 +253,7 @@ def pipeline_scan(layer_fn: Callable, carry: Any, stacked_params: Any, *,
         lambda x: x.reshape((batch // m_n, m_n) + x.shape[1:]).swapaxes(0, 1), carry)
     split = PartitionSpec(None, batch_axes or None)
     run = jax.shard_map(_stages(layer_fn, p, m_n * v_n + s_n - 1, tuple(batch_axes)),
-                        mesh=mesh, in_specs=(PartitionSpec(None, p.axis), split),
+                        mesh=mesh, in_specs=(weights, split),
                         out_specs=split, axis_names={p.axis, *batch_axes})
     out = run(params, mbs)
     return jax.tree.map(lambda o: o.swapaxes(0, 1).reshape((batch,) + o.shape[2:]), out), None

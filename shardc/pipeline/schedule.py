@@ -52,12 +52,21 @@ class Pipeline:
         s, m = self.stages, self.microbatches
         return (s - 1) / (m * self.virtual + s - 1) if self.virtual > 1 else (s - 1) / (m + s - 1)
 
-    @property
-    def in_flight(self) -> int:
-        """Micro-batches whose activations one stage holds at its peak: all M for GPipe and
-        the circular schedule (forward all, then backward), at most S for 1F1B."""
-        return min(self.microbatches, self.stages) if self.schedule == "1f1b" \
-            else self.microbatches
+    def stage_layers(self, n_layers: int) -> tuple[tuple[range, ...], ...]:
+        """Per stage, the ranges of layers it runs, in the order it runs them: stage ``s``
+        holds chunk ``v * S + s`` of ``n_layers / (S V)`` layers for each ``v``
+        (:mod:`shardc.pipeline.runtime`)."""
+        k = n_layers // (self.stages * self.virtual)
+        return tuple(tuple(range((v * self.stages + s) * k, (v * self.stages + s + 1) * k)
+                           for v in range(self.virtual)) for s in range(self.stages))
+
+    def describe(self, n_layers: int) -> str:
+        """Which layers each stage runs: ``stage 0: layers 0-7; stage 1: 8-15; ...``."""
+        def span(r: range) -> str:
+            return f"{r.start}-{r.stop - 1}" if len(r) > 1 else str(r.start)
+        return "; ".join(f"stage {s}: {'layers ' if s == 0 else ''}"
+                         + ", ".join(span(r) for r in chunks)
+                         for s, chunks in enumerate(self.stage_layers(n_layers)))
 
     def to_json(self) -> dict:
         return {"axis": self.axis, "stages": self.stages, "microbatches": self.microbatches,

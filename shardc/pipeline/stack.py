@@ -28,10 +28,11 @@ from functools import partial
 from typing import Any
 
 import jax
+from jax.extend.core import jaxprs_in_params
 
 from shardc.pipeline.runtime import carry_of
 
-__all__ = ["PREFIX", "Stack", "layers", "stack_named"]
+__all__ = ["PREFIX", "Stack", "has_stack", "layers", "stack_named"]
 
 #: the name prefix of the inner ``jit`` calls of a layer stack
 PREFIX = "shardc_layers_"
@@ -79,6 +80,21 @@ def stack_named(name: str) -> tuple[Stack, str] | None:
     if stack is None or kind not in ("fwd", "bwd"):
         return None
     return stack, kind
+
+
+def has_stack(jaxpr) -> bool:
+    """Whether ``jaxpr`` (open or closed; None: no program) calls a filed layer stack, at
+    any depth."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    if jaxpr is None:
+        return False
+    for eqn in jaxpr.eqns:
+        if stack_named(str(eqn.params.get("name", ""))) is not None:
+            return True
+        for sub in jaxprs_in_params(eqn.params):
+            if has_stack(sub):
+                return True
+    return False
 
 
 def _origin(fn: Callable) -> str:

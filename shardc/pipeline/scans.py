@@ -48,6 +48,8 @@ class Layers:
     per_sample: frozenset[int]
     carry: tuple[int, ...]
     saved: tuple[int, ...]
+    rerun: tuple[tuple[int, ...], ...] = ()
+    params: frozenset[int] = frozenset()
 
     def layer_part(self, op_id: int) -> bool:
         """The op runs in the stages (a layer scan's, or a stacked value's update)."""
@@ -109,11 +111,14 @@ def find_layers(graph: Graph, ties: Sequence[tuple[int, int]] = (),
     shapes = {v.shape for v in params} | {v.shape[1:] for v in params}
     per_sample = frozenset(i for i in from_batch if values[i].shape not in shapes)
     saved = tuple(op.outputs[0].id for op in graph.ops if op.prim is SCAN_EXIT
-                  and op.where == forward and op.params["kind"] == "ys"
+                  and op.where in scans and op.params["kind"] == "ys"
                   and op.outputs[0].id in per_sample)
+    saving = {op.where for op in graph.ops if op.prim is SCAN_EXIT and op.params["kind"] == "ys"
+              and op.outputs[0].id in saved}
+    rerun = tuple(w for w in scans[1:] if w in saving) if forward not in saving else ()
     stacked, outside = _stacked(graph, scans, length, {v.id for v in params}, per_sample)
     return Layers(length, batch, scans, ops, frozenset(stacked), frozenset(outside),
-                  per_sample, carry, saved)
+                  per_sample, carry, saved, rerun, frozenset(v.id for v in params))
 
 
 def _stacked(graph: Graph, scans: Sequence[tuple[int, ...]], length: int,
