@@ -114,7 +114,8 @@ def _lifetimes(cg: CostGraph) -> None:
             last[v.id] = max(last.get(v.id, t), t)
     # a branch reads the cond's operand in place: its ``cond_enter`` holds no copy
     fused = fused_values(graph) | {op.outputs[0].id for op in graph.ops if op.prim is COND_ENTER}
-    cg.fusion = (frozenset(fused), dict(last))
+    made = {v.id: t for t, op in enumerate(graph.ops) for v in op.outputs}
+    cg.fusion = (frozenset(fused), dict(last), made)
     for t in range(n - 1, -1, -1):  # consumers first: a chain of fused values extends back
         op = graph.ops[t]
         end = max((last[v.id] for v in op.outputs if v.id in fused), default=t)
@@ -135,7 +136,6 @@ def _lifetimes(cg: CostGraph) -> None:
                 cg.spans.append((born.get(v.id, t), last.get(v.id, t), cg.producer[v.id][0],
                                  slot, v.nbytes))
     first_read: dict[int, int] = {}
-    made = {v.id: t for t, op in enumerate(graph.ops) for v in op.outputs}
     tail = tail_values(graph)
     after = _tail_after(graph, tail)
     cg.read_spans = []
@@ -171,10 +171,10 @@ def _cut_fusion(cg: CostGraph, choice: Sequence[int], vid: int, at: int, made: l
     fused chain reads die by ``at`` (``made`` shortened in place; ``made_at``: the
     temporary of each (node, slot) making a value). On a micro-batched step the gradients
     summed before one all-reduce die there, not at the optimizer's end."""
-    fused, own = cg.fusion
+    fused, own, born = cg.fusion
     node, slot = cg.producer[vid]
     op = cg.refs[node]
-    start = next((t for t, o in enumerate(cg.graph.ops) if o is op), at)
+    start = born.get(vid, at)
     nbytes = op.outputs[slot].nbytes * cg.out_sbp(node, slot, choice[node]).shard_fraction(
         cg.axis_sizes)
     todo = [op]
@@ -293,7 +293,8 @@ def _copy_bytes(cg: CostGraph, src: NdSbp, wants: Sequence[NdSbp], nbytes: int
 def _copies_at(cg: CostGraph, choice: Sequence[int], t: int
                ) -> list[tuple[int, np.ndarray]]:
     """The copies :func:`memory_profile` holds at point ``t`` under ``choice``, each as
-    (the node asking for it, its bytes per choice of that node, the source as chosen)."""
+    (the node asking for it, its bytes per choice of that node, the source held as
+    ``choice`` makes it)."""
     out = []
     for start, end, enter, node, slot, nbytes in cg.stack_spans:
         if start <= t <= end:

@@ -102,8 +102,8 @@ class CostGraph:
     read_spans: list = field(default_factory=list)
     settle_spans: list = field(default_factory=list)  # (first, last, settle, node, slot, bytes)
     #: (ids of the values XLA fuses into their readers, value id -> its last read before a
-    #: fused reader extends it): ``solve/memory.py``
-    fusion: tuple = (frozenset(), {})
+    #: fused reader extends it, value id -> the program point making it): ``solve/memory.py``
+    fusion: tuple = (frozenset(), {}, {})
     conversions: dict = field(default_factory=dict)  # (src, dst) -> Conversion
     terms: dict = field(default_factory=dict)  # (srcs, dsts) -> reshard_matrix's cost terms
     carried: set = field(default_factory=set)  # input nodes tied to an output (the state)
