@@ -124,25 +124,28 @@ def solve(cg: CostGraph, options: SolveOptions = SolveOptions()) -> Solution:
     for _ in range(0 if hopeless else MEMORY_ROUNDS):
         x, status, stages = _solve_once(cg, x, memory_budget,
                                         options.time_limit if use_ilp else None, folding)
-        if memory_budget is None or _peak(cg, x) <= memory_budget:
+        if memory_budget is None:
             break
-        found = min(found, _peak(cg, x))
         profile = memory_profile(cg, cg.decode(x))
         t = int(np.argmax(profile))
+        if profile[t] <= memory_budget:
+            break
+        found = min(found, float(profile[t]))
         cg.memory.append(memory_cut(cg, x, t, profile[t]))  # constrain it too
         folding = fold(cg) if large else None  # the quotient's memory points were stale
         x = _descent(cg, folding, memory_budget)
         for y in starts:
             x = _better(cg, x, y, memory_budget)
-    if memory_budget is not None and _peak(cg, x) > memory_budget:
+    peak = _peak(cg, x) if memory_budget is not None else 0.0
+    if memory_budget is not None and peak > memory_budget:
         # the sampled points let through a plan the exact profile rejects: keep the cheapest
         # start that fits exactly (the lean plan fits any budget an error ever named)
-        fits = [y for y in starts if _peak(cg, y) <= memory_budget]
+        peaks = [_peak(cg, y) for y in starts]
+        fits = [y for y, p in zip(starts, peaks) if p <= memory_budget]
         if not fits:
             # named from the starts alone: they are planned again at any budget (a plan the
             # search reached may not be), so the budget named is met when asked for
-            needed = min(_peak(cg, y) for y in starts)
-            raise MemoryBudgetError(memory_budget, math.ceil(needed), min(found, _peak(cg, x)))
+            raise MemoryBudgetError(memory_budget, math.ceil(min(peaks)), min(found, peak))
         x = min(fits, key=lambda y: descent.objective(cg, y))
     stats = {"nodes": n_all, "live_nodes": len(cg.live), "edges": len(cg.edges),
              "merge_s": t1 - t0, "descent_s": t2 - t1, "ilp_s": time.perf_counter() - t2}
