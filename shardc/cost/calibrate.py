@@ -58,7 +58,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardc.cost.cluster import Cluster
-from shardc.cost.collectives import BASE_LATENCY
+from shardc.cost.collectives import Group, seconds
 
 #: the models :func:`calibrate` fits, in the order a tie goes
 FIT_MODELS = ("alpha-beta", "ring")
@@ -280,21 +280,13 @@ def _time_matmul(mesh: Mesh, opts: CalibrateOptions) -> float:
     return _fastest(fn, x, opts.reps)
 
 
-def _steps(kind: str, n: int) -> int:
-    """Latencies one ``kind`` pays on ``n`` devices under the planner's ring model: NCCL's
-    ring steps (``ncclTopoTuneModel``: ``2(n−1)`` for an all-reduce, ``n−1`` for an
-    all-gather), one for an all-to-all (its sends run at once: priced as one point-to-point
-    step, :mod:`shardc.cost.collectives`)."""
-    if kind == "all-to-all":
-        return 1
-    return 2 * (n - 1) if kind == "all-reduce" else n - 1
-
-
 def _latency(model: str, kind: str, n: int, latency: float) -> float:
-    """The latency part of one collective's seconds under ``model``."""
-    if model == "alpha-beta":
-        return latency
-    return BASE_LATENCY["ring"]["Simple"] * 1e-6 + _steps(kind, n) * latency
+    """The latency part of one ``kind``'s seconds on ``n`` devices of one node under
+    ``model``, as the planner prices it (:func:`shardc.cost.collectives.seconds` of an empty
+    buffer): α, or NCCL's ring/Simple base plus ``latency`` per ring step (an all-to-all's
+    sends one step)."""
+    return seconds(kind, Group(n, 1, "nvlink", "net", 1.0, latency, latency, latency), 0.0,
+                   model)
 
 
 def _fit(axis: str, n: int, samples: Sequence[Sample], model: str = "alpha-beta"
@@ -303,11 +295,9 @@ def _fit(axis: str, n: int, samples: Sequence[Sample], model: str = "alpha-beta"
     (``"alpha-beta"``) or ``seconds - base = λ·steps + β·wire`` (``"ring"``)."""
     x = np.array([s.wire for s in samples])
     t = np.array([s.seconds for s in samples])
-    if model == "alpha-beta":
-        fixed, per = np.zeros(len(t)), np.ones(len(t))
-    else:
-        fixed = np.full(len(t), BASE_LATENCY["ring"]["Simple"] * 1e-6)
-        per = np.array([float(_steps(s.kind, n)) for s in samples])
+    # the latency part is linear in the fitted latency: fixed + latency * per
+    fixed = np.array([_latency(model, s.kind, n, 0.0) for s in samples])
+    per = np.array([_latency(model, s.kind, n, 1.0) for s in samples]) - fixed
     y, w = t - fixed, 1.0 / t
     (lat, beta), *_ = np.linalg.lstsq(np.stack([w * per, w * x], axis=1), w * y, rcond=None)
     if lat < 0:  # noise at the small sizes: the best fit without a latency of its own
