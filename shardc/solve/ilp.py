@@ -27,12 +27,15 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import scipy.sparse as sparse
-from ortools.linear_solver.python import model_builder_helper as mbh
 
 from shardc.solve.problem import CostGraph
+
+if TYPE_CHECKING:
+    from ortools.linear_solver.python import model_builder_helper as mbh
 
 #: costs are scaled so the largest becomes this many units (HiGHS's tolerances are absolute
 #: around 1e-6..1e-9; a 1e-6 share of the largest cost is far below any plan difference)
@@ -58,8 +61,16 @@ POLISH_SWEEPS = 20
 #: share of the largest memory row dual put on every row (so the scaled multipliers reach
 #: the leanest plan even where the LP's duals leave a row at zero)
 LAMBDA_FLOOR = 1e-3
-_STATUS = {mbh.SolveStatus.OPTIMAL: "OPTIMAL", mbh.SolveStatus.FEASIBLE: "FEASIBLE",
-           mbh.SolveStatus.INFEASIBLE: "INFEASIBLE"}
+#: the HiGHS statuses the search tells apart (any other reads as UNKNOWN)
+_STATUS = ("OPTIMAL", "FEASIBLE", "INFEASIBLE")
+
+
+def _helper():
+    """OR-Tools' model builder, imported at the first solve: planning needs it, while
+    importing shardc to run a saved plan (``use_plan``) or the model zoo does not."""
+    from ortools.linear_solver.python import model_builder_helper
+
+    return model_builder_helper
 
 
 @dataclass(frozen=True)
@@ -227,7 +238,7 @@ def solve_ilp(cg: CostGraph, *, time_limit: float = 10.0, memory_budget: float |
 def _model(cost: np.ndarray, lo: np.ndarray, hi: np.ndarray, matrix: sparse.csr_matrix
            ) -> mbh.ModelBuilderHelper:
     """``min cost·z`` over ``0 <= z <= 1``, ``lo <= matrix z <= hi``."""
-    model = mbh.ModelBuilderHelper()
+    model = _helper().ModelBuilderHelper()
     n = matrix.shape[1]
     model.fill_model_from_sparse_data(np.zeros(n), np.ones(n), cost, lo, hi, matrix)
     return model
@@ -244,7 +255,7 @@ def _solve(model: mbh.ModelBuilderHelper, n_integral: int | None, time_limit: fl
     (for the LP) the rows' duals."""
     for k in range(n_integral or 0):
         model.set_var_integrality(k, True)
-    solver = mbh.ModelSolverHelper("highs")
+    solver = _helper().ModelSolverHelper("highs")
     solver.set_time_limit_in_seconds(max(time_limit, 1e-3))
     solver.set_solver_specific_parameters(
         f"mip_rel_gap={GAP}\nmip_max_nodes={MAX_NODES}\nthreads=1\nrandom_seed=0\n"
@@ -252,7 +263,8 @@ def _solve(model: mbh.ModelBuilderHelper, n_integral: int | None, time_limit: fl
         f"output_flag={'true' if log else 'false'}")
     solver.enable_output(log)
     solver.solve(model)
-    name = _STATUS.get(solver.status(), "UNKNOWN")
+    name = solver.status().name
+    name = name if name in _STATUS else "UNKNOWN"
     if name not in ("OPTIMAL", "FEASIBLE") or not solver.has_solution():
         return name, None, None
     duals = None if n_integral else np.asarray(solver.dual_values())

@@ -1,0 +1,287 @@
+"""Measure what the cost model assumes on a real accelerator (run on a GPU machine).
+
+Two measurements, each written as JSON (and the compiled programs as HLO text) under
+``--out``; :mod:`shardc.bench.gpu_report` reads them back on any machine and compares them
+with the planner's predictions (``docs/benchmarks/gpu.md``):
+
+- ``steps``: every zoo model's train step at one device's share of the bench batch (the
+  per-device batch of the bench's weak scaling), compiled with plain ``jax.jit`` on one
+  device and timed: its wall time against the compute the cost model predicts for it.
+- ``schedule``: the bench's FSDP experts, and shardc's saved plan for the GPT model,
+  compiled by XLA's GPU pipeline for eight H100s (the node-8 preset). One GPU compiles for
+  eight: through JAX's mock GPU client (``mock_num_gpu_processes``, then
+  ``jax_mock_gpu_topology``: the client reports the devices of the topology behind a mock
+  NCCL), else by a deviceless compile for a described topology (``get_topology_desc``
+  with :data:`H100_TARGET`). The scheduled program shows where XLA's latency-hiding
+  scheduler puts each asynchronous collective's start and done. Nothing runs: the schedule
+  is what the compiler emits.
+
+Usage: ``python -m shardc.bench.device steps|schedule --out DIR [--plan PLAN.json]``.
+
+References:
+  JAX ``jax/_src/xla_bridge.py``: ``jax_mock_gpu_topology`` ("<slices> x <hosts per slice>
+    x <devices per host>") and ``mock_num_gpu_processes`` set the GPU client's
+    ``enable_mock_nccl`` / ``num_nodes`` / ``mock_gpu_topology`` options;
+    ``jax.experimental.topologies.get_topology_desc(platform="cuda", target_config=...,
+    topology=...)`` describes GPUs for a deviceless (ahead-of-time) compile.
+  XLA ``xla/stream_executor/device_description.proto`` (``GpuTargetConfigProto``): the
+    fields of :data:`H100_TARGET`; the values are an H100 SXM5 80 GB's CUDA device
+    properties (NVIDIA H100 datasheet; CUDA programming guide, compute capability 9.0
+    limits).
+  XLA ``latency_hiding_scheduler.cc`` (the GPU pipeline schedules async collective
+    ``-start`` / ``-done`` pairs around independent compute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+__all__ = ["H100_TARGET", "MODES", "SCHEDULE_MODELS", "main", "schedule", "steps"]
+
+WARMUP = 3
+TIMED = 15
+#: how a child process gets eight GPUs to compile for, tried in order until one does
+#: (module doc): a deviceless compile for one host of eight H100s, the mock client with
+#: eight one-GPU processes, the mock client with the topology of eight hosts (with JAX
+#: 0.11.2 on one H200 the deviceless compile worked and both mock clients hung past 100 s)
+MODES = ("deviceless", "mock-processes", "mock-topology")
+#: an H100 SXM5 80 GB as XLA's GPU compiler describes its target (References)
+H100_TARGET = """
+gpu_device_info {
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  core_count: 132
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: 3352320000000
+  l2_cache_size: 52428800
+  clock_rate_ghz: 1.98
+  device_memory_size: 84929347584
+  shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 }
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}
+runtime_version { major: 13 }
+platform_name: "CUDA"
+dnn_version_info { major: 9 }
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
+#: the models whose FSDP expert is compiled for eight GPUs (the bench's node-8 preset)
+SCHEDULE_MODELS = ("gpt", "llama")
+
+
+def _versions() -> dict:
+    import jax
+    import jaxlib
+
+    dev = jax.devices()[0]
+    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "python": platform.python_version(),
+            "platform": dev.platform, "device": getattr(dev, "device_kind", str(dev)),
+            "devices": len(jax.devices())}
+
+
+def _save_text(out: Path, name: str, text: str) -> str:
+    path = out / f"{name}.hlo.gz"
+    with gzip.open(path, "wt") as f:
+        f.write(text)
+    return path.name
+
+
+def _time_step(compiled, args) -> list[float]:
+    import jax
+
+    for _ in range(WARMUP):
+        jax.block_until_ready(compiled(*args))
+    times = []
+    for _ in range(TIMED):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _analyses(compiled) -> dict:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    mem = compiled.memory_analysis()
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+              "alias_size_in_bytes")
+    return {"xla_flops": float((cost or {}).get("flops", 0.0)),
+            "xla_bytes_accessed": float((cost or {}).get("bytes accessed", 0.0)),
+            "memory": {f: int(getattr(mem, f, 0) or 0) for f in fields} if mem else None}
+
+
+def steps(out: Path, models: list[str], deadline: float) -> list[dict]:
+    """Each model's one-device train step, compiled and timed (module doc)."""
+    import jax
+
+    from shardc.bench.zoo import ZOO
+
+    rows = []
+    for name in models:
+        row: dict = {"model": name, "batch_devices": 1}
+        if time.monotonic() > deadline:
+            row["error"] = "skipped: the run's deadline passed"
+            rows.append(row)
+            continue
+        try:
+            zm = ZOO[name]
+            cfg = zm.config("bench", devices=1)
+            fn, args = zm.load().make_train_step(cfg)
+            t0 = time.perf_counter()
+            compiled = jax.jit(fn).lower(*args).compile()
+            row["compile_s"] = time.perf_counter() - t0
+            times = _time_step(compiled, args)
+            row.update(_analyses(compiled), step_s=statistics.median(times),
+                       step_min_s=min(times), step_max_s=max(times),
+                       hlo=_save_text(out, f"step-{name}", compiled.as_text()))
+            del compiled, args
+        except Exception as exc:  # noqa: BLE001 - one model's failure is reported, not fatal
+            row["error"] = f"{type(exc).__name__}: {exc}"[:400] + "\n" + traceback.format_exc(
+                limit=4)[-800:]
+        print(json.dumps({k: v for k, v in row.items() if k != "memory"}), flush=True)
+        rows.append(row)
+        (out / "steps.json").write_text(json.dumps({"versions": _versions(), "rows": rows},
+                                                   indent=1))
+    return rows
+
+
+def _eight_gpus(mode: str) -> list:
+    """Eight GPU devices to compile for, got the way ``mode`` names (:data:`MODES`); run
+    before anything starts JAX's backend."""
+    import jax
+
+    if mode == "deviceless":
+        from jax.experimental import topologies
+
+        return list(topologies.get_topology_desc("h100-node", "cuda", target_config=H100_TARGET,
+                                                 topology="1x1x8").devices)
+    if mode == "mock-processes":
+        jax.config.update("mock_num_gpu_processes", 8)
+    else:
+        jax.config.update("jax_mock_gpu_topology", "1x8x1")
+    return list(jax.devices())
+
+
+def _schedule_child(out: Path, plan_path: str | None, mode: str) -> None:
+    """Compile the FSDP experts (and shardc's plan) for eight GPUs got as ``mode`` says, and
+    save the scheduled programs."""
+    import numpy as np
+    from jax.sharding import AxisType, Mesh
+
+    from shardc.bench.experts import compile_expert, preset_experts
+    from shardc.bench.harness import traits
+    from shardc.bench.zoo import PRESETS, ZOO
+
+    devices = _eight_gpus(mode)
+    if len(devices) < 8:
+        sys.exit(f"{mode}: {len(devices)} devices, not 8")
+    preset = PRESETS["node-8"]
+    mesh = Mesh(np.array(devices[:8]).reshape(preset.mesh_shape), preset.axis_names,
+                axis_types=(AxisType.Auto,) * len(preset.mesh_shape))
+    rows = []
+    for name in SCHEDULE_MODELS:
+        zm = ZOO[name]
+        mod, cfg = zm.load(), zm.config("bench", preset.devices)
+        args = mod.abstract_args(cfg)
+        fsdp = next(e for e in preset_experts(preset.mesh_shape, preset.axis_names,
+                                              preset.cluster, traits(zm)) if e.name == "fsdp")
+        t0 = time.perf_counter()
+        _, lowered = compile_expert(mod.build_step(cfg), *args, mesh, fsdp, mod.param_axes)
+        text = lowered.compile().as_text()
+        rows.append({"model": name, "method": "fsdp", "mesh": fsdp.view.label,
+                     "compile_s": time.perf_counter() - t0,
+                     "hlo": _save_text(out, f"schedule-{name}-fsdp", text)})
+        if plan_path and name == "gpt":
+            try:
+                rows.append(_plan_row(out, plan_path, mod, cfg, args, mesh, preset))
+            except Exception as exc:  # noqa: BLE001 - reported; the experts' rows stand
+                rows.append({"model": name, "method": "shardc",
+                             "error": f"{type(exc).__name__}: {exc}"[:400]})
+        print(json.dumps(rows[-1]), flush=True)
+        (out / "schedule.json").write_text(json.dumps(
+            {"mode": mode, "device": str(devices[0]), "rows": rows}, indent=1))
+
+
+def _plan_row(out: Path, plan_path: str, mod, cfg, args, mesh, preset) -> dict:
+    """shardc's saved plan for ``mod``'s step compiled on ``mesh``. The plan must come
+    from the same JAX version: another traces another program (``use_plan`` refuses it)."""
+    from shardc import auto_shard
+    from shardc.plan import Plan
+
+    plan = Plan.from_json(Path(plan_path).read_text())
+    step = auto_shard(mod.build_step(cfg), mesh=mesh, cluster=preset.cluster)
+    step.use_plan(plan, *args)
+    t0 = time.perf_counter()
+    text = step.lower(*args).compile().as_text()
+    return {"model": "gpt", "method": "shardc",
+            "mesh": " x ".join(f"{a}={n}" for a, n in plan.mesh_axes),
+            "compile_s": time.perf_counter() - t0,
+            "hlo": _save_text(out, "schedule-gpt-shardc", text)}
+
+
+def schedule(out: Path, plan_path: str | None, timeout: float) -> dict:
+    """Run :func:`_schedule_child` in a fresh process per way of :data:`MODES` until one
+    compiles for eight GPUs (module doc). Returns what each try printed."""
+    tries = {}
+    for mode in MODES:
+        cmd = [sys.executable, "-m", "shardc.bench.device", "schedule-child", "--out", str(out),
+               "--mode", mode]
+        if plan_path:
+            cmd += ["--plan", plan_path]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            tries[mode] = {"rc": done.returncode, "tail": (done.stdout + done.stderr)[-3000:]}
+        except subprocess.TimeoutExpired as exc:
+            tries[mode] = {"rc": None, "tail": f"timed out after {timeout} s: "
+                           f"{str(exc.stdout or '')[-2000:]}"}
+        print(mode, json.dumps(tries[mode])[-1500:], flush=True)
+        if tries[mode]["rc"] == 0:
+            break
+    (out / "schedule-tries.json").write_text(json.dumps(tries, indent=1))
+    return tries
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m shardc.bench.device", description=__doc__.split(
+        "\n\n")[0])
+    p.add_argument("what", choices=("steps", "schedule", "schedule-child", "all"))
+    p.add_argument("--out", required=True)
+    p.add_argument("--plan", default=None, help="shardc's saved plan (JSON) for the GPT bench "
+                   "model on node-8, compiled beside FSDP by `schedule`")
+    p.add_argument("--mode", choices=MODES, default=MODES[0])
+    p.add_argument("--models", default=None, help="comma-separated zoo models for `steps`")
+    p.add_argument("--seconds", type=float, default=240.0,
+                   help="`steps` starts no model after this many seconds")
+    a = p.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if a.what == "schedule-child":
+        return _schedule_child(out, a.plan, a.mode)
+    if a.what in ("schedule", "all"):
+        schedule(out, a.plan, timeout=100.0)
+    if a.what in ("steps", "all"):
+        from shardc.bench.zoo import ZOO
+
+        models = a.models.split(",") if a.models else list(ZOO)
+        steps(out, models, time.monotonic() + a.seconds)
+
+
+if __name__ == "__main__":
+    main()
