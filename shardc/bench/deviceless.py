@@ -5,12 +5,14 @@ installed jax's version) describes a topology of GPUs it is told about
 (``jax.experimental.topologies.get_topology_desc`` with a ``target_config``): its devices
 make a :class:`jax.sharding.Mesh`, and ``jax.jit(f).lower(abstract args).compile()`` on it
 runs XLA's whole GPU pipeline (SPMD partitioning, the collective combiners, the
-latency-hiding scheduler, fusion, PTX and cubin generation) with no GPU, no CUDA driver and
-no CUDA toolkit. The compiled program cannot run; its text (``.as_text()``) is what
-XLA:GPU would run on those GPUs. Measured on a CPU-only machine with jax 0.10.2: the GPT
-bench model's FSDP step compiled this way has the collectives of the same step compiled on
-a GPU machine (20: 14 all-gather, 3 reduce-scatter, 2 all-to-all, 1 all-reduce; XLA:CPU
-emits 190).
+latency-hiding scheduler, fusion, PTX and cubin generation) with no GPU and no CUDA driver.
+The PTX-to-cubin step needs ``ptxas``: a CUDA toolkit's (``/usr/local/cuda/bin``, ``PATH``)
+or ``nvidia-cuda-nvcc-cu12``'s from PyPI; without one the compile fails with "No PTX
+compilation provider is available". The compiled program cannot run; its text
+(``.as_text()``) is what XLA:GPU would run on those GPUs. Measured on a CPU-only machine
+with jax 0.10.2: the GPT bench model's FSDP step compiled this way has the collectives of
+the same step compiled on a GPU machine (20: 14 all-gather, 3 reduce-scatter, 2
+all-to-all, 1 all-reduce; XLA:CPU emits 190).
 
 The plugin's start-up checks the installed CUDA libraries and, finding none, refuses to
 register itself; :func:`gpu_devices` skips that check (``JAX_SKIP_CUDA_CONSTRAINTS_CHECK``)
@@ -82,11 +84,12 @@ def plugin() -> str | None:
 
 
 def install_hint() -> str:
-    """The command that installs the CUDA plugin matching the installed jax."""
+    """The command that installs the CUDA plugin matching the installed jax, with ``ptxas``
+    (``nvidia-cuda-nvcc-cu12``; not needed beside a CUDA toolkit)."""
     import jax
 
     v = jax.__version__
-    return f"pip install jax-cuda12-plugin=={v} jax-cuda12-pjrt=={v}"
+    return f"pip install jax-cuda12-plugin=={v} jax-cuda12-pjrt=={v} nvidia-cuda-nvcc-cu12"
 
 
 @contextmanager
@@ -110,8 +113,8 @@ def gpu_devices(hosts: int = 1, per_host: int = 8, target: str = H100_TARGET) ->
         raise ValueError(f"gpu_devices: hosts={hosts}, per_host={per_host}; both must be >= 1")
     name = plugin()
     if name is None:
-        raise RuntimeError("compiling for GPUs on this machine needs JAX's CUDA plugin (no "
-                           "GPU, CUDA driver or toolkit): " + install_hint())
+        raise RuntimeError("compiling for GPUs on this machine needs JAX's CUDA plugin and "
+                           "ptxas (no GPU or CUDA driver): " + install_hint())
     from jax.experimental import topologies
 
     def describe():
