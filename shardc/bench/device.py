@@ -11,10 +11,10 @@ with the planner's predictions (``docs/benchmarks/gpu.md``):
   compiled by XLA's GPU pipeline for eight H100s (the node-8 preset). One GPU compiles for
   eight: through JAX's mock GPU client (``mock_num_gpu_processes``, then
   ``jax_mock_gpu_topology``: the client reports the devices of the topology behind a mock
-  NCCL), else by a deviceless compile for a described topology (``get_topology_desc``
-  with :data:`H100_TARGET`). The scheduled program shows where XLA's latency-hiding
-  scheduler puts each asynchronous collective's start and done. Nothing runs: the schedule
-  is what the compiler emits.
+  NCCL), else by a deviceless compile for a described topology
+  (:func:`shardc.bench.deviceless.gpu_devices`, which needs no GPU at all). The scheduled
+  program shows where XLA's latency-hiding scheduler puts each asynchronous collective's
+  start and done. Nothing runs: the schedule is what the compiler emits.
 
 Usage: ``python -m shardc.bench.device steps|schedule --out DIR [--plan PLAN.json]``.
 
@@ -24,10 +24,6 @@ References:
     ``enable_mock_nccl`` / ``num_nodes`` / ``mock_gpu_topology`` options;
     ``jax.experimental.topologies.get_topology_desc(platform="cuda", target_config=...,
     topology=...)`` describes GPUs for a deviceless (ahead-of-time) compile.
-  XLA ``xla/stream_executor/device_description.proto`` (``GpuTargetConfigProto``): the
-    fields of :data:`H100_TARGET`; the values are an H100 SXM5 80 GB's CUDA device
-    properties (NVIDIA H100 datasheet; CUDA programming guide, compute capability 9.0
-    limits).
   XLA ``latency_hiding_scheduler.cc`` (the GPU pipeline schedules async collective
     ``-start`` / ``-done`` pairs around independent compute).
 """
@@ -45,6 +41,8 @@ import time
 import traceback
 from pathlib import Path
 
+from shardc.bench.deviceless import H100_TARGET, gpu_devices
+
 __all__ = ["H100_TARGET", "MODES", "SCHEDULE_MODELS", "main", "schedule", "steps"]
 
 WARMUP = 3
@@ -54,33 +52,6 @@ TIMED = 15
 #: eight one-GPU processes, the mock client with the topology of eight hosts (with JAX
 #: 0.11.2 on one H200 the deviceless compile worked and both mock clients hung past 100 s)
 MODES = ("deviceless", "mock-processes", "mock-topology")
-#: an H100 SXM5 80 GB as XLA's GPU compiler describes its target (References)
-H100_TARGET = """
-gpu_device_info {
-  threads_per_block_limit: 1024
-  threads_per_warp: 32
-  shared_memory_per_block: 49152
-  shared_memory_per_core: 233472
-  threads_per_core_limit: 2048
-  core_count: 132
-  fpus_per_core: 128
-  block_dim_limit_x: 2147483647
-  block_dim_limit_y: 65535
-  block_dim_limit_z: 65535
-  memory_bandwidth: 3352320000000
-  l2_cache_size: 52428800
-  clock_rate_ghz: 1.98
-  device_memory_size: 84929347584
-  shared_memory_per_block_optin: 232448
-  cuda_compute_capability { major: 9 }
-  registers_per_core_limit: 65536
-  registers_per_block_limit: 65536
-}
-runtime_version { major: 13 }
-platform_name: "CUDA"
-dnn_version_info { major: 9 }
-device_description_str: "NVIDIA H100 80GB HBM3"
-"""
 #: the models whose FSDP expert is compiled for eight GPUs (the bench's node-8 preset)
 SCHEDULE_MODELS = ("gpt", "llama")
 
@@ -168,10 +139,7 @@ def _eight_gpus(mode: str) -> list:
     import jax
 
     if mode == "deviceless":
-        from jax.experimental import topologies
-
-        return list(topologies.get_topology_desc("h100-node", "cuda", target_config=H100_TARGET,
-                                                 topology="1x1x8").devices)
+        return gpu_devices(hosts=1, per_host=8)
     if mode == "mock-processes":
         jax.config.update("mock_num_gpu_processes", 8)
     else:
