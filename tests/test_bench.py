@@ -181,3 +181,19 @@ def test_pricing_rows_compare_each_plan_with_the_best_expert_under_its_pricing()
     assert rows["ring"]["overlap_default_ratio"] == 3.0 / 2.0
     md = report.markdown(cells, ["shardc bench"])
     assert "## Under three pricings" in md and "| m | p | ring | dp |" in md
+
+
+def test_the_scale_page_has_the_pipelines_and_the_weak_scaling_efficiency():
+    from shardc.bench.planning import ScaleCase, scale_markdown
+
+    def case(devices, ms, pipeline="", experts=None):
+        return ScaleCase(f"node={devices // 8} x gpu=8", devices, 10.0, "refined", ms, 60.0,
+                         80.0, experts or {}, pipeline)
+
+    big = case(1024, 2000.0, "gpipe, 8 stages over node, 16 micro-batches",
+               {"hsdp": (2100.0, 90.0), "fsdp-x-tp": (2200.0, 70.0)})
+    text = scale_markdown([case(64, 1800.0), case(256, 1900.0), big], "shardc bench --scale")
+    assert "| node=128 x gpu=8 | 1024 | 10.0 | refined | gpipe, 8 stages over node" in text
+    weak = text.split("## Weak scaling")[1]
+    assert "| 64 | node=8 x gpu=8 | none | 1800 | 60.0 | 100.0% |" in weak
+    assert "| 1024 | node=128 x gpu=8 | gpipe, 8 stages" in weak and "| 90.0% |" in weak

@@ -21,7 +21,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["CASES", "LOOP_PRESETS", "SCALE_MESHES", "DescentGap", "LoopForms", "PlanningCase",
+__all__ = ["CASES", "LOOP_PRESETS", "SCALE_MESHES", "WEAK_SCALING", "DescentGap", "LoopForms",
+           "PlanningCase",
            "ScaleCase", "descent_gaps", "markdown", "measure", "measure_fresh",
            "measure_loop_forms", "measure_loop_forms_fresh", "measure_scale",
            "measure_scale_fresh", "scale_markdown", "write", "write_scale"]
@@ -259,8 +260,13 @@ def write(cases: list[PlanningCase], out: Path, command: str,
 
 #: Llama 3 70B's shapes (Dubey et al. 2024, "The Llama 3 Herd of Models", Table 3): 80
 #: layers, d 8192, 64 heads over 8 kv heads, FFN 28672, vocabulary 128,256; sequences of
-#: 4096 tokens, one per device, bfloat16 parameters and Adam state
+#: 4096 tokens, one per device, bfloat16 parameters and Adam state; the layers a
+#: :func:`shardc.pipeline.layers` stack, so the planner may pipeline them
 SCALE_MESHES = (((128, 8), ("node", "gpu")), ((8, 16, 8), ("pod", "node", "gpu")))
+#: weak scaling: the same decoder at one sequence per device on nodes of 8 GPUs, from 8 to
+#: 128 nodes (PaddlePaddle's adaptive training reports 91.7% weak-scaling efficiency for
+#: ERNIE 260B; Ao et al. 2021, "End-to-end Adaptive Distributed Training on PaddlePaddle")
+WEAK_SCALING = (64, 128, 256, 512, 1024)
 
 
 @dataclass(frozen=True)
@@ -273,6 +279,7 @@ class ScaleCase:
     peak_gib: float  # predicted per-device peak
     budget_gib: float  # the cluster's device memory, given as memory_budget
     experts: dict  # expert name -> (predicted step ms, peak GiB), priced by the same model
+    pipeline: str = ""  # the plan's pipeline ("" none)
 
 
 def _scale_config(devices: int):
@@ -282,7 +289,8 @@ def _scale_config(devices: int):
 
     return llama, llama.LlamaConfig(vocab=128256, seq_len=4096, d_model=8192, n_heads=64,
                                     n_kv_heads=8, d_ff=28672, n_layers=80, batch=devices,
-                                    learning_rate=3e-4, dtype=jnp.bfloat16)
+                                    learning_rate=3e-4, dtype=jnp.bfloat16,
+                                    stack_layers=True)
 
 
 def _scale_experts(view) -> list:
@@ -297,10 +305,12 @@ def _scale_experts(view) -> list:
             Expert("fsdp-x-tp", {**tensor, "embed": outer}, {**tensor, "batch": outer}, view)]
 
 
-def measure_scale(shape: tuple[int, ...], names: tuple[str, ...]) -> ScaleCase:
+def measure_scale(shape: tuple[int, ...], names: tuple[str, ...],
+                  experts: bool = True) -> ScaleCase:
     """Plan the 70B-class decoder on an AbstractMesh of ``shape`` (no devices), within the
-    cluster's device memory, and price the HSDP and FSDP x TP experts on the same model
-    (their input layouts fixed, the rest completed by the planner)."""
+    cluster's device memory, pipelines allowed, and (``experts``) price the HSDP and FSDP x
+    TP experts on the same model (their input layouts fixed, the rest completed by the
+    planner)."""
     import math
 
     import jax
@@ -321,43 +331,66 @@ def measure_scale(shape: tuple[int, ...], names: tuple[str, ...]) -> ScaleCase:
     t0 = time.perf_counter()
     plan = step.plan(*args)
     plan_s = time.perf_counter() - t0
-    experts = {}
-    for e in _scale_experts(View(shape, names, cluster)):
+    priced = {}
+    for e in _scale_experts(View(shape, names, cluster)) if experts else ():
         specs = (state_specs(args[0], mesh, e, module.param_axes),
                  batch_specs(args[1], mesh, e))
         fixed = shardc.auto_shard(module.build_step(cfg), mesh=mesh, cluster=cluster,
-                                  in_shardings=specs).plan(*args)
-        experts[e.name] = (fixed.predicted.step_time * 1e3,
-                           fixed.predicted.peak_memory / 2**30)
+                                  in_shardings=specs, pipeline=False).plan(*args)
+        priced[e.name] = (fixed.predicted.step_time * 1e3,
+                          fixed.predicted.peak_memory / 2**30)
     label = " x ".join(f"{n}={s}" for n, s in zip(names, shape))
+    pipe = plan.pipeline
     return ScaleCase(label, devices, plan_s, plan.solver["status"],
                      plan.predicted.step_time * 1e3, plan.predicted.peak_memory / 2**30,
-                     budget / 2**30, experts)
+                     budget / 2**30, priced,
+                     "" if pipe is None else f"{pipe.schedule}, {pipe.stages} stages over "
+                     f"{pipe.axis}, {pipe.microbatches} micro-batches"
+                     + (f", {pipe.virtual} virtual" if pipe.virtual > 1 else ""))
 
 
-def measure_scale_fresh(shape: tuple[int, ...], names: tuple[str, ...]) -> ScaleCase:
+def measure_scale_fresh(shape: tuple[int, ...], names: tuple[str, ...],
+                        experts: bool = True) -> ScaleCase:
     """:func:`measure_scale` in a fresh Python process (JAX sees one CPU device)."""
-    return ScaleCase(**_fresh(f"measure_scale({shape!r}, {names!r})",
+    return ScaleCase(**_fresh(f"measure_scale({shape!r}, {names!r}, {experts!r})",
                               f"the 70B decoder on {shape}"))
 
 
 def scale_markdown(cases: list[ScaleCase], command: str) -> str:
     lines = ["# Planning for clusters larger than this machine", "",
-             f"`{command}` — a Llama-3-70B-shaped decoder (80 scanned, remat'd layers, d 8192, "
-             "GQA 64/8, FFN 28672, vocabulary 128,256, 4096-token sequences, one per device, "
-             "bfloat16 with Adam) planned on an `AbstractMesh` (no such devices here) with "
-             "`memory_budget` = the cluster's device memory; wall seconds of `step.plan`, "
-             "tracing included, each mesh in a fresh process, on this 2-core machine. The "
-             "experts are priced by the same cost model (their input layouts fixed, the "
-             "rest completed by the planner).", "",
-             "| mesh | devices | plan (s) | status | predicted step (ms) | peak (GiB) | "
-             "budget (GiB) | HSDP ms / GiB | FSDP x TP ms / GiB |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
-    for c in cases:
-        ex = [f"{c.experts[k][0]:.0f} / {c.experts[k][1]:.1f}" for k in ("hsdp", "fsdp-x-tp")]
-        lines.append(f"| {c.mesh} | {c.devices} | {c.plan_s:.1f} | {c.status} | "
-                     f"{c.predicted_ms:.0f} | {c.peak_gib:.1f} | {c.budget_gib:.0f} | "
-                     f"{ex[0]} | {ex[1]} |")
+             f"`{command}` — a Llama-3-70B-shaped decoder (80 scanned, remat'd layers as a "
+             "`shardc.pipeline.layers` stack, d 8192, GQA 64/8, FFN 28672, vocabulary "
+             "128,256, 4096-token sequences, one per device, bfloat16 with Adam) planned on "
+             "an `AbstractMesh` (no such devices here) with `memory_budget` = the cluster's "
+             "device memory, pipelines allowed; wall seconds of `step.plan`, tracing "
+             "included, each mesh in a fresh process, on this 2-core machine. The experts "
+             "are priced by the same cost model (their input layouts fixed, the rest "
+             "completed by the planner, unpipelined).", ""]
+    full = [c for c in cases if c.experts]
+    if full:
+        lines += ["| mesh | devices | plan (s) | status | pipeline | predicted step (ms) | "
+                  "peak (GiB) | budget (GiB) | HSDP ms / GiB | FSDP x TP ms / GiB |",
+                  "|---|---:|---:|---|---|---:|---:|---:|---:|---:|"]
+        for c in full:
+            ex = [f"{c.experts[k][0]:.0f} / {c.experts[k][1]:.1f}"
+                  for k in ("hsdp", "fsdp-x-tp")]
+            lines.append(f"| {c.mesh} | {c.devices} | {c.plan_s:.1f} | {c.status} | "
+                         f"{c.pipeline or 'none'} | {c.predicted_ms:.0f} | {c.peak_gib:.1f} | "
+                         f"{c.budget_gib:.0f} | {ex[0]} | {ex[1]} |")
+    weak = sorted((c for c in cases if c.mesh.startswith("node=")), key=lambda c: c.devices)
+    if len(weak) > 1:
+        base = weak[0]
+        lines += ["", "## Weak scaling", "",
+                  f"The same decoder at one sequence per device, on nodes of 8 GPUs over "
+                  f"InfiniBand: predicted weak-scaling efficiency = step at {base.devices} "
+                  "devices / step at N (1.0: the step time does not grow with the cluster). "
+                  "PaddlePaddle's adaptive training reports 91.7% for ERNIE 260B.", "",
+                  "| devices | mesh | pipeline | predicted step (ms) | peak (GiB) | "
+                  "efficiency | plan (s) |", "|---:|---|---|---:|---:|---:|---:|"]
+        for c in weak:
+            lines.append(f"| {c.devices} | {c.mesh} | {c.pipeline or 'none'} | "
+                         f"{c.predicted_ms:.0f} | {c.peak_gib:.1f} | "
+                         f"{base.predicted_ms / c.predicted_ms:.1%} | {c.plan_s:.1f} |")
     return "\n".join(lines) + "\n"
 
 
