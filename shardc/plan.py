@@ -587,8 +587,8 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
         for k, c in enumerate(conv.collectives):
             family = combiner.family(c.kind)
             if c.group is not None and family is not None:
-                op = next((s.op for a in c.axes if isinstance(s := src.sbps[a], Partial)),
-                          "sum")
+                op = next((s.reduction for a in c.axes
+                           if isinstance(s := src.sbps[a], Partial)), "sum")
                 key = (family, c.axes, op, value.type_str().split("[")[0], times)
                 pending.append((Pending(len(reshards), k, key, c.buffer_factor * value.nbytes),
                                 (c.kind, c.group, times,
