@@ -76,9 +76,10 @@ def test_the_demo_gpt_predicts_the_compiled_collective_counts():
     """The demo's GPT ties its embedding: the table's gradient is the gather's scatter-add
     (which XLA all-reduces where it is made) plus the output projection's partial
     gradient. XLA reduces the two summands in the one combined all-reduce and adds them;
-    the plan does so too (the sum does not read them partial, which planned two dependent
-    all-reduces: 3 against 1 compiled here, 2 in ``shardc demo``), and the scatter's
-    all-reduce is keyed as the sum it is, so it joins the others."""
+    the plan, which adds them partial and reduces the sum, predicts that (the scatter's
+    all-reduce keyed as the sum it is, over both axes at once, and read apart by the sum:
+    :class:`shardc.cost.combiner.Use`), where it predicted two dependent all-reduces (3
+    against 1 compiled here, 2 in ``shardc demo``)."""
     from shardc.models import gpt
 
     cfg = gpt.GPTConfig(vocab=2048, seq_len=128, d_model=256, n_heads=8, n_layers=2,
@@ -91,27 +92,35 @@ def test_the_demo_gpt_predicts_the_compiled_collective_counts():
     assert abs(check.time_error) < 0.01, check.report()
 
 
-def test_a_sum_reads_a_scatter_add_reduced():
-    """A tied table's two gradients (gather and dot) are summed by an ``add_any`` on the
-    way to the update: not a sum that may read partial values (the scatter-add's is
-    reduced where it is made), while a sum of two dots' gradients is one."""
-    from shardc.ir.sbp import WHOLE
-    from shardc.solve.problem import unrolled_sums
+def test_a_summand_reduced_apart_joins_the_sums_reduction():
+    """``sin(a) + cos(b)``, its result reduced where made: the summand ``sin(a)`` made
+    partial for the sum (a scatter-add's whole partial all-reduced) is read apart (XLA
+    reduces the sum's partial summands before it, independently of that all-reduce), so
+    the two all-reduces combine; read in the sum, the second waits for the first."""
+    def f(a, b):
+        return jnp.sin(a) + jnp.cos(b)
 
-    def step(table, ids, x):
-        def loss(t):
-            return jnp.sum(jnp.take(t, ids, axis=0)) + jnp.sum(x @ t)
-        return table - 0.1 * jax.grad(loss)(table)
+    graph = trace(f, jnp.ones(4), jnp.ones(4)).graph
+    sin, _, add = graph.ops
+    key = ("all-reduce", (0,), "sum", "f32", 1)
+    for apart, want in ((False, [-1, -1]), (True, [0, 0])):
+        uses = [Use(sin.outputs[0].id, add.id, apart), Use(add.outputs[0].id, None)]
+        via = {(add.id, sin.outputs[0].id): 0}
+        assert combine_groups(graph, uses, via, _pending([key] * 2), XLA_CPU) == want
 
-    def two_dots(w, x, y):
-        return w - 0.1 * jax.grad(lambda w: jnp.sum(x @ w) + jnp.sum(y @ w))(w)
 
-    tied = trace(step, jnp.ones((16, 4)), jnp.zeros(8, jnp.int32), jnp.ones((8, 16))).graph
-    sums = [op for op in tied.ops if op.name == "add_any"]
-    assert sums and not unrolled_sums(tied) & {op.id for op in sums}
-    dots = trace(two_dots, jnp.ones((4, 4)), jnp.ones((8, 4)), jnp.ones((8, 4))).graph
-    assert any(op.name == "add_any" for op in dots.ops if op.id in unrolled_sums(dots))
-    assert WHOLE.reduction == "sum"  # its all-reduce combines with the sums'
+def test_a_whole_partial_read_partial_is_one_all_reduce_keyed_as_a_sum():
+    """A scatter-add's whole partial read partial over both axes of a (2, 4) mesh is one
+    all-reduce over both (XLA reduces it where it is made; it was two, one per axis), and
+    its collective is keyed as a sum (it was keyed apart from every gradient's)."""
+    from shardc.cost.comm import conversion
+    from shardc.ir.sbp import WHOLE, NdSbp, P
+
+    names = ("node", "gpu")
+    conv = conversion(NdSbp((WHOLE, WHOLE)), NdSbp((P, P)), (2, 4), names,
+                      Cluster.nvlink_node(names))
+    assert [(c.kind, c.axes) for c in conv.collectives] == [("all-reduce", (0, 1))]
+    assert WHOLE.reduction == "sum" and P.reduction == "sum"
 
 
 def _peak(compiled) -> float:

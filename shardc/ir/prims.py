@@ -47,10 +47,6 @@ class Prim:
     #: transforms it whole and slices): the lowering runs it per device (``shard_map``) on
     #: its planned layouts
     per_device: bool = False
-    #: its partial result is reduced where it is made (``Partial("whole")``: a scatter-add
-    #: of split updates into a replicated zero table, which XLA's partitioner all-reduces
-    #: in full): a sum never holds it partial to reduce later (``solve/problem.py``)
-    reduced_where_made: bool = False
 
 
 DEFAULT = Prim()
@@ -86,18 +82,16 @@ CALLS = {
 FIXED = ("sharding_constraint", "shard_map")
 SPLITS_FROM_OPERANDS = "dot_general reduce_sum reduce_max reduce_min argmax argmin".split()
 PER_DEVICE = ("fft",)
-REDUCED_WHERE_MADE = ("scatter-add", "scatter-sub")
 
 
 def _table() -> dict[str, Prim]:
     names = {*UNARY, *BINARY, *TAIL, *PASSES_PARTIAL, *CALLS, *FIXED, *SPLITS_FROM_OPERANDS,
-             *PER_DEVICE, *REDUCED_WHERE_MADE}
+             *PER_DEVICE}
     return {n: Prim(call=CALLS.get(n), elementwise=n in UNARY or n in BINARY,
                     linear=n in LINEAR_UNARY, passes_partial=n in PASSES_PARTIAL,
                     tail=n in TAIL, fixed=n in FIXED,
                     splits_from_operands=n in SPLITS_FROM_OPERANDS,
-                    per_device=n in PER_DEVICE,
-                    reduced_where_made=n in REDUCED_WHERE_MADE)
+                    per_device=n in PER_DEVICE)
             for n in sorted(names)}
 
 

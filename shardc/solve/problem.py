@@ -32,7 +32,7 @@ from shardc.cost.cluster import Cluster
 from shardc.cost.combine import alpha_scales, tail_values
 from shardc.cost.comm import Conversion, conversion
 from shardc.ir.graph import Graph, Op, Value
-from shardc.ir.prims import facts, passes_partial
+from shardc.ir.prims import facts
 from shardc.ir.sbp import B, Broadcast, NdSbp, Partial, Split
 from shardc.ir.trace import SCAN_ENTER, SCAN_EXIT
 from shardc.rules.registry import strategies
@@ -627,27 +627,12 @@ def unrolled_sums(graph: Graph) -> set[int]:
     on a tail path (:func:`shardc.cost.combine.tail_values`): the micro-batches' gradients
     summed by a Python loop, on their way into the optimizer. They may read partial values
     as a scan's accumulator does: each micro-batch's partial gradient is then held apart
-    per device and the sum reduced once (``lower/emit.py``), not once per micro-batch.
-
-    Not a sum of a value XLA reduces where it is made (:attr:`shardc.ir.prims.Prim.
-    reduced_where_made`: a tied embedding's gather gradient, added to its projection's):
-    read partial, that value is all-reduced and the sum all-reduced after it, two dependent
-    all-reduces, where each summand reduced on its own moves the same bytes in one
-    combined all-reduce, as XLA compiles the sum of unconstrained partial operands."""
+    per device and the sum reduced once (``lower/emit.py``), not once per micro-batch."""
     tail = tail_values(graph)
     return {op.id for op in graph.ops
             if op.name in ("add", "add_any") and len(op.where) == 1 and op.weight == 1
             and op.outputs[0].id in tail and jnp.issubdtype(op.outputs[0].dtype, jnp.inexact)
-            and all(v.producer is not None and not _reduced_where_made(v) for v in op.inputs)}
-
-
-def _reduced_where_made(v: Value) -> bool:
-    """``v`` is made by a primitive whose partial result XLA reduces where it is made, or
-    from one by ops that pass a partial value through (a transpose, a reshape)."""
-    op = v.producer
-    while op is not None and passes_partial(op) and op.inputs:
-        op = op.inputs[0].producer
-    return op is not None and facts(op.name).reduced_where_made
+            and all(v.producer is not None for v in op.inputs)}
 
 
 def _adds_to(v: Value, acc: Value, depth: int) -> bool:
