@@ -567,12 +567,14 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
     #: the collectives a combiner may join, with (kind, group, runs, seconds charged)
     pending: list[tuple[Pending, tuple]] = []
 
-    def record(value, consumer, src, dst, times: int = 1) -> float:
+    def record(value, consumer, src, dst, times: int = 1, reduced: bool = False) -> float:
         """Price converting ``value`` from ``src`` to ``dst`` for ``consumer``, ``times``
         per call (every iteration of a loop body). A constant read partial is free, as in
         the cost graph. The same conversion of the same value for another consumer is
         free: XLA's CSE merges the identical collectives (a parameter stored sharded and
-        gathered for the forward and the backward dot compiles to one all-gather)."""
+        gathered for the forward and the backward dot compiles to one all-gather).
+        ``reduced``: the consumer's results are all reduced where made (settled), so one
+        it reads made partial here is read apart (:class:`shardc.cost.combiner.Use`)."""
         nonlocal comm, wire
         conv = conversion(src, dst, sizes, names, cluster)
         if not conv.collectives or value.id in folded and dst.has_partial:
@@ -581,14 +583,15 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
             via.setdefault((consumer, value.id), done[(value.id, src, dst)])
             return 0.0
         done[(value.id, src, dst)] = via[(consumer, value.id)] = len(reshards)
-        uses.append(Use(value.id, consumer))
+        uses.append(Use(value.id, consumer, reduced and any(
+            isinstance(d, Partial) and s != d for s, d in zip(src.sbps, dst.sbps))))
         share = scale.get(value.id, 1.0)
         t = conv.time(value.nbytes, share) * times
         for k, c in enumerate(conv.collectives):
             family = combiner.family(c.kind)
             if c.group is not None and family is not None:
-                op = next((s.op for a in c.axes if isinstance(s := src.sbps[a], Partial)),
-                          "sum")
+                op = next((s.reduction for a in c.axes
+                           if isinstance(s := src.sbps[a], Partial)), "sum")
                 key = (family, c.axes, op, value.type_str().split("[")[0], times)
                 pending.append((Pending(len(reshards), k, key, c.buffer_factor * value.nbytes),
                                 (c.kind, c.group, times,
@@ -622,10 +625,11 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
     for j, op in enumerate(graph.ops):
         strat = cg.choices[n_in + j][choice[n_in + j]]
         op_comm = 0.0
+        reduced = bool(op.outputs) and all(v.id in settled for v in op.outputs)
         for k, v in reads(op):
             if not v.is_const:
                 op_comm += record(v, op.id, values[v.id] if carry_exit(op) else read(v),
-                                  strat.ins[k], read_runs(runs, v, op))
+                                  strat.ins[k], read_runs(runs, v, op), reduced)
         if op.id in reduced_ys and (held := unreduced_ys(strat)) is not None:
             op_comm += record(op.outputs[0], op.id, held, strat.outs[0])  # after the loop
         for v, nd in zip(op.outputs, strat.outs):

@@ -44,10 +44,14 @@ class Pending:
 class Use:
     """Where a planned reshard sits in the program: it converts value ``value`` for
     ``consumer`` (an op id, ``-1 - j`` for output ``j``, or None where the value itself is
-    settled in the new layout for all its readers)."""
+    settled in the new layout for all its readers). ``apart``: it makes a partial operand
+    of a sum whose result is reduced where it is made (the lowering leaves that operand
+    unconstrained): XLA reduces the sum's partial summands before it instead, and those
+    reductions do not wait for this one."""
 
     value: int
     consumer: int | None
+    apart: bool = False
 
 
 def post_order(graph: Graph, uses: Sequence[Use], via: dict[tuple[int, int], int]
@@ -200,7 +204,8 @@ def _ancestors(graph: Graph, uses: Sequence[Use], via: dict[tuple[int, int], int
                 continue
             base = made.get(v.id, 0)
             r = via.get((op.id, v.id))
-            deps |= reshard(r, base) if r is not None else base
+            after = reshard(r, base) if r is not None else base
+            deps |= base if r is not None and uses[r].apart else after
         for v in op.outputs:
             made[v.id] = settled(v.id, deps)
     anc = [0] * len(pending)

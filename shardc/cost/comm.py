@@ -269,11 +269,20 @@ def conversion(src: NdSbp, dst: NdSbp, axis_sizes: tuple[int, ...], axis_names: 
 
 def _into_partial(b: _Builder, src: NdSbp, dst: NdSbp) -> Conversion:
     """Conversions that end partial on some axis (only ops passing a partial through read
-    partial values, so these are never worth it; priced per axis as the module doc says)."""
+    partial values, so these are never worth it; priced per axis as the module doc says).
+    A whole partial (:data:`WHOLE`) is all-reduced over all its axes at once, as XLA reduces
+    it where it is made, and is then replicated (read partial, the reduced value is the
+    summand: the lowering spells no zeroing, or a local one where it holds the sum stacked)."""
+    whole = [a for a, (s, d) in enumerate(zip(src.sbps, dst.sbps)) if s == WHOLE and d != s]
+    if whole:
+        n = math.prod(b.sizes[a] for a in whole)
+        b.collective("all-reduce", whole, 2 * (n - 1) / n)
     for a, (s, d) in enumerate(zip(src.sbps, dst.sbps)):
         n = b.sizes[a]
-        if s == d or n == 1:
+        if s == d or n == 1 or a in whole and not isinstance(d, Split):
+            b.cur[a] = d
             continue
+        s = B if a in whole else s
         if isinstance(s, Split) and isinstance(d, Split):
             b.collective("all-to-all", [a], (n - 1) / n)
         elif isinstance(s, Split):

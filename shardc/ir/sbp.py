@@ -46,6 +46,11 @@ class Partial:
 
     op: str = "sum"
 
+    @property
+    def reduction(self) -> str:
+        """The reduction its collective runs: a ``"whole"`` partial is a sum."""
+        return "sum" if self.op == "whole" else self.op
+
     def __str__(self) -> str:
         return "P" if self.op == "sum" else f"P({self.op})"
 
