@@ -17,14 +17,17 @@ import dataclasses
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from shardc.cost.cluster import Cluster
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import NdSbp
 from shardc.solve import descent
 from shardc.solve.fold import colour_classes
+from shardc.solve.memory import memory_profile
 from shardc.solve.problem import CostGraph, Fixed, build
 
-__all__ = ["Reuse", "Starts"]
+__all__ = ["Reuse", "Starts", "exact_peak"]
 
 
 class Starts:
@@ -42,6 +45,22 @@ class Starts:
             self._kept[key] = make()
         return self._kept[key]
 
+    def _made_here(self, x: dict[int, int]) -> bool:
+        return any(x is y for k, y in self._kept.items() if k == "lean" or k[0] == "seed")
+
+    def peak(self, x: dict[int, int]) -> float:
+        """The exact per-device peak of the plan ``x`` (every program point: no memory cut
+        changes it), kept for the plans made here."""
+        if not self._made_here(x):
+            return exact_peak(self.cg, x)
+        return self._get(("peak", id(x)), lambda: exact_peak(self.cg, x))
+
+    def objective(self, x: dict[int, int]) -> float:
+        """:func:`descent.objective` of ``x``, kept for the plans made here."""
+        if not self._made_here(x):
+            return descent.objective(self.cg, x)
+        return self._get(("objective", id(x)), lambda: descent.objective(self.cg, x))
+
     def seed(self, layouts: Mapping[int, NdSbp]) -> dict[int, int] | None:
         return self._get(("seed", frozenset(layouts.items())),
                          lambda: descent.from_inputs(self.cg, layouts))
@@ -51,6 +70,11 @@ class Starts:
 
     def classes(self) -> dict[int, int]:
         return self._get("classes", lambda: colour_classes(self.cg))
+
+
+def exact_peak(cg: CostGraph, x: dict[int, int]) -> float:
+    """Exact per-device peak bytes of the plan ``x`` (every program point)."""
+    return float(np.max(memory_profile(cg, cg.decode(x))))
 
 
 class Reuse:

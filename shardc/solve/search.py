@@ -31,7 +31,7 @@ from shardc.solve.fold import expand, members, quotient, restrict
 from shardc.solve.ilp import problem_size, solve_ilp
 from shardc.solve.memory import memory_cut, memory_profile
 from shardc.solve.problem import NOTHING_FIXED, CostGraph, Fixed, build
-from shardc.solve.reuse import Reuse, Starts
+from shardc.solve.reuse import Reuse, Starts, exact_peak
 
 MEMORY_ROUNDS = 6  # re-solves adding the worst violated program point
 ILP_FULL_TERMS = 40_000  # model terms up to which one ILP covers the whole graph
@@ -143,25 +143,25 @@ def solve(cg: CostGraph, options: SolveOptions = SolveOptions(), kept: Starts | 
         x = _descent(cg, folding, memory_budget)
         for y in starts:
             x = _better(cg, x, y, memory_budget)
-    peak = _peak(cg, x) if memory_budget is not None else 0.0
+    peak = exact_peak(cg, x) if memory_budget is not None else 0.0
     if memory_budget is not None and peak > memory_budget:
         # the sampled points let through a plan the exact profile rejects: keep the cheapest
         # start that fits exactly (the lean plan fits any budget an error ever named)
-        peaks = [_peak(cg, y) for y in starts]
+        peaks = [kept.peak(y) for y in starts]
         fits = [y for y, p in zip(starts, peaks) if p <= memory_budget]
         if not fits:
             # named from the starts alone: they are planned again at any budget (a plan the
             # search reached may not be), so the budget named is met when asked for
             raise MemoryBudgetError(memory_budget, math.ceil(min(peaks)), min(found, peak))
-        x = min(fits, key=lambda y: descent.objective(cg, y))
+        x = min(fits, key=kept.objective)
     stats = {"nodes": n_all, "live_nodes": len(cg.live), "edges": len(cg.edges),
              "merge_s": t1 - t0, "descent_s": t2 - t1, "ilp_s": time.perf_counter() - t2}
     if stages:
         stats["stages"] = stages
     if seed_plans:
-        stats["seeds"] = {name: descent.objective(cg, y) for name, y in seed_plans.items()}
+        stats["seeds"] = {name: kept.objective(y) for name, y in seed_plans.items()}
     seed_choices = {name: cg.decode(y) for name, y in seed_plans.items()
-                    if memory_budget is None or _peak(cg, y) <= memory_budget}
+                    if memory_budget is None or kept.peak(y) <= memory_budget}
     return Solution(cg.decode(x), status, descent.objective(cg, x), stats, seed_choices)
 
 
@@ -186,11 +186,6 @@ def _floor(cg: CostGraph) -> float:
     (:func:`shardc.solve.memory.memory_profile`), each at its most split layout."""
     return sum(nbytes * min(nd.shard_fraction(cg.axis_sizes) for nd in cg.out_sbps(node, slot))
                for _, _, node, slot, nbytes in cg.spans[:len(cg.graph.inputs)])
-
-
-def _peak(cg: CostGraph, x: dict[int, int]) -> float:
-    """Exact per-device peak bytes of the plan ``x`` (every program point)."""
-    return float(np.max(memory_profile(cg, cg.decode(x))))
 
 
 def _solve_once(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: float | None,
