@@ -72,6 +72,7 @@ from shardc.plan_overlap import ranking_time
 from shardc.rules.fixed import on_mesh
 from shardc.rules.registry import has_rule, is_pinned, warn_missing
 from shardc.solve.problem import NOTHING_FIXED, Fixed, feed_time
+from shardc.solve.reuse import Reuse
 from shardc.solve.search import MemoryBudgetError, SolveOptions, plan_graph
 from shardc.views import View, mesh_label, views
 
@@ -538,8 +539,10 @@ class AutoSharded:
         return MemoryBudgetError(failure.budget, found)
 
     def _solve_views(self, tr: _Traced, candidates: list[View],
-                     seeds: list[dict[str, dict[int, NdSbp]]], opts: Options) -> Plan:
-        """The fastest plan of ``tr``'s program over the meshes ``candidates``."""
+                     seeds: list[dict[str, dict[int, NdSbp]]], opts: Options,
+                     reuse: Reuse | None = None) -> Plan:
+        """The fastest plan of ``tr``'s program over the meshes ``candidates`` (``reuse``:
+        where cost graphs built for other budgets are kept, :mod:`shardc.solve.reuse`)."""
         graph = tr.traced.graph
         names = tuple(self.mesh.axis_names)
         t0 = time.perf_counter()
@@ -551,7 +554,7 @@ class AutoSharded:
             try:
                 cg, sol = plan_graph(graph, view.shape, view.names, view.cluster, sopts,
                                      ties=tr.ties, fixed=tr.fixed if is_physical else NOTHING_FIXED,
-                                     resident=tr.resident)
+                                     resident=tr.resident, reuse=reuse)
             except MemoryBudgetError as exc:
                 if len(candidates) == 1:
                     raise
@@ -698,10 +701,13 @@ class AutoSharded:
         if physical is not None:
             seeds = [{**s, **generic} if i == physical else s for i, s in enumerate(seeds)]
 
+        reuse = Reuse()  # each program's cost graphs, built once for all its budgets
+
         def solve(budget: float | None, remat: tuple[int, ...] = ()) -> Plan:
             opts = dataclasses.replace(self.options, memory_budget=budget)
             rtr = self._traced(call, remat)[1]
-            return self._named(call, rtr, self._solve_views(rtr, candidates, seeds, opts))
+            return self._named(call, rtr, self._solve_views(rtr, candidates, seeds, opts,
+                                                            reuse))
 
         def place(remat: tuple[int, ...], layouts: Mapping[str, Mapping[int, NdSbp]]
                   ) -> list[Plan]:

@@ -33,8 +33,13 @@ from shardc.ir.prims import facts
 COMBINED_KINDS = frozenset({"all-reduce", "reduce-scatter"})
 
 
-def tail_values(graph: Graph) -> set[int]:
-    """Ids of values whose every path to the outputs passes tail primitives only."""
+def tail_values(graph: Graph) -> frozenset[int]:
+    """Ids of values whose every path to the outputs passes tail primitives only (computed
+    once per graph: :meth:`shardc.ir.graph.Graph.memo`)."""
+    return graph.memo("tail_values", _tail_values)
+
+
+def _tail_values(graph: Graph) -> frozenset[int]:
     consumers = graph.consumers()
     outputs = {v.id for v in graph.outputs}
     tail: set[int] = set()
@@ -49,7 +54,7 @@ def tail_values(graph: Graph) -> set[int]:
     for op in reversed(graph.ops):
         tail.update(v.id for v in op.outputs if is_tail(v))
     tail.update(v.id for v in graph.inputs if is_tail(v))
-    return tail
+    return frozenset(tail)
 
 
 def alpha_scales(graph: Graph) -> dict[int, float]:

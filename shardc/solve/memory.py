@@ -105,7 +105,16 @@ def _lifetimes(cg: CostGraph) -> None:
     from the op to their last use (graph outputs: to the end); a fused value
     (:func:`fused_values`) has no buffer, and its operands live to its last use instead. A
     ``cond_enter`` holds no buffer (the branch reads the operand in place), nor does a
-    branch's value of a cond result (it is the result's buffer, :func:`joined`)."""
+    branch's value of a cond result (it is the result's buffer, :func:`joined`). They
+    depend on the graph alone (its node numbering too), so each graph's are computed once
+    (:meth:`shardc.ir.graph.Graph.memo`: a frontier builds one program's cost graph many
+    times) and shared, not to be changed."""
+    (cg.fusion, cg.spans, cg.results, cg.read_spans, cg.settle_spans, cg.ys_spans,
+     cg.stack_spans) = cg.graph.memo("lifetimes", lambda _: _spans(cg))
+
+
+def _spans(cg: CostGraph) -> tuple:
+    """:func:`_lifetimes`' fields of ``cg``, in the order it sets them."""
     graph = cg.graph
     n = len(graph.ops)
     last = {v.id: n for v in graph.outputs}
@@ -161,6 +170,8 @@ def _lifetimes(cg: CostGraph) -> None:
     for t, end, val in stacked_reads(graph):
         u, slot = (cg.settle[val.id], 0) if val.id in cg.settle else cg.producer[val.id]
         cg.stack_spans.append((t, end, len(graph.inputs) + t, u, slot, val.nbytes))
+    return (cg.fusion, cg.spans, cg.results, cg.read_spans, cg.settle_spans, cg.ys_spans,
+            cg.stack_spans)
 
 
 def _cut_fusion(cg: CostGraph, choice: Sequence[int], vid: int, at: int, made: list,

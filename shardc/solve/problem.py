@@ -112,6 +112,7 @@ class CostGraph:
     order: list = field(default_factory=list)  # every node, producers before their uses
     ties: list = field(default_factory=list)  # (output index, input index) pairs
     fixed: Fixed = NOTHING_FIXED
+    adjacency: tuple = ()  # (edges, node -> its edges) of :func:`shardc.solve.descent.descend`
 
     # ---- construction ---------------------------------------------------------------------
     def out_sbp(self, node: int, slot: int, choice: int) -> NdSbp:
@@ -435,7 +436,6 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
         cg.cost.append(np.array([feed_time(v, nd, axis_sizes, cluster,
                                            k in carried or k in cg.resident)
                                  for nd in cg.choices[-1]]))
-    cache: dict = {}
     matrices: dict = {}  # identical edges (repeated layers) share one cost matrix
 
     def edge_matrix(src_owner: list, slot: int, src, dst_owner: list, k: int, dst, nbytes,
@@ -482,21 +482,12 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
             mat = np.where([d.has_partial for d in dst], 0.0, mat)
         return Edge(u, v, mat * times, val, k, (u, slot))
 
-    consume = accumulators(graph)
     reduced_ys = ys_exits(graph)
     ys_share = ys_shares(graph, reduced_ys)
-    for op in graph.ops:
+    op_strategies = graph.memo(("strategies", axis_sizes, axis_names),
+                               lambda g: _op_strategies(g, axis_sizes, axis_names))
+    for op, strats in zip(graph.ops, op_strategies):
         node = len(cg.choices)
-        key = _op_key(op)
-        if key is not None:
-            key = (key, op.id in consume)
-        strats = cache.get(key) if key is not None else None
-        if strats is None:
-            strats = strategies(op, axis_sizes, axis_names, consume_partial=op.id in consume)
-            if op.id in reduced_ys:
-                strats = [s for s in strats if whole_partial(s.ins[0], axis_sizes)]
-            if key is not None:
-                cache[key] = strats
         cg.choices.append(strats)
         cg.refs.append(op)
         cg.cost.append(np.array([s.flops / rate * op.weight for s in strats]))
@@ -557,6 +548,31 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
     return cg
 
 
+
+
+def _op_strategies(graph: Graph, axis_sizes: tuple[int, ...], axis_names: tuple[str, ...]
+                   ) -> list[list]:
+    """Each op's strategies on the mesh (:func:`shardc.rules.registry.strategies`), one
+    list shared by the ops of one signature; a ys reduced after its loop keeps those that
+    read it whole or partial. Kept per graph and mesh (:meth:`Graph.memo`): a frontier
+    builds the cost graph of one program many times."""
+    consume = accumulators(graph)
+    reduced_ys = ys_exits(graph)
+    cache: dict = {}
+    out = []
+    for op in graph.ops:
+        key = _op_key(op)
+        if key is not None:
+            key = (key, op.id in consume)
+        strats = cache.get(key) if key is not None else None
+        if strats is None:
+            strats = strategies(op, axis_sizes, axis_names, consume_partial=op.id in consume)
+            if op.id in reduced_ys:
+                strats = [s for s in strats if whole_partial(s.ins[0], axis_sizes)]
+            if key is not None:
+                cache[key] = strats
+        out.append(strats)
+    return out
 
 
 def read_runs(runs: Mapping[int, int], val: Value, op: Op) -> int:

@@ -27,10 +27,11 @@ from shardc.explain import fmt_bytes
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp
 from shardc.solve import descent
-from shardc.solve.fold import expand, fold, members, restrict
+from shardc.solve.fold import expand, members, quotient, restrict
 from shardc.solve.ilp import problem_size, solve_ilp
 from shardc.solve.memory import memory_cut, memory_profile
 from shardc.solve.problem import NOTHING_FIXED, CostGraph, Fixed, build
+from shardc.solve.reuse import Reuse, Starts, exact_peak
 
 MEMORY_ROUNDS = 6  # re-solves adding the worst violated program point
 ILP_FULL_TERMS = 40_000  # model terms up to which one ILP covers the whole graph
@@ -91,29 +92,34 @@ class Solution:
     seed_choices: dict = field(default_factory=dict)
 
 
-def solve(cg: CostGraph, options: SolveOptions = SolveOptions()) -> Solution:
+def solve(cg: CostGraph, options: SolveOptions = SolveOptions(), kept: Starts | None = None
+          ) -> Solution:
     """Plan ``cg``. ``options.seeds`` are hand-written plans, by name, as layouts of graph
     inputs (:func:`shardc.solve.descent.from_inputs`): the plan costs no more than any of
     them that fits the budget, and ``stats["seeds"]`` gives their costs. With a memory
     budget the leanest plan descent finds (:func:`descent.lean`, deterministic) is a
-    candidate too, so the budget a :class:`MemoryBudgetError` names is met when asked for."""
+    candidate too, so the budget a :class:`MemoryBudgetError` names is met when asked for.
+    ``kept``: ``cg`` is a copy of a merged cost graph, and these its starts
+    (:class:`shardc.solve.reuse.Reuse`); else ``cg``'s followers are merged here."""
     memory_budget = options.memory_budget
     use_ilp = options.use_ilp and options.time_limit > 0
     t0 = time.perf_counter()
-    n_all = len(cg.choices)
-    cg.merge_followers()
+    n_all = len(cg.choices)  # merging keeps the nodes (followers are marked, not removed)
+    if kept is None:
+        cg.merge_followers()
+        kept = Starts(cg)
     t1 = time.perf_counter()
     large = use_ilp and problem_size(cg) > ILP_FULL_TERMS  # folded, its quotient solved
-    folding = fold(cg) if large else None
+    folding = (quotient(cg, kept.classes()), kept.classes()) if large else None
     x = _descent(cg, folding, memory_budget)
     seed_plans = {}
     for name, layouts in options.seeds.items():
-        y = descent.from_inputs(cg, layouts)
+        y = kept.seed(layouts)
         if y is not None:
             seed_plans[name] = y
     starts = list(seed_plans.values())
     if memory_budget is not None:
-        starts.append(descent.lean(cg))
+        starts.append(kept.lean())
     for y in starts:
         x = _better(cg, x, y, memory_budget)
     t2 = time.perf_counter()
@@ -132,29 +138,30 @@ def solve(cg: CostGraph, options: SolveOptions = SolveOptions()) -> Solution:
             break
         found = min(found, float(profile[t]))
         cg.memory.append(memory_cut(cg, x, t, profile[t]))  # constrain it too
-        folding = fold(cg) if large else None  # the quotient's memory points were stale
+        # the quotient's memory points were stale (its classes are not: costs and edges)
+        folding = (quotient(cg, kept.classes()), kept.classes()) if large else None
         x = _descent(cg, folding, memory_budget)
         for y in starts:
             x = _better(cg, x, y, memory_budget)
-    peak = _peak(cg, x) if memory_budget is not None else 0.0
+    peak = exact_peak(cg, x) if memory_budget is not None else 0.0
     if memory_budget is not None and peak > memory_budget:
         # the sampled points let through a plan the exact profile rejects: keep the cheapest
         # start that fits exactly (the lean plan fits any budget an error ever named)
-        peaks = [_peak(cg, y) for y in starts]
+        peaks = [kept.peak(y) for y in starts]
         fits = [y for y, p in zip(starts, peaks) if p <= memory_budget]
         if not fits:
             # named from the starts alone: they are planned again at any budget (a plan the
             # search reached may not be), so the budget named is met when asked for
             raise MemoryBudgetError(memory_budget, math.ceil(min(peaks)), min(found, peak))
-        x = min(fits, key=lambda y: descent.objective(cg, y))
+        x = min(fits, key=kept.objective)
     stats = {"nodes": n_all, "live_nodes": len(cg.live), "edges": len(cg.edges),
              "merge_s": t1 - t0, "descent_s": t2 - t1, "ilp_s": time.perf_counter() - t2}
     if stages:
         stats["stages"] = stages
     if seed_plans:
-        stats["seeds"] = {name: descent.objective(cg, y) for name, y in seed_plans.items()}
+        stats["seeds"] = {name: kept.objective(y) for name, y in seed_plans.items()}
     seed_choices = {name: cg.decode(y) for name, y in seed_plans.items()
-                    if memory_budget is None or _peak(cg, y) <= memory_budget}
+                    if memory_budget is None or kept.peak(y) <= memory_budget}
     return Solution(cg.decode(x), status, descent.objective(cg, x), stats, seed_choices)
 
 
@@ -179,11 +186,6 @@ def _floor(cg: CostGraph) -> float:
     (:func:`shardc.solve.memory.memory_profile`), each at its most split layout."""
     return sum(nbytes * min(nd.shard_fraction(cg.axis_sizes) for nd in cg.out_sbps(node, slot))
                for _, _, node, slot, nbytes in cg.spans[:len(cg.graph.inputs)])
-
-
-def _peak(cg: CostGraph, x: dict[int, int]) -> float:
-    """Exact per-device peak bytes of the plan ``x`` (every program point)."""
-    return float(np.max(memory_profile(cg, cg.decode(x))))
 
 
 def _solve_once(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: float | None,
@@ -526,11 +528,20 @@ def plan_graph(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str
                cluster: Cluster, options: SolveOptions = SolveOptions(), *,
                ties: Sequence[tuple[int, int]] = (),
                fixed: Fixed = NOTHING_FIXED,
-               resident: Collection[int] = ()) -> tuple[CostGraph, Solution]:
+               resident: Collection[int] = (),
+               reuse: Reuse | None = None) -> tuple[CostGraph, Solution]:
     """Build the cost graph of ``graph`` on the mesh and solve it. ``fixed`` pins graph
-    inputs and outputs to the layouts given; ``resident`` inputs pay no host feed."""
+    inputs and outputs to the layouts given; ``resident`` inputs pay no host feed.
+    ``reuse``: the cost graph is built once there for every solve of the same problem
+    (at another budget: the same plans, :mod:`shardc.solve.reuse`)."""
     t0 = time.perf_counter()
-    cg = build(graph, axis_sizes, axis_names, cluster, ties, fixed=fixed, resident=resident)
+    if reuse is None:
+        cg = build(graph, axis_sizes, axis_names, cluster, ties, fixed=fixed,
+                   resident=resident)
+        kept = None
+    else:
+        cg, kept = reuse.cost_graph(graph, axis_sizes, axis_names, cluster, ties, fixed,
+                                    resident)
     build_s = time.perf_counter() - t0
-    sol = solve(cg, options)
+    sol = solve(cg, options, kept)
     return cg, dataclasses.replace(sol, stats={**sol.stats, "build_s": build_s})

@@ -1,0 +1,103 @@
+"""What solves of one cost graph at different memory budgets share, computed once.
+
+A frontier (:mod:`shardc.frontier`) plans the same program on the same mesh at a dozen
+budgets. Each solve used to build the cost graph anew and merge its followers (2.5 and 0.9
+s of a 12-layer GPT-2 on (2, 4)), then place every seed and the lean plan on it and colour
+its repeated layers again, though none of that depends on the budget: only the memory cuts
+a solve adds do (:func:`shardc.solve.search.solve`). :class:`Reuse` keeps each problem's
+merged cost graph and hands each solve a copy whose list of memory points is its own;
+:class:`Starts` keeps what is derived from the merged graph before any cut. Every kept
+value is what the solve would compute again, so a plan does not depend on what was solved
+before it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from shardc.cost.cluster import Cluster
+from shardc.ir.graph import Graph
+from shardc.ir.sbp import NdSbp
+from shardc.solve import descent
+from shardc.solve.fold import colour_classes
+from shardc.solve.memory import memory_profile
+from shardc.solve.problem import CostGraph, Fixed, build
+
+__all__ = ["Reuse", "Starts", "exact_peak"]
+
+
+class Starts:
+    """Plans and facts of one merged cost graph that no memory cut changes: each seed's
+    plan (:func:`descent.from_inputs`), the lean plan (:func:`descent.lean`, which reads
+    the sampled memory points: asked for before any cut) and the repeated-layer classes
+    (:func:`shardc.solve.fold.colour_classes`, from costs and edges only)."""
+
+    def __init__(self, cg: CostGraph):
+        self.cg = cg
+        self._kept: dict[Any, Any] = {}
+
+    def _get(self, key, make: Callable[[], Any]) -> Any:
+        if key not in self._kept:
+            self._kept[key] = make()
+        return self._kept[key]
+
+    def _made_here(self, x: dict[int, int]) -> bool:
+        return any(x is y for k, y in self._kept.items() if k == "lean" or k[0] == "seed")
+
+    def peak(self, x: dict[int, int]) -> float:
+        """The exact per-device peak of the plan ``x`` (every program point: no memory cut
+        changes it), kept for the plans made here."""
+        if not self._made_here(x):
+            return exact_peak(self.cg, x)
+        return self._get(("peak", id(x)), lambda: exact_peak(self.cg, x))
+
+    def objective(self, x: dict[int, int]) -> float:
+        """:func:`descent.objective` of ``x``, kept for the plans made here."""
+        if not self._made_here(x):
+            return descent.objective(self.cg, x)
+        return self._get(("objective", id(x)), lambda: descent.objective(self.cg, x))
+
+    def seed(self, layouts: Mapping[int, NdSbp]) -> dict[int, int] | None:
+        return self._get(("seed", frozenset(layouts.items())),
+                         lambda: descent.from_inputs(self.cg, layouts))
+
+    def lean(self) -> dict[int, int]:
+        return self._get("lean", lambda: descent.lean(self.cg))
+
+    def classes(self) -> dict[int, int]:
+        return self._get("classes", lambda: colour_classes(self.cg))
+
+
+def exact_peak(cg: CostGraph, x: dict[int, int]) -> float:
+    """Exact per-device peak bytes of the plan ``x`` (every program point)."""
+    return float(np.max(memory_profile(cg, cg.decode(x))))
+
+
+class Reuse:
+    """Merged cost graphs by problem (graph, mesh, cluster, ties, fixed layouts, resident
+    inputs), for one caller that solves the same problems at several budgets (keep it no
+    longer than that: a large model's cost graph holds gigabytes)."""
+
+    def __init__(self):
+        self._built: dict[tuple, tuple[tuple, CostGraph, Starts]] = {}
+
+    def cost_graph(self, graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str],
+                   cluster: Cluster, ties: Sequence[tuple[int, int]], fixed: Fixed,
+                   resident: Collection[int]) -> tuple[CostGraph, Starts]:
+        """A copy of the problem's merged cost graph that a solve may add memory cuts to,
+        and its :class:`Starts`."""
+        held = (graph, cluster, fixed)  # kept alive with the entry: their ids stay theirs
+        key = (*map(id, held), tuple(axis_sizes), tuple(axis_names), tuple(ties),
+               frozenset(resident))
+        hit = self._built.get(key)
+        if hit is None:
+            cg = build(graph, axis_sizes, axis_names, cluster, ties, fixed=fixed,
+                       resident=resident)
+            cg.merge_followers()
+            hit = self._built[key] = (held, cg, Starts(cg))
+        _, cg, starts = hit
+        return dataclasses.replace(cg, memory=list(cg.memory)), starts

@@ -1,0 +1,76 @@
+"""Cost graphs built once and solved at many budgets (``shardc/solve/reuse.py``) plan what
+a cost graph built for each solve does."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from shardc.cost.cluster import Cluster
+from shardc.cost.combine import tail_values
+from shardc.ir.sbp import B, NdSbp, Split
+from shardc.ir.trace import trace
+from shardc.solve.memory import memory_profile
+from shardc.solve.reuse import Reuse
+from shardc.solve.search import MemoryBudgetError, SolveOptions, plan_graph
+
+MESH = ((2, 4), ("node", "gpu"))
+CLUSTER = Cluster.multi_node("node", "gpu")
+
+
+def _step():
+    def loss(w, x):
+        h = jnp.tanh(x @ w[0])
+        h = jnp.tanh(h @ w[1])
+        return jnp.sum(h @ w[2])
+
+    def step(w, x):
+        g = jax.grad(loss)(w, x)
+        return [a - 0.1 * b for a, b in zip(w, g)]
+
+    args = ([jnp.ones((256, 512)), jnp.ones((512, 512)), jnp.ones((512, 256))],
+            jnp.ones((64, 256)))
+    return trace(step, *args).graph
+
+
+def _plan(graph, budget, reuse=None):
+    seeds = {"split rows": {k: NdSbp((Split(0), Split(0))) for k in range(3)},
+             "data parallel": {3: NdSbp((Split(0), B))}}
+    try:
+        return plan_graph(graph, *MESH, CLUSTER, SolveOptions(budget, seeds=seeds),
+                          ties=[(k, k) for k in range(3)], reuse=reuse)
+    except MemoryBudgetError as exc:
+        return exc
+
+
+def test_a_reused_cost_graph_plans_what_a_fresh_one_does_at_every_budget():
+    graph = _step()
+    cg, free = _plan(graph, None)
+    top = float(np.max(memory_profile(cg, free.choice)))
+    reuse = Reuse()
+    # no budget, budgets that bind (each adds memory cuts of its own), and one no plan meets
+    kept_graphs = []
+    for budget in (None, 0.8 * top, 0.6 * top, 0.45 * top, 0.8 * top, 1.0):
+        fresh, kept = _plan(graph, budget), _plan(graph, budget, reuse)
+        if isinstance(fresh, MemoryBudgetError):
+            assert isinstance(kept, MemoryBudgetError)
+            assert (kept.needed, kept.found) == (fresh.needed, fresh.found)
+            continue
+        (_, a), (kcg, b) = fresh, kept
+        kept_graphs.append(kcg)
+        assert (b.choice, b.status, b.objective) == (a.choice, a.status, a.objective), budget
+        assert b.seed_choices == a.seed_choices
+        assert b.stats["seeds"] == a.stats["seeds"]
+    assert len(kept_graphs) >= 4
+    # one build and merge: the solves share its edges; each has its own memory cuts
+    assert all(g.edges is kept_graphs[0].edges for g in kept_graphs)
+    assert len({id(g.memory) for g in kept_graphs}) == len(kept_graphs)
+
+
+def test_what_a_graph_derives_from_itself_is_computed_once():
+    graph = _step()
+    assert graph.consumers() is graph.consumers()
+    tail = tail_values(graph)
+    assert tail is tail_values(graph) and isinstance(tail, frozenset)
+    with pytest.raises(AttributeError):
+        tail.add(0)  # shared between callers: not to be changed
