@@ -85,8 +85,7 @@ class Parts:
     ``passes``: the layer scans' passes over the stages (2 for a training step, forward and
     backward; 1 for a forward-only program); ``rerun``: the compute of the scans that
     recompute the forward for the backward (:attr:`Layers.rerun`); ``params``: the bytes
-    of the stacked parameters the layer scans read (:attr:`Layers.params`), whole (a
-    pipelined loop holds its stage's share of them, replicated over the other axes)."""
+    of the stacked parameters the layer scans read (:attr:`Layers.params`)."""
 
     step: float
     peak: float
@@ -155,9 +154,7 @@ def parts(plan: Plan, graph: Graph, layers: Layers, ties=(), resident=()) -> Par
     return Parts(plan.predicted.step_time, plan.predicted.peak_memory,
                  compute + scans + once, compute, tuple(sample), once, state, other, saved,
                  carry, min(len(layers.scans), 2), rerun,
-                 # whole: the pipelined loop holds its stage's share of them replicated over
-                 # the other axes (runtime.pipeline_scan: in_specs P(stage axis))
-                 float(sum(nbytes[i] for i in layers.params)))
+                 sum(nbytes[i] * plan.values[i].shard_fraction(sizes) for i in layers.params))
 
 
 @dataclass(frozen=True, slots=True)
