@@ -81,11 +81,7 @@ def test_the_planner_pipelines_a_stack_over_a_slow_axis_and_runs_what_it_priced(
 
 
 @pytest.mark.parametrize("pipe", [Pipeline("stage", 4, 4), Pipeline("stage", 4, 8),
-                                  pytest.param(Pipeline("stage", 4, 4, "circular", 2),
-                                               marks=pytest.mark.xfail(strict=True, reason=(
-    "a stage's working memory is the unpipelined plan's peak less its state and saved "
-    "activations; that peak now holds the combined gradient copies at once, and the "
-    "circular stage compiles to 38.8 MB against 48.7 MB predicted (0.80)")))])
+                                  Pipeline("stage", 4, 4, "circular", 2)])
 def test_a_stage_peak_is_the_predicted_one(pipe):
     """The compiled program's peak (memory_analysis: arguments, results, temporaries) is
     within 15% of the plan's predicted per-stage peak."""

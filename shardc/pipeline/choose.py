@@ -267,12 +267,17 @@ def pinned(graph: Graph, choice: Choice, ties: Sequence[tuple[int, int]] = (),
 
 def updates(graph: Graph, ties: Sequence[tuple[int, int]] = (),
             resident: Collection[int] = ()) -> set[int]:
-    """Ids of the values the layer state's update makes outside the layer scans (the
+    """Ids of the layer state as the step is given it (the stacked inputs: parameters and
+    optimizer moments) and of the values its update makes outside the layer scans (the
     optimizer's step of the stacked parameters, :attr:`Layers.outside`). Under a pipeline
-    they are left unconstrained: their operands come from the pipeline split over the
-    stages and their results are pinned so, where the unpipelined plan, whose layer
-    gradients leave the scan whole, laid them out whole on every stage."""
+    they are left unconstrained: the state is read as it is held, split over the stages
+    (the unpipelined plan settled the parameters into its scan's layout first, whole on
+    every stage: a gather over the stage axis every step), the update's operands come
+    from the pipeline split over the stages and its results are pinned so, where the
+    unpipelined plan, whose layer gradients leave the scan whole, laid them out whole on
+    every stage."""
     layers = find_layers(graph, ties, resident)
     if layers is None:
         return set()
-    return {v.id for op in graph.ops if op.id in layers.outside for v in op.outputs}
+    return {v.id for op in graph.ops if op.id in layers.outside for v in op.outputs} | \
+        {v.id for v in graph.inputs if v.id in layers.stacked}

@@ -41,9 +41,10 @@ saved activations (GPipe and, run in GPipe's order, 1F1B); for the circular sche
 whose chunks are recomputed in the backward, ``T`` chunk inputs (``T / M`` carries) and
 one chunk's residuals instead. Besides, the micro-batched input and the finished
 micro-batches, a carry each (and for the circular schedule the buffer of micro-batches
-coming round, a third), and the loop's own copy of the stage's weights and, training, the
-gradient one step's chunk accumulates over its layers (the backward loop's state, as
-compiled: ``tests/test_pipeline_plan.py`` checks the total against ``memory_analysis()``).
+coming round, a third). The stage's weights are read where they are held (the layer dim
+split over the stage axis): no gathered copy of the stack, whose gradient the whole plan's
+working memory counts already (``tests/test_pipeline_plan.py`` checks the total against
+``memory_analysis()``).
 
 References:
   Huang et al., "GPipe" (NeurIPS 2019): M + S - 1 ticks per pass, the bubble.
@@ -84,8 +85,7 @@ class Parts:
     scan's saved activations; ``carry``: the layer carry at the plan's layout;
     ``passes``: the layer scans' passes over the stages (2 for a training step, forward and
     backward; 1 for a forward-only program); ``rerun``: the compute of the scans that
-    recompute the forward for the backward (:attr:`Layers.rerun`); ``params``: the bytes
-    of the stacked parameters the layer scans read (:attr:`Layers.params`)."""
+    recompute the forward for the backward (:attr:`Layers.rerun`)."""
 
     step: float
     peak: float
@@ -99,7 +99,6 @@ class Parts:
     carry: float
     passes: int = 2
     rerun: float = 0.0
-    params: float = 0.0
 
     def sample_seconds(self, microbatches: int) -> float:
         """The per-sample conversions' seconds when each runs once per micro-batch on
@@ -153,8 +152,7 @@ def parts(plan: Plan, graph: Graph, layers: Layers, ties=(), resident=()) -> Par
     carry = sum(nbytes[i] * plan.values[i].shard_fraction(sizes) for i in layers.carry)
     return Parts(plan.predicted.step_time, plan.predicted.peak_memory,
                  compute + scans + once, compute, tuple(sample), once, state, other, saved,
-                 carry, min(len(layers.scans), 2), rerun,
-                 sum(nbytes[i] * plan.values[i].shard_fraction(sizes) for i in layers.params))
+                 carry, min(len(layers.scans), 2), rerun)
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,9 +216,6 @@ def price(pipeline: Pipeline, whole: Parts, stage: Parts, cluster: Cluster,
         held = stage.carry * ticks / m + stage.saved / (s * v * m) + 3 * stage.carry
     else:
         held = stage.saved * ticks / (s * m) + 2 * stage.carry
-    # the pipelined loop's own copy of the stage's weights, and (training) the gradient a
-    # step's chunk accumulates over its layers before it joins the stage's
-    held += stage.params / s * (2 if stage.passes > 1 else 1)
     peak = stage.state / s + whole.other_state + working + held
     return PipelinePrice(pipeline, rest + layers + transfers + gathers + once, rest, layers,
                          layers - work, transfers, gathers, once, permutes, stage.carry / m,
