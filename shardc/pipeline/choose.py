@@ -20,20 +20,19 @@ candidates are priced in a fixed order; of equal steps the leaner wins, then the
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from shardc.cost import comm
 from shardc.cost.cluster import Cluster
 from shardc.explain import fmt_time
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import NdSbp, Split
-from shardc.pipeline.cost import PipelinePrice, parts, price, rest_reshards
+from shardc.pipeline.cost import PipelinePrice, parts, price
+from shardc.pipeline.runs import pipelined_reshards
 from shardc.pipeline.scans import Layers, find_layers
 from shardc.pipeline.schedule import SCHEDULES, Pipeline
-from shardc.plan import Plan, Predicted, Reshard, assemble
+from shardc.plan import Plan, Predicted, assemble
 from shardc.solve.search import SolveOptions, plan_graph
 from shardc.views import View, views
 
@@ -222,9 +221,11 @@ def _axes(view: View) -> tuple[tuple[str, int], ...]:
 
 def adopt(plan: Plan, choice: Choice, graph: Graph, ties: Sequence[tuple[int, int]] = (),
           resident: Collection[int] = ()) -> Plan:
-    """``plan`` (of ``graph``) running ``choice``'s pipeline: its predicted step and peak
-    are the pipeline's, its conversions those the pipelined program runs (:func:`_runs`),
-    their seconds and wire bytes its communication, and ``solver["pipeline"]`` keeps the
+    """``plan`` (of ``graph``) running ``choice``'s pipeline: its conversions are those the
+    pipelined program runs (:func:`shardc.pipeline.runs.pipelined_reshards`), their
+    seconds and wire bytes its communication, its compute and peak the pipeline's price
+    (its step is the price's with the conversions at the stacks' edges priced from the
+    pipeline's layout, not the unpipelined scan's), and ``solver["pipeline"]`` keeps the
     price that ``plan.explain()`` shows and, as ``"free"``, the ids of the values
     (:func:`updates`) the lowering leaves unconstrained. ``plan`` itself where the choice
     is none."""
@@ -233,7 +234,7 @@ def adopt(plan: Plan, choice: Choice, graph: Graph, ties: Sequence[tuple[int, in
         return plan
     old = plan.predicted
     layers = find_layers(graph, ties, resident)
-    reshards = _runs(plan, graph, layers, choice)
+    reshards = pipelined_reshards(plan, graph, layers, choice.pipeline, best)
     comm = sum(r.time for r in reshards)
     predicted = Predicted(comm, best.step_time - best.comm - old.feed_time,
                           sum(r.wire_bytes for r in reshards), best.peak_memory,
@@ -242,46 +243,11 @@ def adopt(plan: Plan, choice: Choice, graph: Graph, ties: Sequence[tuple[int, in
               "bubble_s": best.bubble, "unpipelined_s": choice.base_time,
               "permutes": best.permutes, "permute_bytes": best.permute_bytes,
               "reduces": best.reduces, "reduce_bytes": best.reduce_bytes,
-              "grads_s": best.grads, "grad_bytes": best.grad_bytes,
+              "comm_s": best.comm, "grads_s": best.grads, "grad_bytes": best.grad_bytes,
               "choice_s": choice.plan_s, "free": sorted(updates(graph, ties, resident))}
     return dataclasses.replace(plan, pipeline=choice.pipeline, predicted=predicted,
                                reshards=tuple(reshards),
                                solver={**plan.solver, "pipeline": record})
-
-
-def _runs(plan: Plan, graph: Graph, layers: Layers, choice: Choice) -> list[Reshard]:
-    """The conversions the pipelined program runs: ``plan``'s outside the layer part
-    (:func:`shardc.pipeline.cost.rest_reshards`), and the pipeline's own, charged to the
-    forward scan's first carry: the sends each way (one collective-permute per pass, run
-    every tick), the closing all-reduces over the stage axis, and the stages' gradient
-    all-reduce, which XLA's all-reduce combiner joins with the rest's over the same axes
-    where there is one (the same tuple collective)."""
-    best, p = choice.best, choice.pipeline
-    carry = layers.carry[0]
-    nd = plan.values[carry]
-    out = rest_reshards(plan, graph, layers)
-
-    def one(kind: str, spans, nbytes: float, seconds: float, runs: int = 1,
-            group: int = -1) -> Reshard:
-        axes = "+".join(n for n, _ in spans)
-        wire = comm.wire_bytes(kind, math.prod(k for _, k in spans), nbytes) * runs
-        return Reshard(carry, None, nd, nd, seconds, wire, (f"{kind}@{axes}",), (wire,),
-                       (group,))
-
-    stage = ((p.axis, p.stages),)
-    passes = best.permutes // (p.microbatches * p.virtual + p.stages - 1)
-    runs = best.permutes // passes
-    out += [one("collective-permute", stage, best.permute_bytes, best.transfers / passes,
-                runs) for _ in range(passes)]
-    out += [one("all-reduce", stage, best.reduce_bytes, best.gathers / best.reduces)
-            for _ in range(best.reduces)]
-    if best.grads:
-        axes = "all-reduce@" + "+".join(n for n, _ in best.grad_spans)
-        joined = next((g for r in out for c, g in zip(r.collectives, r.combined or ())
-                       if c == axes and g >= 0), -1)
-        out.append(one("all-reduce", best.grad_spans, best.grad_bytes, best.grads,
-                       group=joined))
-    return out
 
 
 def pinned(graph: Graph, choice: Choice, ties: Sequence[tuple[int, int]] = (),

@@ -70,6 +70,7 @@ from shardc.cost.comm import Conversion, conversion
 from shardc.explain import fmt_bytes, fmt_time
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import Split
+from shardc.ir.trace import SCAN_EXIT
 from shardc.pipeline.scans import Layers
 from shardc.pipeline.schedule import Pipeline
 from shardc.plan import Plan
@@ -95,7 +96,9 @@ class Parts:
     the compute of the stacked values' updates; ``batch_spans``: the mesh axes (and sizes)
     the plan splits the layer carry's batch dim over, where every carry agrees (what a
     pipeline's stages split each micro-batch over, :mod:`shardc.pipeline.lowering`);
-    ``weights``: the bytes of the stacked parameters the layer scans read, whole."""
+    ``weights``: the bytes of the stacked parameters the layer scans read, whole;
+    ``cotangent``: the backward scan's carry cotangent (the stack input's) is read (the
+    input is differentiated: one more closing all-reduce)."""
 
     step: float
     peak: float
@@ -113,6 +116,7 @@ class Parts:
     update: float = 0.0
     batch_spans: tuple[tuple[str, int], ...] = ()
     weights: float = 0.0
+    cotangent: bool = True
 
     def sample_seconds(self, microbatches: int) -> float:
         """The per-sample conversions' seconds when each runs once per micro-batch on
@@ -154,6 +158,15 @@ def _batch_spans(plan: Plan, layers: Layers) -> tuple[tuple[str, int], ...]:
                    if k > 1 and isinstance(sbp, Split) and sbp.dim == 0)
              for c in layers.carry}
     return found.pop() if len(found) == 1 else ()
+
+
+def _cotangent(graph: Graph, layers: Layers) -> bool:
+    """Whether a value the last layer scan's carry exits make is read (by an op or as a
+    result): in a training step, the stack input's cotangent."""
+    exits = {v.id for op in graph.ops if op.prim is SCAN_EXIT and op.where == layers.scans[-1]
+             and op.params.get("kind") == "carry" for v in op.outputs}
+    return any(v.id in exits for op in graph.ops for v in op.inputs) or \
+        any(v.id in exits for v in graph.outputs)
 
 
 def parts(plan: Plan, graph: Graph, layers: Layers, ties=(), resident=()) -> Parts:
@@ -200,7 +213,8 @@ def parts(plan: Plan, graph: Graph, layers: Layers, ties=(), resident=()) -> Par
     return Parts(plan.predicted.step_time, plan.predicted.peak_memory,
                  compute + scans + once, compute, tuple(sample), once, state, other, saved,
                  carry, min(len(layers.scans), 2), rerun, rest, outside,
-                 _batch_spans(plan, layers), float(sum(nbytes[i] for i in layers.params)))
+                 _batch_spans(plan, layers), float(sum(nbytes[i] for i in layers.params)),
+                 _cotangent(graph, layers))
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,7 +282,7 @@ def price(pipeline: Pipeline, whole: Parts, stage: Parts, cluster: Cluster,
     spans = [(pipeline.axis, s)]
     permutes = stage.passes * ticks
     transfers = permutes * cluster.send_seconds(spans, stage.carry / m)
-    reduces = stage.passes
+    reduces = 1 + (stage.passes > 1 and stage.cotangent)
     gathers = reduces * cluster.collective_seconds("all-reduce", spans, stage.carry)
     grads = grad_bytes = 0.0
     if stage.batch_spans and stage.passes > 1:
