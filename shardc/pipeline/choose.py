@@ -223,9 +223,8 @@ def adopt(plan: Plan, choice: Choice, graph: Graph, ties: Sequence[tuple[int, in
           resident: Collection[int] = ()) -> Plan:
     """``plan`` (of ``graph``) running ``choice``'s pipeline: its conversions are those the
     pipelined program runs (:func:`shardc.pipeline.runs.pipelined_reshards`), their
-    seconds and wire bytes its communication, its compute and peak the pipeline's price
-    (its step is the price's with the conversions at the stacks' edges priced from the
-    pipeline's layout, not the unpipelined scan's), and ``solver["pipeline"]`` keeps the
+    seconds and wire bytes its communication, its compute the stages' as priced and the
+    rest's as ``plan`` has it, its peak the price's, and ``solver["pipeline"]`` keeps the
     price that ``plan.explain()`` shows and, as ``"free"``, the ids of the values
     (:func:`updates`) the lowering leaves unconstrained. ``plan`` itself where the choice
     is none."""
@@ -236,9 +235,10 @@ def adopt(plan: Plan, choice: Choice, graph: Graph, ties: Sequence[tuple[int, in
     layers = find_layers(graph, ties, resident)
     reshards = pipelined_reshards(plan, graph, layers, choice.pipeline, best)
     comm = sum(r.time for r in reshards)
-    predicted = Predicted(comm, best.step_time - best.comm - old.feed_time,
-                          sum(r.wire_bytes for r in reshards), best.peak_memory,
-                          old.feed_time)
+    stages = best.step_time - best.rest - best.transfers - best.gathers - best.grads
+    rest = sum(op.compute_time for op in plan.ops if not layers.layer_part(op.id))
+    predicted = Predicted(comm, stages + rest, sum(r.wire_bytes for r in reshards),
+                          best.peak_memory, old.feed_time)
     record = {"reason": choice.reason, "layers": choice.layers, "step_s": best.step_time,
               "bubble_s": best.bubble, "unpipelined_s": choice.base_time,
               "permutes": best.permutes, "permute_bytes": best.permute_bytes,

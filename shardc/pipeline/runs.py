@@ -19,7 +19,7 @@ converts:
   tick), the closing all-reduces over the stage axis, and the stages' gradient
   all-reduce over the axes splitting each micro-batch, which XLA's all-reduce combiner
   joins with the rest's over the same axes where there is one (the same tuple
-  collective), charged to the forward scan's first carry.
+  collective: charged what it adds to it), charged to the forward scan's first carry.
 
 References:
   :mod:`shardc.pipeline.runtime` (what one step compiles to); :func:`shardc.plan.assemble`
@@ -118,10 +118,32 @@ def pipelined_reshards(plan: Plan, graph: Graph, layers: Layers, pipeline: Pipel
     out += [one("all-reduce", stage, best.reduce_bytes, best.gathers / best.reduces)
             for _ in range(best.reduces)]
     if best.grads:
-        out, group = _joined(out, "all-reduce@" + "+".join(n for n, _ in best.grad_spans))
-        out.append(one("all-reduce", best.grad_spans, best.grad_bytes, best.grads,
-                       group=group))
+        name = "all-reduce@" + "+".join(n for n, _ in best.grad_spans)
+        out, group = _joined(out, name)
+        out.append(one("all-reduce", best.grad_spans, best.grad_bytes,
+                       _marginal(plan, out, name, group, best), group=group))
     return out
+
+
+def _marginal(plan: Plan, out: list[Reshard], name: str, group: int,
+              best: PipelinePrice) -> float:
+    """Seconds the stages' gradient all-reduce adds to the combined all-reduce it joins
+    (``group``; -1: it runs alone, priced ``best.grads``): one collective of every
+    member's buffer, less what the members were charged (:func:`shardc.plan.assemble`
+    prices a combined collective so, one latency for the whole buffer)."""
+    if group < 0:
+        return best.grads
+    n = math.prod(k for _, k in best.grad_spans)
+    factor = comm.wire_bytes("all-reduce", n, 1.0)
+    wire = charged = 0.0
+    for r in out:
+        for c, g, b in zip(r.collectives, r.combined or (), r.collective_bytes):
+            if c == name and g == group:
+                wire += b
+                charged += r.time * b / sum(r.collective_bytes)
+    whole = plan.cluster.collective_seconds("all-reduce", best.grad_spans,
+                                            wire / factor + best.grad_bytes)
+    return max(0.0, whole - charged)
 
 
 def _joined(out: list[Reshard], name: str) -> tuple[list[Reshard], int]:
