@@ -385,7 +385,7 @@ class AutoSharded:
         without a stack, or where no pipeline pays: against the plan on the mesh, and with
         ``mesh_search``, against the best view's (the stages are over an axis of the
         mesh itself)."""
-        from shardc.pipeline.choose import adopt, best_pipeline, pinned, updates
+        from shardc.pipeline.choose import adopt, best_pipeline, pinned
         from shardc.pipeline.stack import has_stack
 
         plan = self._solve(call, tr, candidates, seeds, self.options)
@@ -410,7 +410,7 @@ class AutoSharded:
                 base = self._solve(call, keep, candidates[:1], seeds[:1], self.options)
             except MemoryBudgetError:
                 return plan
-        return adopt(base, choice, updates(graph, tr.ties, tr.resident))
+        return adopt(base, choice, graph, tr.ties, tr.resident)
 
     def _choice_options(self, views: bool):
         from shardc.pipeline.choose import ChoiceOptions

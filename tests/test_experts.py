@@ -179,3 +179,31 @@ def test_expert_seeds_name_only_views_the_mesh_search_plans():
     seeds = harness.expert_seeds(zm, mesh, preset, args, mesh_search=True)
     assert {"zero1", "zero1-shard4", "fsdp-vp", "megatron-tp4-sp"} <= set(seeds)
     assert not {"dp-x-fsdp2-x-tp2", "dp-x-fsdp2-x-tp2-sp"} & set(seeds)
+
+
+def test_pipelined_experts_run_the_deep_stack_as_gpipe_over_the_slow_axis():
+    """Over Ethernet-joined nodes a model whose layers are a shardc.pipeline.layers stack
+    gets GPipe over the node axis with DP, FSDP or TP within the node (none without a stack,
+    nor where the nodes are joined by links as fast as the node's); each keeps a stage's
+    layers on its node (the stacked state split over it) and equals the unsharded step, and
+    its program sends each micro-batch on with a collective-permute over the node axis."""
+    from shardc.bench.experts import Traits
+    from shardc.inspect.hlo import collectives
+
+    eth = Cluster.ethernet_nodes("node", "gpu")
+    names = {e.name for e in preset_experts((2, 4), ("node", "gpu"), eth, Traits(stack=True))}
+    assert {"gpipe2-x-dp4", "gpipe2-x-fsdp4", "gpipe2-x-tp4"} <= names
+    assert not any(n.startswith("gpipe") for n in
+                   {e.name for e in preset_experts((2, 4), ("node", "gpu"), eth)} |
+                   {e.name for e in preset_experts((2, 4), ("node", "gpu"),
+                                                   Cluster.nvlink_node(("node", "gpu")),
+                                                   Traits(stack=True))})
+    assert harness.traits(ZOO["deep"]).stack
+    mesh = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
+    found = {e.name: e for e in preset_experts((2, 4), ("node", "gpu"), eth, Traits(stack=True))}
+    for name in ("gpipe2-x-dp4", "gpipe2-x-tp4"):
+        _, compiled = _checked("deep", found[name], mesh)
+        specs = _state_specs(compiled)
+        assert specs["params"]["layers"]["mlp"]["up"]["kernel"][0] == "node", name
+        sends = [c for c in collectives(compiled, mesh) if c.kind == "collective-permute"]
+        assert any(c.axes == ("node",) for c in sends), name

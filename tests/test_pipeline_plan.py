@@ -67,13 +67,18 @@ def test_the_planner_pipelines_a_stack_over_a_slow_axis_and_runs_what_it_priced(
     plan = step.plan(w, x)
     assert plan.pipeline is not None and plan.pipeline.axis == "stage", plan.solver
     priced = plan.solver["pipeline"]
-    assert plan.predicted.step_time == pytest.approx(priced["step_s"])
+    # the priced compute; the communication is the conversions the program runs
+    assert plan.predicted.step_time - plan.predicted.comm_time == \
+        pytest.approx(priced["step_s"] - priced["comm_s"])
     assert priced["step_s"] < 0.95 * priced["unpipelined_s"]
     close(step(w, x), jax.jit(train_step(jax.lax.scan))(w, x))
     compiled = step.lower(w, x).compile()
     got = loop_permutes(compiled, m)
     assert sum(runs for _, runs in got) == priced["permutes"]
     assert {b for b, _ in got} == {priced["permute_bytes"]}
+    # every collective compiled is one the plan priced (shardc.pipeline.runs)
+    check = plan.verify(compiled, m)
+    assert check.counts_match and abs(check.time_error) < 0.05, check.report()
     text = plan.explain(max_rows=2)
     assert "pipeline: 4 stages over mesh axis 'stage'" in text
     assert "stage 0: layers 0-1; stage 1: 2-3; stage 2: 4-5; stage 3: 6-7" in text
@@ -81,11 +86,7 @@ def test_the_planner_pipelines_a_stack_over_a_slow_axis_and_runs_what_it_priced(
 
 
 @pytest.mark.parametrize("pipe", [Pipeline("stage", 4, 4), Pipeline("stage", 4, 8),
-                                  pytest.param(Pipeline("stage", 4, 4, "circular", 2),
-                                               marks=pytest.mark.xfail(strict=True, reason=(
-    "a stage's working memory is the unpipelined plan's peak less its state and saved "
-    "activations; that peak now holds the combined gradient copies at once, and the "
-    "circular stage compiles to 38.8 MB against 48.7 MB predicted (0.80)")))])
+                                  Pipeline("stage", 4, 4, "circular", 2)])
 def test_a_stage_peak_is_the_predicted_one(pipe):
     """The compiled program's peak (memory_analysis: arguments, results, temporaries) is
     within 15% of the plan's predicted per-stage peak."""

@@ -22,6 +22,14 @@ view of the devices, so "best expert" is the minimum over all of them:
 - where the preset's outer axis is slower (several nodes): data parallel, FSDP and expert
   parallel within the node, replicated across nodes; on that physical mesh ``hsdp`` and
   ``zero1-shard`` are the node-local forms (sharded within the node, data parallel across);
+- where the outer axis is slower and the model's layers are a
+  :func:`shardc.pipeline.layers` stack: a GPipe pipeline over the outer axis (a stage per
+  node, the stacked layers' parameters and optimizer state split over it, each stage
+  holding its own; the batch cut into as many micro-batches as stages, written by hand
+  with :func:`shardc.pipeline.pipeline_scan` as MaxText's pipeline module wraps its
+  decoder layers) with data parallelism, FSDP or Megatron TP within the node
+  (``gpipe4-x-dp8``, ``gpipe4-x-fsdp8``, ``gpipe4-x-tp8``). 1F1B is not listed: the
+  runtime runs it in GPipe's order, the same program (:mod:`shardc.pipeline.runtime`);
 - variants: on a model with a token sequence, every TP form also with sequence parallelism
   (``-sp``: the residual stream split on the sequence over the TP axis); on a model with a
   vocabulary table, every FSDP form also with the tables sharded on the vocabulary
@@ -36,11 +44,15 @@ References:
   Megatron-LM (Shoeybi et al. 2019) column/row split MLP, head-parallel attention and
   vocab-parallel embedding; ZeRO (Rajbhandari et al. 2020) stages 1-3; Korthikanti et al.
   2022, "Reducing Activation Recomputation in Large Transformer Models" (sequence
-  parallelism); GShard (Lepikhin et al. 2020) expert parallelism.
+  parallelism); GShard (Lepikhin et al. 2020) expert parallelism; Huang et al. 2019,
+  "GPipe"; MaxText ``layers/pipeline.py`` (``ici_pipeline_parallelism`` /
+  ``dcn_pipeline_parallelism``: stages over the slow axis, data/FSDP/TP within).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -50,7 +62,10 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardc.cost.cluster import Cluster
-from shardc.models.logical import axis_rules, spec
+from shardc.models.logical import axis_rules, no_axis_rules, spec
+from shardc.pipeline.runtime import pipeline_scan
+from shardc.pipeline.schedule import Pipeline
+from shardc.pipeline.stack import running
 from shardc.views import View, views
 
 TENSOR = ("heads", "mlp", "vocab", "conv_out")
@@ -67,11 +82,13 @@ parallelism splits over the tensor-parallel axis."""
 @dataclass(frozen=True, slots=True)
 class Traits:
     """What a model has that some forms need: an ``"expert"`` dim (MoE), a vocabulary table
-    (``"vocab"``), a residual stream with a sequence dim (:data:`SEQ`)."""
+    (``"vocab"``), a residual stream with a sequence dim (:data:`SEQ`), its layers as a
+    :func:`shardc.pipeline.layers` stack (``stack``: a hand-written pipeline can run it)."""
 
     moe: bool = False
     vocab: bool = False
     seq: bool = False
+    stack: bool = False
 
 
 @dataclass(frozen=True)
@@ -82,6 +99,8 @@ class Expert:
     view: View  # the logical mesh the rules name axes of
     opt: Mapping[str, Any] | None = None  # for the optimizer state; None: ``params``
     first: tuple[str, ...] = ()  # logical names that take their mesh axes before the rest
+    #: the stack run as this pipeline (written by hand, :func:`_runner`); None: a scan
+    pipeline: Pipeline | None = None
 
     def mesh(self, physical: Mesh) -> Mesh:
         """The view's mesh over ``physical``'s devices."""
@@ -166,6 +185,8 @@ def experts_for(view: View, traits: Traits = Traits(), whole: bool = True,
         if node_local:
             out += [Expert("data-parallel-node", {}, {"batch": b}, view),
                     *_fsdp("fsdp-node", b, b, view, traits)]
+            if traits.stack:
+                out += _pipelined(view)
             if traits.moe:
                 out.append(Expert("expert-parallel-node", {"expert": b},
                                   {"expert": b, "batch": b}, view))
@@ -175,6 +196,48 @@ def experts_for(view: View, traits: Traits = Traits(), whole: bool = True,
         out += _tp(f"dp-x-fsdp{view.shape[1]}-x-tp{view.shape[2]}", {**tensor, "embed": b},
                    {**tensor, "batch": (a, b)}, view, c, traits)
     return out
+
+
+def _pipelined(view: View) -> list[Expert]:
+    """GPipe over the outer axis ``a`` (a stage per device of it, as many micro-batches as
+    stages), the stacked layers' state split over it; within a stage data parallelism,
+    FSDP or Megatron TP over the inner axis ``b``."""
+    a, b = view.names
+    s, k = view.shape
+    pipe = Pipeline(a, s, s)
+    tensor = _on(b, TENSOR)
+    return [Expert(f"gpipe{s}-x-dp{k}", {"layers": a}, {"batch": b}, view, pipeline=pipe),
+            Expert(f"gpipe{s}-x-fsdp{k}", {**_on(b, FSDP), "layers": a}, {"batch": b}, view,
+                   pipeline=pipe),
+            Expert(f"gpipe{s}-x-tp{k}", {**tensor, "layers": a}, tensor, view,
+                   pipeline=pipe)]
+
+
+def _runner(expert: Expert, mesh: Mesh) -> Callable:
+    """The expert's hand-written pipeline, as :func:`shardc.pipeline.stack.running` takes
+    it: the stack run by :func:`~shardc.pipeline.runtime.pipeline_scan` with each
+    micro-batch split over the expert's batch axes but the stage axis (data parallelism
+    within the stage, the ``shard_map`` manual over them: the layers' own activation
+    annotations are off inside), at the most micro-batches up to the expert's that the
+    batch allows (the numerics check's small batch takes fewer)."""
+    p = expert.pipeline
+    rule = expert.acts.get("batch")
+    axes = tuple(x for x in ((rule,) if isinstance(rule, str) else tuple(rule or ()))
+                 if x != p.axis)
+    ways = math.prod(mesh.shape[x] for x in axes)
+
+    def run(layer_fn, carry, params):
+        def layer(c, w):
+            with no_axis_rules():
+                return layer_fn(c, w)
+
+        n = jax.tree.leaves(carry)[0].shape[0]
+        m = max(d for d in range(1, p.microbatches + 1)
+                if n % d == 0 and (n // d) % ways == 0)
+        return pipeline_scan(layer, carry, params, mesh=mesh, batch_axes=axes,
+                             pipeline=dataclasses.replace(p, microbatches=m))[0]
+
+    return run
 
 
 def _slow_outer(view: View) -> bool:
@@ -260,6 +323,7 @@ def compile_expert(step: Callable, state, batch, physical: Mesh, expert: Expert,
 
     jitted = jax.jit(run, in_shardings=(st, bt),
                      out_shardings=(st, NamedSharding(mesh, PartitionSpec())))
-    with axis_rules(mesh, expert.acts):
+    with axis_rules(mesh, expert.acts), (running(_runner(expert, mesh)) if expert.pipeline
+                                         else contextlib.nullcontext()):
         lowered = jitted.lower(state, batch)
     return jitted, lowered

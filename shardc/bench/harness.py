@@ -338,9 +338,11 @@ def experts(zm: ZooModel, preset: Preset) -> list[Expert]:
 
 def traits(zm: ZooModel) -> Traits:
     """What ``zm`` has that some expert forms need: experts (the zoo's flag), a vocabulary
-    table and a token sequence (its config's ``vocab`` and ``seq_len``)."""
+    table, a token sequence and a layer stack (its config's ``vocab``, ``seq_len`` and
+    ``stack_layers``)."""
     cfg = zm.config("tiny")
-    return Traits(moe=zm.moe, vocab=hasattr(cfg, "vocab"), seq=hasattr(cfg, "seq_len"))
+    return Traits(moe=zm.moe, vocab=hasattr(cfg, "vocab"), seq=hasattr(cfg, "seq_len"),
+                  stack=getattr(cfg, "stack_layers", False))
 
 
 def run_cell(zm: ZooModel, preset: Preset, method: str, which: str, check: bool,

@@ -265,9 +265,12 @@ class _Lowering(ControlFlow):
         return Stacked(self.constrain_stacked(out, axes, planned.outs[0]), axes)
 
     def settle(self, vid: int, x):
-        """Convert a value used more than once to the layout its uses read, once."""
+        """Convert a value used more than once to the layout its uses read, once (a free
+        value is read as it comes)."""
         nd = self.plan.settled.get(vid)
-        return x if nd is None else self.convert(x, self.plan.values.get(vid), nd)
+        if nd is None or vid in self.free:
+            return x
+        return self.convert(x, self.plan.values.get(vid), nd)
 
     def op(self, eqn, op, args: list) -> list:
         planned = self.by_op.get(op.id)
@@ -507,8 +510,9 @@ def evaluator(traced: Traced, plan, mesh: Mesh) -> Callable[..., list]:
             if v.is_const or not hasattr(x, "shape"):
                 result.append(x)
             else:
-                src = plan.read_as(v.id)
-                result.append(low.convert(low._unstack(x, src), src, nd))
+                src = low.source(v)  # None: a free value, pinned as it comes
+                result.append(low.constrain(low._unstack(x, src), nd) if src is None
+                              else low.convert(low._unstack(x, src), src, nd))
         return result
 
     return run

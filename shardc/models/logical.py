@@ -34,6 +34,17 @@ def axis_rules(mesh: Mesh, rules: Rules) -> Iterator[None]:
         _RULES.reset(token)
 
 
+@contextlib.contextmanager
+def no_axis_rules() -> Iterator[None]:
+    """Within the block, :func:`constrain` is inert again (inside a ``shard_map`` manual over
+    the axes the rules name, where a stage of a hand-written pipeline runs its layers)."""
+    token = _RULES.set(None)
+    try:
+        yield
+    finally:
+        _RULES.reset(token)
+
+
 def spec(names: Sequence[str | None], rules: Rules, shape: Sequence[int] | None = None,
          mesh: Mesh | None = None) -> PartitionSpec:
     """PartitionSpec for logical ``names``; a mesh axis is used once, first come first

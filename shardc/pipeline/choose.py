@@ -29,6 +29,7 @@ from shardc.explain import fmt_time
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import NdSbp, Split
 from shardc.pipeline.cost import PipelinePrice, parts, price
+from shardc.pipeline.runs import pipelined_reshards
 from shardc.pipeline.scans import Layers, find_layers
 from shardc.pipeline.schedule import SCHEDULES, Pipeline
 from shardc.plan import Plan, Predicted, assemble
@@ -218,26 +219,34 @@ def _axes(view: View) -> tuple[tuple[str, int], ...]:
     return tuple(zip(view.names, view.shape))
 
 
-def adopt(plan: Plan, choice: Choice, free: Collection[int] = ()) -> Plan:
-    """``plan`` running ``choice``'s pipeline: its predicted step and peak are the
-    pipeline's (the sends and the closing all-reduces as communication, the rest, the
-    stages' own conversions among it, as compute; the wire bytes stay the unpipelined
-    plan's), and ``solver["pipeline"]`` keeps the price that ``plan.explain()`` shows and,
-    as ``"free"``, the ids of the values ``free`` (:func:`updates`) the lowering leaves
-    unconstrained. ``plan`` itself where the choice is none."""
+def adopt(plan: Plan, choice: Choice, graph: Graph, ties: Sequence[tuple[int, int]] = (),
+          resident: Collection[int] = ()) -> Plan:
+    """``plan`` (of ``graph``) running ``choice``'s pipeline: its conversions are those the
+    pipelined program runs (:func:`shardc.pipeline.runs.pipelined_reshards`), their
+    seconds and wire bytes its communication, its compute the stages' as priced and the
+    rest's as ``plan`` has it, its peak the price's, and ``solver["pipeline"]`` keeps the
+    price that ``plan.explain()`` shows and, as ``"free"``, the ids of the values
+    (:func:`updates`) the lowering leaves unconstrained. ``plan`` itself where the choice
+    is none."""
     best = choice.best
     if choice.pipeline is None or best is None:
         return plan
     old = plan.predicted
-    comm = best.transfers + best.gathers
-    predicted = Predicted(comm, best.step_time - comm - old.feed_time, old.comm_bytes,
+    layers = find_layers(graph, ties, resident)
+    reshards = pipelined_reshards(plan, graph, layers, choice.pipeline, best)
+    comm = sum(r.time for r in reshards)
+    stages = best.step_time - best.rest - best.transfers - best.gathers - best.grads
+    rest = sum(op.compute_time for op in plan.ops if not layers.layer_part(op.id))
+    predicted = Predicted(comm, stages + rest, sum(r.wire_bytes for r in reshards),
                           best.peak_memory, old.feed_time)
     record = {"reason": choice.reason, "layers": choice.layers, "step_s": best.step_time,
               "bubble_s": best.bubble, "unpipelined_s": choice.base_time,
               "permutes": best.permutes, "permute_bytes": best.permute_bytes,
               "reduces": best.reduces, "reduce_bytes": best.reduce_bytes,
-              "choice_s": choice.plan_s, "free": sorted(free)}
+              "comm_s": best.comm, "grads_s": best.grads, "grad_bytes": best.grad_bytes,
+              "choice_s": choice.plan_s, "free": sorted(updates(graph, ties, resident))}
     return dataclasses.replace(plan, pipeline=choice.pipeline, predicted=predicted,
+                               reshards=tuple(reshards),
                                solver={**plan.solver, "pipeline": record})
 
 
@@ -267,12 +276,17 @@ def pinned(graph: Graph, choice: Choice, ties: Sequence[tuple[int, int]] = (),
 
 def updates(graph: Graph, ties: Sequence[tuple[int, int]] = (),
             resident: Collection[int] = ()) -> set[int]:
-    """Ids of the values the layer state's update makes outside the layer scans (the
+    """Ids of the layer state as the step is given it (the stacked inputs: parameters and
+    optimizer moments) and of the values its update makes outside the layer scans (the
     optimizer's step of the stacked parameters, :attr:`Layers.outside`). Under a pipeline
-    they are left unconstrained: their operands come from the pipeline split over the
-    stages and their results are pinned so, where the unpipelined plan, whose layer
-    gradients leave the scan whole, laid them out whole on every stage."""
+    they are left unconstrained: the state is read as it is held, split over the stages
+    (the unpipelined plan settled the parameters into its scan's layout first, whole on
+    every stage: a gather over the stage axis every step), the update's operands come
+    from the pipeline split over the stages and its results are pinned so, where the
+    unpipelined plan, whose layer gradients leave the scan whole, laid them out whole on
+    every stage."""
     layers = find_layers(graph, ties, resident)
     if layers is None:
         return set()
-    return {v.id for op in graph.ops if op.id in layers.outside for v in op.outputs}
+    return {v.id for op in graph.ops if op.id in layers.outside for v in op.outputs} | \
+        {v.id for v in graph.inputs if v.id in layers.stacked}

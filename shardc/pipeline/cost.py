@@ -20,7 +20,11 @@ for the backward (a :func:`shardc.pipeline.layers` stack's) does not run under G
 keeps the forward's residuals; the circular schedule recomputes each chunk. The
 conversions of the layers' parameters and gradients inside the scans, and the stacked
 parameters' updates, run once per step: a stage's gradient reductions span its own
-devices only, never the stage axis.
+devices only, never the stage axis. Where the stage plan splits the carry's batch dim over
+other axes, the runtime splits each micro-batch over them and holds the stage's weights
+whole there (data parallelism within the stage): its weights' conversions are none, and
+its gradients are summed over those axes by one all-reduce of the stage's weights' bytes
+after the backward loop, which is priced in place of the stage plan's conversions.
 
 Each tick every stage sends the next its micro-batch's carry: one collective-permute over
 axis ``a`` of ``1 / M`` of the carry's per-device bytes at the stage plan's layout, ``M V +
@@ -41,9 +45,10 @@ saved activations (GPipe and, run in GPipe's order, 1F1B); for the circular sche
 whose chunks are recomputed in the backward, ``T`` chunk inputs (``T / M`` carries) and
 one chunk's residuals instead. Besides, the micro-batched input and the finished
 micro-batches, a carry each (and for the circular schedule the buffer of micro-batches
-coming round, a third), and the loop's own copy of the stage's weights and, training, the
-gradient one step's chunk accumulates over its layers (the backward loop's state, as
-compiled: ``tests/test_pipeline_plan.py`` checks the total against ``memory_analysis()``).
+coming round, a third). The stage's weights are read where they are held (the layer dim
+split over the stage axis): no gathered copy of the stack, whose gradient the whole plan's
+working memory counts already (``tests/test_pipeline_plan.py`` checks the total against
+``memory_analysis()``).
 
 References:
   Huang et al., "GPipe" (NeurIPS 2019): M + S - 1 ticks per pass, the bubble.
@@ -64,6 +69,8 @@ from shardc.cost.cluster import Cluster
 from shardc.cost.comm import Conversion, conversion
 from shardc.explain import fmt_bytes, fmt_time
 from shardc.ir.graph import Graph
+from shardc.ir.sbp import Split
+from shardc.ir.trace import SCAN_EXIT
 from shardc.pipeline.scans import Layers
 from shardc.pipeline.schedule import Pipeline
 from shardc.plan import Plan
@@ -84,8 +91,14 @@ class Parts:
     scan's saved activations; ``carry``: the layer carry at the plan's layout;
     ``passes``: the layer scans' passes over the stages (2 for a training step, forward and
     backward; 1 for a forward-only program); ``rerun``: the compute of the scans that
-    recompute the forward for the backward (:attr:`Layers.rerun`); ``params``: the bytes
-    of the stacked parameters the layer scans read (:attr:`Layers.params`)."""
+    recompute the forward for the backward (:attr:`Layers.rerun`); ``rest_comm``: the
+    seconds of the conversions outside the layer part (:func:`rest_reshards`); ``update``:
+    the compute of the stacked values' updates; ``batch_spans``: the mesh axes (and sizes)
+    the plan splits the layer carry's batch dim over, where every carry agrees (what a
+    pipeline's stages split each micro-batch over, :mod:`shardc.pipeline.lowering`);
+    ``weights``: the bytes of the stacked parameters the layer scans read, whole;
+    ``cotangent``: the backward scan's carry cotangent (the stack input's) is read (the
+    input is differentiated: one more closing all-reduce)."""
 
     step: float
     peak: float
@@ -99,7 +112,11 @@ class Parts:
     carry: float
     passes: int = 2
     rerun: float = 0.0
-    params: float = 0.0
+    rest_comm: float = 0.0
+    update: float = 0.0
+    batch_spans: tuple[tuple[str, int], ...] = ()
+    weights: float = 0.0
+    cotangent: bool = True
 
     def sample_seconds(self, microbatches: int) -> float:
         """The per-sample conversions' seconds when each runs once per micro-batch on
@@ -110,6 +127,46 @@ class Parts:
             total += charged if whole <= 0 else \
                 charged * microbatches * conv.time(nbytes / microbatches) / whole
         return total
+
+
+def _owner(r, producer: dict) -> int | None:
+    """The op a conversion is charged to: its reader, else the op making the value (None:
+    a graph input's settling, or a graph output's)."""
+    return r.consumer if r.consumer is not None and r.consumer >= 0 else producer.get(r.value)
+
+
+def rest_reshards(plan: Plan, graph: Graph, layers: Layers) -> list:
+    """The conversions of ``plan`` that a pipeline runs as the plan does, over the whole
+    mesh: those of no layer scan's op, no stacked value's update and no stacked value's
+    settling."""
+    producer = {v.id: op.id for op in graph.ops for v in op.outputs}
+    out = []
+    for r in plan.reshards:
+        owner = _owner(r, producer)
+        if owner is None and r.value in layers.stacked or \
+                owner is not None and layers.layer_part(owner):
+            continue
+        out.append(r)
+    return out
+
+
+def _batch_spans(plan: Plan, layers: Layers) -> tuple[tuple[str, int], ...]:
+    """The mesh axes (of more than one device) every layer carry's batch dim is split over
+    (:func:`shardc.pipeline.lowering.batch_axes` reads the same), in mesh order."""
+    found = {tuple((n, k) for n, k, sbp in zip(plan.axis_names, plan.axis_sizes,
+                                                plan.values[c].sbps)
+                   if k > 1 and isinstance(sbp, Split) and sbp.dim == 0)
+             for c in layers.carry}
+    return found.pop() if len(found) == 1 else ()
+
+
+def _cotangent(graph: Graph, layers: Layers) -> bool:
+    """Whether a value the last layer scan's carry exits make is read (by an op or as a
+    result): in a training step, the stack input's cotangent."""
+    exits = {v.id for op in graph.ops if op.prim is SCAN_EXIT and op.where == layers.scans[-1]
+             and op.params.get("kind") == "carry" for v in op.outputs}
+    return any(v.id in exits for op in graph.ops for v in op.inputs) or \
+        any(v.id in exits for v in graph.outputs)
 
 
 def parts(plan: Plan, graph: Graph, layers: Layers, ties=(), resident=()) -> Parts:
@@ -126,10 +183,12 @@ def parts(plan: Plan, graph: Graph, layers: Layers, ties=(), resident=()) -> Par
             rerun += op.compute_time if op.id in reruns else 0.0
         elif op.id in layers.outside:
             outside += op.compute_time
-    sample, once = [], outside
+    sample, once, rest = [], outside, 0.0
     for r in plan.reshards:
-        owner = r.consumer if r.consumer is not None and r.consumer >= 0 \
-            else producer.get(r.value)
+        owner = _owner(r, producer)
+        if owner is None and r.value not in layers.stacked or \
+                owner is not None and not layers.layer_part(owner):
+            rest += r.time
         if owner is None:
             if r.value in layers.stacked:
                 once += r.time
@@ -153,8 +212,9 @@ def parts(plan: Plan, graph: Graph, layers: Layers, ties=(), resident=()) -> Par
     carry = sum(nbytes[i] * plan.values[i].shard_fraction(sizes) for i in layers.carry)
     return Parts(plan.predicted.step_time, plan.predicted.peak_memory,
                  compute + scans + once, compute, tuple(sample), once, state, other, saved,
-                 carry, min(len(layers.scans), 2), rerun,
-                 sum(nbytes[i] * plan.values[i].shard_fraction(sizes) for i in layers.params))
+                 carry, min(len(layers.scans), 2), rerun, rest, outside,
+                 _batch_spans(plan, layers), float(sum(nbytes[i] for i in layers.params)),
+                 _cotangent(graph, layers))
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,8 +227,11 @@ class PipelinePrice:
     ``permute_bytes`` each per device; ``gathers``: the closing all-reduces over the stage
     axis, ``reduces`` of ``reduce_bytes`` each per device (the finished micro-batches,
     and in a training step the stack input's cotangent); ``once``: the stages'
-    once-per-step part; ``peak_memory``: a stage's peak; ``mesh``: the view of the devices
-    it runs on (axis names and sizes; the stage axis is one of them)."""
+    once-per-step part, ``grads`` among it: the all-reduce of a stage's weight gradients
+    over ``grad_spans`` (the axes splitting each micro-batch, where the stage holds its
+    weights whole), ``grad_bytes`` per device; ``rest_comm``: the communication of
+    ``rest``; ``peak_memory``: a stage's peak; ``mesh``: the view of the devices it runs
+    on (axis names and sizes; the stage axis is one of them)."""
 
     pipeline: Pipeline
     step_time: float
@@ -184,6 +247,16 @@ class PipelinePrice:
     reduce_bytes: float
     peak_memory: float
     mesh: tuple[tuple[str, int], ...] = ()
+    grads: float = 0.0
+    grad_bytes: float = 0.0
+    grad_spans: tuple[tuple[str, int], ...] = ()
+    rest_comm: float = 0.0
+
+    @property
+    def comm(self) -> float:
+        """Seconds of the step's communication: the sends, the closing all-reduces, the
+        stages' gradient all-reduce and the rest's conversions."""
+        return self.transfers + self.gathers + self.grads + self.rest_comm
 
     def summary(self) -> str:
         """One line: the pipeline, its step, the bubble's share of the step, the sends and
@@ -209,19 +282,26 @@ def price(pipeline: Pipeline, whole: Parts, stage: Parts, cluster: Cluster,
     spans = [(pipeline.axis, s)]
     permutes = stage.passes * ticks
     transfers = permutes * cluster.send_seconds(spans, stage.carry / m)
-    reduces = stage.passes
+    reduces = 1 + (stage.passes > 1 and stage.cotangent)
     gathers = reduces * cluster.collective_seconds("all-reduce", spans, stage.carry)
-    once = stage.once / s
+    grads = grad_bytes = 0.0
+    if stage.batch_spans and stage.passes > 1:
+        # the stage holds its weights whole on the axes splitting each micro-batch, so its
+        # gradients are summed over them once, after the backward loop (runtime doc), in
+        # place of the stage plan's conversions of the stacked values
+        grad_bytes = stage.weights / s
+        grads = cluster.collective_seconds("all-reduce", stage.batch_spans, grad_bytes)
+        once = stage.update / s + grads
+    else:
+        once = stage.once / s
     rest = whole.step - whole.layers
     working = max(0.0, whole.peak - whole.state - whole.other_state - whole.saved)
     if v > 1:  # chunk inputs kept, one chunk recomputed at a time; the returning buffer
         held = stage.carry * ticks / m + stage.saved / (s * v * m) + 3 * stage.carry
     else:
         held = stage.saved * ticks / (s * m) + 2 * stage.carry
-    # the pipelined loop's own copy of the stage's weights, and (training) the gradient a
-    # step's chunk accumulates over its layers before it joins the stage's
-    held += stage.params / s * (2 if stage.passes > 1 else 1)
     peak = stage.state / s + whole.other_state + working + held
     return PipelinePrice(pipeline, rest + layers + transfers + gathers + once, rest, layers,
                          layers - work, transfers, gathers, once, permutes, stage.carry / m,
-                         reduces, stage.carry, peak, mesh)
+                         reduces, stage.carry, peak, mesh, grads, grad_bytes,
+                         stage.batch_spans if grads else (), whole.rest_comm)

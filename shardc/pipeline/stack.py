@@ -21,8 +21,10 @@ exchange nothing a pipeline would have to lay out as the scan did.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -32,7 +34,7 @@ from jax.extend.core import jaxprs_in_params
 
 from shardc.pipeline.runtime import carry_of
 
-__all__ = ["PREFIX", "Stack", "has_stack", "layers", "stack_named"]
+__all__ = ["PREFIX", "Stack", "has_stack", "layers", "running", "stack_named"]
 
 #: the name prefix of the inner ``jit`` calls of a layer stack
 PREFIX = "shardc_layers_"
@@ -138,12 +140,34 @@ def _bwd(name, res, ct):
 _run.defvjp(_fwd, _bwd)
 
 
+#: a hand-written pipeline :func:`layers` runs in place of its stack (:func:`running`)
+_RUNNER: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
+    "shardc_pipeline_runner", default=None)
+
+
+@contextlib.contextmanager
+def running(run: Callable) -> Iterator[None]:
+    """Within the block, :func:`layers` returns ``run(layer_fn, carry, stacked_params)`` in
+    place of its stack: a pipeline written by hand (``pipeline_scan`` with the caller's
+    stages and micro-batches, as MaxText's pipeline module wraps its decoder layers) under
+    plain ``jax.jit``, the bench's pipelined experts."""
+    token = _RUNNER.set(run)
+    try:
+        yield
+    finally:
+        _RUNNER.reset(token)
+
+
 def layers(layer_fn: Callable, carry: Any, stacked_params: Any) -> tuple[Any, None]:
     """``jax.lax.scan(layer_fn, carry, stacked_params)`` for a layer stack: ``layer_fn(carry,
     layer_params)`` returns ``(carry, None)`` (no per-layer outputs); ``carry``'s leaves share
     the leading batch dim, ``stacked_params``' leaves the leading layer dim. Returns
     ``(carry, None)``. Under ``auto_shard(..., pipeline=Pipeline(...))`` the stack runs as
-    that pipeline; everywhere else it is the scan (its backward recomputes the forward)."""
+    that pipeline, within :func:`running` as its runner has it; everywhere else it is the
+    scan (its backward recomputes the forward)."""
+    run = _RUNNER.get()
+    if run is not None:
+        return run(layer_fn, carry, stacked_params), None
     one = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape[1:], w.dtype), stacked_params)
 
     layer, consts = jax.closure_convert(carry_of(layer_fn, "shardc.pipeline.layers"), carry,
