@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 from shardc import cli
 from shardc.bench import deviceless, harness, report
 from shardc.bench.zoo import PRESETS, ZOO
+from shardc.cost.combine import XLA_GPU, combiner_for
 from shardc.inspect.hlo import collectives, price_all
 from shardc.inspect.schedule import replay_flops
 
@@ -90,6 +91,8 @@ def test_gpu_meshes_span_the_presets_hosts():
     mesh = harness.make_mesh(PRESETS["2nodes-2x8"], "gpu")
     assert mesh.devices.shape == (2, 8)
     assert {d.platform for d in mesh.devices.flat} == {"gpu"}
+    # which shardc reads as XLA:GPU's, and plans with its combiner
+    assert combiner_for(mesh.devices.flat[0].platform) is XLA_GPU
     # the first mesh axis crosses the hosts, the second stays in one
     assert [{d.process_index for d in row} for row in mesh.devices] == [{0}, {1}]
 
