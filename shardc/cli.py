@@ -492,10 +492,7 @@ def cmd_bench(args) -> None:
     _needs_gpu_compiler(args.compiler)
     out = Path(args.out or _bench_folder(args.quick, args.compiler))
     command = ("shardc bench " + " ".join(sys.argv[2:])).strip()
-    kept, commands = report.load(out) if args.update else ([], [])
-    if {c.compiler for c in kept} - {args.compiler}:
-        sys.exit(f"shardc bench: {out} holds cells compiled by another compiler than "
-                 f"--compiler {args.compiler}; give another --out")
+    kept, commands = _kept_cells(out, args.compiler) if args.update else ([], [])
     commands = [*commands, command]
     done: list = []
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
@@ -536,6 +533,18 @@ def _needs_gpu_compiler(compiler: str) -> None:
         sys.exit("shardc bench --compiler gpu: compiling for H100s on this machine needs "
                  "JAX's CUDA plugin at jax's version and ptxas: " + deviceless.install_hint()
                  + " (or pip install 'shardc[gpu-aot]')")
+
+
+def _kept_cells(out, compiler: str) -> tuple[list, list[str]]:
+    """The results already in ``out`` that ``--update`` merges into: refused when another
+    compiler made them (one report compares one compiler's programs)."""
+    from shardc.bench import report
+
+    kept, commands = report.load(out)
+    if {c.compiler for c in kept} - {compiler}:
+        sys.exit(f"shardc bench: {out} holds cells compiled by another compiler than "
+                 f"--compiler {compiler}; give another --out")
+    return kept, commands
 
 
 def _target_arguments(q) -> None:

@@ -86,6 +86,14 @@ def test_gpu_results_have_their_own_folder_and_note():
         harness.make_mesh(PRESETS["node-8"], "tpu")
 
 
+def test_update_refuses_to_mix_compilers(tmp_path):
+    report.write([harness.Cell("mlp", "node-8", "fsdp", compiled_s=1e-3)], tmp_path, ["c"],
+                 plot_png=False)
+    assert len(cli._kept_cells(tmp_path, "cpu")[0]) == 1
+    with pytest.raises(SystemExit, match="another compiler"):
+        cli._kept_cells(tmp_path, "gpu")
+
+
 @needs_plugin
 def test_gpu_meshes_span_the_presets_hosts():
     mesh = harness.make_mesh(PRESETS["2nodes-2x8"], "gpu")
