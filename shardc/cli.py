@@ -492,9 +492,10 @@ def cmd_bench(args) -> None:
     todo = harness.cells(models, presets, methods)
     if not todo:
         sys.exit("shardc bench: no cells match; check --models / --presets / --methods")
-    out = Path(args.out or ("docs/benchmarks/quick" if args.quick else "docs/benchmarks"))
+    _needs_gpu_compiler(args.compiler)
+    out = Path(args.out or _bench_folder(args.quick, args.compiler))
     command = ("shardc bench " + " ".join(sys.argv[2:])).strip()
-    kept, commands = report.load(out) if args.update else ([], [])
+    kept, commands = _kept_cells(out, args.compiler) if args.update else ([], [])
     commands = [*commands, command]
     done: list = []
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
@@ -507,7 +508,7 @@ def cmd_bench(args) -> None:
             # checked by the full bench)
             check = not args.no_check and (method == "shardc" or not args.quick)
             cell = harness.run_cell(zm, preset, method, which, check, args.time_limit,
-                                    not args.no_mesh_search)
+                                    not args.no_mesh_search, args.compiler)
             if cell.error:
                 bar.console.print(f"[red]{zm.name} {preset.name} {method}: "
                                   f"{cell.error.splitlines()[0]}")
@@ -519,6 +520,34 @@ def cmd_bench(args) -> None:
     paths = report.write(cells, out, commands)
     print(report.markdown(cells, commands).split("## All cells")[0])
     print("wrote " + ", ".join(str(p) for p in paths))
+
+
+def _bench_folder(quick: bool, compiler: str) -> str:
+    """Where ``shardc bench`` writes by default: XLA:GPU's figures apart from XLA:CPU's."""
+    base = "docs/benchmarks" if compiler == "cpu" else "docs/benchmarks/gpu-compiled"
+    return f"{base}/quick" if quick else base
+
+
+def _needs_gpu_compiler(compiler: str) -> None:
+    """``--compiler gpu`` needs JAX's CUDA plugin (and ptxas): exit naming the install."""
+    from shardc.bench import deviceless
+
+    if compiler == "gpu" and deviceless.plugin() is None:
+        sys.exit("shardc bench --compiler gpu: compiling for H100s on this machine needs "
+                 "JAX's CUDA plugin at jax's version and ptxas: " + deviceless.install_hint()
+                 + " (or pip install 'shardc[gpu-aot]')")
+
+
+def _kept_cells(out, compiler: str) -> tuple[list, list[str]]:
+    """The results already in ``out`` that ``--update`` merges into: refused when another
+    compiler made them (one report compares one compiler's programs)."""
+    from shardc.bench import report
+
+    kept, commands = report.load(out)
+    if {c.compiler for c in kept} - {compiler}:
+        sys.exit(f"shardc bench: {out} holds cells compiled by another compiler than "
+                 f"--compiler {compiler}; give another --out")
+    return kept, commands
 
 
 def _target_arguments(q) -> None:
@@ -629,7 +658,13 @@ def main(argv: list[str] | None = None) -> None:
                    help="merge into the results already in --out (re-measured cells replace "
                         "theirs)")
     b.add_argument("--out", default=None, help="folder for results.{md,json,png} "
-                   "(default docs/benchmarks, or docs/benchmarks/quick with --quick)")
+                   "(default docs/benchmarks, or docs/benchmarks/quick with --quick; under "
+                   "docs/benchmarks/gpu-compiled with --compiler gpu)")
+    b.add_argument("--compiler", choices=["cpu", "gpu"], default="cpu",
+                   help="cpu: compile on simulated CPU devices (XLA:CPU); gpu: XLA:GPU's "
+                        "ahead-of-time compile for H100s, no GPU needed (needs JAX's CUDA "
+                        "plugin: pip install 'shardc[gpu-aot]'); the numerics check stays on "
+                        "the CPU devices")
     b.add_argument("--no-check", action="store_true", help="skip the numerics check")
     b.add_argument("--no-mesh-search", action="store_true",
                    help="plan shardc on the preset's mesh only")

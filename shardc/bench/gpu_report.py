@@ -109,9 +109,8 @@ def _schedule_prices(text: str, mesh, cluster) -> dict:
     from the FLOPs :mod:`shardc.inspect.schedule` weighs (both compilers' programs counted
     alike: GPU library calls have no ``cost_analysis`` FLOPs)."""
     from shardc.inspect.hlo import collective_seconds, collectives
-    from shardc.inspect.hlotext import parse_module
-    from shardc.inspect.loops import _entry, multiplicity
-    from shardc.inspect.schedule import _Replay, schedule
+    from shardc.inspect.loops import multiplicity
+    from shardc.inspect.schedule import replay_flops, schedule
 
     found = collectives(text, mesh)
     secs = [collective_seconds(c, mesh, cluster) for c in found]
@@ -119,10 +118,7 @@ def _schedule_prices(text: str, mesh, cluster) -> dict:
     per: dict[tuple[str, str], float] = {}
     for c, t in zip(found, secs):
         per[(c.computation, c.name)] = per.get((c.computation, c.name), 0.0) + t
-    nested: dict[str, dict[str, float]] = {}
-    for (comp, name), t in per.items():
-        nested.setdefault(comp, {})[name] = t
-    flops = _Replay(parse_module(text), nested).total(_entry(text))
+    flops = replay_flops(text, found)
     compute = flops / (cluster.device_flops * cluster.utilization)
     comm = sum(t * runs.get(c.computation, 1) for c, t in zip(found, secs))
     ordered = in_order(text, per, compute / flops if flops else 0.0)

@@ -4,6 +4,13 @@ Per cell (model x preset x method): planning time, predicted step time (shardc),
 compiled program priced on the same cluster model (collectives from the HLO, FLOPs from
 ``cost_analysis``), wire bytes, collective counts, per-device peak memory, and whether one
 step of the model's tiny config matched the unsharded step.
+
+Compilers (:data:`COMPILERS`): by default every cell is compiled by XLA:CPU on simulated CPU
+devices. ``compiler="gpu"`` plans and compiles on H100s this machine does not have
+(:func:`shardc.bench.deviceless.gpu_devices`, the preset's ``hosts``): XLA:GPU's program,
+with its combiners and latency-hiding schedule. It reports no ``cost_analysis``, so its
+compute is the FLOPs the overlap replay weighs (:func:`shardc.inspect.hlo.program_flops`);
+the numerics check, which runs the program, stays on the CPU devices.
 """
 
 from __future__ import annotations
@@ -44,6 +51,10 @@ the error of its predicted peak against the compiled one. The zoo's worst under-
 is -14.9% (vit on 2nodes-2x8, docs/benchmarks/results.md; llama-1b's cells: +8.9% and
 -9.0%), so a plan predicted within 0.8 of the device memory compiles within 0.94 of it."""
 TIMING_RUNS = 5
+GPU_TIMING_RUNS = 1
+"""Saved-plan and ``jax.jit`` compile timings under XLA:GPU: one run each (its compiles take
+several times XLA:CPU's: the GPT bench model's FSDP step 28 s; :mod:`shardc.bench.deviceless`)."""
+COMPILERS = ("cpu", "gpu")
 PRICINGS = ("nccl", "ring", "alpha-beta")
 """Every cell's compiled program is priced with each collective model
 (:mod:`shardc.cost.collectives`): NCCL's (the presets' default), ring/Simple paying every
@@ -88,6 +99,7 @@ class Cell:
     #: shardc: collectives per kind the plan predicts (combined ones once), against
     #: ``collectives`` compiled (:meth:`shardc.inspect.verify.Verification.counts_match`)
     planned_counts: dict = field(default_factory=dict)
+    compiler: str = "cpu"  # the XLA backend that compiled it (:data:`COMPILERS`)
 
     @property
     def fits(self) -> bool | None:
@@ -101,14 +113,29 @@ class Cell:
         return asdict(self)
 
 
-def make_mesh(preset: Preset):
+def make_mesh(preset: Preset, compiler: str = "cpu"):
+    """The preset's mesh on the devices ``compiler`` compiles for: the simulated CPU
+    devices, or H100s in ``preset.hosts`` hosts for XLA:GPU's ahead-of-time compile."""
     n = preset.devices
+    if compiler == "gpu":
+        return jax.make_mesh(preset.mesh_shape, preset.axis_names,
+                             axis_types=(AxisType.Auto,) * len(preset.mesh_shape),
+                             devices=_gpus(preset.hosts, n // preset.hosts))
+    if compiler != "cpu":
+        raise ValueError(f"compiler {compiler!r}: choose one of {COMPILERS}")
     if len(jax.devices()) < n:
         raise RuntimeError(f"preset {preset.name} needs {n} devices, JAX sees "
                            f"{len(jax.devices())}; run `shardc bench` (it simulates 16)")
     return jax.make_mesh(preset.mesh_shape, preset.axis_names,
                          axis_types=(AxisType.Auto,) * len(preset.mesh_shape),
                          devices=jax.devices()[:n])
+
+
+@functools.cache
+def _gpus(hosts: int, per_host: int) -> list:
+    from shardc.bench.deviceless import gpu_devices
+
+    return gpu_devices(hosts, per_host)
 
 
 def _close(a, b, lr: float = 0.0) -> bool:
@@ -174,13 +201,13 @@ def planned_for(method: str) -> str | None:
 
 
 def _plan_cell(zm: ZooModel, preset: Preset, cfg, time_limit: float, mesh_search: bool,
-               method: str = "shardc"):
-    """shardc's plan of ``zm`` at ``cfg`` on ``preset``, seeded with the experts: the cell
-    with its planning figures, the step, the plan, its view of the devices and the
-    (abstract) arguments. A method ``shardc@<model>`` plans with the preset's cluster
-    pricing collectives with that model."""
-    cell = Cell(zm.name, preset.name, method)
-    mod, mesh = zm.load(), make_mesh(preset)
+               method: str = "shardc", compiler: str = "cpu"):
+    """shardc's plan of ``zm`` at ``cfg`` on ``preset``'s devices for ``compiler``, seeded
+    with the experts: the cell with its planning figures, the step, the plan, its view of
+    the devices and the (abstract) arguments. A method ``shardc@<model>`` plans with the
+    preset's cluster pricing collectives with that model."""
+    cell = Cell(zm.name, preset.name, method, compiler=compiler)
+    mod, mesh = zm.load(), make_mesh(preset, compiler)
     args = mod.abstract_args(cfg)
     cluster = preset.cluster
     if planned_for(method) not in (None, cluster.collective_model):
@@ -207,10 +234,11 @@ def planning_budget(zm: ZooModel) -> float | None:
 
 
 def planned_and_compiled(zm: ZooModel, preset: Preset, cfg, time_limit: float,
-                         method: str, mesh_search: bool = True) -> Cell:
+                         method: str, mesh_search: bool = True, compiler: str = "cpu") -> Cell:
     """shardc's plan of ``zm`` at ``cfg`` (a variant of the bench's configuration), compiled
     and priced like a bench cell (no numerics, no saved-plan timing); ``method`` labels it."""
-    cell, step, plan, view, args = _plan_cell(zm, preset, cfg, time_limit, mesh_search, method)
+    cell, step, plan, view, args = _plan_cell(zm, preset, cfg, time_limit, mesh_search, method,
+                                              compiler)
     compiled = step.lower(*args).compile()
     _fill_compiled(cell, compiled, view, plan.cluster, args[1])
     cell.planned_counts = _planned_counts(plan, compiled, view)
@@ -223,10 +251,11 @@ def _planned_counts(plan: Plan, compiled, mesh) -> dict:
 
 
 def run_shardc(zm: ZooModel, preset: Preset, which: str, check: bool,
-               time_limit: float, mesh_search: bool = True) -> Cell:
-    mod, mesh = zm.load(), make_mesh(preset)
+               time_limit: float, mesh_search: bool = True, compiler: str = "cpu") -> Cell:
+    mod, mesh = zm.load(), make_mesh(preset, compiler)
     cfg = zm.config(which, preset.devices)
-    cell, _, plan, view, args = _plan_cell(zm, preset, cfg, time_limit, mesh_search)
+    cell, _, plan, view, args = _plan_cell(zm, preset, cfg, time_limit, mesh_search,
+                                           compiler=compiler)
     # what runs is compiled from the saved plan, timed against jax.jit of the same program
     text = plan.to_json()
     saved, jitted = [], []
@@ -240,7 +269,8 @@ def run_shardc(zm: ZooModel, preset: Preset, which: str, check: bool,
         saved.append(time.perf_counter() - t0)
         return compiled
 
-    for k in range(TIMING_RUNS):  # the saved plan first in even runs, jax.jit in odd ones
+    runs = TIMING_RUNS if compiler == "cpu" else GPU_TIMING_RUNS
+    for k in range(runs):  # the saved plan first in even runs, jax.jit in odd ones
         if k % 2:
             jitted.append(jit_seconds(mod.build_step(cfg), args, plan, view))
         compiled = from_saved()
@@ -250,10 +280,11 @@ def run_shardc(zm: ZooModel, preset: Preset, which: str, check: bool,
     _fill_compiled(cell, compiled, view, plan.cluster, args[1])
     cell.unplanned_comm_s = sum(r.compiled_time for r in plan.verify(compiled, view).unplanned)
     cell.planned_counts = _planned_counts(plan, compiled, view)
-    if check:
+    if check:  # runs the program: on the CPU devices whatever the compiler
         tiny_fn, (state, batch), want = _tiny(zm.name)
-        tiny = auto_shard(tiny_fn, mesh=mesh, cluster=preset.cluster, time_limit=time_limit,
-                          seeds=expert_seeds(zm, mesh, preset, (state, batch),
+        cpu = make_mesh(preset)
+        tiny = auto_shard(tiny_fn, mesh=cpu, cluster=preset.cluster, time_limit=time_limit,
+                          seeds=expert_seeds(zm, cpu, preset, (state, batch),
                                              mesh_search),
                           mesh_search=mesh_search)
         cell.matched = _close(tiny(state, batch), want, _tiny_lr(zm))
@@ -297,17 +328,19 @@ def expert_seeds(zm: ZooModel, mesh, preset: Preset, args, mesh_search: bool) ->
     return out
 
 
-def run_expert(zm: ZooModel, preset: Preset, expert: Expert, which: str, check: bool) -> Cell:
-    cell = Cell(zm.name, preset.name, expert.name)
-    mod, mesh = zm.load(), make_mesh(preset)
+def run_expert(zm: ZooModel, preset: Preset, expert: Expert, which: str, check: bool,
+               compiler: str = "cpu") -> Cell:
+    cell = Cell(zm.name, preset.name, expert.name, compiler=compiler)
+    mod, mesh = zm.load(), make_mesh(preset, compiler)
     cell.mesh = expert.view.label
     cfg = zm.config(which, preset.devices)
     args = mod.abstract_args(cfg)
     _, lowered = compile_expert(mod.build_step(cfg), *args, mesh, expert, mod.param_axes)
     _fill_compiled(cell, lowered.compile(), expert.mesh(mesh), expert.view.cluster, args[1])
-    if check:
+    if check:  # on the CPU devices, as run_shardc's
         tiny_fn, (state, batch), want = _tiny(zm.name)
-        _, low = compile_expert(tiny_fn, state, batch, mesh, expert, mod.param_axes)
+        _, low = compile_expert(tiny_fn, state, batch, make_mesh(preset), expert,
+                                mod.param_axes)
         cell.matched = _close(low.compile()(state, batch), want, _tiny_lr(zm))
     return cell
 
@@ -346,7 +379,7 @@ def traits(zm: ZooModel) -> Traits:
 
 
 def run_cell(zm: ZooModel, preset: Preset, method: str, which: str, check: bool,
-             time_limit: float, mesh_search: bool = True) -> Cell:
+             time_limit: float, mesh_search: bool = True, compiler: str = "cpu") -> Cell:
     try:
         if planned_for(method) is not None and (zm.device_memory is not None
                                                 or method != "shardc"):
@@ -356,15 +389,15 @@ def run_cell(zm: ZooModel, preset: Preset, method: str, which: str, check: bool,
             # equal), checked in that model's cells, and the saved-plan timing is the other
             # cells' figure: each is more compiles of a 1B program that tell nothing new
             cell = planned_and_compiled(zm, preset, zm.config(which, preset.devices),
-                                        time_limit, method, mesh_search)
+                                        time_limit, method, mesh_search, compiler)
         elif method == "shardc":
-            cell = run_shardc(zm, preset, which, check, time_limit, mesh_search)
+            cell = run_shardc(zm, preset, which, check, time_limit, mesh_search, compiler)
         else:
             expert = next(e for e in experts(zm, preset) if e.name == method)
             cell = run_expert(zm, preset, expert, which,  # as above: checked elsewhere
-                              check and zm.device_memory is None)
+                              check and zm.device_memory is None, compiler)
     except Exception as exc:  # noqa: BLE001 - a failing cell is reported, not fatal
-        cell = Cell(zm.name, preset.name, method,
+        cell = Cell(zm.name, preset.name, method, compiler=compiler,
                     error=f"{type(exc).__name__}: {exc}".splitlines()[0][:300] + "\n" +
                     traceback.format_exc(limit=3)[-600:])
     cell.budget = zm.device_memory

@@ -7,7 +7,14 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from shardc.bench.harness import MEMORY_MARGIN, PRICINGS, TIMING_RUNS, Cell, planned_for
+from shardc.bench.harness import (
+    GPU_TIMING_RUNS,
+    MEMORY_MARGIN,
+    PRICINGS,
+    TIMING_RUNS,
+    Cell,
+    planned_for,
+)
 
 
 def _ms(x: float | None) -> str:
@@ -197,7 +204,7 @@ def markdown(cells: list[Cell], commands: list[str], header: str = "") -> str:
              "*saved plan* the wall time of running a saved plan (`use_plan`, lower, "
              "compile: no solver) over tracing once plus `jax.jit` lowering and compiling "
              f"the same program with the plan's shardings (each the fastest of {TIMING_RUNS} "
-             "runs).\n",
+             "runs).\n", *_gpu_compiled(cells),
              "## Summary\n",
              "| model | preset | shardc ms | shardc mesh | best of N experts | its mesh | "
              "expert ms | shardc / expert | predicted vs compiled comm | collective counts "
@@ -244,6 +251,20 @@ def markdown(cells: list[Cell], commands: list[str], header: str = "") -> str:
                      f"{_ms(c.compiled_compute_s)} | {_ms(c.compiled_feed_s)} | {wire} | "
                      f"{colls} | {pmem} | {mem} | {matched} | {err} |")
     return "\n".join(lines) + "\n"
+
+
+def _gpu_compiled(cells: list[Cell]) -> list[str]:
+    """What differs where XLA:GPU compiled the cells (``shardc bench --compiler gpu``)."""
+    if not any(c.compiler == "gpu" for c in cells):
+        return []
+    return ["**Compiled by XLA:GPU** (`--compiler gpu`): every program is XLA:GPU's for H100s "
+            "(JAX's CUDA plugin compiling ahead of time, `shardc/bench/deviceless.py`; nothing "
+            "runs), so its collectives are the GPU's, combined and scheduled as there. Such a "
+            "compile reports no `cost_analysis()`: compute is the FLOPs the overlap replay "
+            "weighs (`shardc.inspect.schedule.replay_flops`: dots and convolutions from "
+            "their shapes, elementwise ops one per element), not XLA's count. The numerics "
+            "check runs the tiny config on CPU devices; the saved-plan timing is "
+            f"{GPU_TIMING_RUNS} run of each.\n"]
 
 
 def _memory_bound(rows: list[dict]) -> list[str]:

@@ -24,13 +24,16 @@ from shardc.cost.cluster import Cluster
 
 @dataclass(frozen=True)
 class Preset:
-    """A physical cluster viewed as one logical mesh, with a link per mesh axis."""
+    """A physical cluster viewed as one logical mesh, with a link per mesh axis; ``hosts``:
+    the machines its devices sit in, equal shares each (the GPUs XLA:GPU compiles for,
+    :func:`shardc.bench.harness.make_mesh`)."""
 
     name: str
     mesh_shape: tuple[int, ...]
     axis_names: tuple[str, ...]
     cluster: Cluster
     about: str
+    hosts: int = 1
 
     @property
     def devices(self) -> int:
@@ -52,12 +55,12 @@ PRESETS = {
                        "links and logical views as node-8, so not in the default matrix)"),
     "2nodes-2x8": Preset("2nodes-2x8", (2, 8), ("node", "gpu"),
                          Cluster.multi_node("node", "gpu"),
-                         "two such nodes over NDR InfiniBand as mesh (2, 8)"),
+                         "two such nodes over NDR InfiniBand as mesh (2, 8)", hosts=2),
     "4nodes-eth": Preset("4nodes-eth", (4, 8), ("node", "gpu"),
                          Cluster.ethernet_nodes("node", "gpu"),
                          "four such nodes over 100 Gb/s Ethernet (12.5 GB/s per device "
                          "across nodes) as mesh (4, 8): slow links, where a deep model "
-                         "pipelines its layers over the nodes"),
+                         "pipelines its layers over the nodes", hosts=4),
 }
 
 

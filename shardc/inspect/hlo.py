@@ -7,7 +7,9 @@ those groups run over. :func:`price` turns them into seconds on a
 :class:`~shardc.cost.cluster.Cluster` with the planner's own collective model
 (:meth:`~shardc.cost.cluster.Cluster.collective_seconds`, over the links each group
 actually crosses: :func:`shardc.inspect.groups.group_spans`), and adds compute time from
-XLA's ``cost_analysis`` and peak memory from ``memory_analysis``.
+XLA's ``cost_analysis`` (where a backend gives none, the FLOPs of
+:func:`shardc.inspect.schedule.replay_flops`: :func:`program_flops`) and peak memory from
+``memory_analysis``.
 
 Replica groups
 --------------
@@ -77,7 +79,7 @@ from shardc.inspect.hlotext import (
     shape_tree,
 )
 from shardc.inspect.loops import loop_extra_flops, multiplicity
-from shardc.inspect.schedule import schedule
+from shardc.inspect.schedule import replay_flops, schedule
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -118,7 +120,7 @@ class CompiledCost:
     ``times`` are the seconds of ``collectives``, index by index, each times ``runs``
     (how often its computation runs per call: the trip counts of the loops around it);
     ``comm_time`` is their sum (no overlap). ``flops`` are per device from
-    ``compiled.cost_analysis()`` with loop bodies by trip count;
+    ``compiled.cost_analysis()`` with loop bodies by trip count (:func:`program_flops`);
     ``peak_memory`` is ``temp + argument + output - alias`` bytes from
     ``compiled.memory_analysis()`` (generated code and host-side sizes excluded), None when
     the backend gives no memory analysis. ``overlapped_time`` is ``time`` with each
@@ -296,13 +298,26 @@ def compiled_flops(compiled: Any) -> float:
     """Per-device FLOPs from ``compiled.cost_analysis()`` (a dict, or a list of dicts that
     are summed; 0.0 when the backend reports none), with the later iterations of loops it
     counts once added (:func:`shardc.inspect.loops.loop_extra_flops`)."""
-    return _analysed_flops(compiled) + loop_extra_flops(compiled.as_text())
+    return (_analysed_flops(compiled) or 0.0) + loop_extra_flops(compiled.as_text())
 
 
-def _analysed_flops(compiled: Any) -> float:
+def program_flops(compiled: Any, text: str, found: Sequence[HloCollective]) -> float:
+    """Per-device FLOPs of ``compiled`` (``text`` its HLO, ``found`` its collectives):
+    :func:`compiled_flops`, or where the backend reports no ``cost_analysis`` (XLA:GPU's
+    ahead-of-time compile for devices this machine lacks) the FLOPs the overlap replay
+    weighs (:func:`shardc.inspect.schedule.replay_flops`: dots and convolutions from their
+    shapes, library matmuls from their dimension numbers, elementwise ops one per element,
+    loop bodies by trip count)."""
+    analysed = _analysed_flops(compiled)
+    if analysed is None:
+        return replay_flops(text, found)
+    return analysed + loop_extra_flops(text)
+
+
+def _analysed_flops(compiled: Any) -> float | None:
     analysis = compiled.cost_analysis()
     if analysis is None:
-        return 0.0
+        return None
     if isinstance(analysis, Mapping):
         entries: Sequence[Mapping] = [analysis]
     elif isinstance(analysis, list | tuple):
@@ -338,7 +353,7 @@ def price_all(compiled: Any, mesh: Mesh, clusters: Sequence[Cluster]) -> list[Co
     found = tuple(collectives(text, mesh))
     every = multiplicity(text)
     runs = tuple(every.get(c.computation, 1) for c in found)
-    flops = _analysed_flops(compiled) + loop_extra_flops(text)
+    flops = program_flops(compiled, text, found)
     peak = compiled_peak_memory(compiled)
     out = []
     for cluster in clusters:

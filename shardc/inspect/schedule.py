@@ -92,7 +92,7 @@ from shardc.inspect.loops import (
 if TYPE_CHECKING:
     from shardc.inspect.hlo import HloCollective
 
-__all__ = ["Overlap", "next_collective", "schedule"]
+__all__ = ["Overlap", "next_collective", "replay_flops", "schedule"]
 
 Ready = float | tuple["Ready", ...]
 K = TypeVar("K")
@@ -311,6 +311,17 @@ class _Frame:
     deadline: dict[str, int]
     ready: dict[str, Ready] = field(default_factory=dict)
     pending: dict[str, dict] = field(default_factory=dict)
+
+
+def replay_flops(hlo_text: str, collectives: Sequence[HloCollective]) -> float:
+    """Per-device FLOPs of the program in ``hlo_text`` as the replay weighs its compute
+    (module docstring, "Costs"; loop bodies by trip count, ``collectives`` left out): the
+    compute of a program whose ``cost_analysis()`` gives none (XLA:GPU's ahead-of-time
+    compiles for devices this machine does not have)."""
+    per: dict[str, dict[str, float]] = defaultdict(dict)
+    for c in collectives:
+        per[c.computation][c.name] = 0.0
+    return _Replay(parse_module(hlo_text), dict(per)).total(_entry(hlo_text))
 
 
 def schedule(hlo_text: str, collectives: Sequence[HloCollective], seconds: Sequence[float],
