@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from shardc.cost.cluster import Cluster
 from shardc.explain import fmt_time
 from shardc.ir.graph import Graph
-from shardc.ir.sbp import NdSbp, Split
+from shardc.ir.sbp import B, NdSbp, Split
 from shardc.pipeline.cost import PipelinePrice, parts, price
 from shardc.pipeline.runs import pipelined_reshards
 from shardc.pipeline.scans import Layers, find_layers
@@ -256,8 +256,10 @@ def pinned(graph: Graph, choice: Choice, ties: Sequence[tuple[int, int]] = (),
     (stacked parameters and their optimizer moments, fed back step to step) as a stage holds
     it, for the plan that runs ``choice``'s pipeline to keep: the stage plan's layout with
     the layer dim split over the stage axis (stage ``s`` holds layers ``s L / S`` on, the
-    runtime's chunks for ``V = 1``), tied results alike. A value whose stage layout splits
-    the layer dim already is left to the planner. Empty without a chosen pipeline."""
+    runtime's chunks for ``V = 1``), tied results alike; the stacked parameters the layer
+    scans read split over the stage axis alone, whole over the others, as the pipelined
+    loop holds them. A value whose stage layout splits the layer dim already is left to the
+    planner. Empty without a chosen pipeline."""
     p, stage = choice.pipeline, choice.stage_plan
     layers = find_layers(graph, ties, resident)
     if p is None or stage is None or layers is None:
@@ -267,10 +269,13 @@ def pinned(graph: Graph, choice: Choice, ties: Sequence[tuple[int, int]] = (),
     ins: dict[int, NdSbp] = {}
     for k, v in enumerate(graph.inputs):
         nd = stage.inputs[k]
-        if k not in tied or v.id not in layers.stacked or \
-                any(isinstance(sbp, Split) and sbp.dim == 0 for sbp in nd.sbps):
+        if k not in tied or v.id not in layers.stacked:
             continue
-        ins[k] = NdSbp(nd.sbps[:at] + (Split(0),) + nd.sbps[at + 1:])
+        if v.id in layers.params:  # the loop holds a stage's weights whole over the other
+            # axes (runtime.pipeline_scan: in_specs P(stage)): stored so, nothing is gathered
+            ins[k] = NdSbp(tuple(Split(0) if i == at else B for i in range(len(nd.sbps))))
+        elif not any(isinstance(sbp, Split) and sbp.dim == 0 for sbp in nd.sbps):
+            ins[k] = NdSbp(nd.sbps[:at] + (Split(0),) + nd.sbps[at + 1:])
     return ins, {tied[k]: nd for k, nd in ins.items()}
 
 
