@@ -60,17 +60,19 @@ def loop_permutes(compiled, m):
 
 
 def test_the_planner_pipelines_a_stack_over_a_slow_axis_and_runs_what_it_priced():
-    # deep enough that a pipeline pays over the slow axis (priced: 4.91 ms pipelined over
-    # the stages, 5.41 ms not; with 8 layers of 1024 no pipeline saves 5%)
-    w, x = args(n_layers=32, width=512, batch=256)
+    # over a 1 GB/s stage axis a pipeline pays (priced: 2.35 ms pipelined over the stages,
+    # 2.95 ms not; on Ethernet's 12.5 GB/s no pipeline saves 5% of this small model's step)
+    w, x = args()
     m = mesh()
-    step = shardc.auto_shard(train_step(layers), mesh=m, cluster=SLOW)
+    slower = dataclasses.replace(SLOW, axis_bandwidth={**SLOW.axis_bandwidth, "stage": 1e9})
+    step = shardc.auto_shard(train_step(layers), mesh=m, cluster=slower)
     plan = step.plan(w, x)
     assert plan.pipeline is not None and plan.pipeline.axis == "stage", plan.solver
     priced = plan.solver["pipeline"]
-    # the priced compute; the communication is the conversions the program runs
+    # the priced compute; the communication is the conversions the program runs (to the
+    # batch's host feed, a few us: the pipelined plan lays the batch out again)
     assert plan.predicted.step_time - plan.predicted.comm_time == \
-        pytest.approx(priced["step_s"] - priced["comm_s"])
+        pytest.approx(priced["step_s"] - priced["comm_s"], abs=5e-6)
     assert priced["step_s"] < 0.95 * priced["unpipelined_s"]
     close(step(w, x), jax.jit(train_step(jax.lax.scan))(w, x))
     compiled = step.lower(w, x).compile()
@@ -82,7 +84,7 @@ def test_the_planner_pipelines_a_stack_over_a_slow_axis_and_runs_what_it_priced(
     assert check.counts_match and abs(check.time_error) < 0.05, check.report()
     text = plan.explain(max_rows=2)
     assert "pipeline: 4 stages over mesh axis 'stage'" in text
-    assert "stage 0: layers 0-7; stage 1: 8-15; stage 2: 16-23; stage 3: 24-31" in text
+    assert "stage 0: layers 0-1; stage 1: 2-3; stage 2: 4-5; stage 3: 6-7" in text
     assert "of the step" in text
 
 

@@ -33,6 +33,7 @@ from shardc.pipeline.runs import pipelined_reshards
 from shardc.pipeline.scans import Layers, find_layers
 from shardc.pipeline.schedule import SCHEDULES, Pipeline
 from shardc.plan import Plan, Predicted, assemble
+from shardc.solve.problem import NOTHING_FIXED, Fixed
 from shardc.solve.search import SolveOptions, plan_graph
 from shardc.views import View, views
 
@@ -146,9 +147,22 @@ def _splits_batch(plan: Plan, layers: Layers, microbatches: int, graph: Graph) -
 
 
 def _planned(graph: Graph, sizes: Sequence[int], names: Sequence[str], cluster: Cluster,
-             ties, resident, options: SolveOptions) -> Plan:
-    cg, sol = plan_graph(graph, sizes, names, cluster, options, ties=ties, resident=resident)
+             ties, resident, options: SolveOptions, fixed: Fixed = NOTHING_FIXED) -> Plan:
+    cg, sol = plan_graph(graph, sizes, names, cluster, options, ties=ties, resident=resident,
+                         fixed=fixed)
     return assemble(graph, cg, sol.choice, ties, {"status": sol.status.value})
+
+
+def _whole_weights(graph: Graph, layers: Layers, ties: Sequence[tuple[int, int]],
+                   n_axes: int) -> Fixed:
+    """The stacked parameters the layer scans read (and their tied results) whole on every
+    axis: a stage plan's weights as the pipelined loop holds them (``pipeline_scan``'s
+    ``in_specs`` split them over the stage axis alone), so that its compute, its gradient
+    all-reduce over the batch axes and its memory are the loop's."""
+    whole = NdSbp((B,) * n_axes)
+    tied = {i: j for j, i in ties}
+    ins = {k: whole for k, v in enumerate(graph.inputs) if v.id in layers.params}
+    return Fixed(ins, {tied[k]: whole for k in ins if k in tied})
 
 
 def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str],
@@ -190,7 +204,8 @@ def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[
                     isinstance(request, Pipeline) and request.axis != axis:
                 continue
             cut = view.shape[:k] + (1,) + view.shape[k + 1:]
-            stage_plan = _planned(graph, cut, view.names, view.cluster, ties, resident, solve)
+            stage_plan = _planned(graph, cut, view.names, view.cluster, ties, resident, solve,
+                                  _whole_weights(graph, layers, ties, len(cut)))
             stage_plans[(_axes(view), axis)] = stage_plan
             stage = parts(stage_plan, graph, layers, ties, resident)
             if isinstance(request, Pipeline):
