@@ -27,12 +27,13 @@ from dataclasses import dataclass, field
 from shardc.cost.cluster import Cluster
 from shardc.explain import fmt_time
 from shardc.ir.graph import Graph
-from shardc.ir.sbp import NdSbp, Split
+from shardc.ir.sbp import B, NdSbp, Split
 from shardc.pipeline.cost import PipelinePrice, parts, price
 from shardc.pipeline.runs import pipelined_reshards
 from shardc.pipeline.scans import Layers, find_layers
 from shardc.pipeline.schedule import SCHEDULES, Pipeline
 from shardc.plan import Plan, Predicted, assemble
+from shardc.solve.problem import NOTHING_FIXED, Fixed
 from shardc.solve.search import SolveOptions, plan_graph
 from shardc.views import View, views
 
@@ -146,9 +147,22 @@ def _splits_batch(plan: Plan, layers: Layers, microbatches: int, graph: Graph) -
 
 
 def _planned(graph: Graph, sizes: Sequence[int], names: Sequence[str], cluster: Cluster,
-             ties, resident, options: SolveOptions) -> Plan:
-    cg, sol = plan_graph(graph, sizes, names, cluster, options, ties=ties, resident=resident)
+             ties, resident, options: SolveOptions, fixed: Fixed = NOTHING_FIXED) -> Plan:
+    cg, sol = plan_graph(graph, sizes, names, cluster, options, ties=ties, resident=resident,
+                         fixed=fixed)
     return assemble(graph, cg, sol.choice, ties, {"status": sol.status.value})
+
+
+def _whole_weights(graph: Graph, layers: Layers, ties: Sequence[tuple[int, int]],
+                   n_axes: int) -> Fixed:
+    """The stacked parameters the layer scans read (and their tied results) whole on every
+    axis: a stage plan's weights as the pipelined loop holds them (``pipeline_scan``'s
+    ``in_specs`` split them over the stage axis alone), so that its compute, its gradient
+    all-reduce over the batch axes and its memory are the loop's."""
+    whole = NdSbp((B,) * n_axes)
+    tied = {i: j for j, i in ties}
+    ins = {k: whole for k, v in enumerate(graph.inputs) if v.id in layers.params}
+    return Fixed(ins, {tied[k]: whole for k in ins if k in tied})
 
 
 def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str],
@@ -190,7 +204,8 @@ def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[
                     isinstance(request, Pipeline) and request.axis != axis:
                 continue
             cut = view.shape[:k] + (1,) + view.shape[k + 1:]
-            stage_plan = _planned(graph, cut, view.names, view.cluster, ties, resident, solve)
+            stage_plan = _planned(graph, cut, view.names, view.cluster, ties, resident, solve,
+                                  _whole_weights(graph, layers, ties, len(cut)))
             stage_plans[(_axes(view), axis)] = stage_plan
             stage = parts(stage_plan, graph, layers, ties, resident)
             if isinstance(request, Pipeline):
@@ -256,8 +271,10 @@ def pinned(graph: Graph, choice: Choice, ties: Sequence[tuple[int, int]] = (),
     (stacked parameters and their optimizer moments, fed back step to step) as a stage holds
     it, for the plan that runs ``choice``'s pipeline to keep: the stage plan's layout with
     the layer dim split over the stage axis (stage ``s`` holds layers ``s L / S`` on, the
-    runtime's chunks for ``V = 1``), tied results alike. A value whose stage layout splits
-    the layer dim already is left to the planner. Empty without a chosen pipeline."""
+    runtime's chunks for ``V = 1``), tied results alike; the stacked parameters the layer
+    scans read split over the stage axis alone, whole over the others, as the pipelined
+    loop holds them. A value whose stage layout splits the layer dim already is left to the
+    planner. Empty without a chosen pipeline."""
     p, stage = choice.pipeline, choice.stage_plan
     layers = find_layers(graph, ties, resident)
     if p is None or stage is None or layers is None:
@@ -267,10 +284,13 @@ def pinned(graph: Graph, choice: Choice, ties: Sequence[tuple[int, int]] = (),
     ins: dict[int, NdSbp] = {}
     for k, v in enumerate(graph.inputs):
         nd = stage.inputs[k]
-        if k not in tied or v.id not in layers.stacked or \
-                any(isinstance(sbp, Split) and sbp.dim == 0 for sbp in nd.sbps):
+        if k not in tied or v.id not in layers.stacked:
             continue
-        ins[k] = NdSbp(nd.sbps[:at] + (Split(0),) + nd.sbps[at + 1:])
+        if v.id in layers.params:  # the loop holds a stage's weights whole over the other
+            # axes (runtime.pipeline_scan: in_specs P(stage)): stored so, nothing is gathered
+            ins[k] = NdSbp(tuple(Split(0) if i == at else B for i in range(len(nd.sbps))))
+        elif not any(isinstance(sbp, Split) and sbp.dim == 0 for sbp in nd.sbps):
+            ins[k] = NdSbp(nd.sbps[:at] + (Split(0),) + nd.sbps[at + 1:])
     return ins, {tied[k]: nd for k, nd in ins.items()}
 
 

@@ -143,13 +143,16 @@ class Stacks:
             out, back = jax.vjp(self._forward(stack, region), *stack.split(operands))
             self.kept[key] = (operands, back)
             outs = jax.tree.leaves(out)
+            # the unpipelined scan's residuals, which the pipelined backward never reads
+            outs += [jax.numpy.zeros(v.aval.shape, v.aval.dtype)
+                     for v in eqn.outvars[len(outs):]]
         else:
             hit = self.kept.get(key)
             if hit is not None and all(a is b for a, b in zip(hit[0], operands)):
                 back = hit[1]
             else:
                 back = jax.vjp(self._forward(stack, region), *stack.split(operands))[1]
-            ct = jax.tree.unflatten(stack.carry, args[n:])
+            ct = jax.tree.unflatten(stack.carry, args[len(args) - stack.carry.num_leaves:])
             outs = jax.tree.leaves(back(ct))
         if len(outs) != len(eqn.outvars):
             raise AssertionError(f"{eqn.params['name']}: {len(outs)} results for "

@@ -8,15 +8,18 @@ a pipeline needs the layer as a function. :func:`layers` keeps it: it closure-co
 name that is a digest of its code's place, its jaxpr and the operands' structure (the
 same function traced again replaces its entry), and runs the stack as a
 ``jax.custom_vjp`` whose forward and backward are inner ``jit`` calls with that name
-(``shardc_layers_<digest>_fwd`` and ``_bwd``; the backward recomputes the forward and
-differentiates the scan). Everywhere but a pipelined ``auto_shard`` these compute exactly
+(``shardc_layers_<digest>_fwd`` and ``_bwd``; the forward keeps the scan's residuals, as
+``jax.lax.scan`` under ``jax.grad`` does, and the backward runs the scan's backward on
+them). Everywhere but a pipelined ``auto_shard`` these compute exactly
 ``jax.lax.scan``'s results and gradients; the lowering of a plan with a pipeline
 (:mod:`shardc.pipeline.lowering`) finds the calls by name and runs
 :func:`~shardc.pipeline.runtime.pipeline_scan` in their place.
 
-The residuals the backward reads are the stack's operands themselves (its carry, its
-stacked parameters and the closed-over arrays), so the forward and the backward calls
-exchange nothing a pipeline would have to lay out as the scan did.
+The backward call also takes the stack's operands (its carry, its stacked parameters and
+the closed-over arrays): a pipelined lowering replaces both calls, runs its own backward
+from the operands and leaves the scan's residuals unused (XLA removes them), so the
+forward and the backward exchange nothing a pipeline would have to lay out as the scan
+did.
 """
 
 from __future__ import annotations
@@ -125,16 +128,22 @@ def _run(name: str, carry, params, consts):
 
 
 def _fwd(name, carry, params, consts):
-    return _forward(name, carry, params, consts), (carry, params, consts)
+    stack = _STACKS[name]
+
+    def forward(c, p, k):  # the scan's own backward, kept: jax.vjp's is a pytree of arrays
+        return jax.vjp(stack.scan, c, p, k)
+
+    out, back = _named(forward, f"{name}_fwd")(carry, params, consts)
+    return out, (carry, params, consts, back)
 
 
 def _bwd(name, res, ct):
-    stack = _STACKS[name]
+    carry, params, consts, back = res
 
-    def back(c, p, k, ct):
-        return jax.vjp(stack.scan, c, p, k)[1](ct)
+    def backward(c, p, k, back, ct):  # the operands ride along: a pipeline's backward
+        return back(ct)  # (shardc.pipeline.lowering) is keyed by them
 
-    return _named(back, f"{name}_bwd")(*res, ct)
+    return _named(backward, f"{name}_bwd")(carry, params, consts, back, ct)
 
 
 _run.defvjp(_fwd, _bwd)
@@ -164,7 +173,8 @@ def layers(layer_fn: Callable, carry: Any, stacked_params: Any) -> tuple[Any, No
     the leading batch dim, ``stacked_params``' leaves the leading layer dim. Returns
     ``(carry, None)``. Under ``auto_shard(..., pipeline=Pipeline(...))`` the stack runs as
     that pipeline, within :func:`running` as its runner has it; everywhere else it is the
-    scan (its backward recomputes the forward)."""
+    scan, its gradient as ``jax.lax.scan``'s (the forward's residuals kept, nothing
+    recomputed)."""
     run = _RUNNER.get()
     if run is not None:
         return run(layer_fn, carry, stacked_params), None
