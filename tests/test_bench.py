@@ -1,5 +1,6 @@
 """``shardc bench``'s harness and report on the tiny MLP (the full matrix runs in the bench)."""
 
+import dataclasses
 import json
 
 import jax
@@ -192,8 +193,10 @@ def test_the_scale_page_has_the_pipelines_and_the_weak_scaling_efficiency():
 
     big = case(1024, 2000.0, "gpipe, 8 stages over node, 16 micro-batches",
                {"hsdp": (2100.0, 90.0), "fsdp-x-tp": (2200.0, 70.0)})
+    big = dataclasses.replace(big, best_pipeline="gpipe, 8 stages over node: 2000 ms")
     text = scale_markdown([case(64, 1800.0), case(256, 1900.0), big], "shardc bench --scale")
     assert "| node=128 x gpu=8 | 1024 | 10.0 | refined | gpipe, 8 stages over node" in text
+    assert "- node=128 x gpu=8: gpipe, 8 stages over node: 2000 ms" in text
     weak = text.split("## Weak scaling")[1]
     assert "| 64 | node=8 x gpu=8 | none | 1800 | 60.0 | 100.0% |" in weak
     assert "| 1024 | node=128 x gpu=8 | gpipe, 8 stages" in weak and "| 90.0% |" in weak

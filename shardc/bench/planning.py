@@ -280,6 +280,9 @@ class ScaleCase:
     budget_gib: float  # the cluster's device memory, given as memory_budget
     experts: dict  # expert name -> (predicted step ms, peak GiB), priced by the same model
     pipeline: str = ""  # the plan's pipeline ("" none)
+    #: the cheapest pipeline priced (chosen or not): what it is, its step (ms) and peak
+    #: (GiB), and why it was or was not chosen ("" where not asked)
+    best_pipeline: str = ""
 
 
 def _scale_config(devices: int):
@@ -339,14 +342,26 @@ def measure_scale(shape: tuple[int, ...], names: tuple[str, ...],
                                   in_shardings=specs, pipeline=False).plan(*args)
         priced[e.name] = (fixed.predicted.step_time * 1e3,
                           fixed.predicted.peak_memory / 2**30)
+    best = ""
+    if experts:
+        choice = step.pipeline_choice(*args)
+        if choice.best is not None:
+            b = choice.best
+            best = (f"{_pipeline_text(b.pipeline)}: {b.step_time * 1e3:.0f} ms at "
+                    f"{b.peak_memory / 2**30:.1f} GiB ({choice.reason})")
+        else:
+            best = choice.reason
     label = " x ".join(f"{n}={s}" for n, s in zip(names, shape))
-    pipe = plan.pipeline
     return ScaleCase(label, devices, plan_s, plan.solver["status"],
                      plan.predicted.step_time * 1e3, plan.predicted.peak_memory / 2**30,
-                     budget / 2**30, priced,
-                     "" if pipe is None else f"{pipe.schedule}, {pipe.stages} stages over "
-                     f"{pipe.axis}, {pipe.microbatches} micro-batches"
-                     + (f", {pipe.virtual} virtual" if pipe.virtual > 1 else ""))
+                     budget / 2**30, priced, _pipeline_text(plan.pipeline), best)
+
+
+def _pipeline_text(pipe) -> str:
+    if pipe is None:
+        return ""
+    return (f"{pipe.schedule}, {pipe.stages} stages over {pipe.axis}, {pipe.microbatches} "
+            "micro-batches" + (f", {pipe.virtual} virtual" if pipe.virtual > 1 else ""))
 
 
 def measure_scale_fresh(shape: tuple[int, ...], names: tuple[str, ...],
@@ -378,6 +393,11 @@ def scale_markdown(cases: list[ScaleCase], command: str) -> str:
             lines.append(f"| {c.mesh} | {c.devices} | {c.plan_s:.1f} | {c.status} | "
                          f"{c.pipeline or 'none'} | {c.predicted_ms:.0f} | {c.peak_gib:.1f} | "
                          f"{c.budget_gib:.0f} | {ex[0]} | {ex[1]} |")
+    piped = [c for c in full if c.best_pipeline]
+    if piped:
+        lines += ["", "The cheapest pipeline the planner priced for each (the layers split "
+                  "into stages over one mesh axis, each stage planned by the same search):",
+                  ""] + [f"- {c.mesh}: {c.best_pipeline}" for c in piped]
     weak = sorted((c for c in cases if c.mesh.startswith("node=")), key=lambda c: c.devices)
     if len(weak) > 1:
         base = weak[0]
