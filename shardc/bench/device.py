@@ -8,15 +8,15 @@ with the planner's predictions (``docs/benchmarks/gpu.md``):
   per-device batch of the bench's weak scaling), compiled with plain ``jax.jit`` on one
   device and timed: its wall time against the compute the cost model predicts for it.
 - ``schedule``: the bench's FSDP experts, and shardc's saved plan for the GPT model,
-  compiled by XLA's GPU pipeline for eight H100s (the node-8 preset). One GPU compiles for
-  eight: through JAX's mock GPU client (``mock_num_gpu_processes``, then
-  ``jax_mock_gpu_topology``: the client reports the devices of the topology behind a mock
-  NCCL), else by a deviceless compile for a described topology
-  (:func:`shardc.bench.deviceless.gpu_devices`, which needs no GPU at all). The scheduled
+  compiled by XLA's GPU pipeline for eight H100s (the node-8 preset): by a deviceless
+  compile for a described topology (:func:`shardc.bench.deviceless.gpu_devices`, which
+  needs no GPU at all), else through JAX's mock GPU client (``mock_num_gpu_processes``,
+  then ``jax_mock_gpu_topology``: the client reports the devices of the topology behind a
+  mock NCCL). The scheduled
   program shows where XLA's latency-hiding scheduler puts each asynchronous collective's
   start and done. Nothing runs: the schedule is what the compiler emits.
 
-Usage: ``python -m shardc.bench.device steps|schedule --out DIR [--plan PLAN.json]``.
+Usage: ``python -m shardc.bench.device steps|schedule|all --out DIR [--plan PLAN.json]``.
 
 References:
   JAX ``jax/_src/xla_bridge.py``: ``jax_mock_gpu_topology`` ("<slices> x <hosts per slice>
