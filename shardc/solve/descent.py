@@ -26,16 +26,17 @@ from shardc.solve.problem import CostGraph, Settle
 
 def _adjacency(cg: CostGraph) -> dict[int, list]:
     """Per live node, its edges (and whether it is their ``u``); kept with ``cg`` while its
-    edge list is the same (a solve descends a hundred times on one graph) and shared: not
-    to be changed."""
+    edge list is the same list of the same length (a solve descends a hundred times on one
+    graph; a pass that changes the edges makes a new list, and one that appends to it
+    changes its length) and shared: not to be changed."""
     kept = cg.adjacency
-    if kept and kept[0] is cg.edges:
-        return kept[1]
+    if kept and kept[0] is cg.edges and kept[1] == len(cg.edges):
+        return kept[2]
     adj: dict[int, list] = {i: [] for i in cg.live}
     for e in cg.edges:
         adj[e.u].append((e, True))
         adj[e.v].append((e, False))
-    cg.adjacency = (cg.edges, adj)
+    cg.adjacency = (cg.edges, len(cg.edges), adj)
     return adj
 
 

@@ -112,7 +112,7 @@ class CostGraph:
     order: list = field(default_factory=list)  # every node, producers before their uses
     ties: list = field(default_factory=list)  # (output index, input index) pairs
     fixed: Fixed = NOTHING_FIXED
-    adjacency: tuple = ()  # (edges, node -> its edges) of :func:`shardc.solve.descent.descend`
+    adjacency: tuple = ()  # (edges, their count, node -> its edges): :mod:`shardc.solve.descent`
 
     # ---- construction ---------------------------------------------------------------------
     def out_sbp(self, node: int, slot: int, choice: int) -> NdSbp:
