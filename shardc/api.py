@@ -571,12 +571,16 @@ class AutoSharded:
                             len(tr.traced.segments), _platform(self.mesh))
             for name, choice in sol.seed_choices.items():
                 # the objective prices combined collectives by shares; a seed close to the
-                # plan is priced as the plan is, so the plan predicts no more than any seed
-                if costs.get(name, math.inf) <= sol.objective * SEED_RECHECK:
+                # plan is priced as the plan is, so the plan predicts no more than any seed.
+                # The objective prices communication serially: under overlap every seed is
+                # ranked as the plan is (FSDP's gathers hide behind compute a serial sum
+                # charges them for)
+                if view.cluster.overlap or costs.get(name, math.inf) <= (
+                        sol.objective * SEED_RECHECK):
                     other = assemble(graph, cg, choice, tr.ties, {**solver, "seed": name},
                                      tr.traced.remat, len(tr.traced.segments),
                                      _platform(self.mesh))
-                    if other.predicted.step_time < plan.predicted.step_time:
+                    if ranking_time(other) < ranking_time(plan):
                         plan = other
             tried.append({"mesh": view.label, "predicted_s": plan.predicted.step_time,
                           "ranked_s": ranking_time(plan), "plan_s": time.perf_counter() - t})

@@ -17,7 +17,7 @@ def test_cells_filter_by_method():
     every = harness.cells(["mlp"], ["node-8", "2nodes-2x8"])
     node = {m for _, p, m in every if p.name == "node-8"}
     # every form on every logical view: (8,), (2, 4), (4, 2)
-    assert node == {"shardc", "shardc@ring", "shardc@alpha-beta", "data-parallel", "fsdp",
+    assert node == {*harness.PLANNED, "data-parallel", "fsdp",
                     "zero1", "megatron-tp8",
                     *(f"{form}{k}" for form in ("hsdp", "zero1-shard", "dp-x-tp", "fsdp-x-tp",
                                                 "zero1-x-tp", "megatron-tp")
@@ -170,6 +170,8 @@ def test_pricing_rows_compare_each_plan_with_the_best_expert_under_its_pricing()
     cells = [cell("shardc", nccl=[2.0, 1.5], ring=[4.0, 3.0], alpha_beta=[1.0, 0.8]),
              cell("shardc@ring", nccl=[2.5, 2.0], ring=[3.0, 2.5], alpha_beta=[1.2, 1.0]),
              cell("shardc@alpha-beta", nccl=[2.2, 1.6], ring=[5.0, 4.0], alpha_beta=[0.9, 0.7]),
+             cell("shardc@ring+overlap", nccl=[2.6, 1.4], ring=[3.2, 1.9],
+                  alpha_beta=[1.3, 0.9]),
              cell("dp", nccl=[2.0, 2.0], ring=[3.0, 3.0], alpha_beta=[1.8, 1.8]),
              cell("fsdp", nccl=[3.0, 1.6], ring=[6.0, 2.0], alpha_beta=[1.1, 0.9])]
     rows = {r["pricing"]: r for r in report.pricing_rows(cells)}
@@ -180,6 +182,9 @@ def test_pricing_rows_compare_each_plan_with_the_best_expert_under_its_pricing()
     assert rows["alpha-beta"]["serial_planned_ratio"] == 0.9 / 1.1
     assert rows["ring"]["overlap_expert"] == "fsdp"  # the best expert overlapped differs
     assert rows["ring"]["overlap_default_ratio"] == 3.0 / 2.0
+    # the overlapped columns compare the plan made for overlap; none here for NCCL's
+    assert rows["ring"]["overlap_planned_ratio"] == 1.9 / 2.0
+    assert rows["nccl"]["overlap_planned_ratio"] is None
     md = report.markdown(cells, ["shardc bench"])
     assert "## Under three pricings" in md and "| m | p | ring | dp |" in md
 

@@ -7,6 +7,8 @@ HLO. Every collective time comes from ``collective_seconds``, whatever its formu
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -317,7 +319,7 @@ def test_summary_ranks_the_experts_under_each_pricing():
     assert (row["best_overlap_expert"], row["overlap_ratio"]) == ("fsdp", 1.6)
     md = report.markdown(cells, ["shardc bench --models gpt"])
     assert "## With communication overlapped" in md
-    assert "| gpt | node-8 | 800.000 | 1000.000 | fsdp | 8 | 500.000 | 1.600 |" in md
+    assert "| gpt | node-8 | shardc | 800.000 | 1000.000 | fsdp | 8 | 500.000 | 1.600 |" in md
     assert "Geometric mean shardc / best expert with overlap: **1.600** over 1 cells." in md
 
 
@@ -383,6 +385,47 @@ def test_plan_overlap_gathers_ahead_and_settles_beside_independent_ops():
     assert plan_overlap(serial).time == 8.0
 
 
+def test_plan_overlap_runs_combined_conversions_as_one_block():
+    """The two gathers of the FSDP case above, combined by XLA into one collective: the
+    first layer waits for both (2g), then the layers run: 2g + 2d = 6, not 5."""
+    from shardc.ir.sbp import B, NdSbp, S
+    from shardc.plan import OpPlan, Reshard
+    from shardc.plan_overlap import plan_overlap
+
+    s0, b = NdSbp((S(0),)), NdSbp((B,))
+    ops = [OpPlan(0, "dot_general", "", (b, b), (b,), 2.0, 0.0, (2, 0), (3,)),
+           OpPlan(1, "dot_general", "", (b, b), (b,), 2.0, 0.0, (3, 1), (4,))]
+    gathers = [Reshard(v, v, s0, b, 1.0, 0.0, ("all-gather@x",)) for v in (0, 1)]
+    values = {0: s0, 1: s0, 2: b, 3: b, 4: b}
+    assert plan_overlap(_plan(ops, gathers, values)).time == 5.0
+    combined = [dataclasses.replace(r, combined=(0,)) for r in gathers]
+    assert plan_overlap(_plan(ops, combined, values)).time == 6.0
+
+
+def test_plan_overlap_reduces_a_weight_gradient_after_the_rest_of_the_backward():
+    """XLA's scheduler runs an op as late as its uses allow: the weight gradient (op 1),
+    read only by the update, runs after the activation gradient (op 2) that comes after it
+    in program order, and its all-reduce (2) with it. Ops of 1: a = x.w (0-1), dx = a.w
+    (1-2), g = x.a (2-3), all-reduce 3-5 beside tanh(dx) (3-4), the update waits (5-6),
+    then the last use of tanh (6-7): 7, where program order gives 6."""
+    from shardc.ir.sbp import B, NdSbp, P
+    from shardc.plan import OpPlan, Reshard
+    from shardc.plan_overlap import plan_overlap
+
+    b, p = NdSbp((B,)), NdSbp((P,))
+
+    def op(i, prim, reads, writes):
+        return OpPlan(i, prim, "", (b,) * len(reads), (b,), 1.0, 0.0, reads, writes)
+
+    ops = [op(0, "dot_general", (0, 1), (2,)), op(1, "dot_general", (0, 2), (3,)),
+           op(2, "dot_general", (2, 1), (4,)), op(3, "tanh", (4,), (5,)),
+           op(4, "sub", (1, 3), (6,)), op(5, "mul", (5,), (7,))]
+    plan = _plan(ops, [Reshard(3, 4, p, b, 2.0, 0.0, ("all-reduce@x",))],
+                 {v: b for v in range(8)} | {3: p})
+    plan = dataclasses.replace(plan, input_ids=(0, 1))  # x (the batch), w (the state)
+    assert plan_overlap(plan).time == 7.0
+
+
 def test_plan_overlap_of_a_planned_fsdp_step_lies_within_the_bounds(mesh8):
     import shardc
     from shardc.plan_overlap import plan_overlap
@@ -403,8 +446,6 @@ def test_plan_overlap_of_a_planned_fsdp_step_lies_within_the_bounds(mesh8):
 def test_an_overlap_cluster_ranks_the_mesh_views_by_their_overlapped_step():
     """Cluster(overlap=True): the search keeps the view whose overlapped step is least,
     and each view tried records the time it was ranked by."""
-    import dataclasses
-
     import shardc
     from shardc.plan_overlap import plan_overlap, ranking_time
 

@@ -304,3 +304,28 @@ def test_a_replicated_state_seed_all_reduces_its_gradients():
     kinds = {c.split("@")[0] for r in plan.reshards for c in r.collectives}
     assert "all-reduce" in kinds and "reduce-scatter" not in kinds, kinds
     assert all(nd == NdSbp((B,)) for nd in plan.inputs[:n_state])  # ZeRO would split these
+
+
+def test_an_fsdp_seed_keeps_the_batch_split_and_gathers_the_weights():
+    """From FSDP's inputs (every leaf split on dim 0), XLA keeps the activations split on
+    the batch and all-gathers each weight for the dot that reads it. The completion's
+    second greedy pass does the same (:func:`descent.batch_nodes`), where each op's
+    cheapest choice alone moves the activations instead: on the tiny GPT, cheaper."""
+    from shardc.bench.zoo import ZOO
+
+    zm = ZOO["gpt"]
+    cfg, mod = zm.config("tiny"), zm.load()
+    state, batch = mod.abstract_args(cfg)
+    t = trace(mod.build_step(cfg), state, batch)
+    ties = shardc.api.tie_outputs(t.in_tree.children(), t.out_tree, t.graph)
+    cg = build(t.graph, (8,), ("x",), Cluster.nvlink_node(("x",)), ties)
+    cg.merge_followers()
+    layouts = {k: NdSbp((Split(0),)) for k in range(len(t.graph.inputs))}
+    seeded = descent.from_inputs(cg, layouts)
+    inputs = {}
+    for k, nd in layouts.items():
+        node = cg.producer[cg.graph.inputs[k].id][0]
+        if cg.resolve(node)[0] == node and nd in cg.choices[node]:
+            inputs[node] = cg.choices[node].index(nd)
+    cheapest = descent.descend(cg, descent.greedy(cg, inputs, descent.tail_nodes(cg)))
+    assert descent.objective(cg, seeded) < 0.8 * descent.objective(cg, cheapest)

@@ -59,7 +59,14 @@ PRICINGS = ("nccl", "ring", "alpha-beta")
 """Every cell's compiled program is priced with each collective model
 (:mod:`shardc.cost.collectives`): NCCL's (the presets' default), ring/Simple paying every
 step's latency (pessimistic) and one latency per collective (optimistic); shardc also
-plans for each (methods ``shardc``, ``shardc@ring``, ``shardc@alpha-beta``)."""
+plans for each, serially and overlapped (:data:`PLANNED`)."""
+PLANNED = {
+    f"shardc{'' if model == 'nccl' else '@' + model}{'+overlap' if overlap else ''}":
+        (model, overlap)
+    for overlap in (False, True) for model in PRICINGS}
+"""shardc's methods: the pricing each plans for, (collective model, overlap). ``shardc`` is
+the default plan (NCCL's model, communication serial); ``shardc@ring``, ``shardc@alpha-beta``
+plan with the other collective models, and ``+overlap`` with ``Cluster(overlap=True)``."""
 """Saved-plan and ``jax.jit`` compile timings are each the fastest of this many runs,
 interleaved, which goes first alternating: on a shared machine one compile of the same
 program varies by a fifth, and with three runs one or two of the twelve cells, a different
@@ -190,28 +197,30 @@ def _fill_compiled(cell: Cell, compiled, mesh, cluster, batch) -> None:
     cell.peak_memory = cost.peak_memory
 
 
-def planned_for(method: str) -> str | None:
-    """The collective model a shardc method plans for (``"shardc"``: the preset's own,
-    ``"shardc@ring"``: the ring model), None for an expert."""
-    if method == "shardc":
-        return "nccl"
-    if method.startswith("shardc@") and method[len("shardc@"):] in PRICINGS:
-        return method[len("shardc@"):]
-    return None
+def planned_for(method: str) -> tuple[str, bool] | None:
+    """The pricing a shardc method plans for, (collective model, overlap) (:data:`PLANNED`),
+    None for an expert."""
+    return PLANNED.get(method)
+
+
+def shardc_method(model: str, overlap: bool) -> str:
+    """The shardc method planned for collective model ``model``, overlapped or not."""
+    return next(m for m, p in PLANNED.items() if p == (model, overlap))
 
 
 def _plan_cell(zm: ZooModel, preset: Preset, cfg, time_limit: float, mesh_search: bool,
                method: str = "shardc", compiler: str = "cpu"):
     """shardc's plan of ``zm`` at ``cfg`` on ``preset``'s devices for ``compiler``, seeded
     with the experts: the cell with its planning figures, the step, the plan, its view of
-    the devices and the (abstract) arguments. A method ``shardc@<model>`` plans with the
-    preset's cluster pricing collectives with that model."""
+    the devices and the (abstract) arguments. A method planned for another pricing
+    (:data:`PLANNED`) plans with the preset's cluster pricing that way."""
     cell = Cell(zm.name, preset.name, method, compiler=compiler)
     mod, mesh = zm.load(), make_mesh(preset, compiler)
     args = mod.abstract_args(cfg)
     cluster = preset.cluster
-    if planned_for(method) not in (None, cluster.collective_model):
-        cluster = dataclasses.replace(cluster, collective_model=planned_for(method))
+    model, overlap = planned_for(method)
+    if (model, overlap) != (cluster.collective_model, cluster.overlap):
+        cluster = dataclasses.replace(cluster, collective_model=model, overlap=overlap)
     step = auto_shard(mod.build_step(cfg), mesh=mesh, cluster=cluster,
                       time_limit=time_limit, mesh_search=mesh_search,
                       memory_budget=planning_budget(zm),
@@ -354,8 +363,7 @@ def cells(models: list[str], presets: list[str],
         zm = ZOO[m]
         for p in presets:
             pre = PRESETS[p]
-            out.append((zm, pre, "shardc"))
-            out += [(zm, pre, f"shardc@{m}") for m in PRICINGS if m != "nccl"]
+            out += [(zm, pre, m) for m in PLANNED]
             for e in experts(zm, pre):
                 out.append((zm, pre, e.name))
     if methods is not None:

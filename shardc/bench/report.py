@@ -14,6 +14,7 @@ from shardc.bench.harness import (
     TIMING_RUNS,
     Cell,
     planned_for,
+    shardc_method,
 )
 
 
@@ -50,7 +51,8 @@ def summary(cells: list[Cell]) -> list[dict]:
                "not_fitting": {c.method: c.peak_memory for c in experts if c.fits is False}}
         if ours and best:
             row["ratio"] = ours.compiled_s / best.compiled_s
-        row.update(_overlapped(ours, fitting))
+        row.update(_overlapped(next((c for c in cs if c.method == "shardc+overlap"
+                                     and c.compiled_overlap_s), ours), fitting))
         if ours and ours.predicted_peak and ours.peak_memory:
             row["memory_error"] = ours.predicted_peak / ours.peak_memory - 1.0
         row["counts_match"] = (ours.planned_counts == ours.collectives
@@ -67,12 +69,14 @@ def summary(cells: list[Cell]) -> list[dict]:
 
 
 def _overlapped(ours: Cell | None, fitting: list[Cell]) -> dict:
-    """A summary row's overlapped figures: shardc's step, the best fitting expert's (the
-    fastest under overlap) and their ratio; None where a cell predates the column."""
+    """A summary row's overlapped figures: shardc's step (``ours``: its plan made for
+    overlap where the results have one, else its default plan), the best fitting expert's
+    (the fastest under overlap) and their ratio; None where a cell predates the column."""
     best = min((c for c in fitting if c.compiled_overlap_s), key=lambda c: c.compiled_overlap_s,
                default=None)
     mine = ours and ours.compiled_overlap_s
-    return {"shardc_overlap_s": mine, "best_overlap_expert": best and best.method,
+    return {"shardc_overlap_s": mine, "shardc_overlap_method": ours and ours.method,
+            "best_overlap_expert": best and best.method,
             "best_overlap_expert_mesh": best and best.mesh,
             "best_overlap_expert_s": best and best.compiled_overlap_s,
             "overlap_ratio": mine / best.compiled_overlap_s if mine and best else None}
@@ -96,12 +100,15 @@ def _overlap_table(rows: list[dict]) -> list[str]:
            "not wait for it (`shardc/inspect/schedule.py`: one compute stream in program "
            "order, one communication stream; a collective starts when its operands are "
            "ready and is awaited at its first use), the feed added. *best expert* is the "
-           "fastest under this pricing, which may be another than above.\n",
-           "| model | preset | shardc ms | serial ms | best expert | its mesh | expert ms | "
-           "shardc / expert |",
-           "|---|---|---:|---:|---|---|---:|---:|"]
+           "fastest under this pricing, which may be another than above. *plan* is shardc's "
+           "plan made for this pricing (`shardc+overlap`, `Cluster(overlap=True)`), or its "
+           "default plan in results that have none.\n",
+           "| model | preset | plan | shardc ms | default plan serial ms | best expert | "
+           "its mesh | expert ms | shardc / expert |",
+           "|---|---|---|---:|---:|---|---|---:|---:|"]
     for r in rows:
-        out.append(f"| {r['model']} | {r['preset']} | {_ms(r['shardc_overlap_s'])} | "
+        out.append(f"| {r['model']} | {r['preset']} | {r['shardc_overlap_method']} | "
+                   f"{_ms(r['shardc_overlap_s'])} | "
                    f"{_ms(r['shardc_s'])} | {r['best_overlap_expert']} | "
                    f"{r['best_overlap_expert_mesh'] or '-'} | "
                    f"{_ms(r['best_overlap_expert_s'])} | {r['overlap_ratio']:.3f} |")
@@ -123,9 +130,9 @@ def pricing_rows(cells: list[Cell]) -> list[dict]:
                    and c.fits is not False]
         for pricing in PRICINGS:
             row = {"model": model, "preset": preset, "pricing": pricing}
-            mine = by_method.get("shardc" if pricing == "nccl" else f"shardc@{pricing}")
             default = by_method.get("shardc")
             for k, mode in enumerate(("serial", "overlap")):
+                mine = by_method.get(shardc_method(pricing, k == 1))
                 priced = [c for c in experts if c.priced.get(pricing)]
                 best = min(priced, key=lambda c: c.priced[pricing][k], default=None)
                 best_s = best and best.priced[pricing][k]
@@ -153,7 +160,8 @@ def _pricing_table(cells: list[Cell]) -> list[str]:
            "ring/Simple with every step paying its latency (`ring`, pessimistic) and one "
            "latency per collective (`alpha-beta`, optimistic; `shardc/cost/collectives.py`), "
            "serially and with communication overlapped. *planned* is shardc's plan made for "
-           "that pricing (`shardc@ring`, `shardc@alpha-beta`; NCCL's is the default plan), "
+           "that pricing (`shardc@ring`, `shardc@alpha-beta`, each also `+overlap` for the "
+           "overlapped columns; NCCL's serial one is the default plan), "
            "*default* the default plan priced that way; each against the best expert under "
            "the same pricing.\n",
            "| model | preset | pricing | best expert | ms | planned / expert | default / expert "
