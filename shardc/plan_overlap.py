@@ -26,11 +26,13 @@ them):
   is the layout it reads that value in (a conversion shared by several readers is recorded
   for the first one only, its other readers wait for it too).
 
-Measured against the compiled programs (GPT-2 small, node-8, XLA:GPU for H100s, each
-priced by :mod:`shardc.inspect.schedule`): the four candidates the search keeps on the
+Measured against the compiled programs (GPT-2 small, XLA:GPU for H100s, each priced by
+:mod:`shardc.inspect.schedule`): on node-8 the four candidates the search keeps on the
 8-GPU mesh rank in the compiled order, each predicted 0.6-0.9 ms (12-22%) above its
 compiled step; in program order the replay ranked the solver's plan first (4.11 ms) where
-it compiles to 5.13 ms, behind FSDP's 4.56.
+it compiles to 5.13 ms, behind FSDP's 4.56 and the Megatron seed's 4.19. On 2 nodes x 8
+the plan it ranks first (the FSDP seed with a vocabulary-split table; 6.55 ms) compiles to
+5.40 ms, against the fastest expert's 6.06.
 
 Conversions for the program's outputs are awaited by the end of the step. The result's
 ``time`` excludes the host feed (``Predicted.feed_time``), which runs before the step;
@@ -86,39 +88,83 @@ def _waiters(plan: Plan, ops: Sequence[OpPlan]) -> tuple[dict[int, list[int]], d
     return waits, after
 
 
-def _in_order(plan: Plan) -> list[OpPlan]:
+def _in_order(plan: Plan, blocks: list[list[int]]) -> list[OpPlan]:
     """The plan's ops in the order XLA's scheduler runs them (:mod:`shardc.plan_overlap`
-    docstring): first what reads the state alone (an input the step's tail reads,
+    docstring): first what reads the state as held (an input the step's tail reads,
     :func:`shardc.cost.combine.tail_values`, as the optimizer update reads the parameters,
-    and values computed from such inputs alone: a weight's reshape), which nothing else
+    and what is computed from such inputs alone: a weight's reshape), which nothing else
     holds back; then the rest as late as its longest path to the step's end allows, longest
-    first, ties in program order."""
+    first, ties in program order. A collective combined from several conversions
+    (``blocks``) waits for each member's value and holds back each member's reader, so the
+    producer of one member runs before the readers of all (XLA combines the token ids'
+    gather for the embedding with the one for its gradient, and computes both first)."""
     ops = plan.ops
+    pos = {op.id: i for i, op in enumerate(ops)}
     readers: dict[int, list[int]] = {}
     for i, op in enumerate(ops):
         for v in op.reads:
             readers.setdefault(v, []).append(i)
     tail_value: set[int] = set()
     is_tail = [False] * len(ops)
-    height = [0] * len(ops)
     for i in reversed(range(len(ops))):
-        users = [u for v in ops[i].writes for u in readers.get(v, ())]
-        height[i] = 1 + max((height[u] for u in users), default=0)
         tail_value.update(v for v in ops[i].writes
                           if all(is_tail[u] for u in readers.get(v, ())))
         is_tail[i] = facts(ops[i].prim).tail and all(v in tail_value for v in ops[i].writes)
+    users = [[u for v in op.writes for u in readers.get(v, ())] for op in ops]
+    producer = {v: i for i, op in enumerate(ops) for v in op.writes}
+    for members in (m for m in blocks if len(m) > 1):
+        held = {pos[plan.reshards[k].consumer] for k in members
+                if plan.reshards[k].consumer in pos}
+        held.update(u for k in members if plan.reshards[k].consumer is None
+                    for u in readers.get(plan.reshards[k].value, ())
+                    if (plan.reshards[k].value, plan.reshards[k].dst) in
+                    zip(ops[u].reads, ops[u].ins))
+        for k in members:
+            p = producer.get(plan.reshards[k].value)
+            if p is not None:
+                users[p] += [u for u in held if u != p]
+    height = _heights(users)
     state = {v for v in plan.input_ids if any(is_tail[u] for u in readers.get(v, ()))}
     of_batch = {v for v in plan.input_ids if v not in state}
-    early = []
+    settled = {(r.value, r.dst) for r in plan.reshards if r.consumer is None}
+    converts = {r.consumer for r in plan.reshards}
+    first = set()
     for op in ops:
-        if any(v in of_batch for v in op.reads):
+        # a state-only op reading a converted value (a gathered weight's transpose) runs
+        # where its uses put it, as XLA places it; one reading the state as held, first
+        if any(v in of_batch for v in op.reads) or op.id in converts or \
+                any((v, nd) in settled for v, nd in zip(op.reads, op.ins)):
             of_batch.update(op.writes)
         else:
-            early.append(op.id)
-    first = set(early)
+            first.add(op.id)
     rest = sorted((i for i, op in enumerate(ops) if op.id not in first),
                   key=lambda i: (-height[i], i))
     return [op for op in ops if op.id in first] + [ops[i] for i in rest]
+
+
+def _heights(users: list[list[int]]) -> list[int]:
+    """Per op, the ops on its longest path to the step's end, itself included (``users``:
+    per op, those that run after it). An edge closing a cycle (a combined collective whose
+    member is computed from another's reader, which XLA does not combine) is left out."""
+    height = [0] * len(users)
+    mark = [0] * len(users)  # 0: not seen, 1: on the path being walked, 2: done
+    for root in reversed(range(len(users))):
+        if mark[root]:
+            continue
+        mark[root] = 1
+        path = [(root, iter(users[root]))]
+        while path:
+            i, todo = path[-1]
+            for u in todo:
+                if not mark[u]:
+                    mark[u] = 1
+                    path.append((u, iter(users[u])))
+                    break
+            else:
+                path.pop()
+                mark[i] = 2
+                height[i] = 1 + max((height[u] for u in users[i] if mark[u] == 2), default=0)
+    return height
 
 
 def _blocks(plan: Plan) -> list[list[int]]:
@@ -148,7 +194,8 @@ def plan_overlap(plan: Plan) -> Overlap:
     that do not wait for it (module docstring). Conversions XLA combines into one collective
     (:func:`_blocks`) run as one: it starts once every member can, and every member's
     reader waits for all of it."""
-    ops = _in_order(plan)
+    blocks = _blocks(plan)
+    ops = _in_order(plan, blocks)
     waits, after = _waiters(plan, ops)
     deadline = {k: len(ops) for k in range(len(plan.reshards))}
     for i in sorted(waits, reverse=True):
@@ -163,7 +210,6 @@ def plan_overlap(plan: Plan) -> Overlap:
     for k, r in enumerate(plan.reshards):
         if k not in after:
             of_value.setdefault(r.value, []).append(k)
-    blocks = _blocks(plan)
     block_of = {k: b for b, members in enumerate(blocks) for k in members}
     waiting = [len(members) for members in blocks]  # members not yet startable
     start = [0.0] * len(blocks)

@@ -357,8 +357,8 @@ def _plan(ops, reshards, values):
 def test_plan_overlap_gathers_ahead_and_settles_beside_independent_ops():
     """By hand, g = 1, d = 2. FSDP: two weights (values 0, 1) gathered for the two layers
     that read them: gather 1 runs during layer 0, g + 2d = 5 against 2g + 2d = 6. A value
-    produced partial and settled (all-reduced once, for every reader) runs beside the op
-    between its producer and its reader: 3d = 6 against 3d + g = 7."""
+    produced partial and settled (all-reduced once, for every reader) runs beside an op
+    independent of it: 3d = 6 against 3d + g = 7."""
     from shardc.ir.sbp import B, NdSbp, P, S
     from shardc.plan import OpPlan, Reshard
     from shardc.plan_overlap import plan_overlap
@@ -379,10 +379,11 @@ def test_plan_overlap_gathers_ahead_and_settles_beside_independent_ops():
                    [Reshard(3, None, p, b, 2.0, 0.0, ("all-reduce@x",))],
                    {0: b, 1: b, 2: b, 3: p, 4: b, 5: b})
     assert plan_overlap(settle).time == 6.0
-    # the reader first, then the independent op: nothing between producer and reader
-    serial = _plan([settle.ops[0], settle.ops[2], settle.ops[1]], settle.reshards,
+    # the ops run in the order XLA's scheduler gives them, from the dataflow, not as
+    # listed: the independent op still runs between producer and reader
+    listed = _plan([settle.ops[0], settle.ops[2], settle.ops[1]], settle.reshards,
                    settle.values)
-    assert plan_overlap(serial).time == 8.0
+    assert plan_overlap(listed).time == 6.0
 
 
 def test_plan_overlap_runs_combined_conversions_as_one_block():
@@ -390,7 +391,7 @@ def test_plan_overlap_runs_combined_conversions_as_one_block():
     first layer waits for both (2g), then the layers run: 2g + 2d = 6, not 5."""
     from shardc.ir.sbp import B, NdSbp, S
     from shardc.plan import OpPlan, Reshard
-    from shardc.plan_overlap import plan_overlap
+    from shardc.plan_overlap import _blocks, _in_order, plan_overlap
 
     s0, b = NdSbp((S(0),)), NdSbp((B,))
     ops = [OpPlan(0, "dot_general", "", (b, b), (b,), 2.0, 0.0, (2, 0), (3,)),
@@ -400,6 +401,18 @@ def test_plan_overlap_runs_combined_conversions_as_one_block():
     assert plan_overlap(_plan(ops, gathers, values)).time == 5.0
     combined = [dataclasses.replace(r, combined=(0,)) for r in gathers]
     assert plan_overlap(_plan(ops, combined, values)).time == 6.0
+    # a member computed late in program order (the embedding's token ids gathered again for
+    # its gradient) is computed before the block's first reader: ops of 1, gathers of 1,
+    # neg (0-1), the block (1-3), then the three dots: 6
+    ops = [OpPlan(0, "dot_general", "", (b, b), (b,), 1.0, 0.0, (1, 0), (2,)),
+           OpPlan(1, "dot_general", "", (b,), (b,), 1.0, 0.0, (2,), (3,)),
+           OpPlan(2, "neg", "", (b,), (s0,), 1.0, 0.0, (1,), (4,)),
+           OpPlan(3, "dot_general", "", (b, b), (b,), 1.0, 0.0, (3, 4), (5,))]
+    late = [Reshard(0, 0, s0, b, 1.0, 0.0, ("all-gather@x",), combined=(0,)),
+            Reshard(4, 3, s0, b, 1.0, 0.0, ("all-gather@x",), combined=(0,))]
+    plan = _plan(ops, late, {0: s0, 1: b, 2: b, 3: b, 4: s0, 5: b})
+    assert [op.id for op in _in_order(plan, _blocks(plan))] == [2, 0, 1, 3]
+    assert plan_overlap(plan).time == 6.0
 
 
 def test_plan_overlap_reduces_a_weight_gradient_after_the_rest_of_the_backward():
