@@ -479,12 +479,12 @@ def cmd_bench(args) -> None:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from shardc.bench import harness, report
-    from shardc.bench.zoo import DEFAULT_PRESETS, PRESETS, ZOO
+    from shardc.bench.zoo import PRESETS, ZOO
 
     models = args.models.split(",") if args.models else (
         ["mlp", "gpt"] if args.quick else list(ZOO))
-    presets = args.presets.split(",") if args.presets else list(DEFAULT_PRESETS)
-    for name, known in (*((m, ZOO) for m in models), *((p, PRESETS) for p in presets)):
+    presets = args.presets.split(",") if args.presets else None  # each model's own
+    for name, known in (*((m, ZOO) for m in models), *((p, PRESETS) for p in presets or ())):
         if name not in known:
             sys.exit(f"shardc bench: unknown {name!r}; choose from {sorted(known)}")
     which = "quick" if args.quick else "bench"
@@ -523,9 +523,12 @@ def cmd_bench(args) -> None:
 
 
 def _bench_folder(quick: bool, compiler: str) -> str:
-    """Where ``shardc bench`` writes by default: XLA:GPU's figures apart from XLA:CPU's."""
-    base = "docs/benchmarks" if compiler == "cpu" else "docs/benchmarks/gpu-compiled"
-    return f"{base}/quick" if quick else base
+    """Where ``shardc bench`` writes by default: XLA:GPU's figures apart from XLA:CPU's;
+    the full matrix compiled by XLA:GPU (what the hardware runs) is the headline."""
+    if quick:
+        return "docs/benchmarks/quick" if compiler == "cpu" else \
+            "docs/benchmarks/gpu-compiled/quick"
+    return "docs/benchmarks" if compiler == "gpu" else "docs/benchmarks/cpu-compiled"
 
 
 def _needs_gpu_compiler(compiler: str) -> None:
@@ -651,15 +654,18 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--quick", action="store_true",
                    help="small models (the default presets); numerics checked for shardc only")
     b.add_argument("--models", default=None, help="comma-separated, e.g. gpt,moe")
-    b.add_argument("--presets", default=None, help="comma-separated, e.g. node-8,2nodes-2x8")
+    b.add_argument("--presets", default=None, help="comma-separated, e.g. node-8,2nodes-2x8 "
+                   "(default: each model's own, node-8 and 2nodes-2x8 but deep's "
+                   "4nodes-eth)")
     b.add_argument("--methods", default=None,
                    help="comma-separated, e.g. shardc,fsdp; experts: all but shardc")
     b.add_argument("--update", action="store_true",
                    help="merge into the results already in --out (re-measured cells replace "
                         "theirs)")
     b.add_argument("--out", default=None, help="folder for results.{md,json,png} "
-                   "(default docs/benchmarks, or docs/benchmarks/quick with --quick; under "
-                   "docs/benchmarks/gpu-compiled with --compiler gpu)")
+                   "(default: docs/benchmarks with --compiler gpu, docs/benchmarks/"
+                   "cpu-compiled without; with --quick, docs/benchmarks/gpu-compiled/quick "
+                   "and docs/benchmarks/quick)")
     b.add_argument("--compiler", choices=["cpu", "gpu"], default="cpu",
                    help="cpu: compile on simulated CPU devices (XLA:CPU); gpu: XLA:GPU's "
                         "ahead-of-time compile for H100s, no GPU needed (needs JAX's CUDA "

@@ -32,6 +32,10 @@ def test_cells_filter_by_method():
     moe = {m for _, _, m in harness.cells(["moe"], ["2nodes-2x8"])}
     assert {"expert-parallel", "ep8-x-dp", "ep2-x-dp", "expert-parallel-node"} <= moe
     only = harness.cells(["mlp"], ["node-8", "2nodes-2x8"], ["shardc"])
+    # without presets, each model runs on its own: deep on the slow-link preset only
+    assert {p.name for _, p, _ in harness.cells(["deep", "mlp"], None, ["shardc"])} == {
+        "4nodes-eth", "node-8", "2nodes-2x8"}
+    assert {p.name for z, p, _ in harness.cells(["deep"], None)} == {"4nodes-eth"}
     assert [(z.name, p.name, m) for z, p, m in only] == [("mlp", "node-8", "shardc"),
                                                          ("mlp", "2nodes-2x8", "shardc")]
 

@@ -76,8 +76,9 @@ def test_gpu_compiler_without_the_plugin_names_the_install(monkeypatch):
 
 def test_gpu_results_have_their_own_folder_and_note():
     assert cli._bench_folder(True, "cpu") == "docs/benchmarks/quick"
-    assert cli._bench_folder(False, "cpu") == "docs/benchmarks"
+    assert cli._bench_folder(False, "cpu") == "docs/benchmarks/cpu-compiled"
     assert cli._bench_folder(True, "gpu") == "docs/benchmarks/gpu-compiled/quick"
+    assert cli._bench_folder(False, "gpu") == "docs/benchmarks"  # the headline
     cpu = harness.Cell("mlp", "node-8", "fsdp", compiled_s=1e-3)
     gpu = harness.Cell("mlp", "node-8", "fsdp", compiled_s=1e-3, compiler="gpu")
     assert "Compiled by XLA:GPU" not in report.markdown([cpu], ["c"])

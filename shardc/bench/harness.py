@@ -48,7 +48,7 @@ zero moves by up to ``lr`` and a reassociated (sharded) sum can change that move
 MEMORY_MARGIN = 0.2
 """shardc's budget on a memory-bound model is the device memory less this fraction: room for
 the error of its predicted peak against the compiled one. The zoo's worst under-prediction
-is -14.9% (vit on 2nodes-2x8, docs/benchmarks/results.md; llama-1b's cells: +8.9% and
+is -14.9% (vit on 2nodes-2x8, docs/benchmarks/cpu-compiled/results.md; llama-1b's cells: +8.9% and
 -9.0%), so a plan predicted within 0.8 of the device memory compiles within 0.94 of it."""
 TIMING_RUNS = 5
 GPU_TIMING_RUNS = 1
@@ -354,14 +354,15 @@ def run_expert(zm: ZooModel, preset: Preset, expert: Expert, which: str, check: 
     return cell
 
 
-def cells(models: list[str], presets: list[str],
+def cells(models: list[str], presets: list[str] | None,
           methods: list[str] | None = None) -> list[tuple[ZooModel, Preset, str]]:
-    """The (model, preset, method) cells to run; ``methods`` filters by name ("experts":
-    every method but shardc)."""
+    """The (model, preset, method) cells to run, each model on ``presets`` (None: its own,
+    ``ZooModel.presets``); ``methods`` filters by name ("experts": every method but
+    shardc)."""
     out = []
     for m in models:
         zm = ZOO[m]
-        for p in presets:
+        for p in presets or zm.presets:
             pre = PRESETS[p]
             out += [(zm, pre, m) for m in PLANNED]
             for e in experts(zm, pre):

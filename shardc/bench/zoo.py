@@ -64,6 +64,9 @@ PRESETS = {
 }
 
 
+DEFAULT_PRESETS = ("node-8", "2nodes-2x8")
+"""The bench matrix: one node, and two over InfiniBand (node-2x4 is node-8's devices)."""
+
 SMALL_DEVICE_MEMORY = 24 * 2**30
 """The memory-bound cells' device (issue "Memory": 24 GiB, an L4 / A10-class card's memory),
 on the presets' H100 links and FLOPs: the cells compare plans under a memory bound, not
@@ -79,6 +82,7 @@ class ZooModel:
     quick: str
     moe: bool = False
     device_memory: float | None = None  # memory-bound: bytes per device (module doc)
+    presets: tuple[str, ...] = DEFAULT_PRESETS  # where `shardc bench` runs it by default
 
     def load(self):
         return importlib.import_module(self.module)
@@ -120,12 +124,11 @@ ZOO = {
     "llama-1b": ZooModel("llama-1b", "shardc.models.llama", "tiny", "llama32_1b",
                          "llama32_1b(n_layers=2)", device_memory=SMALL_DEVICE_MEMORY),
     # 32 scanned layers of small width: the pipelined model (4nodes-eth)
-    "deep": ZooModel("deep", "shardc.models.llama", "deep_tiny", "deep", "deep"),
+    "deep": ZooModel("deep", "shardc.models.llama", "deep_tiny", "deep", "deep",
+                     presets=("4nodes-eth",)),
     # latency-bound: data parallelism is the plan to beat (models/small.py)
     "small": ZooModel("small", "shardc.models.small", "tiny", "bench", "bench(n_layers=2)"),
     # gradient accumulation unrolled over 4 micro-batches (models/accum.py)
     "accum": ZooModel("accum", "shardc.models.accum", "tiny", "bench", "bench(n_layers=2)"),
 }
 
-DEFAULT_PRESETS = ("node-8", "2nodes-2x8")
-"""The bench matrix: one node, and two over InfiniBand (node-2x4 is node-8's devices)."""
