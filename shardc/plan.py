@@ -531,9 +531,10 @@ def _joined(graph: Graph, uses: list, via: dict, pending: list, combiner, reshar
     sets = combine_groups(graph, uses, via, [p for p, _ in pending], combiner)
     combined: dict[tuple, list[tuple[int, float, float]]] = {}
     joins = {k: list(r.combined) for k, r in enumerate(reshards)}
-    for n, ((p, (kind, group, times, charged)), g) in enumerate(zip(pending, sets, strict=True)):
+    for n, ((p, (kind, group, times, charged, buffer)), g) in enumerate(
+            zip(pending, sets, strict=True)):
         key = (kind, group, times, g if g >= 0 else -1 - n)
-        combined.setdefault(key, []).append((p.reshard, p.nbytes, charged))
+        combined.setdefault(key, []).append((p.reshard, buffer, charged))
         if g >= 0:
             joins[p.reshard][p.position] = list(combined).index(key)
     for k, j in joins.items():
@@ -593,10 +594,16 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
                 op = next((s.reduction for a in c.axes
                            if isinstance(s := src.sbps[a], Partial)), "sum")
                 key = (family, c.axes, op, value.type_str().split("[")[0], times)
-                pending.append((Pending(len(reshards), k, key, c.buffer_factor * value.nbytes),
+                # the combiners' limit is on result bytes: a reduce-scatter's is its
+                # buffer over the group, where it runs as one (not as an all-reduce);
+                # NCCL prices the buffer
+                buffer = c.buffer_factor * value.nbytes
+                result = buffer / (c.group.ranks if c.kind == "reduce-scatter" and
+                                   not combiner.scatter_as_all_reduce else 1)
+                pending.append((Pending(len(reshards), k, key, result),
                                 (c.kind, c.group, times,
                                  c.seconds(value.nbytes, cluster.collective_model, share)
-                                 * times)))
+                                 * times, buffer)))
         comm += t
         wire += conv.wire_bytes(value.nbytes) * times
         reshards.append(Reshard(value.id, consumer, src, dst, t,

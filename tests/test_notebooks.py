@@ -1,15 +1,18 @@
-"""The notebooks run top to bottom (simulated CPU devices) and are committed without
-outputs."""
+"""The notebooks run top to bottom (simulated CPU devices) from a clean copy, and are
+committed executed (``notebooks/refresh.py``), with what a run prints."""
 
+import importlib.util
 from pathlib import Path
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+_spec = importlib.util.spec_from_file_location("refresh", ROOT / "notebooks" / "refresh.py")
+refresh = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(refresh)
 
 # per notebook, strings its printed output must contain (a notebook not listed here runs
 # with no check beyond running)
@@ -30,31 +33,30 @@ def test_there_are_notebooks():
     assert [p.stem for p in NOTEBOOKS] == sorted(EXPECT)
 
 
+def _printed(nb) -> str:
+    return "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                     for o in c.outputs if o.output_type == "stream")
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_is_stored_without_outputs(path):
+def test_notebook_is_committed_executed(path):
+    """Every code cell ran, in order, without an error, and the outputs hold what a run
+    prints (``notebooks/refresh.py`` refreshes them)."""
     nb = nbformat.read(path, as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
-    assert code and all(not c.outputs and c.execution_count is None for c in code)
+    assert code and [c.execution_count for c in code] == list(range(1, len(code) + 1)), \
+        f"{path.name}: not executed top to bottom; run python notebooks/refresh.py {path.stem}"
+    assert not any(o.output_type == "error" for c in code for o in c.outputs), path.name
+    for want in EXPECT.get(path.stem, []):
+        assert want in _printed(nb), (f"{path.name}: {want!r} not in its committed output; "
+                                      f"run python notebooks/refresh.py {path.stem}")
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs(path):
-    nb = nbformat.read(path, as_version=4)
-    # the kernel starts in the repository root, so it imports this checkout's shardc
-    client = NotebookClient(nb, timeout=120, kernel_name="python3",
-                            resources={"metadata": {"path": str(ROOT)}})
     try:
-        client.execute()
-    except CellExecutionError as exc:
-        code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
-        failed = next((i for i in code if any(o.output_type == "error"
-                                              for o in nb.cells[i].outputs)), None)
-        where = "?" if failed is None else \
-            f"{failed} (code cell {code.index(failed) + 1} of {len(code)})"
-        first = "" if failed is None else nb.cells[failed].source.splitlines()[0]
-        pytest.fail(f"{path.name}: cell {where} failed, starting {first!r}:\n{exc}",
-                    pytrace=False)
-    text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
-                     for o in c.outputs if o.output_type == "stream")
+        nb = refresh.execute(path)
+    except CellExecutionError as exc:  # its message holds the cell and the traceback
+        pytest.fail(f"{path.name}: a cell failed:\n{exc}", pytrace=False)
     for want in EXPECT.get(path.stem, []):
-        assert want in text, f"{path.name}: {want!r} not in its output"
+        assert want in _printed(nb), f"{path.name}: {want!r} not in its output"
