@@ -462,9 +462,11 @@ def _bench_calls(out) -> None:
 
 def cmd_bench(args) -> None:
     _needs_zoo("bench")
-    from shardc.bench.zoo import PRESETS
+    from shardc.bench.zoo import PRESETS, ZOO
 
-    asked = args.presets.split(",") if args.presets else []
+    models = args.models.split(",") if args.models else list(ZOO)
+    asked = args.presets.split(",") if args.presets else \
+        [p for m in models if m in ZOO for p in ZOO[m].presets]
     # as many devices as the largest preset asked for has (4nodes-eth: 32), at least 16
     _force_cpu_devices(max([16] + [PRESETS[p].devices for p in asked if p in PRESETS]))
     from pathlib import Path
