@@ -422,9 +422,14 @@ def _bench_planning(out) -> None:
         loops.append(planning.measure_loop_forms_fresh(preset))
     print("coordinate descent against the ILP on the quick zoo ...", flush=True)
     gaps = planning.descent_gaps()
+    frontiers = []
+    for name, layers in planning.FRONTIER_CASES:
+        print(f"the frontier of {name} with {layers} layers ...", flush=True)
+        frontiers.append(planning.measure_frontier_fresh(name, layers))
+        print(f"  {frontiers[-1].pareto_s:.1f} s, {frontiers[-1].plans} plans", flush=True)
     command = ("shardc bench " + " ".join(sys.argv[2:])).strip()
-    paths = planning.write(cases, out, command, gaps, loops)
-    print(planning.markdown(cases, command, gaps, loops))
+    paths = planning.write(cases, out, command, gaps, loops, frontiers)
+    print(planning.markdown(cases, command, gaps, loops, frontiers))
     print("wrote " + ", ".join(str(p) for p in paths))
 
 

@@ -117,7 +117,12 @@ def test_planning_report_gives_the_depth_ratio(tmp_path):
              for n, s in ((12, 2.0), (48, 5.0))]
     gaps = [planning.DescentGap("moe", "node-8", 2.0, 2.5, 2.02)]
     loops = [planning.LoopForms("node-8", 5.1, 5.2, 5.0, 5.0, 1.0, 4.0)]
-    md, js = planning.write(cases, tmp_path, "shardc bench --planning", gaps, loops)
+    frontiers = [planning.FrontierCase("llama", 12, True, 42.0, 9, 0.5, 30.0, 2.0, 10.0, 0.08)]
+    md, js = planning.write(cases, tmp_path, "shardc bench --planning", gaps, loops,
+                            frontiers)
+    assert "| llama | 12 | scanned | 42.0 | 9 | 0.50 | 30.000 | 2.00 | 10.000 | 8.0% |" \
+        in md.read_text()
+    assert json.loads(js.read_text())["frontiers"][0]["pareto_s"] == 42.0
     assert "| gpt | 2.50x |" in md.read_text()
     assert "| moe | node-8 | 2.000 | 2.500 | +25.0% | 2.020 | +1.0% |" in md.read_text()
     assert "| node-8 | 5.100 | 5.000 | 1.020 | 5.200 | 5.000 | 1.040 | 1.0 / 4.0 |" \

@@ -8,7 +8,8 @@ The 48/12 ratio is the figure that says whether planning grows with depth. Each 
 in a fresh process (:func:`measure_fresh`), so none gains from another's warm caches and
 each pays what a user's first plan pays. A second table measures coordinate descent alone
 against the whole-graph ILP's proven optimum on the zoo's quick configurations
-(:func:`descent_gaps`).
+(:func:`descent_gaps`), a third the time of ``step.pareto`` for GPT-2 small and the
+scanned Llama (:func:`measure_frontier`).
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["CASES", "LOOP_PRESETS", "SCALE_MESHES", "WEAK_SCALING", "DescentGap", "LoopForms",
-           "PlanningCase",
+__all__ = ["CASES", "FRONTIER_CASES", "LOOP_PRESETS", "SCALE_MESHES", "WEAK_SCALING",
+           "DescentGap", "FrontierCase", "LoopForms", "PlanningCase",
            "ScaleCase", "descent_gaps", "markdown", "measure", "measure_fresh",
+           "measure_frontier", "measure_frontier_fresh",
            "measure_loop_forms", "measure_loop_forms_fresh", "measure_scale",
            "measure_scale_fresh", "scale_markdown", "write", "write_scale"]
 
@@ -94,6 +96,59 @@ def _fresh(call: str, what: str, setup: str = "") -> dict:
 def measure_fresh(name: str, layers: int) -> PlanningCase:
     """:func:`measure` in a fresh Python process with 8 simulated CPU devices."""
     return PlanningCase(**_fresh(f"measure({name!r}, {layers})", f"{name} with {layers} layers",
+                                 "from shardc.cli import _force_cpu_devices; "
+                                 "_force_cpu_devices(8); "))
+
+
+#: (model, layers): the frontiers timed (``step.pareto``): GPT-2 small, the scanned Llama
+FRONTIER_CASES = (("gpt", 12), ("llama", 12))
+
+
+@dataclass(frozen=True)
+class FrontierCase:
+    """``step.pareto`` of one case on the planning mesh: wall seconds (tracing included),
+    its plans, the leanest plan's peak and step, the fastest's, and the widest gap between
+    neighbouring plans' peaks as a share of the frontier's memory range."""
+    model: str
+    layers: int
+    scanned: bool
+    pareto_s: float
+    plans: int
+    leanest_gib: float
+    leanest_ms: float
+    fastest_gib: float
+    fastest_ms: float
+    widest_gap: float
+
+
+def measure_frontier(name: str, layers: int) -> FrontierCase:
+    """Time one case's frontier (the process must have at least 8 devices)."""
+    import jax
+
+    import shardc
+
+    module, cfg, scanned = _model(name, layers)
+    shape, names = MESH
+    mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                         devices=jax.devices()[:8])
+    step = shardc.auto_shard(module.build_step(cfg), mesh=mesh,
+                             cluster=shardc.Cluster.multi_node(*names))
+    args = module.abstract_args(cfg)
+    t0 = time.perf_counter()
+    frontier = step.pareto(*args)
+    seconds = time.perf_counter() - t0
+    points = frontier.points()  # (step s, peak bytes), leanest first
+    peaks = [m for _, m in points]
+    span = peaks[-1] - peaks[0]
+    gap = max((b - a for a, b in zip(peaks, peaks[1:])), default=0.0) / span if span else 0.0
+    return FrontierCase(name, layers, scanned, seconds, len(frontier), peaks[0] / 2**30,
+                        points[0][0] * 1e3, peaks[-1] / 2**30, points[-1][0] * 1e3, gap)
+
+
+def measure_frontier_fresh(name: str, layers: int) -> FrontierCase:
+    """:func:`measure_frontier` in a fresh Python process with 8 simulated CPU devices."""
+    return FrontierCase(**_fresh(f"measure_frontier({name!r}, {layers})",
+                                 f"the frontier of {name} with {layers} layers",
                                  "from shardc.cli import _force_cpu_devices; "
                                  "_force_cpu_devices(8); "))
 
@@ -201,7 +256,7 @@ def descent_gaps(presets: tuple[str, ...] = ("node-8", "node-2x4"),
 
 
 def markdown(cases: list[PlanningCase], command: str, gaps: list[DescentGap] = (),
-             loops: list[LoopForms] = ()) -> str:
+             loops: list[LoopForms] = (), frontiers: list[FrontierCase] = ()) -> str:
     lines = ["# Planning time", "", f"`{command}` — mesh (node=2, gpu=4), "
              "`Cluster.multi_node`, default options, no mesh search; wall seconds of "
              "`step.plan` on abstract arguments, tracing included, each case in a fresh "
@@ -216,6 +271,20 @@ def markdown(cases: list[PlanningCase], command: str, gaps: list[DescentGap] = (
     for model in dict.fromkeys(c.model for c in cases):
         if (model, 12) in by and (model, 48) in by:
             lines.append(f"| {model} | {by[model, 48].plan_s / by[model, 12].plan_s:.2f}x |")
+    if frontiers:
+        lines += ["", "## The time-memory frontier", "",
+                  "`step.pareto` of each case on the same mesh (the fastest plan, the "
+                  "leanest, budgets between and the gaps filled, remat levels and the "
+                  "generic layouts beside them), wall seconds in a fresh process; *widest "
+                  "gap*: between neighbouring plans' peaks, as a share of the frontier's "
+                  "memory range.", "",
+                  "| model | layers | loop | pareto (s) | plans | leanest GiB | its step ms | "
+                  "fastest GiB | its step ms | widest gap |",
+                  "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {c.model} | {c.layers} | {'scanned' if c.scanned else 'unrolled'} | "
+                  f"{c.pareto_s:.1f} | {c.plans} | {c.leanest_gib:.2f} | {c.leanest_ms:.3f} | "
+                  f"{c.fastest_gib:.2f} | {c.fastest_ms:.3f} | {c.widest_gap:.1%} |"
+                  for c in frontiers]
     if loops:
         lines += ["", "## Scanned against unrolled layers", "",
                   "The bench's Llama decoder (`realistic`: 8 layers, d 1024, batch 16 x 512 "
@@ -245,14 +314,16 @@ def markdown(cases: list[PlanningCase], command: str, gaps: list[DescentGap] = (
 
 
 def write(cases: list[PlanningCase], out: Path, command: str,
-          gaps: list[DescentGap] = (), loops: list[LoopForms] = ()) -> list[Path]:
+          gaps: list[DescentGap] = (), loops: list[LoopForms] = (),
+          frontiers: list[FrontierCase] = ()) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     md, js = out / "planning.md", out / "planning.json"
-    md.write_text(markdown(cases, command, gaps, loops))
+    md.write_text(markdown(cases, command, gaps, loops, frontiers))
     js.write_text(json.dumps({"command": command, "cases": [asdict(c) for c in cases],
                               "descent_gaps": [{**asdict(g), "gap": g.gap,
                                                 "staged_gap": g.staged_gap} for g in gaps],
-                              "loop_forms": [asdict(c) for c in loops]}, indent=1))
+                              "loop_forms": [asdict(c) for c in loops],
+                              "frontiers": [asdict(c) for c in frontiers]}, indent=1))
     return [md, js]
 
 
