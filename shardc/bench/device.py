@@ -1,6 +1,6 @@
 """Measure what the cost model assumes on a real accelerator (run on a GPU machine).
 
-Two measurements, each written as JSON (and the compiled programs as HLO text) under
+Three measurements, each written as JSON (and the compiled programs as HLO text) under
 ``--out``; :mod:`shardc.bench.gpu_report` reads them back on any machine and compares them
 with the planner's predictions (``docs/benchmarks/gpu.md``):
 
@@ -16,7 +16,12 @@ with the planner's predictions (``docs/benchmarks/gpu.md``):
   program shows where XLA's latency-hiding scheduler puts each asynchronous collective's
   start and done. Nothing runs: the schedule is what the compiler emits.
 
-Usage: ``python -m shardc.bench.device steps|schedule|all --out DIR [--plan PLAN.json]``.
+- ``kernels``: single kernels (dots of the bench models' shapes, an elementwise add, a row
+  sum) timed against their FLOPs and bytes: the data a compute term beyond FLOPs (launch
+  and memory traffic) is fitted to.
+
+Usage: ``python -m shardc.bench.device steps|schedule|kernels|all --out DIR
+[--plan PLAN.json]``.
 
 References:
   JAX ``jax/_src/xla_bridge.py``: ``jax_mock_gpu_topology`` ("<slices> x <hosts per slice>
@@ -43,7 +48,8 @@ from pathlib import Path
 
 from shardc.bench.deviceless import H100_TARGET, gpu_devices
 
-__all__ = ["H100_TARGET", "MODES", "SCHEDULE_MODELS", "main", "schedule", "steps"]
+__all__ = ["ELEMENTS", "H100_TARGET", "MATMULS", "MODES", "REPEATS", "SCHEDULE_MODELS", "kernels",
+           "main", "schedule", "steps"]
 
 WARMUP = 3
 TIMED = 15
@@ -226,10 +232,90 @@ def schedule(out: Path, plan_path: str | None, timeout: float) -> dict:
     return tries
 
 
+#: how many times a kernel runs, one after another, inside one timed executable
+REPEATS = 50
+#: matmuls timed by ``kernels``: (m, k, n); square ones, and the bench models' token x
+#: width shapes (GPT-2 small's 768 and 3072, the 197-token ViT's, a 1B Llama's 2048 / 8192)
+MATMULS = tuple((n, n, n) for n in (128, 256, 512, 1024, 2048, 4096, 8192)) + (
+    (8192, 768, 768), (8192, 768, 3072), (8192, 3072, 768), (1576, 768, 768),
+    (4096, 2048, 2048), (4096, 2048, 8192), (4096, 8192, 2048), (64, 768, 768))
+#: element counts of the elementwise and reduction kernels timed by ``kernels``
+ELEMENTS = tuple(4 ** k for k in range(5, 15))
+
+
+def _per_kernel(fn, x) -> float:
+    """Seconds per kernel of ``fn`` applied :data:`REPEATS` times in a chain (one
+    executable, each result the next input), the median of :data:`TIMED` runs."""
+    import jax
+
+    def chain(x):
+        for _ in range(REPEATS):
+            x = fn(x)
+        return x
+
+    compiled = jax.jit(chain).lower(x).compile()
+    return statistics.median(_time_step(compiled, (x,))) / REPEATS
+
+
+def _dots(ws):
+    """``x`` multiplied by each of ``ws`` in turn."""
+    def f(x):
+        for w in ws:
+            x = x @ w
+        return x
+    return f
+
+
+def kernels(out: Path, deadline: float) -> list[dict]:
+    """Kernel times against their FLOPs and bytes, for a compute term beyond FLOPs: dots
+    (:data:`MATMULS`, f32 and bf16), an elementwise add and a row sum (:data:`ELEMENTS`,
+    f32), each chained :data:`REPEATS` times inside one executable so that dispatch from
+    the host is not timed. The elementwise and reduction kernels read and write through an
+    optimization barrier so XLA cannot fuse the chain into one kernel."""
+    import jax
+    import jax.numpy as jnp
+
+    rows = []
+
+    def record(row: dict, seconds: float) -> None:
+        row["s"] = seconds
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        (out / "kernels.json").write_text(json.dumps({"versions": _versions(),
+                                                      "repeats": REPEATS, "rows": rows},
+                                                     indent=1))
+
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for m, k, n in MATMULS:
+            if time.monotonic() > deadline:
+                return rows
+            # (m, k) @ (k, n), and back with (n, k) where n != k: the chain keeps its shape
+            ws = [jnp.full((k, n), 1.0 / k, dtype)] + (
+                [jnp.full((n, k), 1.0 / n, dtype)] if k != n else [])
+            seconds = _per_kernel(_dots(ws), jnp.ones((m, k), dtype)) / len(ws)
+            flops = 2 * m * k * n
+            size = jnp.dtype(dtype).itemsize
+            record({"kind": "dot", "dtype": jnp.dtype(dtype).name, "m": m, "k": k, "n": n,
+                    "flops": flops, "bytes": size * (m * k + k * n + m * n)}, seconds)
+    barrier = jax.lax.optimization_barrier
+    for count in ELEMENTS:
+        if time.monotonic() > deadline:
+            return rows
+        x = jnp.ones((count,), jnp.float32)
+        record({"kind": "add", "elements": count, "flops": count, "bytes": 12 * count},
+               _per_kernel(lambda v: barrier(v + v * 0.5), x))
+        rows_, cols = max(count // 1024, 1), min(count, 1024)
+        y = jnp.ones((rows_, cols), jnp.float32)
+        record({"kind": "row-sum", "elements": count, "flops": count,
+                "bytes": 4 * (count + rows_)},
+               _per_kernel(lambda v: barrier(v + v.sum(-1, keepdims=True) * 1e-9), y))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m shardc.bench.device", description=__doc__.split(
         "\n\n")[0])
-    p.add_argument("what", choices=("steps", "schedule", "schedule-child", "all"))
+    p.add_argument("what", choices=("steps", "schedule", "schedule-child", "kernels", "all"))
     p.add_argument("--out", required=True)
     p.add_argument("--plan", default=None, help="shardc's saved plan (JSON) for the GPT bench "
                    "model on node-8, compiled beside FSDP by `schedule`")
@@ -249,6 +335,8 @@ def main(argv: list[str] | None = None) -> None:
 
         models = a.models.split(",") if a.models else list(ZOO)
         steps(out, models, time.monotonic() + a.seconds)
+    if a.what in ("kernels", "all"):
+        kernels(out, time.monotonic() + a.seconds)
 
 
 if __name__ == "__main__":
