@@ -46,3 +46,21 @@ def test_a_done_placed_right_after_its_start_hides_nothing():
     r = in_order(text, {("main", "ags"): DOT / 2}, 1e-12)
     assert r["exposed"] == pytest.approx(DOT / 2)
     assert r["time"] == pytest.approx(DOT / 2 + DOT + ADD)
+
+
+def test_the_kernel_table_reads_the_floor_the_dots_and_the_bandwidth():
+    from shardc.bench.gpu_report import _kernels
+
+    info = {"versions": {"device": "GPU X", "jax": "0"}, "repeats": 50, "rows": [
+        {"kind": "dot", "dtype": "float32", "m": 128, "k": 128, "n": 128,
+         "flops": 2 * 128 ** 3, "bytes": 3 * 4 * 128 ** 2, "s": 5e-6},
+        {"kind": "dot", "dtype": "float32", "m": 8192, "k": 8192, "n": 8192,
+         "flops": 2 * 8192 ** 3, "bytes": 3 * 4 * 8192 ** 2, "s": 2.5e-3},
+        {"kind": "add", "elements": 1024, "flops": 1024, "bytes": 8192, "s": 2.5e-6},
+        {"kind": "add", "elements": 2 ** 28, "flops": 2 ** 28, "bytes": 8 * 2 ** 28,
+         "s": 5e-4}]}
+    text = "\n".join(_kernels(info))
+    assert "| dot | float32 | 8192 x 8192 x 8192 | 2500.0 | 439.80 |" in text
+    assert "no kernel took less than 2.5 us" in text
+    assert "4.29 TB/s on 268,435,456 elements (the GPU X's HBM" in text
+    assert "prices the largest dots 1.8x too slow" in text

@@ -302,12 +302,12 @@ def kernels(out: Path, deadline: float) -> list[dict]:
         if time.monotonic() > deadline:
             return rows
         x = jnp.ones((count,), jnp.float32)
-        record({"kind": "add", "elements": count, "flops": count, "bytes": 12 * count},
+        # each reads its input once and writes a result of its size: 8 bytes an element
+        record({"kind": "add", "elements": count, "flops": count, "bytes": 8 * count},
                _per_kernel(lambda v: barrier(v + v * 0.5), x))
         rows_, cols = max(count // 1024, 1), min(count, 1024)
         y = jnp.ones((rows_, cols), jnp.float32)
-        record({"kind": "row-sum", "elements": count, "flops": count,
-                "bytes": 4 * (count + rows_)},
+        record({"kind": "row-sum", "elements": count, "flops": count, "bytes": 8 * count},
                _per_kernel(lambda v: barrier(v + v.sum(-1, keepdims=True) * 1e-9), y))
     return rows
 

@@ -241,7 +241,61 @@ def report(folder: Path) -> str:
                              f"{_ms(p['serial_s'])} | {_ms(p['free_s'])} | "
                              f"{_ms(p['in_order_s'])} | {_ms(p['exposed_s'])} |")
         lines += _schedule_summary(seen)
+    kernels = folder / "kernels.json"
+    if kernels.exists():
+        lines += _kernels(json.loads(kernels.read_text()))
     return "\n".join(lines) + "\n"
+
+
+def _kernels(info: dict) -> list[str]:
+    """The single-kernel table (``python -m shardc.bench.device kernels``) and what it
+    says of a compute term: the floor every kernel pays, the dots' throughput by size, the
+    elementwise kernels' bandwidth."""
+    from shardc.cost.cluster import Cluster
+
+    peak, share = Cluster().device_flops, Cluster().utilization
+    rows = info["rows"]
+    v = info["versions"]
+    out = ["", "## Kernels: time against FLOPs and bytes", "",
+           f"Single kernels on one {v['device']} (jax {v['jax']}), each run "
+           f"{info['repeats']} times in a chain inside one executable, so host dispatch is "
+           "not timed; f32 dots run on TF32 tensor cores (XLA:GPU's default precision). "
+           f"*of peak*: against the {peak / 1e12:.0f} TFLOP/s the cost model's device "
+           "assumes.", "",
+           "| kernel | dtype | shape | us | TFLOP/s | of peak | GB/s |",
+           "|---|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        shape = (f"{r['m']} x {r['k']} x {r['n']}" if r["kind"] == "dot"
+                 else f"{r['elements']:,} elements")
+        dtype = r.get("dtype", "float32")
+        out.append(f"| {r['kind']} | {dtype} | {shape} | {r['s'] * 1e6:.1f} | "
+                   f"{r['flops'] / r['s'] / 1e12:.2f} | {r['flops'] / r['s'] / peak:.0%} | "
+                   f"{r['bytes'] / r['s'] / 1e9:,.0f} |")
+    floor = min(r["s"] for r in rows)
+    dots = [r for r in rows if r["kind"] == "dot"]
+    best = max(dots, key=lambda r: r["flops"] / r["s"])
+    mem = [r for r in rows if r["kind"] != "dot"]
+    big = max(mem, key=lambda r: r["elements"])
+    half = min((r for r in dots if r["flops"] / r["s"] >= 0.5 * peak),
+               key=lambda r: r["flops"], default=None)
+    out += ["", f"- **Floor:** no kernel took less than {floor * 1e6:.1f} us; elementwise "
+            f"kernels stay within 2x of it up to "
+            f"{max(r['elements'] for r in mem if r['s'] <= 2 * floor):,} elements. A step of "
+            "many small kernels pays this per kernel, whatever its FLOPs.",
+            f"- **Dots:** at most {best['flops'] / best['s'] / 1e12:.0f} TFLOP/s "
+            f"({best['dtype']}, {best['m']} x {best['k']} x {best['n']}, "
+            f"{best['flops'] / best['s'] / peak:.0%} of the assumed peak)"
+            + (f"; half the peak from {half['flops'] / 1e9:.0f} GFLOP a dot"
+               if half else "; none reaches half the peak") + ". The cost model's "
+            f"compute term (FLOPs at {share:.0%} of the peak) prices the largest dots "
+            f"{max(r['flops'] / r['s'] for r in dots) / (share * peak):.1f}x too slow and "
+            f"the smallest {max(r['s'] * share * peak / r['flops'] for r in dots):.0f}x too "
+            "fast.",
+            f"- **Memory:** {big['bytes'] / big['s'] / 1e12:.2f} TB/s on "
+            f"{big['elements']:,} elements (the {v['device']}'s HBM; an H100's is 3.35 TB/s)."
+            " The compute term to fit: per kernel, the larger of its FLOPs at the dots' "
+            "throughput for its size and its bytes at this bandwidth, plus the floor."]
+    return out
 
 
 def _schedule_summary(seen: dict[str, dict]) -> list[str]:
