@@ -475,3 +475,28 @@ def test_an_overlap_cluster_ranks_the_mesh_views_by_their_overlapped_step():
     assert len(ranked) > 1 and ranking_time(plan) == pytest.approx(min(ranked))
     serial = dataclasses.replace(cluster, overlap=False)
     assert Cluster.from_json(cluster.to_json()) == cluster != serial
+
+
+_CONV_HLO = """HloModule conv, entry_computation_layout={(f32[16,32,32,16]{3,2,1,0}, f32[16,3,3,16]{3,2,1,0}, f32[16,32,32,16]{3,2,1,0})->f32[16,32,32,16]{3,2,1,0}}
+
+ENTRY %main (x: f32[16,32,32,16], w: f32[16,3,3,16], dy: f32[16,32,32,16]) -> f32[16,32,32,16] {
+  %x = f32[16,32,32,16]{3,2,1,0} parameter(0)
+  %w = f32[16,3,3,16]{3,2,1,0} parameter(1)
+  %dy = f32[16,32,32,16]{3,2,1,0} parameter(2)
+  %fwd = (f32[16,32,32,16]{3,2,1,0}, u8[0]{0}) custom-call(%x, %w), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_o01i->b01f, custom_call_target="__cudnn$convForward"
+  %dx = (f32[16,32,32,16]{3,2,1,0}, u8[0]{0}) custom-call(%dy, %w), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_o01i->b01f, custom_call_target="__cudnn$convBackwardInput"
+  %dw = (f32[16,3,3,16]{3,2,1,0}, u8[0]{0}) custom-call(%x, %dy), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_o01i->b01f, custom_call_target="__cudnn$convBackwardFilter"
+  %y = f32[16,32,32,16]{3,2,1,0} get-tuple-element(%fwd), index=0
+  ROOT %g = f32[16,32,32,16]{3,2,1,0} get-tuple-element(%dx), index=0
+}
+"""
+
+
+def test_cudnn_convolutions_weigh_their_forward_convolutions_flops():
+    """XLA:GPU runs a convolution and both its gradients as cuDNN custom-calls; each
+    weighs 2 x |forward output| x |kernel| / output features (a 3x3 conv of 16 to 16
+    features over 16 x 32 x 32: 75.5 MFLOP each), as ``cost_analysis()`` counts them."""
+    from shardc.inspect.schedule import replay_flops
+
+    one = 2 * (16 * 32 * 32 * 16) * (3 * 3 * 16)
+    assert replay_flops(_CONV_HLO, []) == 3 * one

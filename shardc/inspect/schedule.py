@@ -67,7 +67,10 @@ References:
   compute); XLA ``async_collective_creator.cc`` (``<kind>-start`` / ``<kind>-done`` pairs
   on GPU); XLA ``collective_pipeliner.cc`` (collectives moved across loop iterations);
   NCCL user guide, "CUDA stream semantics" (a stream's operations run in issue order);
-  XLA ``hlo_cost_analysis.cc`` (``HandleDot``: 2 FLOPs per multiply-add).
+  XLA ``hlo_cost_analysis.cc`` (``HandleDot``, ``HandleConvolution``: 2 FLOPs per
+    multiply-add);
+  XLA ``cudnn_conv_rewriter`` (a convolution and its gradients as ``__cudnn$conv*``
+    custom-calls carrying the forward convolution's ``dim_labels``).
 """
 
 from __future__ import annotations
@@ -159,6 +162,36 @@ def _gemm_flops(comp: Computation, instr: Instruction) -> float:
     return 2.0 * math.prod(out) * math.prod(lhs[d] for d in dims if d < len(lhs))
 
 
+_CUDNN = re.compile(r'custom_call_target="__cudnn\$conv(Forward|BiasActivationForward|'
+                    r'BackwardInput|BackwardFilter)"')
+_DIM_LABELS = re.compile(r"dim_labels=[^_\s]+_([^-\s]+)->")
+
+
+def _conv_flops(comp: Computation, instr: Instruction) -> float:
+    """FLOPs of a cuDNN convolution custom-call (XLA:GPU's ``__cudnn$conv*``): 2 per
+    multiply-add of the forward convolution it computes or differentiates, ``2 x |forward
+    output| x |kernel| / output features``. Its ``dim_labels`` are the forward
+    convolution's; the forward output is the result of a forward call, the first operand
+    of a backward-input one and the second of a backward-filter one, whose result is the
+    kernel's gradient."""
+    kind, labels = _CUDNN.search(instr.attrs), _DIM_LABELS.search(instr.attrs)
+    if kind is None or labels is None or len(instr.operands) < 2:
+        return 0.0
+
+    def dims(name: str | None) -> list[int]:
+        src = comp.instructions.get(name) if name else None
+        return (_dims(leaves(shape_tree(src.shape))[0]) or []) if src is not None else []
+
+    result = _dims(leaves(shape_tree(instr.shape))[0]) or []
+    first, second = dims(instr.operands[0]), dims(instr.operands[1])
+    out, kernel = {"BackwardInput": (first, second),
+                   "BackwardFilter": (second, result)}.get(kind.group(1), (result, second))
+    at = labels.group(1).find("o")
+    if not out or not kernel or not 0 <= at < len(kernel) or not kernel[at]:
+        return 0.0
+    return 2.0 * math.prod(out) * math.prod(kernel) / kernel[at]
+
+
 class _Replay:
     """The two streams' clocks while a module is replayed (see the module docstring)."""
 
@@ -179,7 +212,7 @@ class _Replay:
             if instr.opcode.endswith(("-done", "-update")):  # waits, printed with calls=
                 w = 0.0
             elif instr.opcode == "custom-call":
-                w = _gemm_flops(comp, instr)
+                w = _gemm_flops(comp, instr) or _conv_flops(comp, instr)
             else:
                 w = instruction_flops(comp, instr) + sum(
                     _flops(self.comps, c, True, self.memo) for c in _CALLS.findall(instr.attrs))
