@@ -200,18 +200,32 @@ def from_inputs(cg: CostGraph, layouts: Mapping[int, NdSbp]) -> dict[int, int] |
     cheaper end point is the seed's plan. Inputs
     whose layout is not one of their choices (uneven) are left to the greedy passes; None
     when no input could be fixed."""
+    inputs = fixed_inputs(cg, layouts)
+    if not inputs:
+        return None
+    ends = completions(cg, inputs)
+    return ends[0]
+
+
+def completions(cg: CostGraph, inputs: Mapping[int, int]) -> list[dict[int, int]]:
+    """The two end points :func:`from_inputs` chooses between, for graph-input nodes fixed
+    to the choices ``inputs``: cheapest first (a search under a memory budget keeps each,
+    as the leaner may be the one that fits)."""
+    tail = tail_nodes(cg)
+    ends = [descend(cg, greedy(cg, dict(inputs), tail, kept))
+            for kept in (frozenset(), batch_nodes(cg))]
+    return sorted(ends, key=lambda x: objective(cg, x))
+
+
+def fixed_inputs(cg: CostGraph, layouts: Mapping[int, NdSbp]) -> dict[int, int]:
+    """Graph-input node -> choice for the ``layouts`` (by input index) that are one of
+    their node's choices (an uneven layout is left out)."""
     inputs = {}
     for k, nd in layouts.items():
         node = cg.producer[cg.graph.inputs[k].id][0]
-        if cg.resolve(node)[0] != node or nd not in cg.choices[node]:
-            continue
-        inputs[node] = cg.choices[node].index(nd)
-    if not inputs:
-        return None
-    tail = tail_nodes(cg)
-    ends = [descend(cg, greedy(cg, inputs, tail, kept))
-            for kept in (frozenset(), batch_nodes(cg))]
-    return min(ends, key=lambda x: objective(cg, x))
+        if cg.resolve(node)[0] == node and nd in cg.choices[node]:
+            inputs[node] = cg.choices[node].index(nd)
+    return inputs
 
 
 def _split_most(cg: CostGraph, i: int, reach) -> int:

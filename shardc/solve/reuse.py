@@ -46,7 +46,9 @@ class Starts:
         return self._kept[key]
 
     def _made_here(self, x: dict[int, int]) -> bool:
-        return any(x is y for k, y in self._kept.items() if k == "lean" or k[0] == "seed")
+        return any(x is y for k, y in self._kept.items() if k == "lean") or any(
+            x is y for k, ends in self._kept.items() if k != "lean" and k[0] == "seed"
+            for y in ends)
 
     def peak(self, x: dict[int, int]) -> float:
         """The exact per-device peak of the plan ``x`` (every program point: no memory cut
@@ -61,9 +63,13 @@ class Starts:
             return descent.objective(self.cg, x)
         return self._get(("objective", id(x)), lambda: descent.objective(self.cg, x))
 
-    def seed(self, layouts: Mapping[int, NdSbp]) -> dict[int, int] | None:
-        return self._get(("seed", frozenset(layouts.items())),
-                         lambda: descent.from_inputs(self.cg, layouts))
+    def seed(self, layouts: Mapping[int, NdSbp]) -> list[dict[int, int]]:
+        """A hand-written plan's completions (:func:`descent.completions`, cheapest
+        first); none where no input keeps its layout."""
+        def made() -> list[dict[int, int]]:
+            inputs = descent.fixed_inputs(self.cg, layouts)
+            return descent.completions(self.cg, inputs) if inputs else []
+        return self._get(("seed", frozenset(layouts.items())), made)
 
     def lean(self) -> dict[int, int]:
         return self._get("lean", lambda: descent.lean(self.cg))

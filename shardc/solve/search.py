@@ -112,12 +112,13 @@ def solve(cg: CostGraph, options: SolveOptions = SolveOptions(), kept: Starts | 
     large = use_ilp and problem_size(cg) > ILP_FULL_TERMS  # folded, its quotient solved
     folding = (quotient(cg, kept.classes()), kept.classes()) if large else None
     x = _descent(cg, folding, memory_budget)
-    seed_plans = {}
+    seed_plans, starts = {}, []
     for name, layouts in options.seeds.items():
-        y = kept.seed(layouts)
-        if y is not None:
-            seed_plans[name] = y
-    starts = list(seed_plans.values())
+        ends = kept.seed(layouts)  # cheapest first; under a budget the leaner may fit
+        fit = [y for y in ends if memory_budget is None or kept.peak(y) <= memory_budget]
+        if ends:
+            seed_plans[name] = (fit or ends)[0]
+        starts += ends
     if memory_budget is not None:
         starts.append(kept.lean())
     for y in starts:
