@@ -322,10 +322,6 @@ def test_an_fsdp_seed_keeps_the_batch_split_and_gathers_the_weights():
     cg.merge_followers()
     layouts = {k: NdSbp((Split(0),)) for k in range(len(t.graph.inputs))}
     seeded = descent.from_inputs(cg, layouts)
-    inputs = {}
-    for k, nd in layouts.items():
-        node = cg.producer[cg.graph.inputs[k].id][0]
-        if cg.resolve(node)[0] == node and nd in cg.choices[node]:
-            inputs[node] = cg.choices[node].index(nd)
+    inputs = descent.fixed_inputs(cg, layouts)
     cheapest = descent.descend(cg, descent.greedy(cg, inputs, descent.tail_nodes(cg)))
     assert descent.objective(cg, seeded) < 0.8 * descent.objective(cg, cheapest)
