@@ -185,8 +185,7 @@ class _Lowering(ControlFlow):
         plan keeps partial, every partial value made by an op of the body (not of a call
         inside it) that :func:`stackable` allows. Returns, per ys, the mesh axes it leaves
         the loop stacked over (none where it leaves reduced)."""
-        made = {v.id: op for op in loop.body.steps
-                if not isinstance(op, (Region, Loop, Fork, Inlined)) for v in op.outputs}
+        made = {v.id: op for op in _own_ops(loop.body.steps) for v in op.outputs}
         todo = []
         for e in carried:
             planned = self.by_op.get(e.id)
@@ -471,7 +470,14 @@ class _Lowering(ControlFlow):
 
         for eqn, step in zip(jaxpr.eqns, region.steps):
             ins = [read(a) for a in eqn.invars]
-            if isinstance(step, Region):
+            if isinstance(step, Region) and any(v.id in self.stacked for op in
+                                                _own_ops(step.steps) for v in op.outputs):
+                # it makes a value held stacked: inlined, so that value leaves it stacked
+                # (a call's body returns whole values; XLA would reduce it in the call)
+                sub = eqn.params[facts(eqn.primitive.name).call]
+                outs = self.region(step, tuple(sub.consts) if hasattr(sub, "consts") else (),
+                                   ins)
+            elif isinstance(step, Region):
                 outs = self.call(eqn, step, [unstack(x) for x in ins])
             elif isinstance(step, Loop) and step.test is not None:
                 outs = self.while_loop(eqn, step, [unstack(x) for x in ins])
@@ -488,6 +494,18 @@ class _Lowering(ControlFlow):
                 if not isinstance(var, jcore.DropVar):
                     env[var] = x
         return [read(a) for a in jaxpr.outvars]
+
+
+def _own_ops(steps) -> list:
+    """The ops of ``steps`` and of the calls among them, recursively (not of loops or
+    conds inside, which run as their own bodies)."""
+    out = []
+    for step in steps:
+        if isinstance(step, Region):
+            out += _own_ops(step.steps)
+        elif not isinstance(step, (Loop, Fork, Inlined)):
+            out.append(step)
+    return out
 
 
 def evaluator(traced: Traced, plan, mesh: Mesh) -> Callable[..., list]:
