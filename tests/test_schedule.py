@@ -489,7 +489,7 @@ ENTRY %main (x: f32[16,32,32,16], w: f32[16,3,3,16], dy: f32[16,32,32,16]) -> f3
   %y = f32[16,32,32,16]{3,2,1,0} get-tuple-element(%fwd), index=0
   ROOT %g = f32[16,32,32,16]{3,2,1,0} get-tuple-element(%dx), index=0
 }
-"""
+"""  # noqa: E501
 
 
 def test_cudnn_convolutions_weigh_their_forward_convolutions_flops():
