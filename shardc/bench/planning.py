@@ -60,8 +60,9 @@ def _model(name: str, layers: int):
     return llama, llama.LlamaConfig.realistic(n_layers=layers), True
 
 
-def measure(name: str, layers: int) -> PlanningCase:
-    """Plan one case (the process must have at least 8 devices)."""
+def _case_step(name: str, layers: int):
+    """One case's step on the planning mesh (the process must have at least 8 devices),
+    its abstract arguments, and whether its layers are scanned."""
     import jax
 
     import shardc
@@ -72,7 +73,12 @@ def measure(name: str, layers: int) -> PlanningCase:
                          devices=jax.devices()[:8])
     step = shardc.auto_shard(module.build_step(cfg), mesh=mesh,
                              cluster=shardc.Cluster.multi_node(*names))
-    args = module.abstract_args(cfg)
+    return step, module.abstract_args(cfg), scanned
+
+
+def measure(name: str, layers: int) -> PlanningCase:
+    """Plan one case (the process must have at least 8 devices)."""
+    step, args, scanned = _case_step(name, layers)
     t0 = time.perf_counter()
     plan = step.plan(*args)
     plan_s = time.perf_counter() - t0
@@ -93,11 +99,13 @@ def _fresh(call: str, what: str, setup: str = "") -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+_EIGHT_DEVICES = "from shardc.cli import _force_cpu_devices; _force_cpu_devices(8); "
+
+
 def measure_fresh(name: str, layers: int) -> PlanningCase:
     """:func:`measure` in a fresh Python process with 8 simulated CPU devices."""
     return PlanningCase(**_fresh(f"measure({name!r}, {layers})", f"{name} with {layers} layers",
-                                 "from shardc.cli import _force_cpu_devices; "
-                                 "_force_cpu_devices(8); "))
+                                 _EIGHT_DEVICES))
 
 
 #: (model, layers): the frontiers timed (``step.pareto``): GPT-2 small, the scanned Llama
@@ -123,17 +131,7 @@ class FrontierCase:
 
 def measure_frontier(name: str, layers: int) -> FrontierCase:
     """Time one case's frontier (the process must have at least 8 devices)."""
-    import jax
-
-    import shardc
-
-    module, cfg, scanned = _model(name, layers)
-    shape, names = MESH
-    mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * 2,
-                         devices=jax.devices()[:8])
-    step = shardc.auto_shard(module.build_step(cfg), mesh=mesh,
-                             cluster=shardc.Cluster.multi_node(*names))
-    args = module.abstract_args(cfg)
+    step, args, scanned = _case_step(name, layers)
     t0 = time.perf_counter()
     frontier = step.pareto(*args)
     seconds = time.perf_counter() - t0
@@ -148,9 +146,7 @@ def measure_frontier(name: str, layers: int) -> FrontierCase:
 def measure_frontier_fresh(name: str, layers: int) -> FrontierCase:
     """:func:`measure_frontier` in a fresh Python process with 8 simulated CPU devices."""
     return FrontierCase(**_fresh(f"measure_frontier({name!r}, {layers})",
-                                 f"the frontier of {name} with {layers} layers",
-                                 "from shardc.cli import _force_cpu_devices; "
-                                 "_force_cpu_devices(8); "))
+                                 f"the frontier of {name} with {layers} layers", _EIGHT_DEVICES))
 
 
 @dataclass(frozen=True)

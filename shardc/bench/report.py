@@ -51,7 +51,7 @@ def summary(cells: list[Cell]) -> list[dict]:
                "not_fitting": {c.method: c.peak_memory for c in experts if c.fits is False}}
         if ours and best:
             row["ratio"] = ours.compiled_s / best.compiled_s
-        row.update(_overlapped(next((c for c in cs if c.method == "shardc+overlap"
+        row.update(_overlapped(next((c for c in cs if c.method == shardc_method("nccl", True)
                                      and c.compiled_overlap_s), ours), fitting))
         if ours and ours.predicted_peak and ours.peak_memory:
             row["memory_error"] = ours.predicted_peak / ours.peak_memory - 1.0
