@@ -1,27 +1,27 @@
 """shardc: an auto-sharding compiler for JAX."""
 
 from shardc import rules as rules
-from shardc.api import AutoSharded as AutoSharded
-from shardc.api import NeedsDevicesError as NeedsDevicesError
-from shardc.api import Options as Options
-from shardc.api import auto_shard as auto_shard
-from shardc.api import device_sweep as device_sweep
-from shardc.api import pareto as pareto
 from shardc.cost.cluster import Cluster as Cluster
-from shardc.frontier import DeviceSweep as DeviceSweep
-from shardc.frontier import Frontier as Frontier
 from shardc.ir.sbp import B as B
 from shardc.ir.sbp import Broadcast as Broadcast
 from shardc.ir.sbp import NdSbp as NdSbp
 from shardc.ir.sbp import Partial as Partial
 from shardc.ir.sbp import Split as Split
 from shardc.pipeline.schedule import Pipeline as Pipeline
-from shardc.plan import Plan as Plan
-from shardc.plan import PlanFormatError as PlanFormatError
-from shardc.plan import Predicted as Predicted
+from shardc.plan.record import Plan as Plan
+from shardc.plan.record import PlanFormatError as PlanFormatError
+from shardc.plan.record import Predicted as Predicted
 from shardc.rules.registry import NoRuleWarning as NoRuleWarning
 from shardc.rules.registry import register as register
 from shardc.solve.search import MemoryBudgetError as MemoryBudgetError
+from shardc.step.auto_shard import AutoSharded as AutoSharded
+from shardc.step.auto_shard import NeedsDevicesError as NeedsDevicesError
+from shardc.step.auto_shard import Options as Options
+from shardc.step.auto_shard import auto_shard as auto_shard
+from shardc.step.auto_shard import device_sweep as device_sweep
+from shardc.step.auto_shard import pareto as pareto
+from shardc.tradeoff.frontier import DeviceSweep as DeviceSweep
+from shardc.tradeoff.frontier import Frontier as Frontier
 
 __all__ = ["AutoSharded", "B", "Broadcast", "Cluster", "DeviceSweep", "Frontier",
            "MemoryBudgetError", "NdSbp", "NeedsDevicesError", "NoRuleWarning", "Options",

@@ -37,7 +37,7 @@ def main(argv: list[str]) -> None:
 
     import shardc
     from shardc.models import gpt
-    from shardc.multihost import PlanMismatchError, global_batch, plan_digest, process_slice
+    from shardc.runtime.multihost import PlanMismatchError, global_batch, plan_digest, process_slice
 
     assert len(jax.devices()) == LOCAL_DEVICES * num_processes
     cfg = gpt.GPTConfig.tiny()

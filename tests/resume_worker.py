@@ -39,9 +39,9 @@ def main(argv: list[str]) -> None:
     from jax.sharding import AxisType
 
     import shardc
-    from shardc.checkpoint import Checkpoints
     from shardc.models import mlp
-    from shardc.multihost import global_batch, process_slice
+    from shardc.runtime.checkpoint import Checkpoints
+    from shardc.runtime.multihost import global_batch, process_slice
 
     def say(**event):
         print(json.dumps({"process": process_id, **event}), flush=True)

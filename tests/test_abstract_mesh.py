@@ -13,9 +13,9 @@ import shardc
 from shardc.cli import main
 from shardc.cost.cluster import CROSS_POD_BW, IB_BW, IB_LAT, NVLINK_BW, NVLINK_LAT, Cluster
 from shardc.models import mlp
-from shardc.multihost import plan_digest
-from shardc.plan import Plan
-from shardc.views import views
+from shardc.plan.record import Plan
+from shardc.runtime.multihost import plan_digest
+from shardc.tradeoff.views import views
 
 # weights of 1024 x 4096: large enough that a 128- or 512-device plan shards them
 BIG = mlp.MLPConfig(batch=1024, d_in=1024, hidden=4096, d_out=1024, n_layers=2)

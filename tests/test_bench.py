@@ -100,7 +100,7 @@ def test_cells_run_match_and_merge(tmp_path):
 def test_cli_plan_prints_and_saves_a_plan(tmp_path, capsys):
     """``shardc plan`` plans a zoo model from abstract shapes and saves a plan that loads."""
     from shardc.cli import main
-    from shardc.plan import Plan
+    from shardc.plan.record import Plan
 
     out = tmp_path / "plan.json"
     main(["plan", "mlp", "--mesh", "2x4", "--rows", "3", "--out", str(out)])

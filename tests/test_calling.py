@@ -16,7 +16,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as Ps
 
 import shardc
-from shardc.api import AutoSharded
+from shardc.step.auto_shard import AutoSharded
 
 AUTO = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
 EXPLICIT = jax.make_mesh((2, 4), ("node", "gpu"))  # jax.make_mesh's default: Explicit axes
@@ -163,7 +163,7 @@ def test_a_tracer_error_names_the_function_and_the_argument_path():
                        match=r"tracing the function branchy at .*test_calling\.py:\d+ for jit"
                              r"(.|\n)*argument flag") as got:
         shard(branchy)(X, X)
-    assert "shardc/calling.py" not in str(got.value) and "leaves[" not in str(got.value)
+    assert "shardc/step/calling.py" not in str(got.value) and "leaves[" not in str(got.value)
     line = str(want.value).split("tracing the function ")[1].split(" for ")[0]
     assert line in str(got.value)
 

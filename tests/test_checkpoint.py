@@ -12,8 +12,8 @@ from clusters import SLOW_DEVICES, SLOW_NODES
 from jax.sharding import AxisType
 
 import shardc
-from shardc.checkpoint import Checkpoints
 from shardc.models import mlp
+from shardc.runtime.checkpoint import Checkpoints
 
 CFG = mlp.MLPConfig.tiny()
 

@@ -14,9 +14,9 @@ from clusters import SLOW_NODES
 
 import shardc
 from shardc.cli import main
-from shardc.explain import spec_text
 from shardc.inspect import collectives
-from shardc.plan import Plan
+from shardc.plan.record import Plan
+from shardc.report.explain import spec_text
 
 # a 2-layer MLP regression step with plain SGD: not a zoo model; large enough that the
 # plan on node=2 x gpu=4 shards it (a smaller one runs replicated)
@@ -182,7 +182,7 @@ def test_export_rules_map_parameter_paths_to_specs(planned, capsys):
 def test_rules_fold_layers_that_agree_and_name_those_that_do_not():
     from jax.sharding import PartitionSpec as P
 
-    from shardc.export import path_rules
+    from shardc.report.export import path_rules
 
     names = [f"params.blocks[{i}].{w}" for i in range(4) for w in ("w", "b")]
     specs = [P(None, "gpu") if w == "w" and i != 2 else P() for i in range(4)

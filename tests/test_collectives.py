@@ -71,7 +71,7 @@ def test_a_group_over_nodes_uses_every_nic_of_the_node():
 
 def test_a_flattened_view_axis_keeps_its_nodes():
     """A view's 16-device axis over (node, gpu) is priced as the two physical axes are."""
-    from shardc.views import views
+    from shardc.tradeoff.views import views
 
     flat = next(v for v in views((2, 8), ("node", "gpu"), TWO) if len(v.shape) == 1)
     (name,) = flat.names

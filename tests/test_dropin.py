@@ -18,7 +18,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as Ps
 
 import shardc
-from shardc.plan import PlanFormatError
+from shardc.plan.record import PlanFormatError
 
 AUTO = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
 EXPLICIT = jax.make_mesh((2, 4), ("node", "gpu"))  # jax.make_mesh's default: Explicit axes
@@ -416,12 +416,12 @@ def test_a_saved_plan_runs_without_the_solver(monkeypatch):
         return jnp.tanh(x @ w) @ w.T
 
     text = shard(f).plan(W, X).to_json()
-    import shardc.api
+    import shardc.step.auto_shard
 
     def no_solver(*a, **k):
         raise AssertionError("the solver ran for a saved plan")
 
-    monkeypatch.setattr(shardc.api, "plan_graph", no_solver)
+    monkeypatch.setattr(shardc.step.auto_shard, "plan_graph", no_solver)
     s = shard(f)
     s.use_plan(shardc.Plan.from_json(text), W, X)
     close(s(W, X), f(W, X))

@@ -14,7 +14,7 @@ from shardc.bench.experts import Expert, compile_expert, preset_experts, state_s
 from shardc.bench.zoo import PRESETS, ZOO
 from shardc.cost.cluster import Cluster
 from shardc.models import common, mlp
-from shardc.views import views
+from shardc.tradeoff.views import views
 
 
 def _expert(model: str, name: str, preset: str = "node-8") -> Expert:

@@ -11,9 +11,9 @@ import pytest
 from jax.sharding import AxisType
 
 import shardc
-from shardc.explain import fold_repeats, merge_names, spec_text
 from shardc.models import gpt
-from shardc.plan import Plan
+from shardc.plan.record import Plan
+from shardc.report.explain import fold_repeats, merge_names, spec_text
 
 
 def test_fold_repeats_finds_the_longest_run_in_a_row():
@@ -128,8 +128,8 @@ def test_report_renders_as_html_and_rich_tables(mlp_plan):
 
 
 def test_generic_layouts_follow_their_rules():
-    from shardc.baselines import generic_layouts
     from shardc.ir.sbp import B, NdSbp, Split
+    from shardc.tradeoff.baselines import generic_layouts
 
     # state: two kernels, a bias, and an optimizer slot per kernel shaped like it (the
     # slots repeat the kernels' shapes in order: split alike); data: a batch of 8 rows
@@ -209,7 +209,7 @@ def test_plot_draws_layouts_and_the_time_split(mlp_plan, tmp_path):
     pytest.importorskip("matplotlib")
     import matplotlib
 
-    from shardc.plot import KINDS, comm_by_op, layout_codes
+    from shardc.report.plot import KINDS, comm_by_op, layout_codes
 
     backend = matplotlib.get_backend()
     _, _, plan = mlp_plan

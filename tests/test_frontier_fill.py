@@ -6,12 +6,12 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType
 
 import shardc
-from shardc.frontier import GAP, Sources, sweep
 from shardc.ir.remat import Segment, order, prefixes
 from shardc.ir.sbp import B, NdSbp
 from shardc.models import llama
-from shardc.plan import Plan, Predicted
+from shardc.plan.record import Plan, Predicted
 from shardc.solve.search import MemoryBudgetError
+from shardc.tradeoff.frontier import GAP, Sources, sweep
 
 MESH = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
 ABSTRACT = AbstractMesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)

@@ -14,7 +14,7 @@ from jobs import launch
 
 import shardc
 from shardc.models import gpt
-from shardc.multihost import plan_digest
+from shardc.runtime.multihost import plan_digest
 
 STEPS = 3
 

@@ -9,7 +9,6 @@ import pytest
 from jax.sharding import AbstractMesh
 
 import shardc
-from shardc.api import Options, tie_outputs
 from shardc.bench.zoo import PRESETS, ZOO
 from shardc.cost.cluster import ETH_BW, Cluster
 from shardc.cost.comm import conversion
@@ -20,6 +19,7 @@ from shardc.pipeline.choose import ChoiceOptions, best_pipeline, candidates
 from shardc.pipeline.cost import Parts, price
 from shardc.pipeline.scans import find_layers
 from shardc.pipeline.schedule import Pipeline
+from shardc.step.auto_shard import Options, tie_outputs
 
 #: alpha-beta links, for prices computed by hand: a permute over ``node`` is
 #: ``ALPHA + bytes / BW``

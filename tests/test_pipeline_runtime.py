@@ -18,7 +18,7 @@ from shardc.inspect.loops import multiplicity
 from shardc.pipeline import Pipeline, layers, pipeline_scan
 from shardc.pipeline.lowering import NoStackError
 from shardc.pipeline.stack import stack_named
-from shardc.plan import Plan
+from shardc.plan.record import Plan
 
 D = 8
 
@@ -242,7 +242,7 @@ def test_exported_module_runs_the_pipeline(tmp_path):
     """The exported module of a pipelined plan runs the stacks as its pipeline."""
     import importlib.util
 
-    from shardc.export import python_module
+    from shardc.report.export import python_module
 
     pipe = Pipeline("stage", 2, 4)
     mesh = auto_mesh(2)

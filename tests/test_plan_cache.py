@@ -17,8 +17,8 @@ import pytest
 from jax.sharding import AxisType
 
 import shardc
-from shardc.plan_cache import CACHE_ENV
 from shardc.solve import search
+from shardc.step.cache import CACHE_ENV
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -10,9 +10,9 @@ import pytest
 from jax.sharding import AxisType
 
 import shardc
-from shardc.export import python_module
 from shardc.ir import remat
 from shardc.ir.trace import rematerialized, trace
+from shardc.report.export import python_module
 
 L, B, D, H = 6, 4096, 64, 256
 

@@ -346,7 +346,7 @@ def test_results_made_before_the_overlap_column_still_load_and_render(tmp_path):
 
 
 def _plan(ops, reshards, values):
-    from shardc.plan import Plan, Predicted
+    from shardc.plan.record import Plan, Predicted
 
     return Plan(mesh_axes=(("x", 8),), cluster=Cluster(), inputs=(), outputs=(),
                 values=values, ops=tuple(ops), reshards=tuple(reshards),
@@ -360,8 +360,8 @@ def test_plan_overlap_gathers_ahead_and_settles_beside_independent_ops():
     produced partial and settled (all-reduced once, for every reader) runs beside an op
     independent of it: 3d = 6 against 3d + g = 7."""
     from shardc.ir.sbp import B, NdSbp, P, S
-    from shardc.plan import OpPlan, Reshard
-    from shardc.plan_overlap import plan_overlap
+    from shardc.plan.overlap import plan_overlap
+    from shardc.plan.record import OpPlan, Reshard
 
     s0, b, p = NdSbp((S(0),)), NdSbp((B,)), NdSbp((P,))
 
@@ -390,8 +390,8 @@ def test_plan_overlap_runs_combined_conversions_as_one_block():
     """The two gathers of the FSDP case above, combined by XLA into one collective: the
     first layer waits for both (2g), then the layers run: 2g + 2d = 6, not 5."""
     from shardc.ir.sbp import B, NdSbp, S
-    from shardc.plan import OpPlan, Reshard
-    from shardc.plan_overlap import _blocks, _in_order, plan_overlap
+    from shardc.plan.overlap import _blocks, _in_order, plan_overlap
+    from shardc.plan.record import OpPlan, Reshard
 
     s0, b = NdSbp((S(0),)), NdSbp((B,))
     ops = [OpPlan(0, "dot_general", "", (b, b), (b,), 2.0, 0.0, (2, 0), (3,)),
@@ -422,8 +422,8 @@ def test_plan_overlap_reduces_a_weight_gradient_after_the_rest_of_the_backward()
     (1-2), g = x.a (2-3), all-reduce 3-5 beside tanh(dx) (3-4), the update waits (5-6),
     then the last use of tanh (6-7): 7, where program order gives 6."""
     from shardc.ir.sbp import B, NdSbp, P
-    from shardc.plan import OpPlan, Reshard
-    from shardc.plan_overlap import plan_overlap
+    from shardc.plan.overlap import plan_overlap
+    from shardc.plan.record import OpPlan, Reshard
 
     b, p = NdSbp((B,)), NdSbp((P,))
 
@@ -441,7 +441,7 @@ def test_plan_overlap_reduces_a_weight_gradient_after_the_rest_of_the_backward()
 
 def test_plan_overlap_of_a_planned_fsdp_step_lies_within_the_bounds(mesh8):
     import shardc
-    from shardc.plan_overlap import plan_overlap
+    from shardc.plan.overlap import plan_overlap
 
     ws, x = _layers(), jnp.ones((BATCH, WIDTH), jnp.float32)
     for flops in (1e9, 1e8):  # slow devices: splitting pays for its communication
@@ -460,7 +460,7 @@ def test_an_overlap_cluster_ranks_the_mesh_views_by_their_overlapped_step():
     """Cluster(overlap=True): the search keeps the view whose overlapped step is least,
     and each view tried records the time it was ranked by."""
     import shardc
-    from shardc.plan_overlap import plan_overlap, ranking_time
+    from shardc.plan.overlap import plan_overlap, ranking_time
 
     ws, x = _layers(), jnp.ones((BATCH, WIDTH), jnp.float32)
     mesh = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)

@@ -14,7 +14,7 @@ from shardc.cost.cluster import Cluster
 from shardc.ir.sbp import B, NdSbp, P, Split
 from shardc.ir.trace import trace
 from shardc.models import mlp
-from shardc.plan import assemble
+from shardc.plan.record import assemble
 from shardc.solve import descent
 from shardc.solve.fold import fold, quotient, restrict
 from shardc.solve.ilp import solve_ilp
@@ -255,7 +255,7 @@ def test_seeds_bound_the_plan_and_are_reported():
     assert "seeds (hand-written plans, predicted): " in plan.explain()
     # and on the plan's own prediction (which prices XLA's combined collectives as the one
     # collective they compile to, where the objective shares them out): no seed beats it
-    from shardc.plan import assemble
+    from shardc.plan.record import assemble
     from shardc.solve.search import SolveOptions, plan_graph
 
     call = step.convention.split((state, data), {})
@@ -293,7 +293,7 @@ def test_a_replicated_state_seed_all_reduces_its_gradients():
     all-reduced once, not reduce-scattered and re-gathered for the replicated update."""
     step_fn, state, data, mesh = _mlp_2x2()
     t = trace(step_fn, state, data)
-    ties = shardc.api.tie_outputs(t.in_tree.children(), t.out_tree, t.graph)
+    ties = shardc.step.auto_shard.tie_outputs(t.in_tree.children(), t.out_tree, t.graph)
     cg = build(t.graph, (4,), ("x",), Cluster(), ties)
     cg.merge_followers()
     n_state = len(jax.tree.leaves(state))
@@ -317,7 +317,7 @@ def test_an_fsdp_seed_keeps_the_batch_split_and_gathers_the_weights():
     cfg, mod = zm.config("tiny"), zm.load()
     state, batch = mod.abstract_args(cfg)
     t = trace(mod.build_step(cfg), state, batch)
-    ties = shardc.api.tie_outputs(t.in_tree.children(), t.out_tree, t.graph)
+    ties = shardc.step.auto_shard.tie_outputs(t.in_tree.children(), t.out_tree, t.graph)
     cg = build(t.graph, (8,), ("x",), Cluster.nvlink_node(("x",)), ties)
     cg.merge_followers()
     layouts = {k: NdSbp((Split(0),)) for k in range(len(t.graph.inputs))}

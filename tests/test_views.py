@@ -8,8 +8,8 @@ from jax.sharding import AxisType
 import shardc
 from shardc.cost.cluster import IB_BW, IB_LAT, NVLINK_BW, Cluster
 from shardc.models import mlp
-from shardc.plan import Plan
-from shardc.views import views
+from shardc.plan.record import Plan
+from shardc.tradeoff.views import views
 
 
 def test_views_of_two_nodes_price_each_axis_at_the_links_it_crosses():

@@ -197,7 +197,7 @@ def _plan_row(out: Path, plan_path: str, mod, cfg, args, mesh, preset) -> dict:
     """shardc's saved plan for ``mod``'s step compiled on ``mesh``. The plan must come
     from the same JAX version: another traces another program (``use_plan`` refuses it)."""
     from shardc import auto_shard
-    from shardc.plan import Plan
+    from shardc.plan.record import Plan
 
     plan = Plan.from_json(Path(plan_path).read_text())
     step = auto_shard(mod.build_step(cfg), mesh=mesh, cluster=preset.cluster)

@@ -1,7 +1,7 @@
 """Hand-written expert plans: what practitioners write today, to measure shardc against.
 
 Each expert is a set of MaxText-style logical-axis rules on one logical view of the
-preset's devices (:mod:`shardc.views`, up to three axes): one for parameters, one for the
+preset's devices (:mod:`shardc.tradeoff.views`, up to three axes): one for parameters, one for the
 optimizer state that shadows them (by default the parameters' rule; ZeRO shards it where
 the parameters are replicated), one for activations, applied through the models'
 ``param_axes`` and ``shardc.models.logical.constrain`` annotations. The batch is split by
@@ -66,7 +66,7 @@ from shardc.models.logical import axis_rules, no_axis_rules, spec
 from shardc.pipeline.runtime import pipeline_scan
 from shardc.pipeline.schedule import Pipeline
 from shardc.pipeline.stack import running
-from shardc.views import View, views
+from shardc.tradeoff.views import View, views
 
 TENSOR = ("heads", "mlp", "vocab", "conv_out")
 """Logical dims Megatron-style tensor parallelism splits (column/row pairs, heads, and the
@@ -247,7 +247,7 @@ def _slow_outer(view: View) -> bool:
 
 def preset_experts(shape: tuple[int, ...], names: tuple[str, ...], cluster: Cluster,
                    traits: Traits = Traits()) -> list[Expert]:
-    """Every expert on every logical view of the devices (:func:`shardc.views.views`, up to
+    """Every expert on every logical view of the devices (:func:`shardc.tradeoff.views.views`, up to
     three axes): the whole-device forms once (on the flat view), the hybrid forms on each
     2-D view, data x FSDP x TP on each 3-D view, and the node-local forms on the physical
     mesh when its outer axis is slower."""

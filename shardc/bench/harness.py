@@ -26,7 +26,6 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding
 
-from shardc.api import auto_shard
 from shardc.bench.experts import (
     Expert,
     Traits,
@@ -37,8 +36,9 @@ from shardc.bench.experts import (
 )
 from shardc.bench.zoo import PRESETS, ZOO, Preset, ZooModel
 from shardc.inspect.hlo import price_all
-from shardc.plan import Plan
-from shardc.views import mesh_label, views
+from shardc.plan.record import Plan
+from shardc.step.auto_shard import auto_shard
+from shardc.tradeoff.views import mesh_label, views
 
 RTOL, ATOL = 1e-4, 1e-5
 ADAM_SLACK = 0.05
@@ -344,7 +344,7 @@ def expert_seeds(zm: ZooModel, mesh, preset: Preset, args, mesh_search: bool) ->
     shape, names = tuple(mesh.devices.shape), tuple(mesh.axis_names)
     param_axes = zm.load().param_axes
     planned = {v.names for v in views(shape, names, preset.cluster)} if mesh_search \
-        else {names}  # the mesh search plans no 3-D view (shardc.views)
+        else {names}  # the mesh search plans no 3-D view (shardc.tradeoff.views)
     out = {}
     for e in preset_experts(shape, names, preset.cluster, traits(zm)):
         if e.view.names not in planned:

@@ -217,7 +217,6 @@ def descent_gaps(presets: tuple[str, ...] = ("node-8", "node-2x4"),
     within ``GAP_ILP_LIMIT`` are left out."""
     import jax
 
-    from shardc.api import tie_outputs
     from shardc.bench.zoo import PRESETS, ZOO
     from shardc.ir.trace import trace
     from shardc.solve import descent
@@ -225,6 +224,7 @@ def descent_gaps(presets: tuple[str, ...] = ("node-8", "node-2x4"),
     from shardc.solve.ilp import solve_ilp
     from shardc.solve.problem import build
     from shardc.solve.search import quotient_refine
+    from shardc.step.auto_shard import tie_outputs
 
     out = []
     for zm in ZOO.values():
@@ -387,7 +387,7 @@ def measure_scale(shape: tuple[int, ...], names: tuple[str, ...],
 
     import shardc
     from shardc.bench.experts import batch_specs, state_specs
-    from shardc.views import View
+    from shardc.tradeoff.views import View
 
     cluster = (shardc.Cluster.multi_node(*names) if len(shape) == 2
                else shardc.Cluster.multi_pod(*names))

@@ -74,7 +74,7 @@ class Cluster:
     ``"alpha-beta"`` (one latency per collective); see :mod:`shardc.cost.collectives`.
     ``overlap=True`` ranks the candidate plans the search keeps (mesh views, remat levels,
     frontier points) by their step with communication overlapped with compute
-    (:func:`shardc.plan_overlap.ranking_time`), as XLA's latency-hiding scheduler runs
+    (:func:`shardc.plan.overlap.ranking_time`), as XLA's latency-hiding scheduler runs
     them on GPUs and TPUs; by default communication adds to compute.
     ``utilization`` is the fraction of ``device_flops`` that real kernels reach
     (PaddlePaddle's cost model uses the same factor). ``host_bandwidth`` prices feeding

@@ -65,8 +65,8 @@ class Verification:
         return [r for r in self.rows if r.status == "missing"]
 
     def table(self):
-        """The comparison as a :class:`shardc.tables.Table` (one row per kind)."""
-        from shardc.tables import Table
+        """The comparison as a :class:`shardc.report.tables.Table` (one row per kind)."""
+        from shardc.report.tables import Table
 
         return Table(
             "predicted vs compiled collectives (wire bytes per device):",

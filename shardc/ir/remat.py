@@ -227,7 +227,7 @@ def levels(segs: Sequence[Segment]) -> list[tuple[int, ...]]:
 def prefixes(segs: Sequence[Segment]) -> list[tuple[int, ...]]:
     """The greedy's remat choices, least recomputed first: none, the segment with the best
     trade (:func:`order`), the best two, and so on to every segment (each sorted). The
-    time-memory frontier (:mod:`shardc.frontier`) picks among them by budget."""
+    time-memory frontier (:mod:`shardc.tradeoff.frontier`) picks among them by budget."""
     best = order(segs)
     return [tuple(sorted(best[:k])) for k in range(len(segs) + 1)]
 

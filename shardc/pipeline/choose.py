@@ -2,7 +2,7 @@
 
 For a program with layer scans (:mod:`shardc.pipeline.scans`) on a mesh, every mesh axis
 ``a`` whose size S divides the layer count is a stage axis; with ``views``, so is every
-axis of the other logical views of the devices (:mod:`shardc.views`), each view planned
+axis of the other logical views of the devices (:mod:`shardc.tradeoff.views`), each view planned
 unpipelined too. For each, the program is planned once more with ``a`` cut to one device
 (the *stage* plan: the layouts inside a stage, data x FSDP x TP on the other axes, chosen
 by the ordinary search), and every pipeline over ``a`` is priced from it and the unpipelined plan
@@ -25,17 +25,17 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from shardc.cost.cluster import Cluster
-from shardc.explain import fmt_time
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Split
 from shardc.pipeline.cost import PipelinePrice, parts, price
 from shardc.pipeline.runs import pipelined_reshards
 from shardc.pipeline.scans import Layers, find_layers
 from shardc.pipeline.schedule import SCHEDULES, Pipeline
-from shardc.plan import Plan, Predicted, assemble
+from shardc.plan.record import Plan, Predicted, assemble
+from shardc.report.explain import fmt_time
 from shardc.solve.problem import NOTHING_FIXED, Fixed
 from shardc.solve.search import SolveOptions, plan_graph
-from shardc.views import View, views
+from shardc.tradeoff.views import View, views
 
 __all__ = ["Choice", "ChoiceOptions", "adopt", "best_pipeline", "candidates", "pinned",
            "updates"]
@@ -48,7 +48,7 @@ class ChoiceOptions:
     ``schedules``: those considered; ``max_virtual``: the most virtual stages per device
     a circular schedule may have; ``min_gain``: the share of the unpipelined step a
     pipeline must save to be chosen (module doc); ``views``: the stage axis may also be
-    an axis of another logical view of the devices (:func:`shardc.views.views`: one more
+    an axis of another logical view of the devices (:func:`shardc.tradeoff.views.views`: one more
     unpipelined plan per view, and one stage plan per axis). ``pipeline``: as ``auto_shard``'s
     option: None chooses, False chooses none, a :class:`Pipeline` prices that one."""
 

@@ -1,6 +1,6 @@
 """What solves of one cost graph at different memory budgets share, computed once.
 
-A frontier (:mod:`shardc.frontier`) plans the same program on the same mesh at a dozen
+A frontier (:mod:`shardc.tradeoff.frontier`) plans the same program on the same mesh at a dozen
 budgets. Each solve used to build the cost graph anew and merge its followers (2.5 and 0.9
 s of a 12-layer GPT-2 on (2, 4)), then place every seed and the lean plan on it and colour
 its repeated layers again, though none of that depends on the budget: only the memory cuts

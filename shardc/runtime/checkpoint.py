@@ -31,12 +31,12 @@ import os
 
 import jax
 
-from shardc.plan import Plan
+from shardc.plan.record import Plan
 
 try:
     import orbax.checkpoint as ocp
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError("shardc.checkpoint needs orbax-checkpoint: pip install "
+    raise ImportError("shardc.runtime.checkpoint needs orbax-checkpoint: pip install "
                       "'shardc[train]'") from exc
 
 __all__ = ["Checkpoints"]

@@ -36,7 +36,24 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from shardc.calling import (
+from shardc.cost.cluster import DEFAULT_CLUSTER, Cluster
+from shardc.ir.remat import levels
+from shardc.ir.sbp import Broadcast, NdSbp, from_partition_spec, to_partition_spec
+from shardc.ir.trace import DEFAULT_WHILE_TRIPS, Traced, rematerialized, trace
+from shardc.lower.emit import explicit_axes, jit_plan
+from shardc.pipeline.runtime import check_axis
+from shardc.pipeline.schedule import Pipeline
+from shardc.plan.overlap import ranking_time
+from shardc.plan.record import Plan, Predicted, assemble, fingerprint
+from shardc.report.explain import fmt_bytes, fmt_time
+from shardc.rules.fixed import on_mesh
+from shardc.rules.registry import has_rule, is_pinned, warn_missing
+from shardc.runtime.multihost import agree
+from shardc.solve.problem import NOTHING_FIXED, Fixed, feed_time
+from shardc.solve.reuse import Reuse
+from shardc.solve.search import MemoryBudgetError, SolveOptions, plan_graph
+from shardc.step.cache import PlanCache
+from shardc.step.calling import (
     Call,
     Convention,
     Dispatch,
@@ -47,9 +64,8 @@ from shardc.calling import (
     place,
     placement,
 )
-from shardc.cost.cluster import DEFAULT_CLUSTER, Cluster
-from shardc.explain import fmt_bytes, fmt_time
-from shardc.frontier import (
+from shardc.step.names import input_names, output_names
+from shardc.tradeoff.frontier import (
     BUDGETS,
     DeviceCount,
     DeviceSweep,
@@ -58,23 +74,7 @@ from shardc.frontier import (
     device_counts,
     sweep,
 )
-from shardc.ir.remat import levels
-from shardc.ir.sbp import Broadcast, NdSbp, from_partition_spec, to_partition_spec
-from shardc.ir.trace import DEFAULT_WHILE_TRIPS, Traced, rematerialized, trace
-from shardc.lower.emit import explicit_axes, jit_plan
-from shardc.multihost import agree
-from shardc.names import input_names, output_names
-from shardc.pipeline.runtime import check_axis
-from shardc.pipeline.schedule import Pipeline
-from shardc.plan import Plan, Predicted, assemble, fingerprint
-from shardc.plan_cache import PlanCache
-from shardc.plan_overlap import ranking_time
-from shardc.rules.fixed import on_mesh
-from shardc.rules.registry import has_rule, is_pinned, warn_missing
-from shardc.solve.problem import NOTHING_FIXED, Fixed, feed_time
-from shardc.solve.reuse import Reuse
-from shardc.solve.search import MemoryBudgetError, SolveOptions, plan_graph
-from shardc.views import View, mesh_label, views
+from shardc.tradeoff.views import View, mesh_label, views
 
 __all__ = ["AutoSharded", "NeedsDevicesError", "Options", "auto_shard", "device_sweep",
            "pareto"]
@@ -233,7 +233,7 @@ class AutoSharded:
         self._plans: dict[Any, Plan] = {}
         self._execs: dict[Any, Callable] = {}
         self._dispatch: dict[Any, Dispatch] = {}
-        #: calls' :func:`~shardc.calling.dispatch_key` -> the Dispatch the last such call ran
+        #: calls' :func:`~shardc.step.calling.dispatch_key` -> the Dispatch the last such call ran
         self._fast: dict[Any, Dispatch] = {}
         self._moved: set = set()
         _check_specs(options.in_shardings, self.mesh)
@@ -683,14 +683,14 @@ class AutoSharded:
         return plan
 
     def pareto(self, *args, budgets: int = BUDGETS, **kwargs) -> Frontier:
-        """The time-memory frontier for these arguments (:mod:`shardc.frontier`): plans at no
-        memory budget, at the smallest one a plan was found for, at ``budgets`` budgets
+        """The time-memory frontier for these arguments (:mod:`shardc.tradeoff.frontier`):
+        plans at no memory budget, at the smallest one a plan was found for, at ``budgets`` budgets
         between and in the gaps they leave, recomputing forward segments' activations as
-        the budget needs, and the generic layouts' plans (:mod:`shardc.baselines`, which
+        the budget needs, and the generic layouts' plans (:mod:`shardc.tradeoff.baselines`, which
         also seed every search, with the ``seeds`` option's); the non-dominated ones, each
         a plan ``use_plan`` runs. Nothing is cached:
         ``step.use_plan(frontier.pick(budget), *args)`` adopts one."""
-        from shardc.baselines import generic_layouts, layout_plan, optimizer_state
+        from shardc.tradeoff.baselines import generic_layouts, layout_plan, optimizer_state
 
         call = self.convention.split(args, kwargs)
         _, tr = self._traced(call)
@@ -730,17 +730,17 @@ class AutoSharded:
                              tuple(zip(names, sizes))), budgets)
 
     def _state(self, call: Call, tr: _Traced) -> set[int]:
-        """The graph inputs that are the program's state (:mod:`shardc.baselines`): those
+        """The graph inputs that are the program's state (:mod:`shardc.tradeoff.baselines`): those
         its results replace, else the first argument's leaves."""
         trees = call.arg_trees()
         return {i for _, i in tr.ties} or set(range(trees[0].num_leaves if trees else 0))
 
     def margins(self, *args, **kwargs):
         """The plan for these arguments beside generic data-parallel, FSDP, Megatron and
-        DP x TP layouts (:mod:`shardc.baselines`): on a mesh with devices each compiled and
+        DP x TP layouts (:mod:`shardc.tradeoff.baselines`): on a mesh with devices each compiled and
         priced from its HLO, the plan's program too; on an abstract mesh estimated on the
         plan's cost model. ``plan.explain(margins=step.margins(*args))`` prints them."""
-        from shardc.baselines import margins
+        from shardc.tradeoff.baselines import margins
 
         call = self.convention.split(args, kwargs)
         _, tr, plan = self._plan(call)
@@ -782,7 +782,7 @@ class AutoSharded:
     def device_sweep(self, *args, memory_budget: float | None = None, **kwargs
                      ) -> DeviceSweep:
         """The best plan for these arguments on each device count that divides the mesh
-        (:func:`shardc.frontier.device_counts`: the first devices, inner axes filled
+        (:func:`shardc.tradeoff.frontier.device_counts`: the first devices, inner axes filled
         first), within ``memory_budget`` bytes per device (default: this function's budget,
         else the cluster's ``device_memory``): how many devices the program needs, and what
         each more buys. Each count is planned on an AbstractMesh of its sub-mesh, its axes
@@ -832,8 +832,8 @@ class AutoSharded:
         ``(args, kwargs)`` pytrees of ``NamedSharding``, like ``jax.jit``'s
         ``Compiled.input_shardings``; the arguments may be ShapeDtypeStructs (on an
         AbstractMesh, the shardings are of it). Restore a
-        checkpoint into them (:class:`shardc.checkpoint.Checkpoints`) or assemble a batch
-        in them (:func:`shardc.multihost.global_batch`) and the step moves nothing."""
+        checkpoint into them (:class:`shardc.runtime.checkpoint.Checkpoints`) or assemble a batch
+        in them (:func:`shardc.runtime.multihost.global_batch`) and the step moves nothing."""
         call = self.convention.split(args, kwargs)
         _, tr, plan = self._plan(call)
         return call.unflatten(self._in_shardings(tr, plan))
@@ -1015,7 +1015,7 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh | AbstractMesh,
     hand-written plans to start from, ``{name: in_shardings}`` (PartitionSpecs per dynamic
     argument, as for ``jax.jit``): the plan's predicted cost is never above theirs, and
     ``plan.explain()`` lists what each costs. ``mesh_search`` also plans the other logical
-    views of the mesh's devices (:func:`shardc.views.views`: for ``(node=2, gpu=8)`` also
+    views of the mesh's devices (:func:`shardc.tradeoff.views.views`: for ``(node=2, gpu=8)`` also
     ``(16,)``, ``(4, 4)`` and ``(8, 2)``, each axis priced at the links it crosses), runs
     the cheapest, and records each view's predicted step in ``plan.solver["mesh_search"]``;
     it multiplies planning time by the number of views (4 for 16 devices).
@@ -1031,7 +1031,7 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh | AbstractMesh,
 
     ``cache_dir`` (else ``$SHARDC_CACHE_DIR``) keeps plans on disk keyed by the program,
     its argument types, the mesh, the cluster, these options and the shardc version
-    (:mod:`shardc.plan_cache`): another process planning the same program loads the plan
+    (:mod:`shardc.step.cache`): another process planning the same program loads the plan
     instead of solving. Plans are deterministic (see ``time_limit``), so the loaded plan is
     the one it would make.
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 import inspect
 import re
 
-from shardc.explain import spec_text
 from shardc.ir.sbp import to_partition_spec
 from shardc.lower.emit import conversion_steps
-from shardc.names import _key as names_key
-from shardc.views import mesh_label
+from shardc.report.explain import spec_text
+from shardc.step.names import _key as names_key
+from shardc.tradeoff.views import mesh_label
 
 __all__ = ["python_module", "rules_module"]
 
@@ -372,7 +372,7 @@ def path_rules(names, specs) -> tuple[list[tuple[str, str, int]], list[str]]:
 
 def rules_module(plan, source: str = "") -> str:
     """The text of a Python module of partition rules for the plan's arguments: a regular
-    expression over each leaf's path (as :mod:`shardc.names` writes it) mapped to its
+    expression over each leaf's path (as :mod:`shardc.step.names` writes it) mapped to its
     PartitionSpec, layer indices folded; results laid out otherwise than an argument, and
     anything the rules cannot say, are listed in its docstring."""
     if not plan.input_names:

@@ -25,12 +25,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import overload
 
-from shardc.explain import fmt_bytes, fmt_time
 from shardc.ir.remat import Segment, prefixes
 from shardc.ir.sbp import NdSbp
-from shardc.plan import Plan
+from shardc.plan.record import Plan
+from shardc.report.explain import fmt_bytes, fmt_time
 from shardc.solve.search import MemoryBudgetError
-from shardc.views import mesh_label
+from shardc.tradeoff.views import mesh_label
 
 __all__ = ["DeviceCount", "DeviceSweep", "Frontier", "Sources", "device_counts", "sweep"]
 
@@ -166,10 +166,10 @@ class Sources:
     ``place(remat, layouts)``: that program's plan around each of ``layouts`` (by name;
     input layouts on the physical mesh), placed without a search (as a seed is).
     ``layouts``: hand-written input layouts the frontier must not lose to (the generic
-    layouts of :mod:`shardc.baselines`, the user's seeds); ``segments``: the program's
+    layouts of :mod:`shardc.tradeoff.baselines`, the user's seeds); ``segments``: the program's
     forward segments (:mod:`shardc.ir.remat`); ``inputs``, ``shapes``: its graph inputs'
     bytes and shapes; ``optimizer``: the inputs only its update reads
-    (:func:`shardc.baselines.optimizer_state`); ``mesh``: the physical mesh's axes (a
+    (:func:`shardc.tradeoff.baselines.optimizer_state`); ``mesh``: the physical mesh's axes (a
     plan on another view lends no layouts)."""
 
     solve: Callable[..., Plan]

@@ -26,7 +26,7 @@ the plan's cluster) plus the host feed of their inputs: a plan that compiles to 
 parallelism's program reads 1.00x of it. On an abstract mesh (nothing to compile) the rest
 of the program is placed as a seed is (:func:`shardc.solve.descent.from_inputs`: the
 optimizer tail backwards from the state, the rest greedy in program order, then coordinate
-descent) and priced by :func:`shardc.plan.assemble`, like the plan itself: the table says
+descent) and priced by :func:`shardc.plan.record.assemble`, like the plan itself: the table says
 these are estimates.
 
 References:
@@ -42,14 +42,14 @@ from dataclasses import dataclass
 
 from shardc.cost.cluster import Cluster
 from shardc.cost.combine import tail_values
-from shardc.explain import fmt_bytes, fmt_time
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Split
-from shardc.plan import Plan, Predicted, assemble
+from shardc.plan.record import Plan, Predicted, assemble
+from shardc.report.explain import fmt_bytes, fmt_time
+from shardc.report.tables import Table
 from shardc.solve import descent
 from shardc.solve.problem import NOTHING_FIXED, Fixed, build
 from shardc.solve.search import Status
-from shardc.tables import Table
 
 __all__ = ["Baseline", "Margins", "generic_layouts", "layout_plan", "margins", "optimizer_state"]
 
@@ -217,10 +217,10 @@ def layout_plan(graph: Graph, ties: Sequence[tuple[int, int]], sizes: Sequence[i
     """The plan a hand-written layout of the graph inputs leads to without a search:
     ``layouts`` pinned (``fixed`` too, which wins where both name an input), the rest placed
     as a seed is (greedy from the inputs, then coordinate descent) and priced by
-    :func:`shardc.plan.assemble`, for ``graph``, a program that recomputes its forward
+    :func:`shardc.plan.record.assemble`, for ``graph``, a program that recomputes its forward
     segments ``remat`` of ``segments``; its solver record names the layout ``name``. A plan
     that runs: what the margins estimate, and
-    what the frontier (:mod:`shardc.frontier`) holds beside its searched plans."""
+    what the frontier (:mod:`shardc.tradeoff.frontier`) holds beside its searched plans."""
     pinned = Fixed(inputs={**layouts, **fixed.inputs}, outputs=fixed.outputs)
     cg = build(graph, tuple(sizes), tuple(names), cluster, ties, fixed=pinned,
                resident=resident)

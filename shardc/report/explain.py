@@ -11,8 +11,8 @@ import re
 import textwrap
 from collections import Counter
 
-from shardc.tables import Report, Table
-from shardc.views import mesh_label
+from shardc.report.tables import Report, Table
+from shardc.tradeoff.views import mesh_label
 
 
 def fmt_time(t: float) -> str:
@@ -308,7 +308,7 @@ def _pipeline(plan) -> str:
 def explain_report(plan, max_rows: int | None = 60, top: int = 10, margins=None,
                    verification=None) -> Report:
     """The plan as a :class:`Report`: totals, the argument and result tables, the per-op
-    table, the costliest reshards; with ``margins`` (:class:`shardc.baselines.Margins`) the
+    table, the costliest reshards; with ``margins`` (:class:`shardc.tradeoff.baselines.Margins`) the
     generic layouts priced beside it, with ``verification`` predicted vs compiled."""
     p = plan.predicted
     mesh = mesh_label(plan.mesh_axes)

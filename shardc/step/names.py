@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import jax
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
-from shardc.calling import Call
+from shardc.step.calling import Call
 
 __all__ = ["input_names", "key_path", "output_names"]
 

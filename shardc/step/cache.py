@@ -1,7 +1,7 @@
 """Plans cached on disk, so a second process planning the same program loads the plan.
 
-A plan is stored as its JSON (:meth:`shardc.plan.Plan.to_json`) under a key that covers
-everything the solver's answer depends on: the program (:func:`shardc.plan.fingerprint`:
+A plan is stored as its JSON (:meth:`shardc.plan.record.Plan.to_json`) under a key that covers
+everything the solver's answer depends on: the program (:func:`shardc.plan.record.fingerprint`:
 primitives, params, dataflow) and its argument types, the mesh's shape and axis names, the
 cluster, the planning options (budget, time limit, seeds, mesh search), the layouts the
 program must keep (ties, fixed inputs and outputs) and the shardc version. Plans are
@@ -30,7 +30,7 @@ import jax
 
 from shardc.ir.graph import Value
 from shardc.ir.sbp import NdSbp
-from shardc.plan import Plan, PlanFormatError
+from shardc.plan.record import Plan, PlanFormatError
 
 __all__ = ["CACHE_ENV", "PlanCache"]
 
@@ -59,7 +59,7 @@ class PlanCache:
             options: Any, seeds: Mapping[str, Mapping[int, NdSbp]], ties, fixed,
             resident: Collection[int] = ()) -> str:
         """A digest of what the plan depends on (see the module doc): ``program`` is the
-        graph's :func:`~shardc.plan.fingerprint`, ``inputs`` its inputs, ``seeds`` the
+        graph's :func:`~shardc.plan.record.fingerprint`, ``inputs`` its inputs, ``seeds`` the
         seed layouts by name, as the solver gets them."""
         from shardc import __version__
 

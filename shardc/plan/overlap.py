@@ -1,6 +1,6 @@
 """A plan's predicted step with its communication overlapped with its compute.
 
-:class:`shardc.plan.Predicted` adds every conversion's time to the compute time.
+:class:`shardc.plan.record.Predicted` adds every conversion's time to the compute time.
 :func:`plan_overlap` replays the plan the way :mod:`shardc.inspect.schedule` replays a
 compiled program, from the plan alone (to re-rank candidate plans without compiling
 them):
@@ -14,7 +14,7 @@ them):
   does its reduction: in XLA:GPU's compiled GPT-2 steps the gradient all-reduces of a
   data-parallel plan and FSDP's reduce-scatters all start in the last tenth of the
   compute, while FSDP's weight all-gathers run from the start.
-- **communication**: one stream; each conversion (:class:`shardc.plan.Reshard`, all its
+- **communication**: one stream; each conversion (:class:`shardc.plan.record.Reshard`, all its
   collectives one block) can start when the op producing its value ends (a program input
   at 0; a conversion from another conversion's result, as a value's settling followed by
   its reader's own conversion, when that one ends). Conversions XLA combines into one
@@ -54,7 +54,7 @@ from collections.abc import Sequence
 
 from shardc.inspect.schedule import Overlap, next_collective
 from shardc.ir.prims import facts
-from shardc.plan import OpPlan, Plan
+from shardc.plan.record import OpPlan, Plan
 
 __all__ = ["plan_overlap", "ranking_time"]
 
@@ -89,7 +89,7 @@ def _waiters(plan: Plan, ops: Sequence[OpPlan]) -> tuple[dict[int, list[int]], d
 
 
 def _in_order(plan: Plan, blocks: list[list[int]]) -> list[OpPlan]:
-    """The plan's ops in the order XLA's scheduler runs them (:mod:`shardc.plan_overlap`
+    """The plan's ops in the order XLA's scheduler runs them (:mod:`shardc.plan.overlap`
     docstring): first what reads the state as held (an input the step's tail reads,
     :func:`shardc.cost.combine.tail_values`, as the optimizer update reads the parameters,
     and what is computed from such inputs alone: a weight's reshape), which nothing else

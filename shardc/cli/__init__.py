@@ -131,7 +131,7 @@ def cluster_of(text: str | None, names: tuple[str, ...], cmd: str = "plan"):
 
 
 def _program(spec: str, cmd: str):
-    from shardc.program import ProgramError, load_program
+    from shardc.step.program import ProgramError, load_program
 
     try:
         return load_program(spec)
@@ -248,7 +248,7 @@ def _planned_step(args, cmd: str):
 
 
 def show(report, plain: bool = False) -> None:
-    """Print a :class:`shardc.tables.Report`: rich tables on a terminal when rich is
+    """Print a :class:`shardc.report.tables.Report`: rich tables on a terminal when rich is
     installed (the ``bench`` extra), else (or with ``plain``, or into a pipe) plain text."""
     import importlib.util
 
@@ -337,7 +337,7 @@ def cmd_calibrate(args) -> None:
 
 
 def _load_plan(path: str, cmd: str):
-    from shardc.plan import Plan, PlanFormatError
+    from shardc.plan.record import Plan, PlanFormatError
 
     try:
         with open(path) as f:
@@ -391,7 +391,7 @@ def _plot(plan, path: str) -> None:
 
 
 def cmd_export(args) -> None:
-    from shardc.export import python_module, rules_module
+    from shardc.report.export import python_module, rules_module
 
     plan = _load_plan(args.plan, "export")
     write = python_module if args.format == "python" else rules_module

@@ -197,18 +197,18 @@ class Plan:
 
     def report(self, max_rows: int | None = 60, top: int = 10, compiled=None, mesh=None,
                margins=None):
-        """:meth:`explain` as a :class:`shardc.tables.Report`: ``str()`` is the text, a rich
+        """:meth:`explain` as a :class:`shardc.report.tables.Report`: ``str()`` is the text, a rich
         console renders it as tables, a notebook as HTML."""
-        from shardc.explain import explain_report
+        from shardc.report.explain import explain_report
 
         check = self.verify(compiled, mesh) if compiled is not None else None
         return explain_report(self, max_rows, top, margins, check)
 
     def plot(self, path: str | None = None):
         """The per-op layout per mesh axis and the compute / communication split
-        (:func:`shardc.plot.plot_plan`, matplotlib); saved to ``path`` if given. Returns
+        (:func:`shardc.report.plot.plot_plan`, matplotlib); saved to ``path`` if given. Returns
         the ``matplotlib.figure.Figure``."""
-        from shardc.plot import plot_plan
+        from shardc.report.plot import plot_plan
 
         return plot_plan(self, path)
 

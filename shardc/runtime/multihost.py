@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from shardc.plan import Plan
+from shardc.plan.record import Plan
 
 __all__ = ["PlanMismatchError", "agree", "global_batch", "plan_digest", "process_slice"]
 
