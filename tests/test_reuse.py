@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from shardc.cost.cluster import Cluster
-from shardc.cost.combine import tail_values
+from shardc.ir.flow import tail_values
 from shardc.ir.sbp import B, NdSbp, Split
 from shardc.ir.trace import trace
 from shardc.solve.memory import memory_profile

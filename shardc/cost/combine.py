@@ -26,35 +26,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardc.ir.flow import tail_values
 from shardc.ir.graph import Graph
 from shardc.ir.prims import facts
 
 #: collective kinds whose independent instances XLA merges into one (see the module doc)
 COMBINED_KINDS = frozenset({"all-reduce", "reduce-scatter"})
-
-
-def tail_values(graph: Graph) -> frozenset[int]:
-    """Ids of values whose every path to the outputs passes tail primitives only (computed
-    once per graph: :meth:`shardc.ir.graph.Graph.memo`)."""
-    return graph.memo("tail_values", _tail_values)
-
-
-def _tail_values(graph: Graph) -> frozenset[int]:
-    consumers = graph.consumers()
-    outputs = {v.id for v in graph.outputs}
-    tail: set[int] = set()
-
-    def is_tail(v) -> bool:
-        users = consumers.get(v.id, [])
-        if not users:
-            return v.id in outputs
-        return all(facts(u.name).tail and all(o.id in tail for o in u.outputs)
-                   for u, _ in users)
-
-    for op in reversed(graph.ops):
-        tail.update(v.id for v in op.outputs if is_tail(v))
-    tail.update(v.id for v in graph.inputs if is_tail(v))
-    return frozenset(tail)
 
 
 def alpha_scales(graph: Graph) -> dict[int, float]:

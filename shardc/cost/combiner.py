@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shardc.cost.combine import Combiner
+from shardc.ir.flow import reads
 from shardc.ir.graph import Graph
-from shardc.solve.memory import reads
 
 __all__ = ["Pending", "Use", "combine_groups", "post_order"]
 

@@ -34,6 +34,7 @@ from jax.extend import core as jcore
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from shardc.cost.comm import conversion
+from shardc.ir.flow import carry_exit, loop_ties, reads, unrolled_sums
 from shardc.ir.prims import facts
 from shardc.ir.remat import is_gate
 from shardc.ir.sbp import B, NdSbp, Split, to_partition_spec
@@ -50,8 +51,6 @@ from shardc.lower.partial import (
     vmapped,
 )
 from shardc.pipeline.lowering import Stacks, made_by
-from shardc.solve.memory import carry_exit, reads
-from shardc.solve.problem import loop_ties, unrolled_sums
 
 
 def _split_whole(planned) -> bool:
@@ -225,7 +224,7 @@ class _Lowering(ControlFlow):
 
     def stack_top(self, region: Region) -> None:
         """Record which of the program's own values are held stacked: the sums a Python
-        loop makes of partial values (:func:`shardc.solve.problem.unrolled_sums`) the plan
+        loop makes of partial values (:func:`shardc.ir.flow.unrolled_sums`) the plan
         keeps partial, and back from each, the partial values they are made from."""
         made = {v.id: op for op in region.steps
                 if not isinstance(op, (Region, Loop, Fork, Inlined)) for v in op.outputs}

@@ -91,7 +91,7 @@ def _waiters(plan: Plan, ops: Sequence[OpPlan]) -> tuple[dict[int, list[int]], d
 def _in_order(plan: Plan, blocks: list[list[int]]) -> list[OpPlan]:
     """The plan's ops in the order XLA's scheduler runs them (:mod:`shardc.plan.overlap`
     docstring): first what reads the state as held (an input the step's tail reads,
-    :func:`shardc.cost.combine.tail_values`, as the optimizer update reads the parameters,
+    :func:`shardc.ir.flow.tail_values`, as the optimizer update reads the parameters,
     and what is computed from such inputs alone: a weight's reshape), which nothing else
     holds back; then the rest as late as its longest path to the step's end allows, longest
     first, ties in program order. A collective combined from several conversions

@@ -26,11 +26,12 @@ from shardc.cost.collectives import seconds
 from shardc.cost.combine import alpha_scales, combiner_for
 from shardc.cost.combiner import Pending, Use, combine_groups
 from shardc.cost.comm import conversion
+from shardc.ir.flow import carry_exit, loop_tests, loop_ties, read_runs, reads
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Partial, to_partition_spec
 from shardc.pipeline.schedule import Pipeline
-from shardc.solve.memory import carry_exit, memory_profile, reads
-from shardc.solve.problem import CostGraph, feed_time, loop_tests, loop_ties, read_runs
+from shardc.solve.memory import memory_profile
+from shardc.solve.problem import CostGraph, feed_time
 from shardc.solve.reduced_ys import unreduced_ys, ys_exits, ys_shares
 
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from shardc.cost.combine import tail_values
+from shardc.ir.flow import tail_values
 from shardc.ir.graph import Op, Value
 from shardc.ir.prims import facts
 from shardc.ir.sbp import NdSbp
@@ -125,7 +125,7 @@ def greedy(cg: CostGraph, inputs: dict[int, int], first: Sequence[int] = (),
 def batch_nodes(cg: CostGraph) -> frozenset[int]:
     """Live nodes whose value depends on an input the step does not update: the batch and
     what the step computes from it (activations, their gradients), as against the state
-    (an input the tail reads, :func:`shardc.cost.combine.tail_values`) and what is computed
+    (an input the tail reads, :func:`shardc.ir.flow.tail_values`) and what is computed
     from the state alone (a parameter's transpose or cast)."""
     graph = cg.graph
     tail = tail_values(graph)
@@ -167,7 +167,7 @@ def _uses_cost(cg: CostGraph, adj: Mapping[int, list], x: Mapping[int, int], i: 
 
 
 def tail_nodes(cg: CostGraph) -> list[int]:
-    """Live nodes of the step's tail (:func:`shardc.cost.combine.tail_values`: the optimizer
+    """Live nodes of the step's tail (:func:`shardc.ir.flow.tail_values`: the optimizer
     update and the settles of the gradients entering it) in reverse program order: from the
     new state back to the gradients."""
     tail = tail_values(cg.graph)

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from shardc.cost.combine import COMBINED_KINDS, XLA_CPU, tail_values
+from shardc.cost.combine import COMBINED_KINDS, XLA_CPU
+from shardc.ir.flow import carry_exit, reads, tail_values
 from shardc.ir.graph import Graph, Op, Value
 from shardc.ir.prims import facts
 from shardc.ir.sbp import NdSbp
@@ -29,28 +30,13 @@ from shardc.ir.trace import COND_ENTER, COND_EXIT, SCAN_ENTER, SCAN_EXIT
 if TYPE_CHECKING:
     from shardc.solve.problem import CostGraph
 
-__all__ = ["carry_exit", "combined", "fused_values", "host", "memory_cut", "memory_point",
-           "memory_points", "memory_profile", "partial_ys", "reads", "stacked_reads"]
+__all__ = ["combined", "fused_values", "host", "memory_cut", "memory_point", "memory_points",
+           "memory_profile", "partial_ys", "stacked_reads"]
 
 MEMORY_POINTS = 4  # program points sampled for the memory constraint (Alpa samples too)
 FUSING_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
 """Reductions XLA fuses their elementwise operands into (an input fusion): a softmax's
 ``exp`` read by its sum and its normalisation is never stored."""
-
-
-def carry_exit(op: Op) -> bool:
-    """``op`` is a scan's carry result: it reads the loop-carried value (its
-    ``scan_enter``'s output) as the loop keeps it, made, not settled for the body's uses."""
-    return op.prim is SCAN_EXIT and op.params["kind"] == "carry"
-
-
-def reads(op: Op) -> list[tuple[int, Value]]:
-    """(input slot, value) pairs the cost graph prices for ``op``: its inputs, except that a
-    scan's carry result is read from the loop-carried value (:func:`carry_exit`), not from
-    the body's last value."""
-    if carry_exit(op):
-        return [(0, op.params["enter"])]
-    return list(enumerate(op.inputs))
 
 
 def joined(graph: Graph) -> tuple[set[int], dict[int, int]]:
@@ -204,7 +190,7 @@ def _cut_fusion(cg: CostGraph, choice: Sequence[int], vid: int, at: int, made: l
 
 
 def _tail_after(graph: Graph, tail: set[int]) -> dict[int, tuple[int, int]]:
-    """Per tail value (:func:`shardc.cost.combine.tail_values`), ``(its bit, the bits of the
+    """Per tail value (:func:`shardc.ir.flow.tail_values`), ``(its bit, the bits of the
     tail values computed from it)``: a tail value's collective can join XLA's combined one
     with another's unless one is computed from the other (``CombineInstructionsByKey``
     combines independent collectives only)."""

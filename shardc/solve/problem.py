@@ -29,14 +29,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardc.cost.cluster import Cluster
-from shardc.cost.combine import alpha_scales, tail_values
+from shardc.cost.combine import alpha_scales
 from shardc.cost.comm import Conversion, conversion
+from shardc.ir.flow import carry_exit, loop_tests, loop_ties, read_runs, reads, unrolled_sums
 from shardc.ir.graph import Graph, Op, Value
 from shardc.ir.prims import facts
 from shardc.ir.sbp import B, Broadcast, NdSbp, Partial, Split
 from shardc.ir.trace import SCAN_ENTER, SCAN_EXIT
 from shardc.rules.registry import strategies
-from shardc.solve.memory import carry_exit, memory_points, reads
+from shardc.solve.memory import memory_points
 from shardc.solve.reduced_ys import stacked_ys, whole_partial, ys_exits, ys_reduction, ys_shares
 
 
@@ -548,8 +549,6 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
     return cg
 
 
-
-
 def _op_strategies(graph: Graph, axis_sizes: tuple[int, ...], axis_names: tuple[str, ...]
                    ) -> list[list]:
     """Each op's strategies on the mesh (:func:`shardc.rules.registry.strategies`), one
@@ -573,32 +572,6 @@ def _op_strategies(graph: Graph, axis_sizes: tuple[int, ...], axis_names: tuple[
                 cache[key] = strats
         out.append(strats)
     return out
-
-
-def read_runs(runs: Mapping[int, int], val: Value, op: Op) -> int:
-    """How many times per call ``op``'s read of ``val`` is converted: as often as the more
-    frequent end runs (a value made outside a loop and read inside it: every iteration).
-    ``runs`` is :meth:`Graph.runs`."""
-    return max(runs.get(val.id, 1), op.weight)
-
-
-def loop_ties(graph: Graph) -> list[tuple[Op, Value]]:
-    """(carry's ``scan_enter``, the value the body returns for it): converted to the
-    carried layout at the end of every iteration."""
-    out = []
-    for op in graph.ops:
-        tie = op.params.get("tie") if op.prim is SCAN_ENTER else None
-        if tie is not None and not tie.is_const and tie is not op.outputs[0]:
-            out.append((op, tie))
-    return out
-
-
-def loop_tests(graph: Graph) -> list[Value]:
-    """The predicates of the while loops (a carry's ``scan_enter`` names it, ``test``): read
-    replicated every iteration, so that every device runs the same number."""
-    tests = {op.params["test"].id: op.params["test"] for op in graph.ops
-             if op.prim is SCAN_ENTER and op.params.get("test") is not None}
-    return [v for v in tests.values() if not v.is_const]
 
 
 def accumulators(graph: Graph) -> set[int]:
@@ -636,19 +609,6 @@ def accumulators(graph: Graph) -> set[int]:
             out.add(op.id)
     out |= stacked_ys(graph) | unrolled_sums(graph)
     return out
-
-
-def unrolled_sums(graph: Graph) -> set[int]:
-    """Ids of the program's own adds (not a loop's or a call's) of two values made by ops,
-    on a tail path (:func:`shardc.cost.combine.tail_values`): the micro-batches' gradients
-    summed by a Python loop, on their way into the optimizer. They may read partial values
-    as a scan's accumulator does: each micro-batch's partial gradient is then held apart
-    per device and the sum reduced once (``lower/emit.py``), not once per micro-batch."""
-    tail = tail_values(graph)
-    return {op.id for op in graph.ops
-            if op.name in ("add", "add_any") and len(op.where) == 1 and op.weight == 1
-            and op.outputs[0].id in tail and jnp.issubdtype(op.outputs[0].dtype, jnp.inexact)
-            and all(v.producer is not None for v in op.inputs)}
 
 
 def _adds_to(v: Value, acc: Value, depth: int) -> bool:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shardc.cost.cluster import Cluster
-from shardc.cost.combine import tail_values
+from shardc.ir.flow import tail_values
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp
 from shardc.report.explain import fmt_bytes
@@ -262,7 +262,7 @@ def _bfs_order(cg: CostGraph) -> list[int]:
 
 
 def _tail_blocks(cg: CostGraph) -> list[list[int]]:
-    """Blocks of the step's tail (:func:`shardc.cost.combine.tail_values`: gradients on
+    """Blocks of the step's tail (:func:`shardc.ir.flow.tail_values`: gradients on
     their way through the optimizer) with the state they update: its connected components,
     small ones packed together up to ``TAIL_BLOCK_TERMS``. A parameter's update chain (the
     gradient's conversion, the optimizer slots, the new value tied back to the old) must

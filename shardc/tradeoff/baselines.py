@@ -41,7 +41,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from shardc.cost.cluster import Cluster
-from shardc.cost.combine import tail_values
+from shardc.ir.flow import tail_values
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Split
 from shardc.plan.record import Plan, Predicted, assemble
