@@ -37,8 +37,9 @@ from shardc.bench.experts import (
 from shardc.bench.zoo import PRESETS, ZOO, Preset, ZooModel
 from shardc.inspect.hlo import price_all
 from shardc.plan.record import Plan
+from shardc.report.explain import mesh_label
 from shardc.step.auto_shard import auto_shard
-from shardc.tradeoff.views import mesh_label, views
+from shardc.tradeoff.views import views
 
 RTOL, ATOL = 1e-4, 1e-5
 ADAM_SLACK = 0.05

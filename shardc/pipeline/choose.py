@@ -25,6 +25,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from shardc.cost.cluster import Cluster
+from shardc.cost.units import fmt_time
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Split
 from shardc.pipeline.cost import PipelinePrice, parts, price
@@ -32,7 +33,6 @@ from shardc.pipeline.runs import pipelined_reshards
 from shardc.pipeline.scans import Layers, find_layers
 from shardc.pipeline.schedule import SCHEDULES, Pipeline
 from shardc.plan.record import Plan, Predicted, assemble
-from shardc.report.explain import fmt_time
 from shardc.solve.problem import NOTHING_FIXED, Fixed
 from shardc.solve.search import SolveOptions, plan_graph
 from shardc.tradeoff.views import View, views

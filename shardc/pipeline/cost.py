@@ -67,13 +67,13 @@ from dataclasses import dataclass
 
 from shardc.cost.cluster import Cluster
 from shardc.cost.comm import Conversion, conversion
+from shardc.cost.units import fmt_bytes, fmt_time
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import Split
 from shardc.ir.trace import SCAN_EXIT
 from shardc.pipeline.scans import Layers
 from shardc.pipeline.schedule import Pipeline
 from shardc.plan.record import Plan
-from shardc.report.explain import fmt_bytes, fmt_time
 
 __all__ = ["Parts", "PipelinePrice", "parts", "price"]
 

@@ -5,32 +5,14 @@ per-op table with repeated layers folded into one row group, and the costliest r
 from __future__ import annotations
 
 import bisect
-import math
 import os
 import re
 import textwrap
 from collections import Counter
+from collections.abc import Iterable
 
+from shardc.cost.units import fmt_bytes, fmt_time
 from shardc.report.tables import Report, Table
-from shardc.tradeoff.views import mesh_label
-
-
-def fmt_time(t: float) -> str:
-    if t >= 1:
-        return f"{t:.3f} s"
-    if t >= 1e-3:
-        return f"{t * 1e3:.3f} ms"
-    return f"{t * 1e6:.1f} us"
-
-
-def fmt_bytes(b: float, up: bool = False) -> str:
-    """``b`` bytes in the largest binary unit it fills, to 2 decimals; ``up`` rounds up (a
-    budget printed this way is never below ``b``)."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if b >= size:
-            v = math.ceil(b / size * 100) / 100 if up else b / size
-            return f"{v:.2f} {unit}"
-    return f"{math.ceil(b) if up else b:.0f} B"
 
 
 def _coverage(ops) -> list[str]:
@@ -365,3 +347,9 @@ def explain_report(plan, max_rows: int | None = 60, top: int = 10, margins=None,
 def explain_plan(plan, max_rows: int | None = 60, top: int = 10, margins=None) -> str:
     """:func:`explain_report` as plain text."""
     return str(explain_report(plan, max_rows, top, margins))
+
+
+def mesh_label(axes: Iterable[tuple[str, int]]) -> str:
+    """``(("node", 2), ("gpu", 8))`` -> ``"node=2 x gpu=8"``: how plans, reports and the
+    bench name a mesh."""
+    return " x ".join(f"{n}={s}" for n, s in axes)

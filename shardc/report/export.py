@@ -18,9 +18,8 @@ import re
 
 from shardc.ir.sbp import to_partition_spec
 from shardc.lower.emit import conversion_steps
-from shardc.report.explain import spec_text
-from shardc.step.names import _key as names_key
-from shardc.tradeoff.views import mesh_label
+from shardc.report.explain import mesh_label, spec_text
+from shardc.report.keys import _key as names_key
 
 __all__ = ["python_module", "rules_module"]
 

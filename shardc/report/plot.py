@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from shardc.cost.units import fmt_time
 from shardc.ir.sbp import Broadcast, Partial, Split
-from shardc.report.explain import fmt_time, fold_repeats
+from shardc.report.explain import fold_repeats
 
 __all__ = ["comm_by_op", "layout_codes", "plot_plan"]
 

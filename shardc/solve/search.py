@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shardc.cost.cluster import Cluster
+from shardc.cost.units import fmt_bytes
 from shardc.ir.flow import tail_values
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp
-from shardc.report.explain import fmt_bytes
 from shardc.solve import descent
 from shardc.solve.fold import expand, members, quotient, restrict
 from shardc.solve.ilp import problem_size, solve_ilp

@@ -37,6 +37,7 @@ import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from shardc.cost.cluster import DEFAULT_CLUSTER, Cluster
+from shardc.cost.units import fmt_bytes, fmt_time
 from shardc.ir.remat import levels
 from shardc.ir.sbp import Broadcast, NdSbp, from_partition_spec, to_partition_spec
 from shardc.ir.trace import DEFAULT_WHILE_TRIPS, Traced, rematerialized, trace
@@ -45,7 +46,7 @@ from shardc.pipeline.runtime import check_axis
 from shardc.pipeline.schedule import Pipeline
 from shardc.plan.overlap import ranking_time
 from shardc.plan.record import Plan, Predicted, assemble, fingerprint
-from shardc.report.explain import fmt_bytes, fmt_time
+from shardc.report.explain import mesh_label
 from shardc.rules.fixed import on_mesh
 from shardc.rules.registry import has_rule, is_pinned, warn_missing
 from shardc.runtime.multihost import agree
@@ -74,7 +75,7 @@ from shardc.tradeoff.frontier import (
     device_counts,
     sweep,
 )
-from shardc.tradeoff.views import View, mesh_label, views
+from shardc.tradeoff.views import View, views
 
 __all__ = ["AutoSharded", "NeedsDevicesError", "Options", "auto_shard", "device_sweep",
            "pareto"]

@@ -10,32 +10,14 @@ pytree). The flat order is ``jax.tree.leaves``'s: positional arguments, then key
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import jax
-from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
+from shardc.report.keys import key_path
 from shardc.step.calling import Call
 
-__all__ = ["input_names", "key_path", "output_names"]
-
-
-def _key(k) -> str:
-    if isinstance(k, DictKey):
-        return f".{k.key}" if isinstance(k.key, str) and k.key.isidentifier() \
-            else f"[{k.key!r}]"
-    if isinstance(k, GetAttrKey):
-        return f".{k.name}"
-    if isinstance(k, SequenceKey):
-        return f"[{k.idx}]"
-    if isinstance(k, FlattenedIndexKey):
-        return f"[{k.key}]"
-    return jax.tree_util.keystr((k,))
-
-
-def key_path(root: str, path: Sequence) -> str:
-    """``root`` followed by the keys of a ``tree_flatten_with_path`` path."""
-    return root + "".join(_key(k) for k in path)
+__all__ = ["input_names", "output_names"]
 
 
 def _parameter_names(fn: Callable, call: Call) -> list[str]:

@@ -41,11 +41,11 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from shardc.cost.cluster import Cluster
+from shardc.cost.units import fmt_bytes, fmt_time
 from shardc.ir.flow import tail_values
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Split
 from shardc.plan.record import Plan, Predicted, assemble
-from shardc.report.explain import fmt_bytes, fmt_time
 from shardc.report.tables import Table
 from shardc.solve import descent
 from shardc.solve.problem import NOTHING_FIXED, Fixed, build

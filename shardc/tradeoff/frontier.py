@@ -25,12 +25,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import overload
 
+from shardc.cost.units import fmt_bytes, fmt_time
 from shardc.ir.remat import Segment, prefixes
 from shardc.ir.sbp import NdSbp
 from shardc.plan.record import Plan
-from shardc.report.explain import fmt_bytes, fmt_time
+from shardc.report.explain import mesh_label
 from shardc.solve.search import MemoryBudgetError
-from shardc.tradeoff.views import mesh_label
 
 __all__ = ["DeviceCount", "DeviceSweep", "Frontier", "Sources", "device_counts", "sweep"]
 

@@ -20,19 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from shardc.cost.cluster import Cluster, slowest_link
-
-
-def mesh_label(axes: Iterable[tuple[str, int]]) -> str:
-    """``(("node", 2), ("gpu", 8))`` -> ``"node=2 x gpu=8"``: how plans, reports and the
-    bench name a mesh."""
-    return " x ".join(f"{n}={s}" for n, s in axes)
+from shardc.report.explain import mesh_label
 
 
 @dataclass(frozen=True)
