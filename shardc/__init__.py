@@ -15,17 +15,17 @@ from shardc.rules.registry import NoRuleWarning as NoRuleWarning
 from shardc.rules.registry import register as register
 from shardc.solve.search import MemoryBudgetError as MemoryBudgetError
 from shardc.step.auto_shard import AutoSharded as AutoSharded
-from shardc.step.auto_shard import NeedsDevicesError as NeedsDevicesError
-from shardc.step.auto_shard import Options as Options
 from shardc.step.auto_shard import auto_shard as auto_shard
 from shardc.step.auto_shard import device_sweep as device_sweep
 from shardc.step.auto_shard import pareto as pareto
+from shardc.step.options import NeedsDevicesError as NeedsDevicesError
+from shardc.step.options import Options as Options
 from shardc.tradeoff.frontier import DeviceSweep as DeviceSweep
 from shardc.tradeoff.frontier import Frontier as Frontier
+from shardc.version import __version__ as __version__
 
 __all__ = ["AutoSharded", "B", "Broadcast", "Cluster", "DeviceSweep", "Frontier",
            "MemoryBudgetError", "NdSbp", "NeedsDevicesError", "NoRuleWarning", "Options",
            "Partial", "Pipeline", "Plan", "PlanFormatError", "Predicted", "Split", "auto_shard",
            "device_sweep", "pareto", "register", "rules"]
 
-__version__ = "0.1.0"

@@ -416,12 +416,12 @@ def test_a_saved_plan_runs_without_the_solver(monkeypatch):
         return jnp.tanh(x @ w) @ w.T
 
     text = shard(f).plan(W, X).to_json()
-    import shardc.step.auto_shard
+    import shardc.step.solving
 
     def no_solver(*a, **k):
         raise AssertionError("the solver ran for a saved plan")
 
-    monkeypatch.setattr(shardc.step.auto_shard, "plan_graph", no_solver)
+    monkeypatch.setattr(shardc.step.solving, "plan_graph", no_solver)
     s = shard(f)
     s.use_plan(shardc.Plan.from_json(text), W, X)
     close(s(W, X), f(W, X))

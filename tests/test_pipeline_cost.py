@@ -19,7 +19,8 @@ from shardc.pipeline.choose import ChoiceOptions, best_pipeline, candidates
 from shardc.pipeline.cost import Parts, price
 from shardc.pipeline.scans import find_layers
 from shardc.pipeline.schedule import Pipeline
-from shardc.step.auto_shard import Options, tie_outputs
+from shardc.step.options import Options
+from shardc.step.signature import tie_outputs
 
 #: alpha-beta links, for prices computed by hand: a permute over ``node`` is
 #: ``ALPHA + bytes / BW``

@@ -257,10 +257,11 @@ def test_seeds_bound_the_plan_and_are_reported():
     # collective they compile to, where the objective shares them out): no seed beats it
     from shardc.plan.record import assemble
     from shardc.solve.search import SolveOptions, plan_graph
+    from shardc.step.solving import problem
 
     call = step.convention.split((state, data), {})
     traced = step._traced(call)[1]
-    sopts = SolveOptions(None, 0.0, seeds=step._problem(call, traced)[1][0])
+    sopts = SolveOptions(None, 0.0, seeds=problem(step, call, traced)[1][0])
     cg, sol = plan_graph(traced.traced.graph, (2, 2), ("a", "b"), _SLOW_2D, sopts,
                          ties=traced.ties)
     assert set(sol.seed_choices) == {"data-parallel", "replicated"}

@@ -128,7 +128,7 @@ def test_unknown_primitive_runs_replicated_with_one_warning():
 
 def test_new_state_is_tied_to_the_state_it_replaces():
     from shardc.ir.trace import trace
-    from shardc.step.auto_shard import tie_outputs
+    from shardc.step.signature import tie_outputs
 
     st = {"a": jax.numpy.ones(3), "b": jax.numpy.ones((2, 2))}
     x = jax.numpy.ones(4)

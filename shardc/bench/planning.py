@@ -224,7 +224,7 @@ def descent_gaps(presets: tuple[str, ...] = ("node-8", "node-2x4"),
     from shardc.solve.ilp import solve_ilp
     from shardc.solve.problem import build
     from shardc.solve.search import quotient_refine
-    from shardc.step.auto_shard import tie_outputs
+    from shardc.step.signature import tie_outputs
 
     out = []
     for zm in ZOO.values():

@@ -1,4 +1,4 @@
-"""TODO docstring."""
+"""The cost model's units as people read them: seconds and bytes."""
 
 from __future__ import annotations
 

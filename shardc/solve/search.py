@@ -45,7 +45,7 @@ class MemoryBudgetError(ValueError):
     """No plan fits ``memory_budget``; ``needed`` is the smallest budget (bytes per device)
     for which one was found: planning again with it succeeds. ``found``: the smallest peak
     the search reached (at most ``needed``; planning at it is likely, not sure, to succeed:
-    the planner tries it before naming a budget, :meth:`AutoSharded._solve`)."""
+    the planner tries it before naming a budget, :func:`shardc.step.solving.solve`)."""
 
     def __init__(self, budget: float, needed: int, found: float | None = None):
         self.budget, self.needed = budget, needed

@@ -61,7 +61,7 @@ class PlanCache:
         """A digest of what the plan depends on (see the module doc): ``program`` is the
         graph's :func:`~shardc.plan.record.fingerprint`, ``inputs`` its inputs, ``seeds`` the
         seed layouts by name, as the solver gets them."""
-        from shardc import __version__
+        from shardc.version import __version__
 
         parts = {
             "shardc": __version__,

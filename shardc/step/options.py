@@ -1,0 +1,83 @@
+"""What ``auto_shard`` is asked for besides the function (one frozen :class:`Options`
+record, checked at construction), the mesh it plans on (every axis Auto), and the error for
+running on an AbstractMesh."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from jax.sharding import AbstractMesh, AxisType, Mesh
+
+from shardc.cost.cluster import DEFAULT_CLUSTER, Cluster
+from shardc.ir.trace import DEFAULT_WHILE_TRIPS
+from shardc.pipeline.schedule import Pipeline
+from shardc.report.explain import mesh_label
+
+__all__ = ["NeedsDevicesError", "Options", "auto_mesh"]
+
+
+def auto_mesh(mesh: Mesh | AbstractMesh) -> Mesh | AbstractMesh:
+    """The same devices (or, for an AbstractMesh, the same shape) and axes with every axis
+    Auto (what sharding constraints need)."""
+    types = getattr(mesh, "axis_types", None)
+    if types is not None and all(t == AxisType.Auto for t in types):
+        return mesh
+    auto = (AxisType.Auto,) * len(mesh.axis_names)
+    if isinstance(mesh, AbstractMesh):
+        return AbstractMesh(mesh.axis_sizes, mesh.axis_names, axis_types=auto)
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
+
+
+class NeedsDevicesError(ValueError):
+    """Lowering or running a function whose ``auto_shard`` was given an AbstractMesh: it
+    plans, but running needs devices."""
+
+    def __init__(self, mesh: AbstractMesh):
+        shape, names = tuple(mesh.axis_sizes), tuple(mesh.axis_names)
+        super().__init__(
+            f"auto_shard was given an AbstractMesh ({mesh_label(zip(names, shape))}): it "
+            "plans (step.plan, plan.explain, plan.to_json), but lowering and running need a "
+            "concrete jax.sharding.Mesh of the same shape: jax.make_mesh("
+            f"{shape!r}, {names!r}); make the step on that mesh and adopt this plan with "
+            "step.use_plan(plan, *args)")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Everything ``auto_shard`` is asked for besides the function and its mesh (see
+    :func:`auto_shard` for each field)."""
+
+    cluster: Cluster = DEFAULT_CLUSTER
+    memory_budget: float | None = None
+    time_limit: float = 10.0
+    seeds: Mapping[str, Any] = field(default_factory=dict)
+    mesh_search: bool = False
+    in_shardings: Any = None
+    keep_input_shardings: bool | None = None  # None: True on a mesh with Explicit axes
+    cache_dir: str | None = None  # None: $SHARDC_CACHE_DIR if set, else no disk cache
+    while_trips: int = DEFAULT_WHILE_TRIPS
+    pipeline: Pipeline | bool | None = None  # None: the planner's choice; False: never
+
+    def __post_init__(self):
+        if not (self.pipeline is None or self.pipeline is False
+                or isinstance(self.pipeline, Pipeline)):
+            raise TypeError(f"pipeline must be a shardc.pipeline.Pipeline, False (never "
+                            f"pipeline) or None (the planner's choice); got {self.pipeline!r}")
+        if (not isinstance(self.while_trips, int) or isinstance(self.while_trips, bool)
+                or self.while_trips < 1):
+            raise ValueError(f"while_trips is the iterations a while loop without static "
+                             f"bounds is planned for, a whole number >= 1; got "
+                             f"{self.while_trips!r}")
+        if self.memory_budget is not None and not self.memory_budget > 0:
+            raise ValueError(f"memory_budget must be a positive number of bytes per device, "
+                             f"got {self.memory_budget!r}")
+        if not self.time_limit >= 0:
+            raise ValueError(f"time_limit must be seconds >= 0, got {self.time_limit!r}")
+
+
+def platform_of(mesh: Mesh | AbstractMesh) -> str | None:
+    """The platform of the mesh's devices (what ``platform_index`` conds resolve for);
+    None on an abstract mesh: the default backend's."""
+    return None if isinstance(mesh, AbstractMesh) else mesh.devices.flat[0].platform

@@ -1,0 +1,236 @@
+"""Solving a traced call: the meshes to plan on (the physical one, or every logical view
+with ``mesh_search``), the fastest plan within the memory budget (recomputing forward segments
+where the budget binds), the error naming the smallest budget that plans, and the pipeline the
+planner chooses. Each function takes the step (:class:`shardc.step.auto_shard.AutoSharded`)
+for its mesh, options and traced programs."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+
+from shardc.cost.units import fmt_bytes
+from shardc.ir.remat import levels
+from shardc.ir.sbp import NdSbp
+from shardc.plan.overlap import ranking_time
+from shardc.plan.record import Plan, assemble
+from shardc.rules.registry import has_rule, warn_missing
+from shardc.solve.problem import NOTHING_FIXED, Fixed
+from shardc.solve.reuse import Reuse
+from shardc.solve.search import MemoryBudgetError, SolveOptions, plan_graph
+from shardc.step.calling import (
+    Call,
+)
+from shardc.step.options import Options, platform_of
+from shardc.step.seeds import view_seeds
+from shardc.step.signature import TracedCall, pins_layouts
+from shardc.tradeoff.views import View, views
+
+log = logging.getLogger("shardc")
+
+__all__ = ["SEED_RECHECK", "choice_options", "fastest", "leanest", "mesh_views", "pipelined",
+           "problem", "solve", "solve_views"]
+
+
+def pipelined(step, call: Call, tr: TracedCall, candidates: list[View],
+               seeds: list[dict[str, dict[int, NdSbp]]]) -> Plan:
+    """The solved plan, with the pipeline the planner chooses (``pipeline=None``) or was
+    asked for where the program has a layer stack (:func:`shardc.pipeline.layers`) to
+    run as one: planned again on the mesh with the layer state pinned as a stage holds
+    it (:func:`shardc.pipeline.choose.pinned`), and priced as the pipeline
+    (:func:`~shardc.pipeline.choose.adopt`). Unpipelined with ``pipeline=False``,
+    without a stack, or where no pipeline pays: against the plan on the mesh, and with
+    ``mesh_search``, against the best view's (the stages are over an axis of the
+    mesh itself)."""
+    from shardc.pipeline.choose import adopt, best_pipeline, pinned
+    from shardc.pipeline.stack import has_stack
+
+    plan = solve(step, call, tr, candidates, seeds, step.options)
+    if step.options.pipeline is False or not has_stack(tr.traced.jaxpr):
+        return plan
+    # the stage axis is one of the mesh's: priced against the plan on the mesh itself,
+    # and where mesh_search ran another view, the pipeline must beat that one too
+    own = plan.axis_names == tuple(step.mesh.axis_names)
+    base = plan if own else solve(step, call, tr, candidates[:1], seeds[:1], step.options)
+    graph, opts = tr.traced.graph, choice_options(step, views=False)
+    choice = best_pipeline(graph, base.axis_sizes, base.axis_names, base.cluster,
+                           ties=tr.ties, resident=tr.resident, base=base, options=opts)
+    log.info("shardc: %s", choice.summary())
+    if choice.pipeline is None or not own and choice.reason != "requested" and \
+            choice.best.step_time >= (1 - opts.min_gain) * plan.predicted.step_time:
+        return plan
+    ins, outs = pinned(graph, choice, tr.ties, tr.resident)
+    if ins:
+        keep = dataclasses.replace(tr, fixed=Fixed({**ins, **tr.fixed.inputs},
+                                                   {**outs, **tr.fixed.outputs}))
+        try:  # on the mesh itself: the stage axis is one of its axes
+            base = solve(step, call, keep, candidates[:1], seeds[:1], step.options)
+        except MemoryBudgetError:
+            return plan
+    return adopt(base, choice, graph, tr.ties, tr.resident)
+
+
+def choice_options(step, views: bool):
+    from shardc.pipeline.choose import ChoiceOptions
+
+    opts = step.options
+    return ChoiceOptions(opts.memory_budget, opts.time_limit, views=views,
+                         pipeline=opts.pipeline)
+
+
+def problem(step, call: Call, tr: TracedCall
+             ) -> tuple[list[View], list[dict[str, dict[int, NdSbp]]]]:
+    """What a solve of this call needs besides its options: the meshes to plan on and
+    the seeds of each; warns once per primitive without a rule (it runs replicated)."""
+    warn_missing([op for op in tr.traced.graph.ops if not has_rule(op.name)])
+    candidates = mesh_views(step, tr)
+    return candidates, view_seeds(step, call, candidates)
+
+
+def mesh_views(step, tr: TracedCall) -> list[View]:
+    """The meshes to plan on: the physical one, and with ``mesh_search`` (unless the
+    program fixes layouts on the physical axes) every other logical view of it."""
+    opts = step.options
+    shape, names = tuple(step.mesh.axis_sizes), tuple(step.mesh.axis_names)
+    if opts.mesh_search and not pins_layouts(tr):
+        return views(shape, names, opts.cluster)
+    return [View(shape, names, opts.cluster)]
+
+
+def solve(step, call: Call, tr: TracedCall, candidates: list[View],
+           seeds: list[dict[str, dict[int, NdSbp]]], opts: Options) -> Plan:
+    """The fastest plan within ``opts.memory_budget`` (:func:`fastest`); where none
+    fits, the error names the smallest budget that plans (:func:`leanest`)."""
+    try:
+        return fastest(step, call, tr, candidates, seeds, opts)
+    except MemoryBudgetError as exc:
+        raise leanest(step, call, tr, candidates, seeds, opts, exc) from None
+
+
+def fastest(step, call: Call, tr: TracedCall, candidates: list[View],
+             seeds: list[dict[str, dict[int, NdSbp]]], opts: Options) -> Plan:
+    """The fastest plan within ``opts.memory_budget``. Where the budget binds (no plan
+    that keeps every activation for the backward pass fits, or the one that does is
+    slower than the plan at no budget), the programs recomputing forward segments are
+    planned too (:func:`shardc.ir.remat.levels`: all of them, then the half that saves
+    the most bytes per recomputed FLOP), and the fastest plan that fits wins; the error
+    names the smallest peak any of them reached."""
+    recomputed = levels(tr.traced.segments)
+    budget = opts.memory_budget
+    try:
+        plan = solve_views(step, tr, candidates, seeds, opts)
+    except MemoryBudgetError as exc:
+        if budget is None or not recomputed:
+            raise
+        plan, failure = None, exc
+    if budget is None or not recomputed:
+        return plan
+    if plan is not None:
+        free = solve_views(step, tr, candidates, seeds,
+                                 dataclasses.replace(opts, memory_budget=None))
+        if ranking_time(plan) <= ranking_time(free):
+            return plan  # the budget does not bind
+    fits = [] if plan is None else [plan]
+    for remat in recomputed:  # most recomputed first: fewer fit no better
+        log.info("shardc: the budget %s binds; planning with %d of %d forward segments "
+                 "recomputed", fmt_bytes(budget), len(remat), len(tr.traced.segments))
+        try:
+            fits.append(solve_views(step, step._traced(call, remat)[1], candidates,
+                                          seeds, opts))
+        except MemoryBudgetError as again:
+            if plan is None:
+                failure = MemoryBudgetError(budget, min(failure.needed, again.needed),
+                                            min(failure.found, again.found))
+            break
+    if not fits:
+        raise failure
+    return min(fits, key=ranking_time)
+
+
+def leanest(step, call: Call, tr: TracedCall, candidates: list[View],
+             seeds: list[dict[str, dict[int, NdSbp]]], opts: Options,
+             failure: MemoryBudgetError) -> MemoryBudgetError:
+    """The error for a budget no plan fits, naming the smallest budget that plans: the
+    smallest peak the search reached when planning at it succeeds (the leanest plans
+    are the search's, not its lean start's: on a residual MLP, 2.6 MiB against 4.9
+    MiB), else the lean start's peak, which always does."""
+    found = math.ceil(failure.found)
+    if found >= failure.needed:
+        return MemoryBudgetError(failure.budget, failure.needed)
+    log.info("shardc: no plan fits %s; checking that one fits %s",
+             fmt_bytes(opts.memory_budget), fmt_bytes(found))
+    try:
+        fastest(step, call, tr, candidates, seeds,
+                    dataclasses.replace(opts, memory_budget=found))
+    except MemoryBudgetError:
+        return MemoryBudgetError(failure.budget, failure.needed)
+    return MemoryBudgetError(failure.budget, found)
+
+
+def solve_views(step, tr: TracedCall, candidates: list[View],
+                 seeds: list[dict[str, dict[int, NdSbp]]], opts: Options,
+                 reuse: Reuse | None = None) -> Plan:
+    """The fastest plan of ``tr``'s program over the meshes ``candidates`` (``reuse``:
+    where cost graphs built for other budgets are kept, :mod:`shardc.solve.reuse`)."""
+    graph = tr.traced.graph
+    names = tuple(step.mesh.axis_names)
+    t0 = time.perf_counter()
+    best, tried, failure, priced = None, [], None, {}
+    for view, seeds_here in zip(candidates, seeds, strict=True):
+        t = time.perf_counter()
+        is_physical = view.names == names
+        sopts = SolveOptions(opts.memory_budget, opts.time_limit, seeds=seeds_here)
+        try:
+            cg, sol = plan_graph(graph, view.shape, view.names, view.cluster, sopts,
+                                 ties=tr.ties, fixed=tr.fixed if is_physical else NOTHING_FIXED,
+                                 resident=tr.resident, reuse=reuse)
+        except MemoryBudgetError as exc:
+            if len(candidates) == 1:
+                raise
+            failure = exc if failure is None else MemoryBudgetError(
+                exc.budget, min(exc.needed, failure.needed), min(exc.found, failure.found))
+            tried.append({"mesh": view.label, "predicted_s": None,
+                          "plan_s": time.perf_counter() - t, "error": str(exc)})
+            continue
+        costs = sol.stats.pop("seeds", {})
+        for name, cost in costs.items():
+            priced[name if is_physical else f"{name} on {view.label}"] = cost
+        solver = {"status": sol.status.value, "objective": sol.objective, **sol.stats}
+        plan = assemble(graph, cg, sol.choice, tr.ties, solver, tr.traced.remat,
+                        len(tr.traced.segments), platform_of(step.mesh))
+        for name, choice in sol.seed_choices.items():
+            # the objective prices combined collectives by shares; a seed close to the
+            # plan is priced as the plan is, so the plan predicts no more than any seed.
+            # The objective prices communication serially: under overlap every seed is
+            # ranked as the plan is (FSDP's gathers hide behind compute a serial sum
+            # charges them for)
+            if view.cluster.overlap or costs.get(name, math.inf) <= (
+                    sol.objective * SEED_RECHECK):
+                other = assemble(graph, cg, choice, tr.ties, {**solver, "seed": name},
+                                 tr.traced.remat, len(tr.traced.segments),
+                                 platform_of(step.mesh))
+                if ranking_time(other) < ranking_time(plan):
+                    plan = other
+        tried.append({"mesh": view.label, "predicted_s": plan.predicted.step_time,
+                      "ranked_s": ranking_time(plan), "plan_s": time.perf_counter() - t})
+        if best is None or ranking_time(plan) < ranking_time(best):
+            best = plan
+    if best is None:
+        raise failure
+    solver = {**best.solver, "plan_s": time.perf_counter() - t0}
+    if priced:
+        solver["seeds"] = priced  # every view's seeds: the plan costs no more than any
+    if opts.mesh_search:
+        solver["mesh_search"] = tried
+        if pins_layouts(tr):
+            solver["mesh_search_note"] = (
+                "only the given mesh was planned: the program fixes layouts on its axes")
+    return dataclasses.replace(best, solver=solver)
+
+
+#: a seed whose objective is within this factor of the plan's is assembled and compared on
+#: the plan's own prediction (the objective and the prediction price XLA's combined
+#: collectives differently: by shares, and as the one collective they compile to)
+SEED_RECHECK = 1.25
