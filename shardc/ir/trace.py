@@ -35,6 +35,7 @@ from typing import Any
 import jax
 from jax.extend import core as jcore
 
+from shardc.ir.flops import op_flops
 from shardc.ir.graph import Graph, Op, Value, check_graph
 from shardc.ir.prims import facts
 from shardc.ir.remat import Segment, gate_checkpoints, rematerialize, segments
@@ -342,8 +343,6 @@ class _Builder:
         is made, a result converted to the cond's), where the enters and exits run at the
         cond's weight. A branch's ops are placed at ``(*where, b, j)``: the cond's place,
         the branch's index, the equation's in the branch."""
-        from shardc.rules.registry import op_flops  # the rules' FLOPs; rules import this module
-
         index, operands = ins[0], ins[1:]
         source = source_line(eqn)
         enters, bodies, results, spans = [], [], [], []

@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from shardc.ir.flops import op_flops
 from shardc.ir.graph import Graph, Op
 from shardc.ir.trace import SCAN_ENTER, SCAN_EXIT
-from shardc.rules.registry import op_flops
 
 __all__ = ["Layers", "find_layers"]
 

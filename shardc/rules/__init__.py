@@ -1,5 +1,6 @@
 """Strategy rules, one file per family; importing this package registers them all."""
 
+from shardc.ir.flops import op_flops as op_flops  # the FLOPs table (ir/flops.py)
 from shardc.rules import callback as callback
 from shardc.rules import control as control
 from shardc.rules import conv as conv
@@ -23,9 +24,6 @@ from shardc.rules.registry import (
 )
 from shardc.rules.registry import (
     has_rule as has_rule,
-)
-from shardc.rules.registry import (
-    op_flops as op_flops,
 )
 from shardc.rules.registry import (
     register as register,

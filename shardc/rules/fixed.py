@@ -32,10 +32,11 @@ from collections.abc import Sequence
 from jax.extend import core as jcore
 from jax.sharding import NamedSharding, PartitionSpec
 
+from shardc.ir.flops import op_flops
 from shardc.ir.graph import Op
 from shardc.ir.sbp import B, NdSbp, Split, from_partition_spec
 from shardc.rules.control import body_graph
-from shardc.rules.registry import LayoutError, Signature, op_flops, register, register_fixed
+from shardc.rules.registry import LayoutError, Signature, register, register_fixed
 
 
 def _layout(spec: PartitionSpec, ndim: int, axis_names: Sequence[str], what: str) -> NdSbp:

@@ -64,11 +64,12 @@ from __future__ import annotations
 
 import math
 
+from shardc.ir.flops import op_flops
 from shardc.ir.graph import Op, Value
 from shardc.ir.sbp import B, Sbp, Split
 from shardc.rules.control import body_graph
 from shardc.rules.propagate import has_split, promote, propagate, seed, split_seeds
-from shardc.rules.registry import Signature, op_flops, register
+from shardc.rules.registry import Signature, register
 
 #: the trailing (non-batch) rank of each primitive's first operand; the rest is batch
 CORE_RANK = {

@@ -43,9 +43,10 @@ from __future__ import annotations
 import itertools
 import math
 
+from shardc.ir.flops import elementwise_flops
 from shardc.ir.graph import Op, Value
 from shardc.ir.sbp import B, P, Sbp, Split
-from shardc.rules.registry import Signature, elementwise_flops, register
+from shardc.rules.registry import Signature, register
 from shardc.rules.shape import is_numeric
 
 #: the most operand/result layout combinations an identity lists in full (per mesh axis)

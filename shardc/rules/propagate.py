@@ -30,9 +30,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from shardc.ir.flops import op_flops
 from shardc.ir.graph import Graph, Op, Value
 from shardc.ir.sbp import B, Partial, Sbp, Split
-from shardc.rules.registry import Signature, op_flops, signatures
+from shardc.rules.registry import Signature, signatures
 
 __all__ = ["MAX_REPLICATED_SHARE", "Flow", "has_split", "promote", "propagate", "seed",
            "split_seeds"]

@@ -20,6 +20,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from shardc.ir.flops import FLOPS, FlopsFn, op_flops
 from shardc.ir.graph import Op
 from shardc.ir.prims import passes_partial
 from shardc.ir.sbp import B, Broadcast, NdSbp, Partial, Sbp
@@ -60,12 +61,10 @@ class Strategy:
 
 
 RuleFn = Callable[[Op], Sequence[Signature]]
-FlopsFn = Callable[[Op], float]
 #: a layout the user fixed: (op, mesh axis names) -> the op's nd (ins, outs) placements
 FixedFn = Callable[[Op, Sequence[str]], Sequence[tuple[tuple[NdSbp, ...], tuple[NdSbp, ...]]]]
 
 _RULES: dict[str, RuleFn] = {}
-_FLOPS: dict[str, FlopsFn] = {}
 _FIXED: dict[str, FixedFn] = {}
 
 
@@ -78,7 +77,7 @@ def _registrar(table: dict, names: Sequence[str], flops: FlopsFn | None):
         for n in names:
             table[n] = fn
             if flops is not None:
-                _FLOPS[n] = flops
+                FLOPS[n] = flops
         return fn
 
     return wrap
@@ -107,15 +106,6 @@ def is_pinned(op: Op) -> bool:
 
 def registered() -> list[str]:
     return sorted(_RULES)
-
-
-def elementwise_flops(op: Op) -> float:
-    return float(sum(v.size for v in op.outputs))
-
-
-def op_flops(op: Op) -> float:
-    """Total FLOPs of the op on one device holding everything."""
-    return float(_FLOPS.get(op.name, elementwise_flops)(op))
 
 
 def replicated_signature(op: Op) -> Signature:

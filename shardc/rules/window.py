@@ -63,10 +63,11 @@ import math
 
 from jax.extend import core as jcore
 
+from shardc.ir.flops import op_flops
 from shardc.ir.graph import Op
 from shardc.ir.sbp import B, P, Split
 from shardc.ir.trace import graph_from_jaxpr
-from shardc.rules.registry import Signature, op_flops, register
+from shardc.rules.registry import Signature, register
 from shardc.rules.shape import is_numeric
 
 MONOID_WINDOWS = ("reduce_window_sum", "reduce_window_max", "reduce_window_min")
