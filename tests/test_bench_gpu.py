@@ -10,9 +10,9 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardc import cli
 from shardc.bench import deviceless, harness, report
 from shardc.bench.zoo import PRESETS, ZOO
+from shardc.cli import bench as cli_bench
 from shardc.cost.combine import XLA_GPU, combiner_for
 from shardc.inspect.hlo import collectives, price_all
 from shardc.inspect.schedule import replay_flops
@@ -70,15 +70,15 @@ def test_gpu_compiler_without_the_plugin_names_the_install(monkeypatch):
     monkeypatch.setattr(deviceless, "PLUGINS", ("jax_plugins.no_such_plugin",))
     with pytest.raises(SystemExit, match=r"pip install jax-cuda12-plugin==" +
                        jax.__version__.replace(".", r"\.")):
-        cli._needs_gpu_compiler("gpu")
-    cli._needs_gpu_compiler("cpu")  # XLA:CPU needs nothing more
+        cli_bench._needs_gpu_compiler("gpu")
+    cli_bench._needs_gpu_compiler("cpu")  # XLA:CPU needs nothing more
 
 
 def test_gpu_results_have_their_own_folder_and_note():
-    assert cli._bench_folder(True, "cpu") == "docs/benchmarks/quick"
-    assert cli._bench_folder(False, "cpu") == "docs/benchmarks/cpu-compiled"
-    assert cli._bench_folder(True, "gpu") == "docs/benchmarks/gpu-compiled/quick"
-    assert cli._bench_folder(False, "gpu") == "docs/benchmarks"  # the headline
+    assert cli_bench._bench_folder(True, "cpu") == "docs/benchmarks/quick"
+    assert cli_bench._bench_folder(False, "cpu") == "docs/benchmarks/cpu-compiled"
+    assert cli_bench._bench_folder(True, "gpu") == "docs/benchmarks/gpu-compiled/quick"
+    assert cli_bench._bench_folder(False, "gpu") == "docs/benchmarks"  # the headline
     cpu = harness.Cell("mlp", "node-8", "fsdp", compiled_s=1e-3)
     gpu = harness.Cell("mlp", "node-8", "fsdp", compiled_s=1e-3, compiler="gpu")
     assert "Compiled by XLA:GPU" not in report.markdown([cpu], ["c"])
@@ -90,9 +90,9 @@ def test_gpu_results_have_their_own_folder_and_note():
 def test_update_refuses_to_mix_compilers(tmp_path):
     report.write([harness.Cell("mlp", "node-8", "fsdp", compiled_s=1e-3)], tmp_path, ["c"],
                  plot_png=False)
-    assert len(cli._kept_cells(tmp_path, "cpu")[0]) == 1
+    assert len(cli_bench._kept_cells(tmp_path, "cpu")[0]) == 1
     with pytest.raises(SystemExit, match="another compiler"):
-        cli._kept_cells(tmp_path, "gpu")
+        cli_bench._kept_cells(tmp_path, "gpu")
 
 
 @needs_plugin

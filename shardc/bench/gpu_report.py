@@ -35,7 +35,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from shardc.cli import _force_cpu_devices
+from shardc.cli.common import _force_cpu_devices
 
 __all__ = ["H200_HBM_BANDWIDTH", "in_order", "main"]
 

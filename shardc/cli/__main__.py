@@ -1,0 +1,5 @@
+"""``python -m shardc.cli ...``: the ``shardc`` command."""
+
+from shardc.cli import main
+
+main()
