@@ -35,7 +35,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from shardc.cli.common import _force_cpu_devices
+from shardc.cli.common import force_cpu_devices
 
 __all__ = ["H200_HBM_BANDWIDTH", "in_order", "main"]
 
@@ -328,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("folder", help="what `python -m shardc.bench.device` wrote")
     p.add_argument("--out", default="docs/benchmarks/gpu.md")
     a = p.parse_args(argv)
-    _force_cpu_devices(8)
+    force_cpu_devices(8)
     text = report(Path(a.folder))
     Path(a.out).write_text(text)
     print(text)

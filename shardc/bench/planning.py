@@ -99,7 +99,7 @@ def _fresh(call: str, what: str, setup: str = "") -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-_EIGHT_DEVICES = "from shardc.cli.common import _force_cpu_devices; _force_cpu_devices(8); "
+_EIGHT_DEVICES = "from shardc.cli.common import force_cpu_devices; force_cpu_devices(8); "
 
 
 def measure_fresh(name: str, layers: int) -> PlanningCase:
@@ -186,8 +186,8 @@ def measure_loop_forms_fresh(preset: str) -> LoopForms:
     from shardc.bench.zoo import PRESETS
 
     return LoopForms(**_fresh(f"measure_loop_forms({preset!r})", f"loop forms on {preset}",
-                              "from shardc.cli.common import _force_cpu_devices; "
-                              f"_force_cpu_devices({PRESETS[preset].devices}); "))
+                              "from shardc.cli.common import force_cpu_devices; "
+                              f"force_cpu_devices({PRESETS[preset].devices}); "))
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import argparse
 
 from shardc.cli.bench import cmd_bench
 from shardc.cli.calibrate import cmd_calibrate
-from shardc.cli.common import PRESETS, _positive, axis_names, mesh_shape
+from shardc.cli.common import PRESETS, axis_names, mesh_shape, positive
 from shardc.cli.demo import cmd_demo
 from shardc.cli.explain import cmd_explain
 from shardc.cli.export import cmd_export
@@ -48,9 +48,9 @@ def _target_arguments(q) -> None:
                    help=f"a preset ({', '.join(PRESETS)}) or a JSON file as Cluster.to_json "
                         "writes it (default: multi-node on a 2-axis mesh, multi-pod on 3, "
                         "else nvlink-node)")
-    q.add_argument("--layers", type=_positive(int), default=None, help="zoo models only")
+    q.add_argument("--layers", type=positive(int), default=None, help="zoo models only")
     q.add_argument("--tiny", action="store_true", help="zoo models only")
-    q.add_argument("--time-limit", type=_positive(float), default=10.0)
+    q.add_argument("--time-limit", type=positive(float), default=10.0)
     q.add_argument("--mesh-search", action="store_true",
                    help="also plan the other logical views of the devices (e.g. 16, 4x4)")
 
@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="shardc", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="plan and run a GPT train step on 8 simulated devices")
-    d.add_argument("--layers", type=_positive(int), default=2)
-    d.add_argument("--rows", type=_positive(int), default=25,
+    d.add_argument("--layers", type=positive(int), default=2)
+    d.add_argument("--rows", type=positive(int), default=25,
                    help="op rows shown in the plan table")
     d.set_defaults(func=cmd_demo)
     q = sub.add_parser("plan", help="plan a zoo model or your program from abstract shapes",
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
                        "args), args a tuple of fn's positional arguments (arrays or "
                        "jax.ShapeDtypeStructs).")
     _target_arguments(q)
-    q.add_argument("--rows", type=_positive(int), default=30)
+    q.add_argument("--rows", type=positive(int), default=30)
     q.add_argument("--plain", action="store_true", help="plain text, not rich tables")
     q.add_argument("--margins", action="store_true",
                    help="also price generic data-parallel, FSDP, Megatron and DP x TP "
@@ -80,33 +80,33 @@ def main(argv: list[str] | None = None) -> None:
                        description="Plan at no memory budget, at the smallest one a plan was "
                        "found for, and at budgets between; print the non-dominated plans.")
     _target_arguments(f)
-    f.add_argument("--budgets", type=_positive(int), default=6,
+    f.add_argument("--budgets", type=positive(int), default=6,
                    help="budgets planned between the leanest and the fastest plan")
     f.add_argument("--plot", default=None, help="save the time-memory plot (PNG) here")
     f.add_argument("--out", default=None, help="save the frontier's plans as a JSON list here")
     f.add_argument("--devices", action="store_true",
                    help="instead: the best plan on each device count that divides the mesh "
                         "(1..N), and whether it fits the memory budget")
-    f.add_argument("--memory-budget", type=_positive(float), default=None, metavar="GIB",
+    f.add_argument("--memory-budget", type=positive(float), default=None, metavar="GIB",
                    help="with --devices: GiB per device (default: the cluster's device memory)")
     f.set_defaults(func=cmd_pareto)
     c = sub.add_parser("calibrate", help="measure the devices at hand into a Cluster JSON")
     c.add_argument("--mesh", type=mesh_shape, default=(2, 4),
                    help="mesh shape, e.g. 8 or 2x4")
     c.add_argument("--axes", type=axis_names, default=None, help="comma-separated axis names")
-    c.add_argument("--devices", type=_positive(int), default=8,
+    c.add_argument("--devices", type=positive(int), default=8,
                    help="CPU devices to simulate when there is no accelerator")
     c.add_argument("--out", required=True, help="write the Cluster JSON here")
     c.add_argument("--report", default=None, help="also write the fit (samples, R²) here")
     # unset options take CalibrateOptions' defaults (shardc/cost/calibrate.py)
-    c.add_argument("--sizes", type=_positive(int), nargs="+", default=None,
+    c.add_argument("--sizes", type=positive(int), nargs="+", default=None,
                    help="per-device message bytes of the timed collectives (default 1 KiB, "
                         "16 KiB, 256 KiB, 1 MiB)")
-    c.add_argument("--reps", type=_positive(int), default=None,
+    c.add_argument("--reps", type=positive(int), default=None,
                    help="timed runs of each program; the fastest counts (default 5)")
-    c.add_argument("--chain", type=_positive(int), default=None,
+    c.add_argument("--chain", type=positive(int), default=None,
                    help="collectives per timed program (default 8)")
-    c.add_argument("--matmul-size", type=_positive(int), default=None,
+    c.add_argument("--matmul-size", type=positive(int), default=None,
                    help="side of the timed square matmul (default 1024)")
     c.set_defaults(func=cmd_calibrate)
     e = sub.add_parser("explain", help="print a saved plan (with --compile: against what XLA "
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="the program the plan is for (path/to/file.py:make): prices generic "
                         "data-parallel, FSDP, Megatron and DP x TP layouts beside the plan; "
                         "needed by --compile")
-    e.add_argument("--rows", type=_positive(int), default=30)
+    e.add_argument("--rows", type=positive(int), default=30)
     e.add_argument("--plain", action="store_true", help="plain text, not rich tables")
     e.add_argument("--plot", default=None, metavar="PATH",
                    help="also draw the per-op layouts and the compute / comm split (PNG)")
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--no-check", action="store_true", help="skip the numerics check")
     b.add_argument("--no-mesh-search", action="store_true",
                    help="plan shardc on the preset's mesh only")
-    b.add_argument("--time-limit", type=_positive(float), default=10.0)
+    b.add_argument("--time-limit", type=positive(float), default=10.0)
     b.add_argument("--planning", action="store_true",
                    help="measure planning time instead (GPT-2-small unrolled and the scanned "
                         "Llama, 12 and 48 layers) into planning.{md,json}")

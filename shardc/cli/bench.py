@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from shardc.cli.common import _force_cpu_devices, _needs_zoo
+from shardc.cli.common import force_cpu_devices, needs_zoo
 
 __all__ = ["cmd_bench"]
 
@@ -70,14 +70,14 @@ def _bench_calls(out) -> None:
 
 
 def cmd_bench(args) -> None:
-    _needs_zoo("bench")
+    needs_zoo("bench")
     from shardc.bench.zoo import PRESETS, ZOO
 
     models = args.models.split(",") if args.models else list(ZOO)
     asked = args.presets.split(",") if args.presets else \
         [p for m in models if m in ZOO for p in ZOO[m].presets]
     # as many devices as the largest preset asked for has (4nodes-eth: 32), at least 16
-    _force_cpu_devices(max([16] + [PRESETS[p].devices for p in asked if p in PRESETS]))
+    force_cpu_devices(max([16] + [PRESETS[p].devices for p in asked if p in PRESETS]))
     from pathlib import Path
 
     if args.planning:

@@ -7,18 +7,18 @@ import json
 import sys
 import time
 
-from shardc.cli.common import _axes_for, _force_cpu_devices, _mesh
+from shardc.cli.common import axes_for, device_mesh, force_cpu_devices
 
 __all__ = ["cmd_calibrate"]
 
 
 def cmd_calibrate(args) -> None:
-    _force_cpu_devices(args.devices)
+    force_cpu_devices(args.devices)
     import shardc
     from shardc.cost.calibrate import CalibrateOptions
 
-    names = _axes_for("calibrate", args.mesh, args.axes)
-    mesh = _mesh(args.mesh, names)
+    names = axes_for("calibrate", args.mesh, args.axes)
+    mesh = device_mesh(args.mesh, names)
     given = {"sizes": tuple(args.sizes) if args.sizes else None, "reps": args.reps,
              "chain": args.chain, "matmul_size": args.matmul_size}
     try:

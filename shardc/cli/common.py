@@ -11,10 +11,12 @@ import logging
 import os
 import sys
 
-__all__ = ["PRESETS", "ZOO", "axis_names", "cluster_of", "mesh_shape", "show"]
+__all__ = ["PRESETS", "ZOO", "abstract_mesh", "axes_for", "axis_names", "cluster_of",
+           "device_mesh", "force_cpu_devices", "load_plan", "load_program", "mesh_shape",
+           "needs_zoo", "planned_step", "positive", "progress_logger", "show"]
 
 
-def _force_cpu_devices(n: int) -> None:
+def force_cpu_devices(n: int) -> None:
     """Simulate ``n`` CPU devices; must run before JAX initialises its backend."""
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
@@ -45,7 +47,7 @@ def axis_names(text: str) -> tuple[str, ...]:
     return names
 
 
-def _positive(kind):
+def positive(kind):
     def parse(text: str):
         try:
             v = kind(text)
@@ -58,7 +60,7 @@ def _positive(kind):
     return parse
 
 
-def _abstract_mesh(shape: tuple[int, ...], names: tuple[str, ...]):
+def abstract_mesh(shape: tuple[int, ...], names: tuple[str, ...]):
     """The mesh ``shape`` with Auto axes ``names`` and no devices: planning needs neither
     the devices nor their number."""
     from jax.sharding import AbstractMesh, AxisType
@@ -66,7 +68,7 @@ def _abstract_mesh(shape: tuple[int, ...], names: tuple[str, ...]):
     return AbstractMesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
 
 
-def _mesh(shape: tuple[int, ...], names: tuple[str, ...]):
+def device_mesh(shape: tuple[int, ...], names: tuple[str, ...]):
     import jax
     from jax.sharding import AxisType
 
@@ -119,7 +121,7 @@ def cluster_of(text: str | None, names: tuple[str, ...], cmd: str = "plan"):
     return cluster
 
 
-def _program(spec: str, cmd: str):
+def load_program(spec: str, cmd: str):
     from shardc.step.program import ProgramError, load_program
 
     try:
@@ -128,7 +130,7 @@ def _program(spec: str, cmd: str):
         sys.exit(f"shardc {cmd}: {exc}")
 
 
-def _needs_zoo(cmd: str) -> None:
+def needs_zoo(cmd: str) -> None:
     """The model zoo (Flax, Optax) and the bench's tools come with the ``bench`` extra."""
     import importlib.util
 
@@ -140,7 +142,7 @@ def _needs_zoo(cmd: str) -> None:
 
 
 def _model(name: str, layers: int | None, tiny: bool):
-    _needs_zoo("plan")
+    needs_zoo("plan")
     if name == "gpt":
         from shardc.models import gpt
 
@@ -156,7 +158,7 @@ def _model(name: str, layers: int | None, tiny: bool):
 
 
 @contextlib.contextmanager
-def _progress():
+def progress_logger():
     """shardc's INFO lines (what a long search is doing: each frontier plan, a budget that
     binds) printed on stderr while the command runs."""
     logger = logging.getLogger("shardc")
@@ -171,7 +173,7 @@ def _progress():
         logger.setLevel(level)
 
 
-def _planned_step(args, cmd: str):
+def planned_step(args, cmd: str):
     """``(auto_shard step, abstract args)`` for ``shardc plan`` / ``pareto``: a zoo model or
     the user's program, on an AbstractMesh (planning needs no devices: any size plans)."""
     shape = args.mesh
@@ -185,14 +187,14 @@ def _planned_step(args, cmd: str):
                  "sizes its own")
     import shardc
 
-    names = _axes_for(cmd, shape, args.axes)
+    names = axes_for(cmd, shape, args.axes)
     cluster = cluster_of(args.cluster, names, cmd)
-    mesh = _abstract_mesh(shape, names)
+    mesh = abstract_mesh(shape, names)
     if is_zoo:
         module, cfg = _model(args.target, args.layers, args.tiny)
         fn, abstract = module.build_step(cfg), module.abstract_args(cfg)
     else:
-        program = _program(args.target, cmd)
+        program = load_program(args.target, cmd)
         fn, abstract = program.fn, program.args
     step = shardc.auto_shard(fn, mesh=mesh, cluster=cluster, time_limit=args.time_limit,
                              mesh_search=args.mesh_search)
@@ -212,7 +214,7 @@ def show(report, plain: bool = False) -> None:
     Console().print(report)
 
 
-def _axes_for(cmd: str, shape: tuple[int, ...], names: tuple[str, ...] | None):
+def axes_for(cmd: str, shape: tuple[int, ...], names: tuple[str, ...] | None):
     default = ("pod", "node", "gpu")[-len(shape):] if len(shape) <= 3 else tuple(
         f"a{i}" for i in range(len(shape)))
     names = names or default
@@ -221,7 +223,7 @@ def _axes_for(cmd: str, shape: tuple[int, ...], names: tuple[str, ...] | None):
     return names
 
 
-def _load_plan(path: str, cmd: str):
+def load_plan(path: str, cmd: str):
     from shardc.plan.record import Plan, PlanFormatError
 
     try:

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import time
 
-from shardc.cli.common import _force_cpu_devices, _mesh, _needs_zoo
+from shardc.cli.common import device_mesh, force_cpu_devices, needs_zoo
 
 __all__ = ["cmd_demo"]
 
 
 def cmd_demo(args) -> None:
-    _needs_zoo("demo")
-    _force_cpu_devices(8)
+    needs_zoo("demo")
+    force_cpu_devices(8)
     import jax
     import numpy as np
 
@@ -26,7 +26,7 @@ def cmd_demo(args) -> None:
     print(f"shardc demo: GPT ({cfg.n_layers} layers, d={cfg.d_model}, heads={cfg.n_heads}, "
           f"seq={cfg.seq_len}, vocab={cfg.vocab}, batch={cfg.batch}) on 8 CPU devices, "
           "mesh node=2 x gpu=4")
-    mesh = _mesh((2, 4), ("node", "gpu"))
+    mesh = device_mesh((2, 4), ("node", "gpu"))
     cluster = shardc.Cluster.multi_node("node", "gpu")
     step_fn, (state, batch) = gpt.make_train_step(cfg)
     step = shardc.auto_shard(step_fn, mesh=mesh, cluster=cluster)

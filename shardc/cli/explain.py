@@ -6,7 +6,14 @@ from __future__ import annotations
 import math
 import sys
 
-from shardc.cli.common import _abstract_mesh, _force_cpu_devices, _load_plan, _mesh, _program, show
+from shardc.cli.common import (
+    abstract_mesh,
+    device_mesh,
+    force_cpu_devices,
+    load_plan,
+    load_program,
+    show,
+)
 
 __all__ = ["cmd_explain"]
 
@@ -15,20 +22,20 @@ def cmd_explain(args) -> None:
     if args.compile and not args.program:
         sys.exit("shardc explain: --compile compiles the plan's program; name it with "
                  "--program path/to/file.py:make")
-    plan = _load_plan(args.plan, "explain")  # imports jax; its backend starts later
+    plan = load_plan(args.plan, "explain")  # imports jax; its backend starts later
     if args.plot:
         _plot(plan, args.plot)
     if not args.program:
         show(plan.report(max_rows=args.rows), args.plain)
         return
     if args.compile:
-        _force_cpu_devices(max(8, math.prod(plan.axis_sizes)))
+        force_cpu_devices(max(8, math.prod(plan.axis_sizes)))
     import shardc
 
-    program = _program(args.program, "explain")
+    program = load_program(args.program, "explain")
     # the margins need the program only; compiling needs devices
-    mesh = _mesh(plan.axis_sizes, plan.axis_names) if args.compile else \
-        _abstract_mesh(plan.axis_sizes, plan.axis_names)
+    mesh = device_mesh(plan.axis_sizes, plan.axis_names) if args.compile else \
+        abstract_mesh(plan.axis_sizes, plan.axis_names)
     step = shardc.auto_shard(program.fn, mesh=mesh, cluster=plan.cluster)
     try:
         step.use_plan(plan, *program.args)

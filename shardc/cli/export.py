@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 
-from shardc.cli.common import _load_plan
+from shardc.cli.common import load_plan
 
 __all__ = ["cmd_export"]
 
@@ -14,7 +14,7 @@ __all__ = ["cmd_export"]
 def cmd_export(args) -> None:
     from shardc.report.export import python_module, rules_module
 
-    plan = _load_plan(args.plan, "export")
+    plan = load_plan(args.plan, "export")
     write = python_module if args.format == "python" else rules_module
     try:
         text = write(plan, source=os.path.basename(args.plan))

@@ -6,23 +6,23 @@ from __future__ import annotations
 import json
 import time
 
-from shardc.cli.common import _planned_step, _progress
+from shardc.cli.common import planned_step, progress_logger
 
 __all__ = ["cmd_pareto"]
 
 
 def cmd_pareto(args) -> None:
-    step, abstract = _planned_step(args, "pareto")
+    step, abstract = planned_step(args, "pareto")
     t0 = time.perf_counter()
     if args.devices:
         budget = None if args.memory_budget is None else args.memory_budget * 2**30
-        with _progress():
+        with progress_logger():
             counts = step.device_sweep(*abstract, memory_budget=budget)
         print(f"the best plan on each device count that divides the mesh, found in "
               f"{time.perf_counter() - t0:.2f} s (tracing included):")
         print(counts)
         return
-    with _progress():
+    with progress_logger():
         frontier = step.pareto(*abstract, budgets=args.budgets)
     print(f"{len(frontier.plans)} plans on the time-memory frontier, found in "
           f"{time.perf_counter() - t0:.2f} s (tracing included):")

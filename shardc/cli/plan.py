@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import time
 
-from shardc.cli.common import _planned_step, _progress, show
+from shardc.cli.common import planned_step, progress_logger, show
 
 __all__ = ["cmd_plan"]
 
 
 def cmd_plan(args) -> None:
-    step, abstract = _planned_step(args, "plan")
+    step, abstract = planned_step(args, "plan")
     t0 = time.perf_counter()
-    with _progress():
+    with progress_logger():
         plan = step.plan(*abstract)
     print(f"planned in {time.perf_counter() - t0:.2f} s (tracing included)")
     margins = step.margins(*abstract) if args.margins else None
