@@ -337,7 +337,8 @@ def cmd_calibrate(args) -> None:
 
 
 def _load_plan(path: str, cmd: str):
-    from shardc.plan.record import Plan, PlanFormatError
+    from shardc.plan.codec import PlanFormatError
+    from shardc.plan.record import Plan
 
     try:
         with open(path) as f:

@@ -44,8 +44,9 @@ from shardc.ir.trace import DEFAULT_WHILE_TRIPS, Traced, rematerialized, trace
 from shardc.lower.emit import explicit_axes, jit_plan
 from shardc.pipeline.runtime import check_axis
 from shardc.pipeline.schedule import Pipeline
+from shardc.plan.assemble import assemble
 from shardc.plan.overlap import ranking_time
-from shardc.plan.record import Plan, Predicted, assemble, fingerprint
+from shardc.plan.record import Plan, Predicted, fingerprint
 from shardc.report.explain import mesh_label
 from shardc.rules.fixed import on_mesh
 from shardc.rules.registry import has_rule, is_pinned, warn_missing
