@@ -8,8 +8,8 @@ from shardc.ir.sbp import NdSbp as NdSbp
 from shardc.ir.sbp import Partial as Partial
 from shardc.ir.sbp import Split as Split
 from shardc.pipeline.schedule import Pipeline as Pipeline
+from shardc.plan.codec import PlanFormatError as PlanFormatError
 from shardc.plan.record import Plan as Plan
-from shardc.plan.record import PlanFormatError as PlanFormatError
 from shardc.plan.record import Predicted as Predicted
 from shardc.rules.registry import NoRuleWarning as NoRuleWarning
 from shardc.rules.registry import register as register

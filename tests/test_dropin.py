@@ -18,7 +18,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as Ps
 
 import shardc
-from shardc.plan.record import PlanFormatError
+from shardc.plan.codec import PlanFormatError
 
 AUTO = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
 EXPLICIT = jax.make_mesh((2, 4), ("node", "gpu"))  # jax.make_mesh's default: Explicit axes

@@ -8,7 +8,7 @@ import pytest
 from shardc.cost.cluster import Cluster
 from shardc.ir.sbp import B, NdSbp, P, S
 from shardc.ir.trace import trace
-from shardc.plan.record import assemble
+from shardc.plan.assemble import assemble
 from shardc.solve import descent
 from shardc.solve.problem import Settle, build
 

@@ -14,7 +14,7 @@ from shardc.cost.cluster import Cluster
 from shardc.ir.sbp import B, NdSbp, P, Split
 from shardc.ir.trace import trace
 from shardc.models import mlp
-from shardc.plan.record import assemble
+from shardc.plan.assemble import assemble
 from shardc.solve import descent
 from shardc.solve.fold import fold, quotient, restrict
 from shardc.solve.ilp import solve_ilp
@@ -255,7 +255,7 @@ def test_seeds_bound_the_plan_and_are_reported():
     assert "seeds (hand-written plans, predicted): " in plan.explain()
     # and on the plan's own prediction (which prices XLA's combined collectives as the one
     # collective they compile to, where the objective shares them out): no seed beats it
-    from shardc.plan.record import assemble
+    from shardc.plan.assemble import assemble
     from shardc.solve.search import SolveOptions, plan_graph
     from shardc.step.solving import problem
 

@@ -224,7 +224,8 @@ def axes_for(cmd: str, shape: tuple[int, ...], names: tuple[str, ...] | None):
 
 
 def load_plan(path: str, cmd: str):
-    from shardc.plan.record import Plan, PlanFormatError
+    from shardc.plan.codec import PlanFormatError
+    from shardc.plan.record import Plan
 
     try:
         with open(path) as f:

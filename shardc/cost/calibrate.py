@@ -1,4 +1,4 @@
-"""Calibrate a :class:`~shardc.cost.cluster.Cluster` on the devices at hand.
+"""Measure the devices at hand for a calibrated :class:`~shardc.cost.cluster.Cluster`.
 
 For every mesh axis of more than one device, the all-reduce, all-gather and all-to-all of a
 few message sizes are timed along that axis alone (``jax.shard_map`` with ``lax.psum`` /
@@ -42,6 +42,10 @@ given the host's physical memory shared among its local devices.
 
 Under several processes (``jax.distributed``), process 0's timings are broadcast to all,
 so every process builds the same Cluster, and so the same plans.
+
+:func:`measure` times and fits; :meth:`shardc.cost.cluster.Cluster.calibrate` makes the
+Cluster of what it returns, with the :class:`~shardc.cost.cluster.Calibration` behind it.
+This module does not import the Cluster it measures for.
 """
 
 from __future__ import annotations
@@ -57,14 +61,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardc.cost.cluster import Cluster
 from shardc.cost.collectives import Group, seconds
 
-#: the models :func:`calibrate` fits, in the order a tie goes
+#: the models :func:`measure` fits, in the order a tie goes
 FIT_MODELS = ("alpha-beta", "ring")
 
-__all__ = ["AxisFit", "CalibrateOptions", "Calibration", "CalibrationError", "Sample",
-           "WIRE_FACTOR", "calibrate"]
+__all__ = ["AxisFit", "CalibrateOptions", "CalibrationError", "FIT_MODELS", "Sample",
+           "WIRE_FACTOR", "measure"]
 
 #: bytes each device moves per byte of its message on an axis of ``n`` devices: the ring
 #: costs of Thakur, Rabenseifner & Gropp (IJHPCA 2005), as :mod:`shardc.cost.comm` prices
@@ -81,7 +84,7 @@ class CalibrationError(RuntimeError):
 
 @dataclass(frozen=True)
 class CalibrateOptions:
-    """What :func:`calibrate` measures. ``sizes``: per-device message bytes of each timed
+    """What :func:`measure` measures. ``sizes``: per-device message bytes of each timed
     collective (at least two distinct; the largest should take well over the smallest for
     the bandwidth to show); ``reps``: timed runs per program (the fastest counts);
     ``chain``: collectives per program; ``matmul_size``: side of the timed square
@@ -147,48 +150,14 @@ class AxisFit:
         return max(abs(r) for r in self.residuals)
 
 
-@dataclass(frozen=True)
-class Calibration:
-    """What :func:`calibrate` measured and the fit behind its Cluster."""
-
-    cluster: Cluster
-    axes: tuple[AxisFit, ...]
-    matmul_flops: float  # per device, float32
-    memory_source: str  # where device_memory came from
-    options: CalibrateOptions
-
-    def report(self) -> str:
-        model = self.cluster.collective_model
-        latency = "α (µs)" if model == "alpha-beta" else "λ/step (µs)"
-        lines = [f"collective model: {model} (the better fit of {', '.join(FIT_MODELS)})",
-                 f"{'axis':<8}{'devices':>8}{latency:>12}"
-                 f"{'bandwidth (GB/s)':>18}{'R²':>8}{'max |residual|':>16}"]
-        for f in self.axes:
-            lines.append(f"{f.axis:<8}{f.size:>8}{f.latency * 1e6:>12.2f}"
-                         f"{f.bandwidth / 1e9:>18.3f}{f.r2:>8.4f}{f.max_residual:>16.1%}")
-        lines.append(f"matmul {self.options.matmul_size}^3 float32: "
-                     f"{self.matmul_flops / 1e9:.2f} GFLOP/s per device (utilization 1)")
-        lines.append(f"device memory: {self.cluster.device_memory / 2**30:.2f} GiB "
-                     f"({self.memory_source})")
-        return "\n".join(lines)
-
-    def to_json(self) -> dict:
-        return {
-            "cluster": self.cluster.to_json(),
-            "axes": [{"axis": f.axis, "size": f.size, "model": f.model, "latency": f.latency,
-                      "bandwidth": f.bandwidth, "r2": f.r2,
-                      "samples": [[s.kind, s.message, s.wire, s.seconds] for s in f.samples],
-                      "residuals": list(f.residuals)} for f in self.axes],
-            "matmul_flops": self.matmul_flops,
-            "memory_source": self.memory_source,
-        }
-
-
-def calibrate(mesh: Mesh, options: CalibrateOptions | None = None
-              ) -> tuple[Cluster, Calibration]:
-    """Time collectives on each axis of ``mesh`` and a matmul on its devices; the Cluster
-    they make (keyed by the mesh's axis names) and the :class:`Calibration` behind it."""
-    opts = options if options is not None else CalibrateOptions()
+def measure(mesh: Mesh, opts: CalibrateOptions
+            ) -> tuple[str, list[AxisFit], float, float, str]:
+    """Time collectives on each axis of ``mesh`` and a matmul on its devices, and fit the
+    models to the timings: ``(model, fits, matmul_flops, device_memory, memory_source)``,
+    the better fit of :data:`FIT_MODELS` and its fit per axis of more than one device
+    (keyed by the mesh's axis names), the FLOP/s per device, and the bytes of memory per
+    device with where that figure came from; the same on every process. What
+    :meth:`shardc.cost.cluster.Cluster.calibrate` makes its Cluster of."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"calibrate needs a jax.sharding.Mesh of the devices to measure, got "
                         f"{type(mesh).__name__}; make one with jax.make_mesh((2, 4), "
@@ -213,11 +182,7 @@ def calibrate(mesh: Mesh, options: CalibrateOptions | None = None
     fits = per_model[model]
     side = opts.matmul_size
     flops = 2 * side ** 3 / float(seconds[-1])
-    cluster = Cluster(axis_bandwidth={f.axis: f.bandwidth for f in fits},
-                      axis_latency={f.axis: f.latency for f in fits},
-                      device_flops=flops, device_memory=memory, utilization=1.0,
-                      collective_model=model)
-    return cluster, Calibration(cluster, tuple(fits), flops, source, opts)
+    return model, fits, flops, memory, source
 
 
 def _agreed(measured: np.ndarray) -> np.ndarray:

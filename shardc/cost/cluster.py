@@ -5,7 +5,9 @@ PCIe, a network, a TPU ICI axis), a bandwidth (bytes/s per device in one directi
 latency (seconds: the ring/Simple per-step latency NCCL's tables give that kind, which
 scales the kind's other protocols, and the ``α`` of the α-β model). A collective is priced
 over the links its group crosses with the model ``collective_model`` names
-(:mod:`shardc.cost.collectives`: NCCL's own by default).
+(:mod:`shardc.cost.collectives`: NCCL's own by default). :meth:`Cluster.calibrate` measures
+one on the devices at hand instead (:mod:`shardc.cost.calibrate` times and fits;
+:class:`Calibration` is the fit behind the Cluster).
 
 References:
   NVIDIA H100 SXM5 datasheet (2023): NVLink 4 at 900 GB/s bidirectional per GPU (450 GB/s
@@ -38,6 +40,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from shardc.cost.calibrate import FIT_MODELS, AxisFit, CalibrateOptions, measure
 from shardc.cost.collectives import COLLECTIVE_MODELS, LINK_KINDS, Group, seconds
 
 NVLINK_BW = 450e9  # H100 NVLink 4, per direction per GPU
@@ -216,13 +219,18 @@ class Cluster:
     @classmethod
     def calibrate(cls, mesh, options=None):
         """Measure the devices of ``mesh``: α and bandwidth per mesh axis from timed
-        all-reduces, all-gathers and all-to-alls, achievable FLOP/s from a matmul. Returns
-        ``(cluster, calibration)``: the Cluster, and the fit behind it
-        (:class:`shardc.cost.calibrate.Calibration`, ``.report()`` prints it). ``options``:
-        a :class:`shardc.cost.calibrate.CalibrateOptions`."""
-        from shardc.cost.calibrate import calibrate
-
-        return calibrate(mesh, options)
+        all-reduces, all-gathers and all-to-alls, achievable FLOP/s from a matmul
+        (:func:`shardc.cost.calibrate.measure`). Returns ``(cluster, calibration)``: the
+        Cluster (keyed by the mesh's axis names), and the fit behind it
+        (:class:`Calibration`, ``.report()`` prints it). ``options``: a
+        :class:`shardc.cost.calibrate.CalibrateOptions`."""
+        opts = options if options is not None else CalibrateOptions()
+        model, fits, flops, memory, source = measure(mesh, opts)
+        cluster = Cluster(axis_bandwidth={f.axis: f.bandwidth for f in fits},
+                          axis_latency={f.axis: f.latency for f in fits},
+                          device_flops=flops, device_memory=memory, utilization=1.0,
+                          collective_model=model)
+        return cluster, Calibration(cluster, tuple(fits), flops, source, opts)
 
     # ---- presets -----------------------------------------------------------------------
     @classmethod
@@ -265,6 +273,44 @@ class Cluster:
         return cls({a: TPU_V4_ICI_BW for a in axis_names}, {a: 1e-6 for a in axis_names},
                    device_flops=TPU_V4_FLOPS, device_memory=TPU_V4_MEMORY,
                    axis_link={a: "ici" for a in axis_names})
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What :meth:`Cluster.calibrate` measured (:func:`shardc.cost.calibrate.measure`) and
+    the fit behind its Cluster."""
+
+    cluster: Cluster
+    axes: tuple[AxisFit, ...]
+    matmul_flops: float  # per device, float32
+    memory_source: str  # where device_memory came from
+    options: CalibrateOptions
+
+    def report(self) -> str:
+        model = self.cluster.collective_model
+        latency = "α (µs)" if model == "alpha-beta" else "λ/step (µs)"
+        lines = [f"collective model: {model} (the better fit of {', '.join(FIT_MODELS)})",
+                 f"{'axis':<8}{'devices':>8}{latency:>12}"
+                 f"{'bandwidth (GB/s)':>18}{'R²':>8}{'max |residual|':>16}"]
+        for f in self.axes:
+            lines.append(f"{f.axis:<8}{f.size:>8}{f.latency * 1e6:>12.2f}"
+                         f"{f.bandwidth / 1e9:>18.3f}{f.r2:>8.4f}{f.max_residual:>16.1%}")
+        lines.append(f"matmul {self.options.matmul_size}^3 float32: "
+                     f"{self.matmul_flops / 1e9:.2f} GFLOP/s per device (utilization 1)")
+        lines.append(f"device memory: {self.cluster.device_memory / 2**30:.2f} GiB "
+                     f"({self.memory_source})")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {
+            "cluster": self.cluster.to_json(),
+            "axes": [{"axis": f.axis, "size": f.size, "model": f.model, "latency": f.latency,
+                      "bandwidth": f.bandwidth, "r2": f.r2,
+                      "samples": [[s.kind, s.message, s.wire, s.seconds] for s in f.samples],
+                      "residuals": list(f.residuals)} for f in self.axes],
+            "matmul_flops": self.matmul_flops,
+            "memory_source": self.memory_source,
+        }
 
 
 #: link kinds, fastest first: a group or view axis over several runs at the slowest

@@ -69,7 +69,8 @@ from jax.sharding import Mesh
 
 from shardc.cost import comm
 from shardc.cost.cluster import Cluster
-from shardc.inspect.groups import Groups, group_axes, group_spans, instruction_groups
+from shardc.inspect.collective import HloCollective
+from shardc.inspect.groups import group_axes, group_spans, instruction_groups
 from shardc.inspect.hlotext import (
     Computation,
     Instruction,
@@ -84,33 +85,6 @@ from shardc.inspect.schedule import replay_flops, schedule
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 # ---- results -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class HloCollective:
-    """One collective instruction of a compiled module.
-
-    ``result_bytes`` is per device: the sum over a tuple result's elements, the result part
-    of an async ``-start`` op, or the kept slice of a CPU reduce-scatter. ``groups`` hold
-    logical device ids (positions in ``mesh.devices.flat``). ``axes`` are the mesh axes the
-    groups span, in mesh order, or None when the groups are not full lines/planes of mesh
-    axes. ``computation`` is the HLO computation the instruction sits in.
-    """
-
-    kind: str
-    name: str
-    result_bytes: int
-    shapes: tuple[str, ...]
-    group_size: int
-    groups: Groups
-    axes: tuple[str, ...] | None
-    from_all_reduce: bool = False
-    computation: str = ""
-
-    @property
-    def wire_bytes(self) -> float:
-        """Bytes each device sends (ring formulas of :func:`shardc.cost.comm.wire_bytes`)."""
-        return comm.wire_bytes(self.kind, self.group_size, self.result_bytes)
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,7 @@ from shardc.inspect.loops import (
 )
 
 if TYPE_CHECKING:
-    from shardc.inspect.hlo import HloCollective
+    from shardc.inspect.collective import HloCollective
 
 __all__ = ["Overlap", "next_collective", "replay_flops", "schedule"]
 

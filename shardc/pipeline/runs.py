@@ -22,7 +22,7 @@ converts:
   collective: charged what it adds to it), charged to the forward scan's first carry.
 
 References:
-  :mod:`shardc.pipeline.runtime` (what one step compiles to); :func:`shardc.plan.record.assemble`
+  :mod:`shardc.pipeline.runtime` (what one step compiles to); :func:`shardc.plan.assemble.assemble`
   (a reshard per conversion, as recorded here).
 """
 
@@ -47,7 +47,7 @@ __all__ = ["pipelined_reshards"]
 def _converted(plan: Plan, value, consumer: int | None, src: NdSbp, dst: NdSbp
                ) -> Reshard | None:
     """The reshard of ``value`` converted from ``src`` to ``dst`` (None: no collective), as
-    :func:`shardc.plan.record.assemble` records one."""
+    :func:`shardc.plan.assemble.assemble` records one."""
     conv = conversion(src, dst, plan.axis_sizes, plan.axis_names, plan.cluster)
     if not conv.collectives:
         return None
@@ -129,7 +129,7 @@ def _marginal(plan: Plan, out: list[Reshard], name: str, group: int,
               best: PipelinePrice) -> float:
     """Seconds the stages' gradient all-reduce adds to the combined all-reduce it joins
     (``group``; -1: it runs alone, priced ``best.grads``): one collective of every
-    member's buffer, less what the members were charged (:func:`shardc.plan.record.assemble`
+    member's buffer, less what the members were charged (:func:`shardc.plan.assemble.assemble`
     prices a combined collective so, one latency for the whole buffer)."""
     if group < 0:
         return best.grads

@@ -2,6 +2,7 @@
 cost (``record``), its JSON form (``codec``), its assembly from a solved cost graph
 (``assemble``), and its step replayed with collectives overlapping compute (``overlap``)."""
 
-from shardc.plan.record import Plan, PlanFormatError, Predicted
+from shardc.plan.codec import PlanFormatError
+from shardc.plan.record import Plan, Predicted
 
 __all__ = ["Plan", "PlanFormatError", "Predicted"]

@@ -30,7 +30,8 @@ import jax
 
 from shardc.ir.graph import Value
 from shardc.ir.sbp import NdSbp
-from shardc.plan.record import Plan, PlanFormatError
+from shardc.plan.codec import PlanFormatError
+from shardc.plan.record import Plan
 
 __all__ = ["CACHE_ENV", "PlanCache"]
 

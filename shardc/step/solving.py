@@ -14,8 +14,9 @@ import time
 from shardc.cost.units import fmt_bytes
 from shardc.ir.remat import levels
 from shardc.ir.sbp import NdSbp
+from shardc.plan.assemble import assemble
 from shardc.plan.overlap import ranking_time
-from shardc.plan.record import Plan, assemble
+from shardc.plan.record import Plan
 from shardc.rules.registry import has_rule, warn_missing
 from shardc.solve.problem import NOTHING_FIXED, Fixed
 from shardc.solve.reuse import Reuse

@@ -26,7 +26,7 @@ the plan's cluster) plus the host feed of their inputs: a plan that compiles to 
 parallelism's program reads 1.00x of it. On an abstract mesh (nothing to compile) the rest
 of the program is placed as a seed is (:func:`shardc.solve.descent.from_inputs`: the
 optimizer tail backwards from the state, the rest greedy in program order, then coordinate
-descent) and priced by :func:`shardc.plan.record.assemble`, like the plan itself: the table says
+descent) and priced by :func:`shardc.plan.assemble.assemble`, like the plan itself: the table says
 these are estimates.
 
 References:
@@ -45,7 +45,8 @@ from shardc.cost.units import fmt_bytes, fmt_time
 from shardc.ir.flow import tail_values
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Split
-from shardc.plan.record import Plan, Predicted, assemble
+from shardc.plan.assemble import assemble
+from shardc.plan.record import Plan, Predicted
 from shardc.report.tables import Table
 from shardc.solve import descent
 from shardc.solve.problem import NOTHING_FIXED, Fixed, build
@@ -217,7 +218,7 @@ def layout_plan(graph: Graph, ties: Sequence[tuple[int, int]], sizes: Sequence[i
     """The plan a hand-written layout of the graph inputs leads to without a search:
     ``layouts`` pinned (``fixed`` too, which wins where both name an input), the rest placed
     as a seed is (greedy from the inputs, then coordinate descent) and priced by
-    :func:`shardc.plan.record.assemble`, for ``graph``, a program that recomputes its forward
+    :func:`shardc.plan.assemble.assemble`, for ``graph``, a program that recomputes its forward
     segments ``remat`` of ``segments``; its solver record names the layout ``name``. A plan
     that runs: what the margins estimate, and
     what the frontier (:mod:`shardc.tradeoff.frontier`) holds beside its searched plans."""
