@@ -1,9 +1,12 @@
-"""sort / top_k (``shardc/rules/sort.py``) and the no-arithmetic ops of ``shardc/rules/misc.py``
-(``name``, ``optimization_barrier``, ``bitcast_convert_type``): expected signatures present,
-wrong ones absent, EVERY signature checked numerically with the family checker on 2 simulated
-devices, and the FLOP counts against XLA's."""
+"""sort / top_k / approx_top_k (``shardc/rules/sort.py``) and the no-arithmetic ops of
+``shardc/rules/misc.py`` (``name``, ``optimization_barrier``, ``bitcast_convert_type``): expected
+signatures present, wrong ones absent, EVERY signature checked numerically with the family
+checker on 2 simulated devices (approx_top_k's on 8 too, and planned and run on the 8 CPU
+devices of ``conftest.py``), and the FLOP counts against XLA's."""
 
 from __future__ import annotations
+
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -11,8 +14,10 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import AxisType
 from test_rules_families import check_signature_numerically, f32, op_inputs, sig
 
+import shardc
 from shardc.inspect.hlo import compiled_flops
 from shardc.ir.sbp import B, NdSbp, P, Partial, Split
 from shardc.rules import op_flops, signatures, strategies
@@ -22,12 +27,13 @@ S = Split
 RNG = np.random.default_rng(3)
 
 
-def check_every(fn, *args, name: str):
-    """(op, signatures); every signature is verified numerically (none may be uneven)."""
+def check_every(fn, *args, name: str, n: int = 2):
+    """(op, signatures); every signature is verified numerically on ``n`` simulated devices
+    (none may be uneven)."""
     op, ins = op_inputs(fn, *args, name=name)
     sigs = signatures(op)
     for s in sigs:
-        assert check_signature_numerically(op, s, ins), f"{name} {s}: uneven test shapes"
+        assert check_signature_numerically(op, s, ins, n=n), f"{name} {s}: uneven test shapes"
     return op, sigs
 
 
@@ -92,6 +98,66 @@ def test_top_k_flops_are_the_sort_xla_decomposes_it_into():
     op, _ = op_inputs(lambda x: lax.top_k(x, 4), f32(8, 128), name="top_k")
     row = lambda x: lax.sort((x, lax.iota(jnp.int32, 128)), num_keys=1)  # noqa: E731
     assert op_flops(op) == 8 * xla_flops(row, f32(128)) == 8 * 128 * 7
+
+
+# ---- approx_top_k (top_k's rule along reduction_dimension) -------------------------------
+
+@pytest.mark.parametrize("approx", [lax.approx_max_k, lax.approx_min_k])
+@pytest.mark.parametrize("dim,aggregate", [(-1, True), (1, True), (0, True), (1, False)])
+def test_approx_top_k_splits_every_dim_but_its_reduction_dimension(approx, dim, aggregate):
+    """S(d) -> S(d), S(d) for every d but the reduced one, exact on 2 and on 8 devices (CPU's
+    fallback is an exact top-k: the indices are compared exactly); ``aggregate_to_topk=False``
+    keeps more than k along the reduced dim and splits the same dims."""
+    fn = lambda x: approx(x, 4, reduction_dimension=dim, aggregate_to_topk=aggregate)  # noqa: E731
+    x = f32(8, 24, 16)
+    for n in (2, 8):
+        op, sigs = check_every(fn, x, name="approx_top_k", n=n)
+    reduced = dim % 3
+    assert op.params["reduction_dimension"] == dim
+    assert set(sigs) == {sig([B], [B, B])} | {sig([S(d)], [S(d), S(d)])
+                                              for d in range(3) if d != reduced}
+    assert not has_partial(sigs)
+    strats = strategies(op, (2, 4))
+    assert all(sb.dim != reduced for st in strats for nd in (*st.ins, *st.outs) for sb in nd
+               if isinstance(sb, Split))
+    assert all(st.flops == op_flops(op) / 8 for st in strats if "B" not in st.name)
+
+
+def test_approx_top_k_flops_are_top_k_s():
+    """Priced as top_k: each row sorted with an iota, k sliced off (XLA's fallback). A min's
+    fallback stays a sort on CPU (a max's becomes the TopK custom call, which XLA's analysis
+    does not count), so one row of it is XLA's n ceil(log2 n)."""
+    x = f32(8, 128)
+    approx, _ = op_inputs(lambda x: lax.approx_min_k(x, 4), x, name="approx_top_k")
+    exact, _ = op_inputs(lambda x: lax.top_k(x, 4), x, name="top_k")
+    assert op_flops(approx) == op_flops(exact) == 8 * 128 * 7
+    assert op_flops(approx) == 8 * xla_flops(lambda x: lax.approx_min_k(x, 4), f32(128))
+    along0, _ = op_inputs(lambda x: lax.approx_max_k(x, 4, reduction_dimension=0), x.T,
+                          name="approx_top_k")
+    assert op_flops(along0) == op_flops(approx)  # the rows are along the other dim
+
+
+def test_approx_max_k_is_planned_on_8_devices_without_a_warning_and_matches_jit():
+    """Under ``shardc.auto_shard`` on the 8 CPU devices: no NoRuleWarning, the op split
+    (not replicated), no all-gather, and exactly ``jax.jit``'s values and indices."""
+    x = f32(16, 64)
+
+    def fn(x):
+        values, indices = lax.approx_max_k(jnp.tanh(x), 4)
+        return values * 2.0, indices
+
+    mesh = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
+    sharded = shardc.auto_shard(fn, mesh=mesh, time_limit=1.0)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        plan = sharded.plan(x)
+        got = sharded(x)
+    assert not [w for w in record if issubclass(w.category, shardc.NoRuleWarning)], record
+    op = [o for o in plan.ops if o.prim == "approx_top_k"][0]
+    assert any(isinstance(sb, Split) for sb in op.ins[0].sbps), op
+    assert "all-gather" not in sharded.lower(x).compile().as_text()
+    for a, b in zip(got, jax.jit(fn)(x), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 # ---- name and optimization_barrier -------------------------------------------------------
