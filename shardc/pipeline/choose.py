@@ -33,7 +33,7 @@ from shardc.pipeline.runs import pipelined_reshards
 from shardc.pipeline.scans import Layers, find_layers
 from shardc.pipeline.schedule import SCHEDULES, Pipeline
 from shardc.plan.record import Plan, Predicted, assemble
-from shardc.solve.problem import NOTHING_FIXED, Fixed
+from shardc.solve.costgraph import NOTHING_FIXED, Fixed
 from shardc.solve.search import SolveOptions, plan_graph
 from shardc.tradeoff.views import View, views
 

@@ -30,8 +30,9 @@ from shardc.ir.flow import carry_exit, loop_tests, loop_ties, read_runs, reads
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Partial, to_partition_spec
 from shardc.pipeline.schedule import Pipeline
+from shardc.solve.costgraph import CostGraph
 from shardc.solve.memory import memory_profile
-from shardc.solve.problem import CostGraph, feed_time
+from shardc.solve.problem import feed_time
 from shardc.solve.reduced_ys import unreduced_ys, ys_exits, ys_shares
 
 
@@ -547,7 +548,7 @@ def _joined(graph: Graph, uses: list, via: dict, pending: list, combiner, reshar
 def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[tuple[int, int]],
              solver: dict, remat: tuple[int, ...] = (), segments: int = 0,
              platform: str | None = None) -> Plan:
-    """Build the Plan from per-node choices of a cost graph ``cg`` (solve.problem.CostGraph)
+    """Build the Plan from per-node choices of a cost graph ``cg`` (solve.costgraph.CostGraph)
     of ``graph``, a program that recomputes its segments ``remat`` of ``segments``, compiled
     for ``platform`` (whose combiners join collectives: :func:`shardc.cost.combiner.
     combiner_for`; XLA:CPU's when None)."""

@@ -27,7 +27,7 @@ from shardc.ir.sbp import NdSbp, Partial
 from shardc.ir.trace import SCAN_EXIT
 
 if TYPE_CHECKING:
-    from shardc.solve.problem import CostGraph
+    from shardc.solve.costgraph import CostGraph
 
 __all__ = ["stacked_ys", "unreduced_ys", "whole_partial", "ys_exits", "ys_reduction",
            "ys_shares"]

@@ -27,10 +27,11 @@ from shardc.ir.flow import tail_values
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp
 from shardc.solve import descent
+from shardc.solve.costgraph import NOTHING_FIXED, CostGraph, Fixed
 from shardc.solve.fold import expand, members, quotient, restrict
 from shardc.solve.ilp import problem_size, solve_ilp
 from shardc.solve.memory import memory_cut, memory_profile
-from shardc.solve.problem import NOTHING_FIXED, CostGraph, Fixed, build
+from shardc.solve.problem import build
 from shardc.solve.reuse import Reuse, Starts, exact_peak
 
 MEMORY_ROUNDS = 6  # re-solves adding the worst violated program point

@@ -50,7 +50,8 @@ from shardc.report.explain import mesh_label
 from shardc.rules.fixed import on_mesh
 from shardc.rules.registry import has_rule, is_pinned, warn_missing
 from shardc.runtime.multihost import agree
-from shardc.solve.problem import NOTHING_FIXED, Fixed, feed_time
+from shardc.solve.costgraph import NOTHING_FIXED, Fixed
+from shardc.solve.problem import feed_time
 from shardc.solve.reuse import Reuse
 from shardc.solve.search import MemoryBudgetError, SolveOptions, plan_graph
 from shardc.step.cache import PlanCache

@@ -48,7 +48,8 @@ from shardc.ir.sbp import B, NdSbp, Split
 from shardc.plan.record import Plan, Predicted, assemble
 from shardc.report.tables import Table
 from shardc.solve import descent
-from shardc.solve.problem import NOTHING_FIXED, Fixed, build
+from shardc.solve.costgraph import NOTHING_FIXED, Fixed
+from shardc.solve.problem import build
 from shardc.solve.search import Status
 
 __all__ = ["Baseline", "Margins", "generic_layouts", "layout_plan", "margins", "optimizer_state"]
