@@ -222,7 +222,7 @@ def accumulators(graph: Graph) -> set[int]:
     """Ids of the ops that may read partial values: a scan's accumulator carries (a float
     carry the body only adds to: ``acc + g``) with their exits, and the body's own ops that feed
     the carry's next value. There the lowering keeps partial sums apart per device
-    (``lower/emit.py``), so micro-batches' partial gradients are reduced once after the loop,
+    (``lower/stacking.py``), so micro-batches' partial gradients are reduced once after the loop,
     not every iteration; each op's rule still decides which partial reads are exact.
     Elsewhere XLA reduces a partial value before its next use, so a plan must not count on
     reading one (:func:`shardc.rules.registry.strategies`)."""
