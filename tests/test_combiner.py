@@ -192,7 +192,7 @@ def test_micro_batched_step_reduces_the_summed_gradients_once():
 
 def test_micro_batched_step_summed_apart_matches_jit():
     """The step whose micro-batches' gradients are summed apart per device (held stacked,
-    ``lower/emit.py``) and reduced once computes what ``jax.jit`` of it does."""
+    ``lower/stacking.py``) and reduced once computes what ``jax.jit`` of it does."""
     import numpy as np
 
     from shardc.models import accum

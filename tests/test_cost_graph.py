@@ -12,8 +12,9 @@ from test_loops import X, _loss_scanned, _step
 from shardc.cost.cluster import Cluster
 from shardc.ir.trace import trace
 from shardc.models import gpt
+from shardc.solve.costgraph import CostGraphError, check_cost_graph
 from shardc.solve.fold import fold, restrict
-from shardc.solve.problem import CostGraphError, build, check_cost_graph
+from shardc.solve.problem import build
 
 
 def _programs():

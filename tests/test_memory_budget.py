@@ -88,7 +88,7 @@ def test_fused_values_hold_no_buffer():
     # Adam's chains: the bias-corrected moments and the update are computed inside the
     # fusion that writes the new parameter; the gradient and the new moments are stored
     from shardc.ir.trace import trace
-    from shardc.solve.memory import fused_values
+    from shardc.solve.lifetimes import fused_values
 
     def step(w, x):
         g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)

@@ -10,7 +10,8 @@ from shardc.ir.sbp import B, NdSbp, P, S
 from shardc.ir.trace import trace
 from shardc.plan.assemble import assemble
 from shardc.solve import descent
-from shardc.solve.problem import Settle, build
+from shardc.solve.costgraph import Settle
+from shardc.solve.problem import build
 
 CLUSTER = Cluster(axis_bandwidth={"x": 50e9}, axis_latency={"x": 5e-6}, device_flops=2e11)
 

@@ -19,7 +19,7 @@ from shardc.solve import descent
 from shardc.solve.fold import fold, quotient, restrict
 from shardc.solve.ilp import solve_ilp
 from shardc.solve.problem import build
-from shardc.solve.search import sub_mesh_seeds
+from shardc.solve.refine import sub_mesh_seeds
 
 
 def _small_problem():

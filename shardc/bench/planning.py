@@ -210,7 +210,7 @@ class DescentGap:
 def descent_gaps(presets: tuple[str, ...] = ("node-8", "node-2x4"),
                  which: str = "quick") -> list[DescentGap]:
     """Coordinate descent alone, and the stages of a graph too large for one ILP (folding,
-    the quotient's ILP stages, blocks; :func:`shardc.solve.search.quotient_refine`), against
+    the quotient's ILP stages, blocks; :func:`shardc.solve.refine.quotient_refine`), against
     the ILP over the whole graph at once, on each zoo model's ``which`` configuration: all
     solve the same cost graph, the step as the planner sees it (followers merged, the new
     state tied to the state it replaces). Cases where the ILP does not prove its optimum
@@ -223,7 +223,7 @@ def descent_gaps(presets: tuple[str, ...] = ("node-8", "node-2x4"),
     from shardc.solve.fold import fold
     from shardc.solve.ilp import solve_ilp
     from shardc.solve.problem import build
-    from shardc.solve.search import quotient_refine
+    from shardc.solve.refine import quotient_refine
     from shardc.step.signature import tie_outputs
 
     out = []

@@ -63,7 +63,7 @@ def unrolled_sums(graph: Graph) -> set[int]:
     on a tail path (:func:`shardc.ir.flow.tail_values`): the micro-batches' gradients
     summed by a Python loop, on their way into the optimizer. They may read partial values
     as a scan's accumulator does: each micro-batch's partial gradient is then held apart
-    per device and the sum reduced once (``lower/emit.py``), not once per micro-batch."""
+    per device and the sum reduced once (``lower/stacking.py``), not once per micro-batch."""
     tail = tail_values(graph)
     return {op.id for op in graph.ops
             if op.name in ("add", "add_any") and len(op.where) == 1 and op.weight == 1

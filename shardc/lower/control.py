@@ -1,7 +1,8 @@
 """The lowering of control flow the planner saw inline: a ``cond`` rebuilt with its
 branches rewritten, a ``while`` loop with its predicate and body rewritten, the plan's
-layouts placed inside (the scan's rebuild, with its partial carries held stacked, is in
-:mod:`shardc.lower.emit`); and the binding of one equation, which every rebuilt body uses.
+layouts placed inside (the scan's rebuild is in :mod:`shardc.lower.emit`, its partial
+carries held stacked by :mod:`shardc.lower.stacking`); and the binding of one equation,
+which every rebuilt body uses.
 """
 
 from __future__ import annotations

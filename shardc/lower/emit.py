@@ -13,11 +13,12 @@ resolved (:class:`~shardc.ir.trace.Inlined`) runs its platform's branch in place
 
 The plan's layouts become ``with_sharding_constraint`` on every planned, non-partial value.
 Partial values have no spelling on Auto mesh axes, so they are left unconstrained: XLA
-places the reduction where the next constrained value needs it. Where an op wants an input
-in another layout than its producer made, the input is constrained to the wanted layout too,
-each step of the planned conversion pinned, so the resharding happens where the plan put it.
-A user's own ``with_sharding_constraint`` is a fixed layout of the plan (``rules/fixed.py``)
-and is emitted as the plan's constraint.
+places the reduction where the next constrained value needs it (the partial sums a loop
+keeps apart per device are held stacked instead: :mod:`shardc.lower.stacking`). Where an op
+wants an input in another layout than its producer made, the input is constrained to the
+wanted layout too, each step of the planned conversion pinned, so the resharding happens
+where the plan put it. A user's own ``with_sharding_constraint`` is a fixed layout of the
+plan (``rules/fixed.py``) and is emitted as the plan's constraint.
 
 On a mesh with Explicit axes the program runs inside ``jax.sharding.auto_axes`` (constraints
 need Auto axes) and its results come back typed on the user's mesh.
@@ -29,9 +30,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.extend import core as jcore
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding
 
 from shardc.cost.comm import conversion
 from shardc.ir.flow import carry_exit, loop_ties, reads, unrolled_sums
@@ -42,14 +42,11 @@ from shardc.ir.trace import Fork, Inlined, Loop, Region, Traced
 from shardc.lower.control import ControlFlow, bind_eqn
 from shardc.lower.partial import (
     Stacked,
-    lift,
     stack,
-    stackable,
-    stacked_sharding,
     sum_axes,
     unstack,
-    vmapped,
 )
+from shardc.lower.stacking import StackedSums, _own_ops
 from shardc.pipeline.lowering import Stacks, made_by
 
 
@@ -94,7 +91,7 @@ def _read_as_made(graph, plan, by_op) -> set[int]:
     return {v.id for op in graph.ops for v in op.outputs} - bad
 
 
-class _Lowering(ControlFlow):
+class _Lowering(ControlFlow, StackedSums):
     """The interpreter: a plan, the Auto mesh it runs on, its ops by id, and the values
     left unconstrained (:meth:`~shardc.ir.graph.Graph.constants`)."""
 
@@ -154,10 +151,6 @@ class _Lowering(ControlFlow):
         """The layout ``v``'s uses read it from; None for a constant (left to XLA)."""
         return None if v.is_const or v.id in self.free else self.plan.read_as(v.id)
 
-    def constrain_stacked(self, x, axes: tuple[int, ...], nd: NdSbp):
-        sh = stacked_sharding(self.mesh, axes, nd, x.ndim - len(axes))
-        return x if sh is None else jax.lax.with_sharding_constraint(x, sh)
-
     def to_layout(self, x, src: NdSbp | None, dst: NdSbp):
         """``x`` (held stacked or not; ``src`` its layout, None for a constant) converted to
         ``dst``, held stacked over ``dst``'s partial-sum axes if it has any. Stacked over
@@ -177,90 +170,6 @@ class _Lowering(ControlFlow):
             x = self.convert(x, src, whole)
         arr = stack(x, want, self.plan.axis_sizes)
         return Stacked(self.constrain_stacked(arr, want, dst), want)
-
-    def stack_plan(self, loop: Loop, carried: Sequence, ys: Sequence) -> list[tuple]:
-        """Record which values of ``loop``'s body are held stacked: each carry the plan
-        keeps partial, and back from the value the body returns for it or for a ys the
-        plan keeps partial, every partial value made by an op of the body (not of a call
-        inside it) that :func:`stackable` allows. Returns, per ys, the mesh axes it leaves
-        the loop stacked over (none where it leaves reduced)."""
-        made = {v.id: op for op in _own_ops(loop.body.steps) for v in op.outputs}
-        todo = []
-        for e in carried:
-            planned = self.by_op.get(e.id)
-            axes = sum_axes(planned.outs[0]) if planned is not None else ()
-            if axes and stacked_sharding(self.mesh, axes, planned.outs[0],
-                                         e.outputs[0].ndim) is not None:
-                self.stacked[e.outputs[0].id] = axes
-                todo.append(e.params["tie"])
-        held = []
-        for e in ys:
-            planned, v = self.by_op.get(e.id), e.inputs[0]
-            axes = sum_axes(planned.ins[0]) if planned is not None else ()
-            if not axes or v.is_const or v.id in self.free or v.id in self.plan.settled or \
-                    stacked_sharding(self.mesh, axes, planned.ins[0], v.ndim) is None:
-                axes = ()
-            held.append(axes)
-            if axes:
-                todo.append(v)
-        self._stack_back(made, todo)
-        return held
-
-    def _unstack(self, x, nd: NdSbp | None):
-        """``x``'s value (:func:`unstack`); held stacked over several mesh axes (in layout
-        ``nd``), its summands' dims made one, split over all those axes, and summed: one
-        all-reduce over them all, as priced (summed dim by dim, XLA runs one per axis)."""
-        if not isinstance(x, Stacked) or len(x.axes) < 2 or nd is None:
-            return unstack(x)
-        k = len(x.axes)
-        sh = stacked_sharding(self.mesh, x.axes, nd, x.x.ndim - k)
-        if sh is None:
-            return unstack(x)
-        arr = jax.lax.with_sharding_constraint(x.x, sh)
-        arr = arr.reshape((-1,) + arr.shape[k:])
-        arr = jax.lax.with_sharding_constraint(arr, NamedSharding(
-            self.mesh, PartitionSpec(tuple(sh.spec[:k]), *sh.spec[k:])))
-        return jnp.sum(arr, axis=0, dtype=arr.dtype)
-
-    def stack_top(self, region: Region) -> None:
-        """Record which of the program's own values are held stacked: the sums a Python
-        loop makes of partial values (:func:`shardc.ir.flow.unrolled_sums`) the plan
-        keeps partial, and back from each, the partial values they are made from."""
-        made = {v.id: op for op in region.steps
-                if not isinstance(op, (Region, Loop, Fork, Inlined)) for v in op.outputs}
-        self._stack_back(made, [v for v, op in made.items() if op.id in self.sums
-                                and sum_axes(self.by_op[op.id].outs[0])
-                                and v not in self.plan.settled])
-
-    def _stack_back(self, made: dict, todo: list) -> None:
-        """Hold stacked each value of ``todo`` (or id) made by an op of ``made`` that
-        :func:`stackable` allows, and back from it, every partial value it reads."""
-        while todo:
-            v = todo.pop()
-            vid = v if isinstance(v, int) else v.id
-            op = made.get(vid)
-            planned = self.by_op.get(op.id) if op is not None else None
-            if planned is None or vid in self.stacked or len(op.outputs) != 1 or \
-                    not stackable(op.name, planned.ins, planned.outs[0]):
-                continue
-            self.stacked[vid] = sum_axes(planned.outs[0])
-            todo.extend(u for k, u in enumerate(op.inputs)
-                        if not u.is_const and sum_axes(planned.ins[k]))
-
-    def _stacked_op(self, eqn, op, planned, args: list) -> Stacked:
-        """Each device's summand of ``op``'s partial output, under ``jax.vmap``."""
-        axes = self.stacked[op.outputs[0].id]
-        lifted, batched = [], []
-        for k, (v, x) in enumerate(zip(op.inputs, args)):
-            x = self.to_layout(x, self.source(v), planned.ins[k]) if hasattr(x, "shape") or \
-                isinstance(x, Stacked) else x
-            lead = x.axes if isinstance(x, Stacked) else ()
-            arr, b = lift(x.x if isinstance(x, Stacked) else x, lead, planned.ins[k], axes,
-                          self.plan.axis_sizes)
-            lifted.append(arr)
-            batched.append(b)
-        out = vmapped(lambda *xs: bind_eqn(eqn, xs)[0], batched, axes)(*lifted)
-        return Stacked(self.constrain_stacked(out, axes, planned.outs[0]), axes)
 
     def settle(self, vid: int, x):
         """Convert a value used more than once to the layout its uses read, once (a free
@@ -434,30 +343,6 @@ class _Lowering(ControlFlow):
             result.append(self._pass(e, x, into=False))
         return result
 
-    def _ys(self, e, x, axes: tuple[int, ...]):
-        """The body's value of ys ``e`` as the loop stacks it: converted to the exit's
-        layout, or where the plan reduces it after the loop, each device's summand (held
-        stacked, its leading dims the partial axes)."""
-        if not axes:
-            return self._pass(e, unstack(x), into=True)
-        v = e.inputs[0]
-        return self.to_layout(x, self.plan.read_as(v.id), self.by_op[e.id].ins[0]).x
-
-    def _reduce_ys(self, e, x, axes: tuple[int, ...]):
-        """A ys the loop stacked with each device's summands (``(trips, *axis sizes,
-        *value)``): summed over the summands' dims, one all-reduce after the loop (pinned
-        to the exit's layout just after)."""
-        k = len(axes)
-        sh = stacked_sharding(self.mesh, axes, self.by_op[e.id].ins[0], x.ndim - 1 - k)
-        x = jax.lax.with_sharding_constraint(
-            x, NamedSharding(self.mesh, PartitionSpec(None, *sh.spec)))
-        # the summands' dims as one, split over all the axes: one all-reduce over them all,
-        # as priced (summed dim by dim, XLA runs one all-reduce per axis)
-        x = x.reshape(x.shape[:1] + (-1,) + x.shape[1 + k:])
-        x = jax.lax.with_sharding_constraint(x, NamedSharding(
-            self.mesh, PartitionSpec(None, tuple(sh.spec[:k]), *sh.spec[k:])))
-        return jnp.sum(x, axis=1, dtype=x.dtype)
-
     def region(self, region: Region, consts: Sequence, args: Sequence) -> list:
         env: dict = {}
         jaxpr = region.jaxpr
@@ -493,18 +378,6 @@ class _Lowering(ControlFlow):
                 if not isinstance(var, jcore.DropVar):
                     env[var] = x
         return [read(a) for a in jaxpr.outvars]
-
-
-def _own_ops(steps) -> list:
-    """The ops of ``steps`` and of the calls among them, recursively (not of loops or
-    conds inside, which run as their own bodies)."""
-    out = []
-    for step in steps:
-        if isinstance(step, Region):
-            out += _own_ops(step.steps)
-        elif not isinstance(step, (Loop, Fork, Inlined)):
-            out.append(step)
-    return out
 
 
 def evaluator(traced: Traced, plan, mesh: Mesh) -> Callable[..., list]:

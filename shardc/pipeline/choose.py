@@ -34,7 +34,7 @@ from shardc.pipeline.scans import Layers, find_layers
 from shardc.pipeline.schedule import SCHEDULES, Pipeline
 from shardc.plan.assemble import assemble
 from shardc.plan.record import Plan, Predicted
-from shardc.solve.problem import NOTHING_FIXED, Fixed
+from shardc.solve.costgraph import NOTHING_FIXED, Fixed
 from shardc.solve.search import SolveOptions, plan_graph
 from shardc.tradeoff.views import View, views
 

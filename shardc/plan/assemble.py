@@ -25,8 +25,9 @@ from shardc.ir.flow import carry_exit, loop_tests, loop_ties, read_runs, reads
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Partial
 from shardc.plan.record import OpPlan, Plan, Predicted, Reshard, fingerprint, unreduced
+from shardc.solve.costgraph import CostGraph
 from shardc.solve.memory import memory_profile
-from shardc.solve.problem import CostGraph, feed_time
+from shardc.solve.problem import feed_time
 from shardc.solve.reduced_ys import unreduced_ys, ys_exits, ys_shares
 
 __all__ = ["assemble"]

@@ -21,7 +21,7 @@ from shardc.ir.flow import tail_values
 from shardc.ir.graph import Op, Value
 from shardc.ir.prims import facts
 from shardc.ir.sbp import NdSbp
-from shardc.solve.problem import CostGraph, Settle
+from shardc.solve.costgraph import CostGraph, Settle
 
 
 def _adjacency(cg: CostGraph) -> dict[int, list]:

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from shardc.ir.graph import Op, Value
-from shardc.solve.problem import CostGraph, Edge, Settle
+from shardc.solve.costgraph import CostGraph, Edge, Settle
 
 ROUNDS = 3  # WL rounds: how far (in edges) two nodes' neighbourhoods must agree
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import scipy.sparse as sparse
 
-from shardc.solve.problem import CostGraph
+from shardc.solve.costgraph import CostGraph
 
 if TYPE_CHECKING:
     from ortools.linear_solver.python import model_builder_helper as mbh

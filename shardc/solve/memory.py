@@ -3,13 +3,15 @@
 
 :func:`memory_profile` walks the program in order: every argument and result is held for the
 whole step; an op's value lives from the op to its last reader, except the values XLA fuses
-into their readers (:func:`fused_values`), which hold no buffer; a value converted by a
-collective is a copy of its own (one per layout, however many ops read it: XLA's CSE), the
-gradients' all-reduces one combined collective (:func:`combined`), and a conversion of
-several steps holds two consecutive layouts at once (:func:`_steps_over`); temporaries that
-die before a result is written live in that result's buffer (:func:`host`). The solvers
-constrain a few sampled program points (:func:`memory_points`, :func:`memory_point`); a plan's
-predicted peak is the whole profile's maximum.
+into their readers (:func:`shardc.solve.lifetimes.fused_values`), which hold no buffer; a
+value converted by a collective is a copy of its own (one per layout, however many ops read
+it: XLA's CSE), the gradients' all-reduces one combined collective (:func:`combined`), and a
+conversion of several steps holds two consecutive layouts at once (:func:`_steps_over`);
+temporaries that die before a result is written live in that result's buffer
+(:func:`host`). The solvers constrain a few sampled program points (:func:`memory_points`,
+:func:`memory_point`); a plan's predicted peak is the whole profile's maximum. When each
+value lives, which depends on the graph alone, is :mod:`shardc.solve.lifetimes`; this
+module counts a plan's bytes over it.
 """
 
 from __future__ import annotations
@@ -21,153 +23,31 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from shardc.cost.combine import COMBINED_KINDS, XLA_CPU
-from shardc.ir.flow import carry_exit, reads, tail_values
-from shardc.ir.graph import Graph, Op, Value
-from shardc.ir.prims import facts
 from shardc.ir.sbp import NdSbp
-from shardc.ir.trace import COND_ENTER, COND_EXIT, SCAN_ENTER, SCAN_EXIT
+from shardc.solve.lifetimes import _lifetimes
 
 if TYPE_CHECKING:
-    from shardc.solve.problem import CostGraph
+    from shardc.solve.costgraph import CostGraph
 
-__all__ = ["combined", "fused_values", "host", "memory_cut", "memory_point", "memory_points",
-           "memory_profile", "partial_ys", "stacked_reads"]
+__all__ = ["combined", "host", "memory_cut", "memory_point", "memory_points",
+           "memory_profile"]
 
 MEMORY_POINTS = 4  # program points sampled for the memory constraint (Alpa samples too)
-FUSING_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
-"""Reductions XLA fuses their elementwise operands into (an input fusion): a softmax's
-``exp`` read by its sum and its normalisation is never stored."""
-
-
-def joined(graph: Graph) -> tuple[set[int], dict[int, int]]:
-    """The buffers a ``cond`` shares with its branches: (ids of the values a branch makes
-    and returns, which it writes in the cond's result buffer and hold none of their own;
-    ``{id of a cond result: the program point of the first branch value written in it}``,
-    where that buffer starts). References: XLA's ``conditional`` whose branch computations'
-    roots are assigned the conditional's output buffer (``buffer_assignment.cc``)."""
-    made = {v.id: t for t, op in enumerate(graph.ops) for v in op.outputs
-            if op.prim is not COND_ENTER}
-    inside: set[int] = set()
-    born: dict[int, int] = {}
-    for op in graph.ops:
-        if op.prim is COND_EXIT:
-            ts = [made[v.id] for v in op.inputs[1:] if v.id in made]
-            inside.update(v.id for v in op.inputs[1:] if v.id in made)
-            if ts:
-                born[op.outputs[0].id] = min(ts)
-    return inside, born
 
 
 def _value_mem(cg: CostGraph, node: int, slot: int, nbytes: int) -> np.ndarray:
     return np.array([nbytes * nd.shard_fraction(cg.axis_sizes) for nd in cg.out_sbps(node, slot)])
 
 
-def fused_values(graph: Graph) -> set[int]:
-    """Ids of the values XLA never stores: made by an elementwise op or a broadcast and read
-    only by such ops or by a reduction (:data:`FUSING_REDUCTIONS`), not a result. XLA's
-    fusion pass computes such a value inside each consumer's loop (a loop or input fusion;
-    several consumers each recompute it or share a multi-output fusion), so no buffer holds
-    it, and its operands are read where its consumers run instead. An optimizer's chains
-    (Adam's bias-corrected moments and update) are made of these: counted as buffers, a
-    train step's tail held two extra copies of the parameters that the compiled program
-    never allocates; so are a loss's logits-sized broadcasts and ``exp``."""
-    outs = {v.id for v in graph.outputs}
-    readers: dict[int, list[Op]] = {}
-    for op in graph.ops:
-        for v in op.inputs:
-            readers.setdefault(v.id, []).append(op)
-
-    def made_in_loop(name: str) -> bool:
-        return facts(name).elementwise or name == "broadcast_in_dim"
-
-    return {v.id for op in graph.ops if made_in_loop(op.name) for v in op.outputs
-            if v.id not in outs and v.id in readers
-            and all(made_in_loop(r.name) or r.name in FUSING_REDUCTIONS
-                    for r in readers[v.id])}
-
-
-def _lifetimes(cg: CostGraph) -> None:
-    """Graph inputs (parameters, optimizer state, batch) live throughout; an op's outputs
-    from the op to their last use (graph outputs: to the end); a fused value
-    (:func:`fused_values`) has no buffer, and its operands live to its last use instead. A
-    ``cond_enter`` holds no buffer (the branch reads the operand in place), nor does a
-    branch's value of a cond result (it is the result's buffer, :func:`joined`). They
-    depend on the graph alone (its node numbering too), so each graph's are computed once
-    (:meth:`shardc.ir.graph.Graph.memo`: a frontier builds one program's cost graph many
-    times) and shared, not to be changed."""
-    (cg.fusion, cg.spans, cg.results, cg.read_spans, cg.settle_spans, cg.ys_spans,
-     cg.stack_spans) = cg.graph.memo("lifetimes", lambda _: _spans(cg))
-
-
-def _spans(cg: CostGraph) -> tuple:
-    """:func:`_lifetimes`' fields of ``cg``, in the order it sets them."""
-    graph = cg.graph
-    n = len(graph.ops)
-    last = {v.id: n for v in graph.outputs}
-    for t, op in enumerate(graph.ops):
-        for v in op.inputs:
-            last[v.id] = max(last.get(v.id, t), t)
-    # a branch reads the cond's operand in place: its ``cond_enter`` holds no copy
-    fused = fused_values(graph) | {op.outputs[0].id for op in graph.ops if op.prim is COND_ENTER}
-    made = {v.id: t for t, op in enumerate(graph.ops) for v in op.outputs}
-    cg.fusion = (frozenset(fused), dict(last), made)
-    for t in range(n - 1, -1, -1):  # consumers first: a chain of fused values extends back
-        op = graph.ops[t]
-        end = max((last[v.id] for v in op.outputs if v.id in fused), default=t)
-        for v in op.inputs:
-            last[v.id] = max(last[v.id], end)
-    cg.spans = []
-    for v in graph.inputs:
-        node, _ = cg.producer[v.id]
-        cg.spans.append((0, n, node, 0, v.nbytes))
-    results = {v.id for v in graph.outputs}
-    cg.results = set()
-    inside, born = joined(graph)
-    for t, op in enumerate(graph.ops):
-        for slot, v in enumerate(op.outputs):
-            if v.id in results:
-                cg.results.add(len(cg.spans))
-            if v.id not in fused and v.id not in inside:
-                cg.spans.append((born.get(v.id, t), last.get(v.id, t), cg.producer[v.id][0],
-                                 slot, v.nbytes))
-    first_read: dict[int, int] = {}
-    tail = tail_values(graph)
-    after = _tail_after(graph, tail)
-    cg.read_spans = []
-    for t, op in enumerate(graph.ops):
-        for k, val in reads(op):
-            if val.is_const:
-                continue
-            first_read.setdefault(val.id, t)
-            u, slot = cg.producer[val.id] if carry_exit(op) or val.id not in cg.settle \
-                else (cg.settle[val.id], 0)
-            cg.read_spans.append((t, len(graph.inputs) + t, k, u, slot, val.nbytes, val.id,
-                                  made.get(val.id, 0), after.get(val.id)))
-    cg.settle_spans = []
-    for vid, w in cg.settle.items():
-        if vid in first_read:
-            node, slot = cg.producer[vid]
-            val = cg.refs[w].value
-            cg.settle_spans.append((first_read[vid], last.get(vid, n), w, node, slot,
-                                    val.nbytes))
-    cg.ys_spans = [(start, t - 1, cg.producer[op.outputs[0].id][0], op.outputs[0].nbytes)
-                   for start, t, op in partial_ys(graph)]
-    cg.stack_spans = []
-    for t, end, val in stacked_reads(graph):
-        u, slot = (cg.settle[val.id], 0) if val.id in cg.settle else cg.producer[val.id]
-        cg.stack_spans.append((t, end, len(graph.inputs) + t, u, slot, val.nbytes))
-    return (cg.fusion, cg.spans, cg.results, cg.read_spans, cg.settle_spans, cg.ys_spans,
-            cg.stack_spans)
-
-
 def _cut_fusion(cg: CostGraph, choice: Sequence[int], vid: int, at: int, made: list,
                 made_at: dict) -> list[tuple[int, int, float]]:
-    """A value counted as fused into its readers (:func:`fused_values`) that the plan reads
-    through a collective only: a collective's operand is a buffer (returned, from its op
-    to ``at``, where the collective runs), and its fusion ends there, so the values its
-    fused chain reads die by ``at`` (``made`` shortened in place; ``made_at``: the
-    temporary of each (node, slot) making a value). On a micro-batched step the gradients
-    summed before one all-reduce die there, not at the optimizer's end."""
+    """A value counted as fused into its readers
+    (:func:`shardc.solve.lifetimes.fused_values`) that the plan reads through a collective
+    only: a collective's operand is a buffer (returned, from its op to ``at``, where the
+    collective runs), and its fusion ends there, so the values its fused chain reads die by
+    ``at`` (``made`` shortened in place; ``made_at``: the temporary of each (node, slot)
+    making a value). On a micro-batched step the gradients summed before one all-reduce die
+    there, not at the optimizer's end."""
     fused, own, born = cg.fusion
     node, slot = cg.producer[vid]
     op = cg.refs[node]
@@ -187,53 +67,6 @@ def _cut_fusion(cg: CostGraph, choice: Sequence[int], vid: int, at: int, made: l
             if u.id in fused and u.producer is not None:
                 todo.append(u.producer)
     return [(start, max(start, at), nbytes)]
-
-
-def _tail_after(graph: Graph, tail: set[int]) -> dict[int, tuple[int, int]]:
-    """Per tail value (:func:`shardc.ir.flow.tail_values`), ``(its bit, the bits of the
-    tail values computed from it)``: a tail value's collective can join XLA's combined one
-    with another's unless one is computed from the other (``CombineInstructionsByKey``
-    combines independent collectives only)."""
-    bit = {vid: 1 << k for k, vid in enumerate(sorted(tail))}
-    after: dict[int, int] = {}
-    for op in reversed(graph.ops):
-        down = 0
-        for v in op.outputs:
-            if v.id in bit:
-                down |= bit[v.id] | after.get(v.id, 0)
-        for v in op.inputs:
-            if v.id in bit:
-                after[v.id] = after.get(v.id, 0) | down
-    return {vid: (b, after.get(vid, 0)) for vid, b in bit.items()}
-
-
-def stacked_reads(graph: Graph) -> list[tuple[int, int, Value]]:
-    """``(t, end, stacked value)`` per scan ``xs`` input (op ``t``, its ``scan_enter``):
-    the loop reads the whole stack in the enter's layout, so where that differs from the
-    stack's own (a stacked weight stored sharded, its slices read gathered) the converted
-    stack is a buffer of its own from the enter to the loop's last exit (``end``): XLA
-    gathers the stack before the loop, not a layer per iteration."""
-    exits = {op.where: k for k, op in enumerate(graph.ops) if op.prim is SCAN_EXIT}
-    return [(t, max(t, exits.get(op.where, t)), op.inputs[0])
-            for t, op in enumerate(graph.ops)
-            if op.prim is SCAN_ENTER and op.params.get("kind") == "xs"
-            and not op.inputs[0].is_const]
-
-
-def partial_ys(graph: Graph) -> list[tuple[int, int, Op]]:
-    """``(first op of its loop, t, exit)`` per scan ys ``scan_exit`` (op ``t``): where the
-    plan reads its body's value partial, reducing it after the loop
-    (:func:`shardc.solve.reduced_ys.stacked_ys`), the loop holds the whole stack of every
-    device's summands, unreduced (the full value on every device), from the loop's start
-    to its exit. A loop's ops are those whose ``where`` extends its exits'."""
-    first: dict[tuple[int, ...], int] = {}
-    out = []
-    for t, op in enumerate(graph.ops):
-        for k in range(1, len(op.where) + 1):
-            first.setdefault(op.where[:k], t)
-        if op.prim is SCAN_EXIT and op.params["kind"] == "ys":
-            out.append((first[op.where], t, op))
-    return out
 
 
 def _unreduced(cg: CostGraph, node: int, nbytes: int) -> np.ndarray:
@@ -419,11 +252,12 @@ def combined(copies: list[list]) -> list[tuple[int, int, float]]:
     made, joins, ...]``, its first point moved to where it is made. The copies that join
     XLA's combined collective (a tail value's all-reduce: the gradients on their way into
     the optimizer; ``joins``: its bit and those of the tail values computed from it,
-    :func:`_tail_after`) are made by one tuple collective per :data:`COMBINE_COUNT`, which
-    runs once its last operand is made, and all live from there to their last reads (their
-    readers wait for it): on a data-parallel step the whole gradient sits in temporaries
-    at once, where separate all-reduces would each live at their reader. A copy from which
-    another member is computed cannot wait for it: it runs alone."""
+    :func:`shardc.solve.lifetimes._tail_after`) are made by one tuple collective per
+    :data:`COMBINE_COUNT`, which runs once its last operand is made, and all live from there
+    to their last reads (their readers wait for it): on a data-parallel step the whole
+    gradient sits in temporaries at once, where separate all-reduces would each live at
+    their reader. A copy from which another member is computed cannot wait for it: it runs
+    alone."""
     group = [c for c in copies if c[4]]
     while group:  # drop the copies another member is computed from
         bits = 0

@@ -7,7 +7,7 @@ instead read its body's value partial (``P -> B``, :func:`shardc.rules.control.s
 and all-reduce the whole stack once after the loop. These helpers find such exits, price
 the after-loop all-reduce on the exit's strategies (one latency shared by the loop's ys,
 which XLA's combiner joins into one collective) and restrict which partial layouts an exit
-reads (those the lowering, ``lower/emit.py``, holds stacked).
+reads (those the lowering, ``lower/stacking.py``, holds stacked).
 
 References:
   NCCL's latency model (``cost/collectives.py``); XLA's all-reduce combiner
@@ -27,7 +27,7 @@ from shardc.ir.sbp import NdSbp, Partial
 from shardc.ir.trace import SCAN_EXIT
 
 if TYPE_CHECKING:
-    from shardc.solve.problem import CostGraph
+    from shardc.solve.costgraph import CostGraph
 
 __all__ = ["stacked_ys", "unreduced_ys", "whole_partial", "ys_exits", "ys_reduction",
            "ys_shares"]

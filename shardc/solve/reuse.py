@@ -23,9 +23,10 @@ from shardc.cost.cluster import Cluster
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import NdSbp
 from shardc.solve import descent
+from shardc.solve.costgraph import CostGraph, Fixed
 from shardc.solve.fold import colour_classes
 from shardc.solve.memory import memory_profile
-from shardc.solve.problem import CostGraph, Fixed, build
+from shardc.solve.problem import build
 
 __all__ = ["Reuse", "Starts", "exact_peak"]
 

@@ -41,7 +41,7 @@ from shardc.pipeline.schedule import Pipeline
 from shardc.plan.record import Plan, fingerprint
 from shardc.rules.fixed import on_mesh
 from shardc.runtime.multihost import agree
-from shardc.solve.problem import Fixed
+from shardc.solve.costgraph import Fixed
 from shardc.step.cache import PlanCache
 from shardc.step.calling import (
     Call,

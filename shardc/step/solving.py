@@ -18,7 +18,7 @@ from shardc.plan.assemble import assemble
 from shardc.plan.overlap import ranking_time
 from shardc.plan.record import Plan
 from shardc.rules.registry import has_rule, warn_missing
-from shardc.solve.problem import NOTHING_FIXED, Fixed
+from shardc.solve.costgraph import NOTHING_FIXED, Fixed
 from shardc.solve.reuse import Reuse
 from shardc.solve.search import MemoryBudgetError, SolveOptions, plan_graph
 from shardc.step.calling import (

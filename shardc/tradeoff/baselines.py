@@ -49,7 +49,8 @@ from shardc.plan.assemble import assemble
 from shardc.plan.record import Plan, Predicted
 from shardc.report.tables import Table
 from shardc.solve import descent
-from shardc.solve.problem import NOTHING_FIXED, Fixed, build
+from shardc.solve.costgraph import NOTHING_FIXED, Fixed
+from shardc.solve.problem import build
 from shardc.solve.search import Status
 
 __all__ = ["Baseline", "Margins", "generic_layouts", "layout_plan", "margins", "optimizer_state"]

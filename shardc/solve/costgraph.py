@@ -1,0 +1,383 @@
+"""The cost graph the solvers work on: its records and the passes on it.
+
+One node per graph input (its choices: the NdSbps it may be laid out with) and per op (its
+choices: the rule's strategies); one edge per producer→consumer value with a resharding
+cost matrix ``R[a, b]`` (seconds). Memory is a list of sampled program points, each a sum of
+per-node, per-choice byte vectors that must stay under the budget (:mod:`shardc.solve.memory`).
+:class:`CostGraph` holds them with the records it is made of (:class:`Edge`, :class:`Settle`,
+:class:`Fixed`); :func:`shardc.solve.problem.build` builds it from a program, and
+:func:`check_cost_graph` checks what the solvers assume of it.
+
+``merge_followers`` shrinks the problem before any search:
+
+* an op whose inputs all come from one node *follows* it (Alpa): it takes the operand's
+  layout as it is where a strategy allows (else its cheapest), so elementwise / reshape /
+  transpose / softmax chains add no variables;
+* an op with no inputs from other nodes (iota, broadcast constants) is absorbed into its only
+  consumer, choosing its best layout per consumer choice (exact: nothing else depends on it).
+
+References:
+  Alpa (OSDI'22) §4.2 ILP formulation and follow-merging; OneFlow ``sbp_graph.cpp``
+  (eliminating single-input nodes).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shardc.cost.cluster import Cluster
+from shardc.cost.comm import Conversion, conversion
+from shardc.ir.graph import Graph, Op, Value
+from shardc.ir.prims import facts
+from shardc.ir.sbp import Broadcast, NdSbp, Split
+
+__all__ = ["NOTHING_FIXED", "CostGraph", "CostGraphError", "Edge", "Fixed", "Settle",
+           "check_cost_graph"]
+
+
+@dataclass
+class Edge:
+    u: int
+    v: int
+    cost: np.ndarray  # [len(choices[u]), len(choices[v])] seconds
+    value: Value
+    k: int = -1  # which input of the consumer op (-1: a tie back to a graph input)
+    src: tuple[int, int] = (-1, 0)  # the (node, slot) whose layouts the rows are
+
+
+@dataclass(frozen=True, eq=False)
+class Settle:
+    """The layout a value used more than once is converted to, once, before its uses.
+
+    Every use of a value in the same layout reads one conversion (XLA emits one all-reduce of
+    a gradient that two optimizer slots read, one all-gather of a parameter that the forward
+    and the backward pass read); pricing each use's conversion alone would charge it per
+    use. A settle node chooses that shared layout (never partial); its uses convert from it.
+    """
+
+    value: Value
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """Layouts a plan must keep, by graph input and output index: placed arguments the user
+    asked to keep, and results whose type fixes their layout (Explicit mesh axes)."""
+
+    inputs: Mapping[int, NdSbp] = field(default_factory=dict)
+    outputs: Mapping[int, NdSbp] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.inputs or self.outputs)
+
+
+#: the default: nothing pinned
+NOTHING_FIXED = Fixed()
+
+
+@dataclass
+class CostGraph:
+    graph: Graph
+    axis_sizes: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    cluster: Cluster
+    choices: list[list] = field(default_factory=list)  # NdSbp (inputs) or Strategy (ops)
+    refs: list = field(default_factory=list)  # graph input Value or Op per node
+    cost: list[np.ndarray] = field(default_factory=list)
+    edges: list[Edge] = field(default_factory=list)
+    memory: list[dict[int, np.ndarray]] = field(default_factory=list)  # per sampled point
+    producer: dict[int, tuple[int, int]] = field(default_factory=dict)  # value id -> node, slot
+    follows: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)  # v -> (u, f[a])
+    spans: list = field(default_factory=list)  # (first, last program point, node, slot, bytes)
+    stack_spans: list = field(default_factory=list)  # (first, last, enter, node, slot, bytes)
+    ys_spans: list = field(default_factory=list)  # (first, last, ys exit node, bytes)
+    results: set = field(default_factory=set)  # indices of spans holding a graph result
+    #: (t, op node, input k, node, slot, bytes, value id, made) per operand read, ``made``
+    #: the program point that makes the value and ``combined`` whether its collectives join
+    #: XLA's combined tuple collective (a tail value's: see ``cost/combine.py``)
+    read_spans: list = field(default_factory=list)
+    settle_spans: list = field(default_factory=list)  # (first, last, settle, node, slot, bytes)
+    #: (ids of the values XLA fuses into their readers, value id -> its last read before a
+    #: fused reader extends it, value id -> the program point making it): ``solve/lifetimes.py``
+    fusion: tuple = (frozenset(), {}, {})
+    conversions: dict = field(default_factory=dict)  # (src, dst) -> Conversion
+    terms: dict = field(default_factory=dict)  # (srcs, dsts) -> reshard_matrix's cost terms
+    carried: set = field(default_factory=set)  # input nodes tied to an output (the state)
+    resident: set = field(default_factory=set)  # other inputs kept on the devices: no feed
+    settle: dict = field(default_factory=dict)  # value id -> its Settle node
+    order: list = field(default_factory=list)  # every node, producers before their uses
+    ties: list = field(default_factory=list)  # (output index, input index) pairs
+    fixed: Fixed = NOTHING_FIXED
+    adjacency: tuple = ()  # (edges, their count, node -> its edges): :mod:`shardc.solve.descent`
+
+    # ---- construction ---------------------------------------------------------------------
+    def out_sbp(self, node: int, slot: int, choice: int) -> NdSbp:
+        c = self.choices[node][choice]
+        return c if isinstance(c, NdSbp) else c.outs[slot]
+
+    def out_sbps(self, node: int, slot: int) -> list[NdSbp]:
+        return [self.out_sbp(node, slot, a) for a in range(len(self.choices[node]))]
+
+    def reshard_matrix(self, src: Sequence[NdSbp], dst: Sequence[NdSbp], nbytes: float,
+                       alpha_scale: float = 1.0) -> np.ndarray:
+        usrc, si = _unique(src)
+        udst, di = _unique(dst)
+        key = (tuple(usrc), tuple(udst))
+        terms = self.terms.get(key)
+        if terms is None:  # the pairs' distinct collectives, and how often each pair runs one
+            convs = [self._conversion(a, b) for a in usrc for b in udst]
+            steps: dict = {}
+            for c in convs:
+                for step in c.collectives:
+                    steps.setdefault(step, len(steps))
+            runs = np.zeros((len(convs), max(len(steps), 1)))
+            for i, c in enumerate(convs):
+                for step in c.collectives:
+                    runs[i, steps[step]] += 1
+            local = np.array([c.local if c.collectives else 0.0 for c in convs])
+            terms = (tuple(steps), runs, local)
+            self.terms[key] = terms
+        steps, runs, local = terms
+        model = self.cluster.collective_model
+        t = np.array([c.seconds(nbytes, model, alpha_scale) for c in steps] or [0.0])
+        small = (runs @ t + local).reshape(len(usrc), len(udst))
+        return small[np.ix_(si, di)]
+
+    def _conversion(self, a: NdSbp, b: NdSbp) -> Conversion:
+        key = (a, b)
+        hit = self.conversions.get(key)
+        if hit is None:
+            hit = conversion(a, b, self.axis_sizes, self.axis_names, self.cluster)
+            self.conversions[key] = hit
+        return hit
+
+    @property
+    def live(self) -> list[int]:
+        """Nodes that are decided (not following another), producers first."""
+        return [i for i in self.order if i not in self.follows]
+
+    def resolve(self, node: int) -> tuple[int, np.ndarray]:
+        """The variable node deciding ``node``, and the map from its choice to ``node``'s."""
+        f = np.arange(len(self.choices[node]))
+        while node in self.follows:
+            node, g = self.follows[node]
+            f = f[g]
+        return node, f
+
+    def decode(self, assignment: dict[int, int]) -> list[int]:
+        """Choices of every node from the choices of the live ones."""
+        out = []
+        for i in range(len(self.choices)):
+            root, f = self.resolve(i)
+            out.append(int(f[assignment[root]]))
+        return out
+
+    # ---- follow merging -------------------------------------------------------------------
+    def _same_layout(self, ins: list[Edge], u: int, v: int) -> np.ndarray:
+        """[|Su|, |Sv|] True where every edge from u into v needs no conversion at all."""
+        ok = np.ones((len(self.choices[u]), len(self.choices[v])), dtype=bool)
+        for e in ins:
+            if e.k < 0:
+                continue  # a tie or a re-pointed edge: no input slot of v to compare
+            node, slot = e.src
+            _, g = self.resolve(node)  # u's choice -> the producer's choice
+            src = self.out_sbps(node, slot)
+            dst = [c.ins[e.k] for c in self.choices[v]]
+            index: dict = {}
+            si = np.array([index.setdefault(x, len(index)) for x in src])[g]
+            di = np.array([index.setdefault(x, len(index)) for x in dst])
+            ok &= si[:, None] == di[None, :]
+        return ok
+
+    def _generates(self, v: int, ins: list[Edge]) -> bool:
+        """``v`` makes far more data than it reads from the node it would follow (random
+        bits from a key, a bias broadcast over the batch): at least a device count's worth
+        more. Following would fix its output to its tiny operand's layout (replicated), so
+        the whole chain it starts runs replicated and is sliced where it meets split data;
+        as a node of its own, its output takes the layout its consumers want, each device
+        making its own slice."""
+        made = sum(o.nbytes for o in self.refs[v].outputs)
+        return made >= math.prod(self.axis_sizes) * sum(e.value.nbytes for e in ins) > 0
+
+    def merge_followers(self) -> None:
+        ins_of: dict[int, list[Edge]] = {}
+        outs_of: dict[int, list[Edge]] = {}
+        fresh_of: dict[tuple, np.ndarray] = {}
+        for e in self.edges:
+            ins_of.setdefault(e.v, []).append(e)
+            outs_of.setdefault(e.u, []).append(e)
+        for v in self.order:
+            ins = ins_of.get(v, [])
+            if not ins or not isinstance(self.refs[v], Op):
+                continue
+            if len({e.u for e in ins}) > 1:
+                if not facts(self.refs[v].name).elementwise:
+                    continue
+                # an elementwise op of several producers follows its largest operand (its
+                # output layout is one of its operands'), one computed from the inputs
+                # before a constant broadcast to the same size (the 1/N of a mean: following
+                # it would replicate the loss's backward); the others' edges are re-pointed
+                # to that operand's node (Alpa / XLA "follow")
+                lead = max(ins, key=lambda e: (e.value.nbytes, bool(ins_of.get(e.u)), -e.k))
+                u = lead.u
+                others = [e for e in ins if e.u != u]
+                ins = [e for e in ins if e.u == u]
+            else:
+                u, others = ins[0].u, []
+            if self._generates(v, ins):
+                continue  # its own layout is a decision: see _generates
+            local = self.cost[v][None, :] + sum(e.cost for e in ins)  # [|Su|, |Sv|]
+            # follow: take the operand's layout as it is (no conversion, not even a free
+            # slice) and split nothing the operand does not (a broadcast_in_dim B -> S(d)
+            # would save its own compute but make every consumer of a replicated chain
+            # re-gather); the cheapest such strategy, else the cheapest keeping the layout,
+            # else the cheapest
+            same = self._same_layout(ins, u, v)
+            if not same.any(axis=1).all():
+                continue  # some layout of u must convert first: a decision of v's own
+            f = np.argmin(local, axis=1)
+            ks = tuple(sorted({e.k for e in ins if e.k >= 0}))
+            key = (id(self.choices[v]), ks)  # ops of one signature share their strategy list
+            if key not in fresh_of:
+                fresh_of[key] = _fresh_splits(self.choices[v], ks)
+            fresh = fresh_of[key]
+            for allowed in (same, same & ~fresh[None, :]):
+                masked = np.where(allowed, local, np.inf)
+                g = np.argmin(masked, axis=1)
+                ok = np.isfinite(masked[np.arange(len(g)), g])
+                f[ok] = g[ok]
+            self.cost[u] = self.cost[u] + local[np.arange(len(f)), f]
+            self.follows[v] = (u, f)
+            gone = {id(e) for e in ins}
+            outs_of[u] = [e for e in outs_of.get(u, []) if id(e) not in gone]
+            ins_of[v] = []
+            for e in others:  # a -> v becomes a -> u, priced at v's choice for u's
+                e.v, e.cost, e.k = u, e.cost[:, f], -2
+                ins_of.setdefault(u, []).append(e)
+            for e in outs_of.pop(v, []):
+                e.u, e.cost = u, e.cost[f, :]
+                if e.v == u:  # a tie back to u: a cost on u alone
+                    self.cost[u] = self.cost[u] + np.diag(e.cost)
+                    ins_of[u] = [x for x in ins_of[u] if x is not e]
+                else:
+                    outs_of[u].append(e)
+            for point in self.memory:
+                if v in point:
+                    vec = point.pop(v)[f]
+                    point[u] = point[u] + vec if u in point else vec
+        self.edges = [e for es in outs_of.values() for e in es]
+        self._absorb_sources()
+
+    def _absorb_sources(self) -> None:
+        """Fold ops with no inputs from other nodes (iota, broadcasts of constants, and what
+        follows them) into their only consumer: the best choice of such a source given its
+        consumer's choice is exact, since nothing else depends on it."""
+        ins_of: dict[int, list[Edge]] = {}
+        outs_of: dict[int, list[Edge]] = {}
+        for e in self.edges:
+            ins_of.setdefault(e.v, []).append(e)
+            outs_of.setdefault(e.u, []).append(e)
+        for u in self.live:
+            outs = outs_of.get(u, [])
+            if ins_of.get(u) or not outs or not isinstance(self.refs[u], Op):
+                continue
+            v = outs[0].v
+            if any(e.v != v for e in outs) or v == u:
+                continue
+            total = self.cost[u][:, None] + sum(e.cost for e in outs)  # [|Su|, |Sv|]
+            g = np.argmin(total, axis=0)
+            self.cost[v] = self.cost[v] + total[g, np.arange(len(g))]
+            self.follows[u] = (v, g)
+            gone = {id(e) for e in outs}
+            ins_of[v] = [e for e in ins_of.get(v, []) if id(e) not in gone]
+            outs_of[u] = []
+            for point in self.memory:
+                if u in point:
+                    vec = point.pop(u)[g]
+                    point[v] = point[v] + vec if v in point else vec
+        self.edges = [e for es in outs_of.values() for e in es]
+
+
+class CostGraphError(ValueError):
+    """A cost graph breaks one of the invariants :func:`check_cost_graph` names."""
+
+
+def check_cost_graph(cg: CostGraph) -> None:
+    """Verify what the solvers assume of ``cg``; raise :class:`CostGraphError` naming the
+    broken invariant. Run after building and after every pass that transforms a cost graph
+    (follow-merging, folding into a quotient, restricting choices):
+
+    * every node has a ref, a non-empty choice list and one finite, non-negative cost per
+      choice;
+    * ``order`` lists every node once; a follower follows a live node through a choice map
+      map with one entry per leader choice, each one of the follower's own choices;
+    * every edge joins two distinct live nodes with a ``[|S_u|, |S_v|]`` finite,
+      non-negative cost matrix;
+    * every memory point holds live nodes only, one byte count per choice.
+    """
+    n = len(cg.choices)
+    if len(cg.refs) != n or len(cg.cost) != n:
+        raise CostGraphError(f"{n} choice lists but {len(cg.refs)} refs and {len(cg.cost)} "
+                             "cost vectors: every node needs one of each")
+    for i in range(n):
+        if not cg.choices[i]:
+            raise CostGraphError(f"node {i} ({cg.refs[i]}) has no choices")
+        c = np.asarray(cg.cost[i])
+        if c.shape != (len(cg.choices[i]),):
+            raise CostGraphError(f"node {i} ({cg.refs[i]}): cost vector of shape {c.shape} "
+                                 f"for {len(cg.choices[i])} choices")
+        if not np.all(np.isfinite(c)) or np.any(c < 0):
+            raise CostGraphError(f"node {i} ({cg.refs[i]}): costs must be finite and >= 0")
+    if sorted(cg.order) != list(range(n)):
+        raise CostGraphError(f"order must list each of the {n} nodes once, got "
+                             f"{len(cg.order)} entries ({len(set(cg.order))} distinct)")
+    for v, (u, f) in cg.follows.items():
+        if not (0 <= u < n) or u == v:
+            raise CostGraphError(f"node {v} follows {u}, which is not another node")
+        if len(f) != len(cg.choices[u]) or np.any(f < 0) or np.any(f >= len(cg.choices[v])):
+            raise CostGraphError(f"node {v} follows {u} with a choice map of length {len(f)} "
+                                 f"into {len(cg.choices[v])} choices; it must map each of "
+                                 f"{u}'s {len(cg.choices[u])} choices to one of {v}'s")
+    live = set(cg.live)
+    for k, e in enumerate(cg.edges):
+        if e.u not in live or e.v not in live:
+            raise CostGraphError(f"edge {k} ({e.u} -> {e.v}, value {e.value}) touches a node "
+                                 "that follows another: re-point it to the leader")
+        if e.u == e.v:
+            raise CostGraphError(f"edge {k} is a self-loop on node {e.u}: fold its diagonal "
+                                 "into the node's cost")
+        want = (len(cg.choices[e.u]), len(cg.choices[e.v]))
+        if e.cost.shape != want:
+            raise CostGraphError(f"edge {k} ({e.u} -> {e.v}): cost matrix {e.cost.shape}, "
+                                 f"expected {want}")
+        if not np.all(np.isfinite(e.cost)) or np.any(e.cost < 0):
+            raise CostGraphError(f"edge {k} ({e.u} -> {e.v}): costs must be finite and >= 0")
+    for t, point in enumerate(cg.memory):
+        for i, vec in point.items():
+            if i not in live:
+                raise CostGraphError(f"memory point {t} counts node {i}, which is not live")
+            if np.shape(vec) != (len(cg.choices[i]),):
+                raise CostGraphError(f"memory point {t}, node {i}: {np.shape(vec)} byte "
+                                     f"counts for {len(cg.choices[i])} choices")
+
+
+def _fresh_splits(strategies: Sequence, followed: Sequence[int]) -> np.ndarray:
+    """Per strategy: True when some output is split along a mesh axis on which every
+    ``followed`` input is broadcast (the op would cut a replicated value on its own)."""
+    out = np.zeros(len(strategies), dtype=bool)
+    for b, s in enumerate(strategies):
+        for axis in range(len(s.outs[0]) if s.outs else 0):
+            if (all(isinstance(s.ins[k].sbps[axis], Broadcast) for k in followed)
+                    and any(isinstance(nd.sbps[axis], Split) for nd in s.outs)):
+                out[b] = True
+                break
+    return out
+
+
+def _unique(items: Sequence) -> tuple[list, np.ndarray]:
+    index: dict = {}
+    idx = np.array([index.setdefault(x, len(index)) for x in items], dtype=np.int64)
+    return list(index), idx
