@@ -155,3 +155,6 @@ def test_nothing_refers_outside_the_repository():
             if f.endswith((".md", ".py", ".toml", ".ipynb")) and f != "tests/test_layout.py"
             and "shared/" in (ROOT / f).read_text()]
     assert not hits, f"files naming a path outside the repository (shared/): {hits}"
+    # nor a working folder of the machine a result was made on
+    made = [f for f in _tracked() if f.endswith(".md") and "/work/" in (ROOT / f).read_text()]
+    assert not made, f"documents naming a path outside the repository (/work/): {made}"
