@@ -18,9 +18,8 @@ __all__ = ["difference", "use_plan"]
 
 
 def use_plan(step, plan: Plan, *args, **kwargs) -> None:
-    """Adopt a saved plan (``Plan.from_json``) for these arguments: later calls trace
-    and compile, but do not solve. A plan made for another program or mesh is refused;
-    one made on an AbstractMesh runs on a concrete mesh of the same shape and names."""
+    """:meth:`AutoSharded.use_plan <shardc.step.auto_shard.AutoSharded.use_plan>` of
+    ``step``: refused with :func:`difference` named, else the step's plan."""
     call = step.convention.split(args, kwargs)
     key, tr = step._traced(call, plan.remat)
     want = fingerprint(tr.traced.graph)

@@ -28,10 +28,8 @@ def state_inputs(step, call: Call, tr: TracedCall) -> set[int]:
 
 
 def compare(step, *args, **kwargs):
-    """The plan for these arguments beside generic data-parallel, FSDP, Megatron and
-    DP x TP layouts (:mod:`shardc.tradeoff.baselines`): on a mesh with devices each compiled and
-    priced from its HLO, the plan's program too; on an abstract mesh estimated on the
-    plan's cost model. ``plan.explain(margins=step.margins(*args))`` prints them."""
+    """:meth:`AutoSharded.margins <shardc.step.auto_shard.AutoSharded.margins>` of ``step``:
+    the generic layouts compiled through :func:`compiled_margin` on a mesh with devices."""
     from shardc.tradeoff.baselines import margins
 
     call = step.convention.split(args, kwargs)

@@ -24,13 +24,9 @@ __all__ = ["frontier"]
 
 
 def frontier(step, *args, budgets: int = BUDGETS, **kwargs) -> Frontier:
-    """The time-memory frontier for these arguments (:mod:`shardc.tradeoff.frontier`):
-    plans at no memory budget, at the smallest one a plan was found for, at ``budgets`` budgets
-    between and in the gaps they leave, recomputing forward segments' activations as
-    the budget needs, and the generic layouts' plans (:mod:`shardc.tradeoff.baselines`, which
-    also seed every search, with the ``seeds`` option's); the non-dominated ones, each
-    a plan ``use_plan`` runs. Nothing is cached:
-    ``step.use_plan(frontier.pick(budget), *args)`` adopts one."""
+    """:meth:`AutoSharded.pareto <shardc.step.auto_shard.AutoSharded.pareto>` of ``step``:
+    its searches and the generic layouts' plans, swept by
+    :func:`shardc.tradeoff.frontier.sweep`."""
     from shardc.tradeoff.baselines import generic_layouts, layout_plan, optimizer_state
 
     call = step.convention.split(args, kwargs)

@@ -25,15 +25,9 @@ __all__ = ["device_sweep"]
 
 def device_sweep(step, *args, memory_budget: float | None = None, **kwargs
                  ) -> DeviceSweep:
-    """The best plan for these arguments on each device count that divides the mesh
-    (:func:`shardc.tradeoff.frontier.device_counts`: the first devices, inner axes filled
-    first), within ``memory_budget`` bytes per device (default: this function's budget,
-    else the cluster's ``device_memory``): how many devices the program needs, and what
-    each more buys. Each count is planned on an AbstractMesh of its sub-mesh, its axes
-    priced at the links they have in the whole mesh, with this function's options but
-    its seeds and kept layouts (written for the whole mesh); a count where no plan fits
-    records the leanest plan's peak. Nothing is cached or run:
-    ``step.use_plan(count.plan, *args)`` adopts the whole mesh's."""
+    """:meth:`AutoSharded.device_sweep <shardc.step.auto_shard.AutoSharded.device_sweep>`
+    of ``step``: each count planned by a copy of the step on an AbstractMesh of its
+    sub-mesh."""
     budget = memory_budget if memory_budget is not None else (
         step.options.memory_budget or step.options.cluster.device_memory)
     cluster = step.options.cluster
