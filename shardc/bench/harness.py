@@ -26,6 +26,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding
 
+from shardc.bench import COMPILERS
 from shardc.bench.experts import (
     Expert,
     Traits,
@@ -55,7 +56,6 @@ TIMING_RUNS = 5
 GPU_TIMING_RUNS = 1
 """Saved-plan and ``jax.jit`` compile timings under XLA:GPU: one run each (its compiles take
 several times XLA:CPU's: the GPT bench model's FSDP step 28 s; :mod:`shardc.bench.deviceless`)."""
-COMPILERS = ("cpu", "gpu")
 PRICINGS = ("nccl", "ring", "alpha-beta")
 """Every cell's compiled program is priced with each collective model
 (:mod:`shardc.cost.collectives`): NCCL's (the presets' default), ring/Simple paying every

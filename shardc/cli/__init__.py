@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 
+from shardc.bench import COMPILERS
 from shardc.cli.bench import cmd_bench
 from shardc.cli.calibrate import cmd_calibrate
 from shardc.cli.common import PRESETS, axis_names, mesh_shape, positive
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
                    "(default: docs/benchmarks with --compiler gpu, docs/benchmarks/"
                    "cpu-compiled without; with --quick, docs/benchmarks/gpu-compiled/quick "
                    "and docs/benchmarks/quick)")
-    b.add_argument("--compiler", choices=["cpu", "gpu"], default="cpu",
+    b.add_argument("--compiler", choices=COMPILERS, default="cpu",
                    help="cpu: compile on simulated CPU devices (XLA:CPU); gpu: XLA:GPU's "
                         "ahead-of-time compile for H100s, no GPU needed (needs JAX's CUDA "
                         "plugin: pip install 'shardc[gpu-aot]'); the numerics check stays on "

@@ -16,7 +16,7 @@ References:
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Union
 
@@ -136,6 +136,17 @@ def _parse_nd(items: tuple[str, ...]) -> NdSbp:
 
 def replicated(n_axes: int) -> NdSbp:
     return NdSbp((B,) * n_axes)
+
+
+def shared_dim_splits(layouts: Iterable[NdSbp], among: Container[int], dim: int = 0
+                      ) -> tuple[int, ...]:
+    """The mesh axes ``among`` (indices, in mesh order) that split ``dim`` of every one of
+    ``layouts`` alike: a pipeline's batch axes, read from its layer carries; () unless they
+    all agree (or there are none)."""
+    found = {tuple(k for k, sbp in enumerate(nd.sbps)
+                   if k in among and isinstance(sbp, Split) and sbp.dim == dim)
+             for nd in layouts}
+    return found.pop() if len(found) == 1 else ()
 
 
 def parse_sbp(text: str) -> Sbp:

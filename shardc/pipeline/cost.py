@@ -69,7 +69,7 @@ from shardc.cost.cluster import Cluster
 from shardc.cost.comm import Conversion, conversion
 from shardc.cost.units import fmt_bytes, fmt_time
 from shardc.ir.graph import Graph
-from shardc.ir.sbp import Split
+from shardc.ir.sbp import shared_dim_splits
 from shardc.ir.trace import SCAN_EXIT
 from shardc.pipeline.scans import Layers
 from shardc.pipeline.schedule import Pipeline
@@ -153,11 +153,9 @@ def rest_reshards(plan: Plan, graph: Graph, layers: Layers) -> list:
 def _batch_spans(plan: Plan, layers: Layers) -> tuple[tuple[str, int], ...]:
     """The mesh axes (of more than one device) every layer carry's batch dim is split over
     (:func:`shardc.pipeline.lowering.batch_axes` reads the same), in mesh order."""
-    found = {tuple((n, k) for n, k, sbp in zip(plan.axis_names, plan.axis_sizes,
-                                                plan.values[c].sbps)
-                   if k > 1 and isinstance(sbp, Split) and sbp.dim == 0)
-             for c in layers.carry}
-    return found.pop() if len(found) == 1 else ()
+    big = [k for k, n in enumerate(plan.axis_sizes) if n > 1]
+    return tuple((plan.axis_names[k], plan.axis_sizes[k])
+                 for k in shared_dim_splits((plan.values[c] for c in layers.carry), big))
 
 
 def _cotangent(graph: Graph, layers: Layers) -> bool:

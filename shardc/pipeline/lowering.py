@@ -25,7 +25,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import Mesh
 
-from shardc.ir.sbp import Split
+from shardc.ir.sbp import shared_dim_splits
 from shardc.ir.trace import Loop, Region
 from shardc.pipeline.runtime import pipeline_scan
 from shardc.pipeline.schedule import Pipeline
@@ -55,14 +55,11 @@ def batch_axes(region: Region, by_op: dict, names: tuple[str, ...], axis: str
         return ()
     loop, params = region.steps[at], region.jaxpr.eqns[at].params
     nc, nk = params["num_consts"], params["num_carry"]
-    found = set()
-    for e in loop.enters[nc:nc + nk]:
-        planned = by_op.get(e.id)
-        if planned is None:
-            return ()
-        found.add(tuple(n for n, sbp in zip(names, planned.ins[0].sbps)
-                        if isinstance(sbp, Split) and sbp.dim == 0 and n != axis))
-    return found.pop() if len(found) == 1 else ()
+    planned = [by_op.get(e.id) for e in loop.enters[nc:nc + nk]]
+    if any(p is None for p in planned):
+        return ()
+    others = [k for k, n in enumerate(names) if n != axis]
+    return tuple(names[k] for k in shared_dim_splits((p.ins[0] for p in planned), others))
 
 
 def made_by(region: Region, outvars=None) -> set[int]:
