@@ -95,6 +95,11 @@ def test_cells_run_match_and_merge(tmp_path):
     assert merged[1] is again and merged[1].matched is None
     md = report.markdown(merged, [*commands, "shardc bench --update"])
     assert "| mlp | node-8 | data-parallel |" in md and "shardc bench --update" in md
+    # a variant of shardc's plan (bench --planning's loop forms) is labelled, not a pricing:
+    # it plans with the preset's own, as the default method does
+    variant = harness.planned_and_compiled(zm, preset, zm.config("tiny"), 5.0, "shardc-variant")
+    assert variant.method == "shardc-variant" and variant.compiled_s is not None
+    assert variant.predicted_s == pytest.approx(ours.predicted_s)
 
 
 def test_cli_plan_prints_and_saves_a_plan(tmp_path, capsys):

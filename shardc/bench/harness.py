@@ -214,12 +214,13 @@ def _plan_cell(zm: ZooModel, preset: Preset, cfg, time_limit: float, mesh_search
     """shardc's plan of ``zm`` at ``cfg`` on ``preset``'s devices for ``compiler``, seeded
     with the experts: the cell with its planning figures, the step, the plan, its view of
     the devices and the (abstract) arguments. A method planned for another pricing
-    (:data:`PLANNED`) plans with the preset's cluster pricing that way."""
+    (:data:`PLANNED`) plans with the preset's cluster pricing that way; any other label
+    (``planned_and_compiled``'s variants) plans with the preset's own pricing."""
     cell = Cell(zm.name, preset.name, method, compiler=compiler)
     mod, mesh = zm.load(), make_mesh(preset, compiler)
     args = mod.abstract_args(cfg)
     cluster = preset.cluster
-    model, overlap = planned_for(method)
+    model, overlap = planned_for(method) or (cluster.collective_model, cluster.overlap)
     if (model, overlap) != (cluster.collective_model, cluster.overlap):
         cluster = dataclasses.replace(cluster, collective_model=model, overlap=overlap)
     step = auto_shard(mod.build_step(cfg), mesh=mesh, cluster=cluster,
