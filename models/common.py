@@ -18,6 +18,10 @@ import optax
 from flax import nnx
 from jax.typing import DTypeLike
 
+__all__ = ["abstract_graphdef", "Batch", "build_train_step", "decay_mask", "F", "image_batch",
+           "init_train_state", "jit_by_config", "LossFn", "PRNG_IMPL", "prng_key", "PyTree",
+           "split_params", "token_batch", "TrainState", "TrainStep", "unjitted"]
+
 PyTree = Any
 TrainState = dict[str, PyTree]
 Batch = dict[str, jax.Array]

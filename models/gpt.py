@@ -31,6 +31,10 @@ from shardc.models.common import (
 from shardc.models.layers import RESID, Axes, Block, checked, layer_norm, transformer_param_axes
 from shardc.models.logical import constrain
 
+__all__ = ["abstract_args", "build_step", "DATA_SEED", "example_batch", "GPT", "GPTConfig",
+           "init_state", "INIT_STD", "make_optimizer", "make_train_step", "next_token_loss",
+           "param_axes", "PARAM_SEED"]
+
 PARAM_SEED = 0
 DATA_SEED = 1
 INIT_STD = 0.02

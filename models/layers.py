@@ -18,6 +18,9 @@ from jax.typing import DTypeLike
 
 from shardc.models.logical import constrain
 
+__all__ = ["Axes", "Block", "checked", "dense", "FeedForward", "HEADS", "HIDDEN", "layer_norm",
+           "ParamAxes", "RESID", "SCORES", "SelfAttention", "transformer_param_axes"]
+
 Axes = tuple[str | None, ...]
 ParamAxes = Callable[[tuple[str, ...], tuple[int, ...]], Axes]
 

@@ -49,6 +49,11 @@ from shardc.models.common import (
 from shardc.models.layers import HEADS, HIDDEN, RESID, SCORES, Axes, checked
 from shardc.models.logical import constrain
 
+__all__ = ["abstract_args", "apply_rope", "Attention", "build_step", "DATA_SEED",
+           "DecoderLayer", "example_batch", "init_state", "INIT_STD", "Llama", "LlamaConfig",
+           "make_optimizer", "make_train_step", "next_token_loss", "NORM_EPS", "param_axes",
+           "PARAM_SEED", "rope_tables", "ROPE_THETA", "SwiGLU"]
+
 PARAM_SEED = 0
 DATA_SEED = 1
 INIT_STD = 0.02

@@ -17,6 +17,8 @@ from collections.abc import Iterator, Mapping, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+__all__ = ["axis_rules", "constrain", "no_axis_rules", "Rules", "spec"]
+
 Rules = Mapping[str, str | tuple[str, ...] | None]
 
 _RULES: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(

@@ -26,6 +26,10 @@ from shardc.models.common import (
 from shardc.models.layers import Axes, checked
 from shardc.models.logical import constrain
 
+__all__ = ["abstract_args", "build_step", "DATA_SEED", "example_batch", "features_axis",
+           "init_state", "make_optimizer", "make_train_step", "MLP", "MLPConfig", "mse_loss",
+           "param_axes", "PARAM_SEED", "TINY"]
+
 PARAM_SEED = 0
 DATA_SEED = 1
 

@@ -31,6 +31,11 @@ from shardc.models.layers import RESID, Axes, Block, SelfAttention, checked, lay
 from shardc.models.layers import transformer_param_axes as block_param_axes
 from shardc.models.logical import constrain
 
+__all__ = ["abstract_args", "build_step", "DATA_SEED", "DISPATCHED", "example_batch",
+           "init_state", "INIT_STD", "lm_loss", "make_optimizer", "make_train_step", "MoEBlock",
+           "MoEConfig", "MoELayer", "MoETransformer", "param_axes", "PARAM_SEED", "ROUTING",
+           "top2_gating"]
+
 PARAM_SEED = 0
 DATA_SEED = 1
 INIT_STD = 0.02

@@ -44,6 +44,10 @@ from shardc.models.layers import (
 )
 from shardc.models.logical import constrain
 
+__all__ = ["abstract_args", "build_step", "cross_entropy_loss", "DATA_SEED", "example_batch",
+           "init_state", "INIT_STD", "make_optimizer", "make_train_step", "param_axes",
+           "PARAM_SEED", "patchify", "ViT", "ViTConfig"]
+
 PARAM_SEED = 0
 DATA_SEED = 1
 INIT_STD = 0.02

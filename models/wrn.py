@@ -39,6 +39,10 @@ from shardc.models.common import (
 from shardc.models.layers import Axes, checked
 from shardc.models.logical import constrain
 
+__all__ = ["abstract_args", "build_step", "cross_entropy_loss", "DATA_SEED", "example_batch",
+           "FEATURES", "init_state", "make_optimizer", "make_train_step", "param_axes",
+           "PARAM_SEED", "WideBlock", "WideResNet", "WRNConfig"]
+
 PARAM_SEED = 0
 DATA_SEED = 1
 FEATURES: Axes = ("batch", None, None, "conv_out")

@@ -68,6 +68,9 @@ from shardc.pipeline.schedule import Pipeline
 from shardc.pipeline.stack import running
 from shardc.tradeoff.views import View, views
 
+__all__ = ["batch_specs", "compile_expert", "Expert", "experts_for", "FSDP", "preset_experts",
+           "seed_experts", "SEQ", "state_specs", "TENSOR", "Traits"]
+
 TENSOR = ("heads", "mlp", "vocab", "conv_out")
 """Logical dims Megatron-style tensor parallelism splits (column/row pairs, heads, and the
 vocabulary of the embedding table and the output layer: Megatron's vocab-parallel

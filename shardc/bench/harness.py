@@ -42,6 +42,12 @@ from shardc.report.explain import mesh_label
 from shardc.step.auto_shard import auto_shard
 from shardc.tradeoff.views import views
 
+__all__ = ["ADAM_SLACK", "Cell", "cells", "compile_lowered", "expert_seeds", "experts",
+           "feed_seconds", "GPU_TIMING_RUNS", "jit_seconds", "make_mesh", "MEMORY_MARGIN",
+           "PLANNED", "planned_and_compiled", "planned_for", "planning_budget", "PRICINGS",
+           "run_cell", "run_expert", "run_shardc", "shardc_method", "TIMING_RUNS", "traits",
+           "UNTILED"]
+
 RTOL, ATOL = 1e-4, 1e-5
 ADAM_SLACK = 0.05
 """Parameters after an Adam step may differ by this fraction of the learning rate: Adam

@@ -17,6 +17,8 @@ from shardc.bench.harness import (
     shardc_method,
 )
 
+__all__ = ["load", "markdown", "merge", "plot", "pricing_rows", "summary", "write"]
+
 
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:.3f}"

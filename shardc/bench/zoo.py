@@ -21,6 +21,9 @@ from typing import Any
 
 from shardc.cost.cluster import Cluster
 
+__all__ = ["DEFAULT_PRESETS", "Preset", "PRESETS", "REFERENCE_DEVICES", "SMALL_DEVICE_MEMORY",
+           "ZOO", "ZooModel"]
+
 
 @dataclass(frozen=True)
 class Preset:

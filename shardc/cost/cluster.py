@@ -43,6 +43,11 @@ from functools import lru_cache
 from shardc.cost.calibrate import FIT_MODELS, AxisFit, CalibrateOptions, measure
 from shardc.cost.collectives import COLLECTIVE_MODELS, LINK_KINDS, Group, seconds
 
+__all__ = ["Calibration", "Cluster", "CROSS_POD_BW", "CROSS_POD_LAT", "DEFAULT_CLUSTER",
+           "ETH_BW", "ETH_LAT", "H100_MEMORY", "H100_TF32_FLOPS", "IB_BW", "IB_LAT",
+           "LINK_ORDER", "NVLINK_BW", "NVLINK_LAT", "PCIE5_BW", "slowest_link", "TPU_V4_FLOPS",
+           "TPU_V4_ICI_BW", "TPU_V4_MEMORY"]
+
 NVLINK_BW = 450e9  # H100 NVLink 4, per direction per GPU
 NVLINK_LAT = 3.4e-6  # NCCL hwLat: ring/Simple step on NVLink
 IB_BW = 50e9  # NDR InfiniBand, one 400 Gb/s port per GPU

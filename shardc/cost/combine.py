@@ -30,6 +30,9 @@ from shardc.ir.flow import tail_values
 from shardc.ir.graph import Graph
 from shardc.ir.prims import facts
 
+__all__ = ["alpha_scales", "COMBINED_KINDS", "Combiner", "combiner_for", "COMBINERS", "XLA_CPU",
+           "XLA_GPU"]
+
 #: collective kinds whose independent instances XLA merges into one (see the module doc)
 COMBINED_KINDS = frozenset({"all-reduce", "reduce-scatter"})
 

@@ -52,6 +52,9 @@ from shardc.cost.collectives import Group, seconds, wire_factor
 from shardc.cost.combine import COMBINED_KINDS
 from shardc.ir.sbp import WHOLE, B, Broadcast, NdSbp, Partial, Split
 
+__all__ = ["Collective", "collective_buffer", "Conversion", "conversion", "reshard_time",
+           "wire_bytes"]
+
 
 @dataclass(frozen=True, slots=True)
 class Collective:

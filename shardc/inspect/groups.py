@@ -13,6 +13,8 @@ from jax.sharding import Mesh
 
 from shardc.inspect.hlotext import Instruction
 
+__all__ = ["group_axes", "group_spans", "Groups", "instruction_groups", "parse_replica_groups"]
+
 Groups = tuple[tuple[int, ...], ...]
 
 _EXPLICIT = re.compile(r"\{((?:\s*\{[\d,\s]*\}\s*,?)*)\s*\}")

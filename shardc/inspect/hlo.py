@@ -82,6 +82,9 @@ from shardc.inspect.hlotext import (
 from shardc.inspect.loops import loop_extra_flops, multiplicity
 from shardc.inspect.schedule import replay_flops, schedule
 
+__all__ = ["collective_seconds", "collectives", "compiled_flops", "compiled_peak_memory",
+           "CompiledCost", "KINDS", "price", "price_all", "program_flops"]
+
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 # ---- results -------------------------------------------------------------------------------

@@ -13,6 +13,9 @@ import math
 import re
 from dataclasses import dataclass, field
 
+__all__ = ["Computation", "Instruction", "leaves", "parse_module", "result_shapes",
+           "shape_bytes", "shape_tree", "ShapeTree"]
+
 ShapeTree = str | tuple["ShapeTree", ...]
 
 @dataclass(frozen=True)

@@ -24,6 +24,8 @@ import re
 
 from shardc.inspect.hlotext import Computation, Instruction, parse_module
 
+__all__ = ["ELEMENTWISE", "instruction_flops", "loop_extra_flops", "multiplicity", "trip_count"]
+
 _DIMS = re.compile(r"^[a-z][a-z0-9]*\[([^\]]*)\]")
 _CALLS = re.compile(r"(?:calls|to_apply|body|condition)=%?([^\s,}]+)")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')

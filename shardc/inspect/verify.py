@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 from jax.sharding import Mesh
 
+__all__ = ["KindRow", "KINDS", "Verification", "verify"]
+
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 

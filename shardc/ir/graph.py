@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+__all__ = ["check_graph", "format_graph", "Graph", "GraphError", "Op", "Value"]
+
 #: jaxpr-style short names of dtypes
 _SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64",
           "int32": "i32", "int64": "i64", "uint32": "u32", "uint8": "u8", "int8": "i8",

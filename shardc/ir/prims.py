@@ -15,6 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+__all__ = ["BINARY", "CALLS", "DEFAULT", "facts", "FIXED", "LINEAR_UNARY", "PASSES_PARTIAL",
+           "passes_partial", "PER_DEVICE", "Prim", "PRIMS", "SPLITS_FROM_OPERANDS", "TAIL",
+           "UNARY"]
+
 
 @dataclass(frozen=True, slots=True)
 class Prim:

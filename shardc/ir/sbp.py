@@ -22,6 +22,9 @@ from typing import Union
 
 from jax.sharding import PartitionSpec
 
+__all__ = ["B", "Broadcast", "from_partition_spec", "NdSbp", "P", "parse_sbp", "Partial",
+           "replicated", "S", "Sbp", "shared_dim_splits", "Split", "to_partition_spec", "WHOLE"]
+
 
 @dataclass(frozen=True, slots=True)
 class Split:

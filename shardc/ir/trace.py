@@ -41,6 +41,11 @@ from shardc.ir.prims import facts
 from shardc.ir.remat import Segment, gate_checkpoints, rematerialize, segments
 from shardc.ir.trips import DEFAULT_WHILE_TRIPS, while_trips
 
+__all__ = ["call_body", "COND_ENTER", "COND_EXIT", "eliminate_dead_ops", "Fork",
+           "graph_from_jaxpr", "Inlined", "Loop", "lowering_platforms", "platform_branch",
+           "Region", "rematerialized", "SCAN_ENTER", "SCAN_EXIT", "source_line", "trace",
+           "Traced"]
+
 try:  # the frames of an equation's traceback; jax.extend exports only ``summarize``
     from jax._src.source_info_util import is_user_filename, raw_frame_to_frame
 except ImportError:  # pragma: no cover - a jax without them: the summary's first frame

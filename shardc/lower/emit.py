@@ -49,6 +49,8 @@ from shardc.lower.partial import (
 from shardc.lower.stacking import StackedSums, _own_ops
 from shardc.pipeline.lowering import Stacks, made_by
 
+__all__ = ["conversion_steps", "evaluator", "explicit_axes", "jit_plan", "sharding"]
+
 
 def _split_whole(planned) -> bool:
     """Some operand is split and nothing is partial: each device's pieces are whole values

@@ -34,6 +34,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from shardc.ir.prims import facts
 from shardc.ir.sbp import B, NdSbp, P, Partial, Split, to_partition_spec
 
+__all__ = ["lift", "stack", "stackable", "Stacked", "stacked_sharding", "sum_axes", "unstack",
+           "vmapped"]
+
 
 class Stacked:
     """A partial value held stacked: ``x`` has one leading dim per mesh axis of ``axes``

@@ -14,6 +14,9 @@ from collections.abc import Iterable
 from shardc.cost.units import fmt_bytes, fmt_time
 from shardc.report.tables import Report, Table
 
+__all__ = ["argument_table", "explain_plan", "explain_report", "fold_repeats", "merge_names",
+           "mesh_label", "op_table", "spec_text"]
+
 
 def _coverage(ops) -> list[str]:
     """A line naming the primitives that ran replicated for lack of a rule, with their

@@ -17,6 +17,8 @@ from __future__ import annotations
 from shardc.ir.graph import Op
 from shardc.rules.registry import Signature, register
 
+__all__ = ["callback_flops", "callback_rule"]
+
 
 def callback_flops(op: Op) -> float:
     return 0.0

@@ -38,6 +38,9 @@ from shardc.ir.sbp import B, P, Split
 from shardc.ir.trace import graph_from_jaxpr
 from shardc.rules.registry import Signature, register
 
+__all__ = ["body_graph", "cond_enter_rule", "cond_exit_rule", "empty_rule", "scan_enter_rule",
+           "scan_exit_rule"]
+
 
 @functools.lru_cache(maxsize=256)
 def body_graph(closed_jaxpr) -> Graph:

@@ -41,6 +41,8 @@ from shardc.ir.sbp import B, P, Split
 from shardc.rules.registry import Signature, register
 from shardc.rules.shape import is_numeric
 
+__all__ = ["conv_flops", "conv_rule", "conv_specs", "TAP_COUNT_LIMIT"]
+
 
 def conv_specs(op: Op) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """``(lhs_spec, rhs_spec, out_spec)``: each ``(batch|out_feature, feature|in_feature,

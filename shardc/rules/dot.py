@@ -16,6 +16,8 @@ from shardc.ir.graph import Op
 from shardc.ir.sbp import B, P, Split
 from shardc.rules.registry import Signature, register
 
+__all__ = ["dot_flops", "dot_general_rule"]
+
 
 def _dims(op: Op):
     (lc, rc), (lb, rb) = op.params["dimension_numbers"]

@@ -21,6 +21,8 @@ from shardc.ir.prims import BINARY, UNARY, facts
 from shardc.ir.sbp import B, P, Split
 from shardc.rules.registry import Signature, register
 
+__all__ = ["elementwise_rule", "split_signatures"]
+
 
 def _floating(dtype) -> bool:
     return bool(jnp.issubdtype(dtype, jnp.floating))  # bfloat16 included

@@ -39,6 +39,8 @@ from shardc.ir.sbp import P, Split
 from shardc.rules.registry import Signature, register
 from shardc.rules.shape import is_numeric
 
+__all__ = ["fft_flops", "fft_rule"]
+
 
 def _is_real(op: Op) -> bool:
     """A transform of real data (RFFT) or to real data (IRFFT): half the work."""

@@ -38,6 +38,9 @@ from shardc.ir.sbp import B, NdSbp, Split, from_partition_spec
 from shardc.rules.control import body_graph
 from shardc.rules.registry import LayoutError, Signature, register, register_fixed
 
+__all__ = ["constraint_layouts", "identity_rule", "on_mesh", "shard_map_flops",
+           "shard_map_layouts"]
+
 
 def _layout(spec: PartitionSpec, ndim: int, axis_names: Sequence[str], what: str) -> NdSbp:
     try:

@@ -55,6 +55,9 @@ from shardc.ir.sbp import WHOLE, B, P, Split
 from shardc.rules.registry import Signature, register
 from shardc.rules.shape import is_numeric
 
+__all__ = ["dynamic_slice_rule", "dynamic_update_slice_rule", "gather_rule", "iota_rule",
+           "scatter_add_rule", "scatter_rule", "scatter_signatures"]
+
 
 def _batch_positions(out_ndim: int, window_dims) -> list[int]:
     """Output (or updates) positions of the batch dims, in indices-dim order."""

@@ -71,6 +71,12 @@ from shardc.rules.control import body_graph
 from shardc.rules.propagate import has_split, promote, propagate, seed, split_seeds
 from shardc.rules.registry import Signature, register
 
+__all__ = ["cholesky_flops", "CORE_RANK", "custom_linear_solve_flops",
+           "custom_linear_solve_rule", "eig_flops", "eigh_flops", "FLOPS", "geqrf_flops",
+           "hessenberg_flops", "householder_product_flops", "lu_flops", "ormqr_flops",
+           "qr_flops", "schur_flops", "svd_flops", "symmetric_product_flops",
+           "triangular_solve_flops", "tridiagonal_flops"]
+
 #: the trailing (non-batch) rank of each primitive's first operand; the rest is batch
 CORE_RANK = {
     "cholesky": 2, "triangular_solve": 2, "lu": 2, "qr": 2, "geqrf": 2, "geqp3": 2,

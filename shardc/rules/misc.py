@@ -49,6 +49,8 @@ from shardc.ir.sbp import B, P, Sbp, Split
 from shardc.rules.registry import Signature, register
 from shardc.rules.shape import is_numeric
 
+__all__ = ["bitcast_convert_type_rule", "identity_rule", "MAX_FREE_PAIRINGS", "no_flops"]
+
 #: the most operand/result layout combinations an identity lists in full (per mesh axis)
 MAX_FREE_PAIRINGS = 16
 

@@ -80,6 +80,12 @@ from shardc.rules.elementwise import split_signatures
 from shardc.rules.misc import no_flops
 from shardc.rules.registry import Signature, register
 
+__all__ = ["COMBINE_OPS", "counter_ops", "draws_partitionably", "KEY_SCHEDULE_OPS",
+           "random_bits_flops", "random_bits_rule", "random_fold_in_flops",
+           "random_fold_in_rule", "random_seed_flops", "random_seed_rule", "random_split_flops",
+           "random_split_rule", "random_unwrap_rule", "random_wrap_rule", "SEED_OPS",
+           "threefry2x32_flops", "THREEFRY2X32_OPS", "threefry2x32_rule"]
+
 #: 32-bit ops of one threefry2x32 hash of a counter pair: 20 rounds x 5 + 17 injection adds
 THREEFRY2X32_OPS = 20 * 5 + 2 + 5 * 3
 #: xors per key for the key schedule's third word ``k0 ^ k1 ^ 0x1BD11BDA``

@@ -37,6 +37,10 @@ from shardc.ir.sbp import P, Partial, Split
 from shardc.rules.registry import Signature, register
 from shardc.rules.shape import is_numeric
 
+__all__ = ["EXTREMA", "NON_SUM_REDUCTIONS", "POSITIONAL", "positional_collective_rule",
+           "positional_flops", "reduce_keep_rule", "reduce_sum_rule", "reduction_flops",
+           "scan_rule", "SCANS"]
+
 NON_SUM_REDUCTIONS = ("reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
                       "reduce_xor", "argmax", "argmin")
 EXTREMA = {"reduce_max": Partial("max"), "reduce_min": Partial("min"),

@@ -25,6 +25,10 @@ from shardc.ir.graph import Op
 from shardc.ir.prims import passes_partial
 from shardc.ir.sbp import B, Broadcast, NdSbp, Partial, Sbp
 
+__all__ = ["FixedFn", "has_rule", "is_pinned", "LayoutError", "NoRuleWarning", "register",
+           "register_fixed", "registered", "replicated_signature", "RuleFn", "Signature",
+           "signatures", "strategies", "Strategy", "warn_missing"]
+
 
 @dataclass(frozen=True, slots=True)
 class Signature:

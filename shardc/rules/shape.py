@@ -40,6 +40,10 @@ from shardc.ir.graph import Op, Value
 from shardc.ir.sbp import B, P, Sbp, Split
 from shardc.rules.registry import Signature, register
 
+__all__ = ["broadcast_in_dim_rule", "concatenate_rule", "is_known_zero", "is_numeric",
+           "pad_rule", "reshape_groups", "reshape_rule", "rev_rule", "slice_rule", "split_rule",
+           "squeeze_rule", "stack_rule", "tile_rule", "transpose_rule", "unstack_rule"]
+
 
 def is_numeric(dtype) -> bool:
     """Partial (sum) makes sense for numbers (bfloat16 included), not for bool or PRNG keys."""

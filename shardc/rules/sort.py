@@ -45,6 +45,8 @@ from shardc.ir.graph import Op
 from shardc.ir.sbp import Split
 from shardc.rules.registry import Signature, register
 
+__all__ = ["row_sort_flops", "sort_flops", "sort_rule", "top_k_flops", "top_k_rule"]
+
 
 def row_sort_flops(rows: int, n: int) -> float:
     """Comparisons of sorting ``rows`` rows of ``n`` elements: rows * n * ceil(log2 n)."""

@@ -70,6 +70,11 @@ from shardc.ir.trace import graph_from_jaxpr
 from shardc.rules.registry import Signature, register
 from shardc.rules.shape import is_numeric
 
+__all__ = ["generic_window_flops", "generic_window_rule", "monoid_window_flops",
+           "monoid_window_rule", "MONOID_WINDOWS", "passthrough_dims", "reducer_flops",
+           "select_and_gather_add_flops", "select_and_scatter_add_flops", "select_window_rule",
+           "window_size"]
+
 MONOID_WINDOWS = ("reduce_window_sum", "reduce_window_max", "reduce_window_min")
 
 

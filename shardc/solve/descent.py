@@ -23,6 +23,10 @@ from shardc.ir.prims import facts
 from shardc.ir.sbp import NdSbp
 from shardc.solve.costgraph import CostGraph, Settle
 
+__all__ = ["batch_nodes", "completions", "descend", "fixed_inputs", "from_inputs", "greedy",
+           "lean", "LEAN_WEIGHT", "memory", "objective", "REACH_DEPTH", "solve", "starts",
+           "tail_nodes", "TIE_WEIGHT"]
+
 
 def _adjacency(cg: CostGraph) -> dict[int, list]:
     """Per live node, its edges (and whether it is their ``u``); kept with ``cg`` while its

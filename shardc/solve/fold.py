@@ -31,6 +31,9 @@ import numpy as np
 from shardc.ir.graph import Op, Value
 from shardc.solve.costgraph import CostGraph, Edge, Settle
 
+__all__ = ["colour_classes", "expand", "fold", "folding_ratio", "members", "quotient",
+           "restrict", "ROUNDS"]
+
 ROUNDS = 3  # WL rounds: how far (in edges) two nodes' neighbourhoods must agree
 
 

@@ -37,6 +37,10 @@ from shardc.solve.costgraph import CostGraph
 if TYPE_CHECKING:
     from ortools.linear_solver.python import model_builder_helper as mbh
 
+__all__ = ["BISECTIONS", "DOUBLINGS", "GAP", "IlpResult", "INTEGRALITY", "LAMBDA_FLOOR",
+           "LP_PRESOLVE", "MAX_NODES", "POLISH_SWEEPS", "problem_size", "SCALE_RANGE",
+           "solve_ilp"]
+
 #: costs are scaled so the largest becomes this many units (HiGHS's tolerances are absolute
 #: around 1e-6..1e-9; a 1e-6 share of the largest cost is far below any plan difference)
 SCALE_RANGE = 1e6

@@ -28,6 +28,8 @@ from shardc.solve.costgraph import NOTHING_FIXED, CostGraph, Edge, Fixed, Settle
 from shardc.solve.memory import memory_points
 from shardc.solve.reduced_ys import stacked_ys, whole_partial, ys_exits, ys_reduction, ys_shares
 
+__all__ = ["accumulators", "build", "feed_time", "input_choices"]
+
 
 def input_choices(v: Value, axis_sizes: Sequence[int]) -> list[NdSbp]:
     """Every even layout of a graph input: broadcast or split on any dim, per axis (an axis

@@ -33,6 +33,9 @@ from shardc.solve.problem import build
 from shardc.solve.refine import ILP_FULL_TERMS, _better, quotient_refine
 from shardc.solve.reuse import Reuse, Starts, exact_peak
 
+__all__ = ["MEMORY_ROUNDS", "MemoryBudgetError", "plan_graph", "Solution", "solve",
+           "SolveOptions", "Status"]
+
 MEMORY_ROUNDS = 6  # re-solves adding the worst violated program point
 
 

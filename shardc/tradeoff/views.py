@@ -29,6 +29,8 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 from shardc.cost.cluster import Cluster, slowest_link
 from shardc.report.explain import mesh_label
 
+__all__ = ["View", "views"]
+
 
 @dataclass(frozen=True)
 class View:
