@@ -99,7 +99,7 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
     for k, v in enumerate(graph.inputs):
         values[v.id] = cg.choices[k][choice[k]]
     ops, reshards = [], []
-    comm = wire = compute = 0.0
+    comm = wire = compute = zeroing = 0.0
 
     done: dict[tuple, int] = {}  # (value, src, dst) -> its reshard
     folded = graph.constants()  # read partial, one is made so (as in the cost graph)
@@ -117,7 +117,7 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
         gathered for the forward and the backward dot compiles to one all-gather).
         ``reduced``: the consumer's results are all reduced where made (settled), so one
         it reads made partial here is read apart (:class:`shardc.cost.combiner.Use`)."""
-        nonlocal comm, wire
+        nonlocal comm, wire, zeroing
         conv = conversion(src, dst, sizes, names, cluster)
         if not conv.collectives or value.id in folded and dst.has_partial:
             return 0.0
@@ -146,6 +146,7 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
                                  c.seconds(value.nbytes, cluster.collective_model, share)
                                  * times, buffer)))
         comm += t
+        zeroing += conv.local * times
         wire += conv.wire_bytes(value.nbytes) * times
         reshards.append(Reshard(value.id, consumer, src, dst, t,
                                 conv.wire_bytes(value.nbytes) * times,
@@ -218,7 +219,8 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
                for k, v in enumerate(graph.inputs))
     return Plan(tuple(zip(names, sizes)), cluster,
                 tuple(values[v.id] for v in graph.inputs), tuple(outputs), values, tuple(ops),
-                tuple(reshards), Predicted(comm, compute, wire, peak, feed), dict(solver),
+                tuple(reshards), Predicted(comm - zeroing, compute, wire, peak, feed, zeroing),
+                dict(solver),
                 fingerprint(graph), tuple(v.ndim for v in graph.inputs),
                 tuple(v.ndim for v in graph.outputs), settled,
                 tuple(v.id for v in graph.inputs), tuple(v.type_str() for v in graph.inputs),

@@ -37,10 +37,15 @@ class Predicted:
     comm_bytes: float  # wire bytes per device per step
     peak_memory: float  # bytes per device
     feed_time: float = 0.0  # host -> device transfer of the inputs not carried between steps
+    #: the search's charge for the plan's ``B -> P`` zeroings, one latency of the axis each
+    #: (`B -> P` in :mod:`shardc.cost.comm`): not a collective (the compiled program
+    #: selects the value on one device), so not in ``comm_time``; kept in the step so that
+    #: plans rank as the search chose them
+    zeroing_time: float = 0.0
 
     @property
     def step_time(self) -> float:
-        return self.comm_time + self.compute_time + self.feed_time
+        return self.comm_time + self.compute_time + self.feed_time + self.zeroing_time
 
 
 @dataclass(frozen=True)
