@@ -46,7 +46,7 @@ from shardc.lower.partial import (
     sum_axes,
     unstack,
 )
-from shardc.lower.stacking import StackedSums, _own_ops
+from shardc.lower.stacking import StackedSums, own_ops
 from shardc.pipeline.lowering import Stacks, made_by
 
 __all__ = ["conversion_steps", "evaluator", "explicit_axes", "jit_plan", "sharding"]
@@ -357,7 +357,7 @@ class _Lowering(ControlFlow, StackedSums):
         for eqn, step in zip(jaxpr.eqns, region.steps):
             ins = [read(a) for a in eqn.invars]
             if isinstance(step, Region) and any(v.id in self.stacked for op in
-                                                _own_ops(step.steps) for v in op.outputs):
+                                                own_ops(step.steps) for v in op.outputs):
                 # it makes a value held stacked: inlined, so that value leaves it stacked
                 # (a call's body returns whole values; XLA would reduce it in the call)
                 sub = eqn.params[facts(eqn.primitive.name).call]

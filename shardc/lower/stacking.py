@@ -33,7 +33,7 @@ from shardc.lower.partial import (
     vmapped,
 )
 
-__all__ = ["StackedSums"]
+__all__ = ["StackedSums", "own_ops"]
 
 
 class StackedSums:
@@ -53,7 +53,7 @@ class StackedSums:
         plan keeps partial, every partial value made by an op of the body (not of a call
         inside it) that :func:`stackable` allows. Returns, per ys, the mesh axes it leaves
         the loop stacked over (none where it leaves reduced)."""
-        made = {v.id: op for op in _own_ops(loop.body.steps) for v in op.outputs}
+        made = {v.id: op for op in own_ops(loop.body.steps) for v in op.outputs}
         todo = []
         for e in carried:
             planned = self.by_op.get(e.id)
@@ -156,13 +156,13 @@ class StackedSums:
         return jnp.sum(x, axis=1, dtype=x.dtype)
 
 
-def _own_ops(steps) -> list:
+def own_ops(steps) -> list:
     """The ops of ``steps`` and of the calls among them, recursively (not of loops or
     conds inside, which run as their own bodies)."""
     out = []
     for step in steps:
         if isinstance(step, Region):
-            out += _own_ops(step.steps)
+            out += own_ops(step.steps)
         elif not isinstance(step, (Loop, Fork, Inlined)):
             out.append(step)
     return out

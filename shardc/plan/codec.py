@@ -3,11 +3,11 @@ with, and the error it raises on a file it cannot read.
 
 A version 2 plan (what :meth:`~shardc.plan.record.Plan.to_json` writes) keeps every layout
 once, in a table its values, ops and reshards index, and its ops and reshards as columns
-(:class:`_Columns`); a version 1 plan writes each layout in place, and its ops and reshards
-as objects (:class:`_InPlace`). Both readers build the plan's rows with the classes they are
+(:class:`ColumnReader`); a version 1 plan writes each layout in place, and its ops and reshards
+as objects (:class:`InPlaceReader`). Both readers build the plan's rows with the classes they are
 given (:class:`~shardc.plan.record.OpPlan`, :class:`~shardc.plan.record.Reshard`), so this
 module does not import the record it reads. What goes wrong reading one field becomes a
-:class:`PlanFormatError` naming it (:func:`_field`).
+:class:`PlanFormatError` naming it (:func:`reading_field`).
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ from typing import Any, TypeVar
 
 from shardc.ir.sbp import NdSbp
 
-__all__ = ["PlanFormatError"]
+__all__ = ["FIELDS", "FIELDS_V2", "ColumnReader", "InPlaceReader", "PlanFormatError",
+           "reading_field"]
 
 #: a row of a plan's ops or reshards, as the reader is given its class
 Row = TypeVar("Row")
 
 
-class _InPlace:
+class InPlaceReader:
     """Reads version 1 plans: every layout written in place, ops and reshards as objects."""
 
     def __init__(self, nd: Callable[[Any], NdSbp]):
@@ -39,7 +40,7 @@ class _InPlace:
     def ops(self, rows, op_plan: Callable[..., Row]) -> tuple[Row, ...]:
         out = []
         for i, o in enumerate(rows):
-            with _field(f"ops[{i}]"):
+            with reading_field(f"ops[{i}]"):
                 out.append(op_plan(**{**o, "ins": self.layouts(o["ins"]),
                                       "outs": self.layouts(o["outs"]),
                                       "reads": tuple(o.get("reads", ())),
@@ -51,14 +52,14 @@ class _InPlace:
     def reshards(self, rows, reshard: Callable[..., Row]) -> tuple[Row, ...]:
         out = []
         for i, r in enumerate(rows):
-            with _field(f"reshards[{i}]"):
+            with reading_field(f"reshards[{i}]"):
                 out.append(reshard(**{**r, "src": self.nd(r["src"]), "dst": self.nd(r["dst"]),
                                       "collectives": tuple(r["collectives"]),
                                       "collective_bytes": tuple(r["collective_bytes"])}))
         return tuple(out)
 
 
-class _Columns:
+class ColumnReader:
     """Reads version 2 plans: layouts and strings by index into the file's tables, ops and
     reshards as columns (one list per field, all of one length)."""
 
@@ -101,7 +102,7 @@ class _Columns:
         return n
 
     def ops(self, d, op_plan: Callable[..., Row]) -> tuple[Row, ...]:
-        with _field("ops"):
+        with reading_field("ops"):
             n = self._rows(d, ("id", "prim", "types", "ins", "outs", "compute_time",
                                "comm_time"))
             s, lay, none, c = self.strings, self.layouts, [()] * n, d
@@ -114,7 +115,7 @@ class _Columns:
                     c.get("source", [None] * n), c.get("where", none), strict=True))
 
     def reshards(self, d, reshard: Callable[..., Row]) -> tuple[Row, ...]:
-        with _field("reshards"):
+        with reading_field("reshards"):
             self._rows(d, ("value", "consumer", "src", "dst", "time", "wire_bytes",
                            "collectives", "collective_bytes"))
             combined = d.get("combined", [[]] * len(d["value"]))
@@ -135,13 +136,13 @@ class PlanFormatError(ValueError):
                          "plan.to_json()")
 
 
-_FIELDS = ("mesh_axes", "cluster", "inputs", "outputs", "input_ranks", "output_ranks",
+FIELDS = ("mesh_axes", "cluster", "inputs", "outputs", "input_ranks", "output_ranks",
            "values", "ops", "reshards", "predicted", "solver", "fingerprint")
-_FIELDS_V2 = ("layouts", "strings")  # the tables a version 2 plan's fields index
+FIELDS_V2 = ("layouts", "strings")  # the tables a version 2 plan's fields index
 
 
 @contextlib.contextmanager
-def _field(name: str):
+def reading_field(name: str):
     """Turn what goes wrong reading field ``name`` into a :class:`PlanFormatError`."""
     try:
         yield

@@ -25,7 +25,14 @@ from shardc.cost.cluster import Cluster
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Partial, to_partition_spec
 from shardc.pipeline.schedule import Pipeline
-from shardc.plan.codec import _FIELDS, _FIELDS_V2, PlanFormatError, _Columns, _field, _InPlace
+from shardc.plan.codec import (
+    FIELDS,
+    FIELDS_V2,
+    ColumnReader,
+    InPlaceReader,
+    PlanFormatError,
+    reading_field,
+)
 
 __all__ = ["OpPlan", "Plan", "Predicted", "Reshard", "fingerprint", "unreduced"]
 
@@ -300,10 +307,10 @@ class Plan:
         version = d.get("version")
         if version not in (1, 2):
             raise PlanFormatError(f"unknown plan version {version!r}; expected 1 or 2")
-        missing = [k for k in _FIELDS + (_FIELDS_V2 if version == 2 else ()) if k not in d]
+        missing = [k for k in FIELDS + (FIELDS_V2 if version == 2 else ()) if k not in d]
         if missing:
             raise PlanFormatError(f"missing field(s) {missing}")
-        with _field("mesh_axes"):
+        with reading_field("mesh_axes"):
             mesh_axes = tuple((str(n), int(s)) for n, s in d["mesh_axes"])
         n_axes = len(mesh_axes)
 
@@ -314,28 +321,28 @@ class Plan:
             return out
 
         if version == 2:
-            with _field("layouts"):
+            with reading_field("layouts"):
                 table = [nd(x) for x in d["layouts"]]
-            with _field("strings"):
+            with reading_field("strings"):
                 strings = [str(s) for s in d["strings"]]
-            read = _Columns(table, strings)
+            read = ColumnReader(table, strings)
         else:
-            read = _InPlace(nd)
-        with _field("cluster"):
+            read = InPlaceReader(nd)
+        with reading_field("cluster"):
             cluster = Cluster.from_json(d["cluster"])
-        with _field("inputs"):
+        with reading_field("inputs"):
             inputs = read.layouts(d["inputs"])
-        with _field("outputs"):
+        with reading_field("outputs"):
             outputs = read.layouts(d["outputs"])
-        with _field("values"):
+        with reading_field("values"):
             values = read.by_id(d["values"])
-        with _field("settled"):
+        with reading_field("settled"):
             settled = read.by_id(d["settled"]) if "settled" in d else {}
         ops = read.ops(d["ops"], OpPlan)
         reshards = read.reshards(d["reshards"], Reshard)
-        with _field("predicted"):
+        with reading_field("predicted"):
             predicted = Predicted(**d["predicted"])
-        with _field("input_ranks / output_ranks"):
+        with reading_field("input_ranks / output_ranks"):
             input_ranks = tuple(int(r) for r in d["input_ranks"])
             output_ranks = tuple(int(r) for r in d["output_ranks"])
             if len(input_ranks) != len(inputs) or len(output_ranks) != len(outputs):
@@ -345,19 +352,19 @@ class Plan:
         for key, per in (("input_ids", inputs), ("input_types", inputs),
                          ("output_types", outputs), ("input_names", inputs),
                          ("output_names", outputs)):
-            with _field(key):
+            with reading_field(key):
                 got = tuple(d.get(key, ()))
                 if got and len(got) != len(per):
                     raise ValueError(f"{len(got)} entries for {len(per)} leaves")
                 described[key] = tuple(int(x) for x in got) if key == "input_ids" else \
                     tuple(str(x) for x in got)
-        with _field("remat"):  # a plan saved before remat was a choice recomputes nothing
+        with reading_field("remat"):  # a plan saved before remat was a choice recomputes nothing
             described["remat"] = tuple(int(k) for k in d.get("remat", ()))
             described["segments"] = int(d.get("segments", 0))
             if any(not 0 <= k < described["segments"] for k in described["remat"]):
                 raise ValueError(f"segments {list(described['remat'])} of "
                                  f"{described['segments']}")
-        with _field("pipeline"):  # a plan saved before pipelines runs none
+        with reading_field("pipeline"):  # a plan saved before pipelines runs none
             pipe = d.get("pipeline")
             described["pipeline"] = Pipeline.from_json(pipe) if pipe is not None else None
         return cls(mesh_axes=mesh_axes, cluster=cluster, inputs=inputs, outputs=outputs,

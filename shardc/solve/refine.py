@@ -7,7 +7,7 @@ exact ILP when it is small or on a 1-D mesh; else from its 1-D seeds
 (:func:`block_refine`, one held axis at a time on three or more axes:
 :func:`held_axis_blocks`), the expansion refined by descent on the full graph. The driver
 (:func:`shardc.solve.search.solve`) calls it between its memory rounds; every stage keeps a
-candidate only when it fits the budget and costs no more (:func:`_better`).
+candidate only when it fits the budget and costs no more (:func:`better`).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from shardc.solve.fold import expand, members, restrict
 from shardc.solve.ilp import problem_size, solve_ilp
 
 __all__ = ["AXIS_ROUNDS", "BLOCK_TERMS", "CROSS_ROUNDS", "ILP_FULL_TERMS", "TAIL_BLOCK_TERMS",
-           "axes_choices", "axis_sweeps", "block_refine", "cross_sweeps", "held_axis_blocks",
-           "quotient_refine", "sub_mesh_seeds"]
+           "axes_choices", "axis_sweeps", "better", "block_refine", "cross_sweeps",
+           "held_axis_blocks", "quotient_refine", "sub_mesh_seeds"]
 
 
 ILP_FULL_TERMS = 40_000  # model terms up to which one ILP covers the whole graph
@@ -34,7 +34,7 @@ AXIS_ROUNDS = 3  # sweeps over the mesh axes (:func:`axis_sweeps`)
 CROSS_ROUNDS = 6  # rounds of :func:`cross_sweeps`
 
 
-def _better(cg: CostGraph, x: dict[int, int], y: dict[int, int], memory_budget) -> dict:
+def better(cg: CostGraph, x: dict[int, int], y: dict[int, int], memory_budget) -> dict:
     """``y`` if it fits the budget and costs no more than ``x`` (or ``x`` does not fit)."""
     y_fits = memory_budget is None or descent.memory(cg, y) <= memory_budget
     x_fits = memory_budget is None or descent.memory(cg, x) <= memory_budget
@@ -133,12 +133,12 @@ def quotient_refine(cg: CostGraph, x: dict[int, int], memory_budget, time_limit:
     if len(q.axis_sizes) == 1 or problem_size(q) <= ILP_FULL_TERMS:
         res = solve_ilp(q, time_limit=time_limit, memory_budget=memory_budget, hint=xq)
         if res.assignment is not None:
-            xq = _better(q, xq, res.assignment, memory_budget)
+            xq = better(q, xq, res.assignment, memory_budget)
         status = {"OPTIMAL": "optimal", "INFEASIBLE": "infeasible",
                   "LAGRANGIAN": "lagrangian"}.get(res.status, "time-limit")
     else:
         for seed in sub_mesh_seeds(q, memory_budget, time_limit):
-            xq = _better(q, xq, seed, memory_budget)
+            xq = better(q, xq, seed, memory_budget)
         # one axis at a time first, then the cross neighbourhoods from there: each stops
         # where the other does not (the 12-layer GPT-2: axis sweeps 7.793 ms, then cross
         # 7.272; the MoE on two nodes x 8: cross from the seed 7.124, axis sweeps 6.700,
@@ -160,8 +160,8 @@ def quotient_refine(cg: CostGraph, x: dict[int, int], memory_budget, time_limit:
     # expansion itself is the candidate (the 70B decoder under 80 GiB: expanded 10.45 s at
     # 78 GiB of rows, descended 10.41 s at 159)
     raw = expand(cls, xq)
-    y = _better(cg, raw, descent.descend(cg, raw), memory_budget)
-    return _better(cg, x, y, memory_budget), f"folded ({status}) + {refined}"
+    y = better(cg, raw, descent.descend(cg, raw), memory_budget)
+    return better(cg, x, y, memory_budget), f"folded ({status}) + {refined}"
 
 
 def sub_mesh_seeds(q: CostGraph, memory_budget, time_limit: float) -> list[dict[int, int]]:
@@ -246,7 +246,7 @@ def cross_sweeps(q: CostGraph, xq: dict[int, int], memory_budget, time_limit: fl
         status = _stage_status(status, res.status)
         y = {i: allowed[i][b] for i, b in res.assignment.items()}
         if not (descent.objective(q, y) < descent.objective(q, xq) - 1e-12
-                and _better(q, xq, y, memory_budget) is y):
+                and better(q, xq, y, memory_budget) is y):
             break
         xq = y
     return xq, status
@@ -292,7 +292,7 @@ def axis_sweeps(q: CostGraph, xq: dict[int, int], memory_budget, time_limit: flo
             status = _stage_status(status, res.status)
             y = {i: allowed[i][b] for i, b in res.assignment.items()}
             if descent.objective(q, y) < descent.objective(q, xq) - 1e-12 and \
-                    _better(q, xq, y, memory_budget) is y:
+                    better(q, xq, y, memory_budget) is y:
                 xq, moved, moves = y, True, moves + 1
                 solved_at[k] = moves
         if not moved:
@@ -314,7 +314,7 @@ def held_axis_blocks(q: CostGraph, xq: dict[int, int], memory_budget, time_limit
                    for i, ch in enumerate(q.choices)}
         hint = {i: allowed[i].index(xq[i]) for i in allowed}
         y, stage = block_refine(restrict(q, allowed), hint, memory_budget, time_limit, tail)
-        xq = _better(q, xq, {i: allowed[i][b] for i, b in y.items()}, memory_budget)
+        xq = better(q, xq, {i: allowed[i][b] for i, b in y.items()}, memory_budget)
         if "time-limit" in stage:
             break
     return xq, f"{stage} (axes held in turn)"
@@ -343,7 +343,7 @@ def block_refine(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: fl
                             free=block)
             status = _stage_status(status, res.status)
             if res.assignment is not None:
-                x = _better(cg, x, res.assignment, memory_budget)
+                x = better(cg, x, res.assignment, memory_budget)
         if descent.objective(cg, x) >= before - 1e-12 and blocks is not tail:
             break
     return x, "blocks (time-limit)" if status == "time-limit" else "blocks"

@@ -30,7 +30,7 @@ from shardc.solve.fold import expand, quotient
 from shardc.solve.ilp import problem_size, solve_ilp
 from shardc.solve.memory import memory_cut, memory_profile
 from shardc.solve.problem import build
-from shardc.solve.refine import ILP_FULL_TERMS, _better, quotient_refine
+from shardc.solve.refine import ILP_FULL_TERMS, better, quotient_refine
 from shardc.solve.reuse import Reuse, Starts, exact_peak
 
 __all__ = ["MEMORY_ROUNDS", "MemoryBudgetError", "plan_graph", "Solution", "solve",
@@ -120,7 +120,7 @@ def solve(cg: CostGraph, options: SolveOptions = SolveOptions(), kept: Starts | 
     if memory_budget is not None:
         starts.append(kept.lean())
     for y in starts:
-        x = _better(cg, x, y, memory_budget)
+        x = better(cg, x, y, memory_budget)
     t2 = time.perf_counter()
     status, stages, found = Status.DESCENT_ONLY, "", math.inf
     # below what the inputs alone hold no round can fit: the leanest plan reached names the
@@ -141,7 +141,7 @@ def solve(cg: CostGraph, options: SolveOptions = SolveOptions(), kept: Starts | 
         folding = (quotient(cg, kept.classes()), kept.classes()) if large else None
         x = _descent(cg, folding, memory_budget)
         for y in starts:
-            x = _better(cg, x, y, memory_budget)
+            x = better(cg, x, y, memory_budget)
     peak = exact_peak(cg, x) if memory_budget is not None else 0.0
     if memory_budget is not None and peak > memory_budget:
         # the sampled points let through a plan the exact profile rejects: keep the cheapest
@@ -205,7 +205,7 @@ def _solve_once(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: flo
         return x, (Status.INFEASIBLE if res.status == "INFEASIBLE" else Status.DESCENT_ONLY), ""
     status = {"OPTIMAL": Status.OPTIMAL, "LAGRANGIAN": Status.LAGRANGIAN}.get(
         res.status, Status.TIME_LIMIT)
-    return _better(cg, x, res.assignment, memory_budget), status, ""
+    return better(cg, x, res.assignment, memory_budget), status, ""
 
 
 def plan_graph(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str],
