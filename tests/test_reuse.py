@@ -74,3 +74,23 @@ def test_what_a_graph_derives_from_itself_is_computed_once():
     assert tail is tail_values(graph) and isinstance(tail, frozenset)
     with pytest.raises(AttributeError):
         tail.add(0)  # shared between callers: not to be changed
+
+
+def test_hand_written_layouts_place_on_the_graph_built_once_as_on_their_own():
+    """Placing layouts of the inputs on the problem's graph cut to each (the frontier places
+    a dozen) gives the plans that graphs built with those inputs fixed give."""
+    from shardc.solve.costgraph import Fixed
+    from shardc.tradeoff.baselines import layout_plan
+
+    graph = _step()
+    reuse = Reuse()
+    fixed = Fixed(outputs={0: NdSbp((Split(0), B))})  # kept by every placement
+    for layouts in ({k: NdSbp((Split(0), Split(0))) for k in range(3)},  # FSDP-like weights
+                    {3: NdSbp((Split(0), B))},  # the batch split over the nodes only
+                    {0: NdSbp((B, Split(1))), 3: NdSbp((Split(0), Split(0)))}):
+        own = layout_plan(graph, (), *MESH, CLUSTER, layouts, fixed)
+        cut = layout_plan(graph, (), *MESH, CLUSTER, layouts, fixed, reuse=reuse)
+        assert cut.inputs == own.inputs and cut.values == own.values
+        assert [o.strategy for o in cut.ops] == [o.strategy for o in own.ops]
+        assert cut.predicted == own.predicted
+    assert len(reuse._bases) == 1  # the problem's graph, built once for every layout

@@ -23,12 +23,12 @@ from shardc.cost.cluster import Cluster
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import NdSbp
 from shardc.solve import descent
-from shardc.solve.costgraph import CostGraph, Fixed
+from shardc.solve.costgraph import CostGraph, Fixed, check_cost_graph
 from shardc.solve.fold import colour_classes
 from shardc.solve.memory import memory_profile
 from shardc.solve.problem import build
 
-__all__ = ["Reuse", "Starts", "exact_peak"]
+__all__ = ["Reuse", "Starts", "exact_peak", "pin_inputs"]
 
 
 class Starts:
@@ -84,13 +84,67 @@ def exact_peak(cg: CostGraph, x: dict[int, int]) -> float:
     return float(np.max(memory_profile(cg, cg.decode(x))))
 
 
+def pin_inputs(base: CostGraph, layouts: Mapping[int, NdSbp]) -> CostGraph | None:
+    """``base`` (built, its followers not merged) with graph input ``k`` cut to
+    ``layouts[k]``: what :func:`shardc.solve.problem.build` makes with those inputs also
+    fixed (their choices, feed costs, edge rows and bytes at the memory points are the same
+    numbers, cut), without pricing the graph again. None where a layout is not one of its
+    input's choices. The copy's lists, edges and memory points are its own (merging followers
+    changes them in place); the rest is shared with ``base`` and read only."""
+    keep: dict[int, list[int]] = {}
+    for k, nd in layouts.items():
+        if nd not in base.choices[k]:
+            return None
+        keep[k] = [base.choices[k].index(nd)]
+    every = slice(None)
+    edges = [dataclasses.replace(e, cost=e.cost[keep.get(e.u, every), :][:, keep.get(e.v, every)])
+             if e.u in keep or e.v in keep else dataclasses.replace(e)
+             for e in base.edges]
+    out = dataclasses.replace(
+        base,
+        choices=[[ch[a] for a in keep[i]] if i in keep else ch
+                 for i, ch in enumerate(base.choices)],
+        cost=[c[keep.get(i, every)] for i, c in enumerate(base.cost)],
+        edges=edges,
+        memory=[{i: vec[keep.get(i, every)] for i, vec in point.items()}
+                for point in base.memory],
+        follows={},
+        fixed=Fixed({**base.fixed.inputs, **layouts}, base.fixed.outputs),
+        adjacency=())
+    check_cost_graph(out)
+    return out
+
+
 class Reuse:
     """Merged cost graphs by problem (graph, mesh, cluster, ties, fixed layouts, resident
     inputs), for one caller that solves the same problems at several budgets (keep it no
-    longer than that: a large model's cost graph holds gigabytes)."""
+    longer than that: a large model's cost graph holds gigabytes); and each problem's
+    unmerged graph, which hand-written layouts of its inputs are placed on
+    (:meth:`pinned`)."""
 
     def __init__(self):
         self._built: dict[tuple, tuple[tuple, CostGraph, Starts]] = {}
+        self._bases: dict[tuple, tuple[tuple, CostGraph]] = {}
+
+    def pinned(self, graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str],
+               cluster: Cluster, ties: Sequence[tuple[int, int]], fixed: Fixed,
+               resident: Collection[int], layouts: Mapping[int, NdSbp]) -> CostGraph:
+        """The problem's cost graph with the inputs ``layouts`` names fixed as well, followers
+        not merged: cut from the problem's graph built once (:func:`pin_inputs`), or built
+        anew where a layout is not among its input's choices. ``fixed`` wins where it names
+        an input ``layouts`` names too."""
+        held = (graph, cluster, fixed)
+        key = (*map(id, held), tuple(axis_sizes), tuple(axis_names), tuple(ties),
+               frozenset(resident))
+        if key not in self._bases:
+            self._bases[key] = (held, build(graph, axis_sizes, axis_names, cluster, ties,
+                                            fixed=fixed, resident=resident))
+        extra = {k: nd for k, nd in layouts.items() if k not in fixed.inputs}
+        cg = pin_inputs(self._bases[key][1], extra)
+        if cg is None:
+            cg = build(graph, axis_sizes, axis_names, cluster, ties,
+                       fixed=Fixed({**extra, **fixed.inputs}, fixed.outputs), resident=resident)
+        return cg
 
     def cost_graph(self, graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str],
                    cluster: Cluster, ties: Sequence[tuple[int, int]], fixed: Fixed,

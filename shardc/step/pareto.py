@@ -57,7 +57,7 @@ def frontier(step, *args, budgets: int = BUDGETS, **kwargs) -> Frontier:
         t = rtr.traced
         return [step._named(call, rtr, layout_plan(
             t.graph, rtr.ties, sizes, names, step.options.cluster, inputs, rtr.fixed,
-            tuple(rtr.resident), t.remat, len(t.segments), name))
+            tuple(rtr.resident), t.remat, len(t.segments), name, reuse))
             for name, inputs in layouts.items()]
 
     inputs = tuple(math.prod(v.shape) * v.dtype.itemsize for v in graph.inputs)

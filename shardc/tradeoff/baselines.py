@@ -51,6 +51,7 @@ from shardc.report.tables import Table
 from shardc.solve import descent
 from shardc.solve.costgraph import NOTHING_FIXED, Fixed
 from shardc.solve.problem import build
+from shardc.solve.reuse import Reuse
 from shardc.solve.search import Status
 
 __all__ = ["Baseline", "Margins", "generic_layouts", "layout_plan", "margins", "optimizer_state"]
@@ -215,17 +216,24 @@ def _estimate(graph: Graph, ties: Sequence[tuple[int, int]], plan: Plan,
 def layout_plan(graph: Graph, ties: Sequence[tuple[int, int]], sizes: Sequence[int],
                 names: Sequence[str], cluster: Cluster, layouts: Mapping[int, NdSbp],
                 fixed: Fixed = NOTHING_FIXED, resident: Sequence[int] = (),
-                remat: tuple[int, ...] = (), segments: int = 0, name: str = "") -> Plan:
+                remat: tuple[int, ...] = (), segments: int = 0, name: str = "",
+                reuse: Reuse | None = None) -> Plan:
     """The plan a hand-written layout of the graph inputs leads to without a search:
     ``layouts`` pinned (``fixed`` too, which wins where both name an input), the rest placed
     as a seed is (greedy from the inputs, then coordinate descent) and priced by
     :func:`shardc.plan.assemble.assemble`, for ``graph``, a program that recomputes its forward
     segments ``remat`` of ``segments``; its solver record names the layout ``name``. A plan
     that runs: what the margins estimate, and
-    what the frontier (:mod:`shardc.tradeoff.frontier`) holds beside its searched plans."""
+    what the frontier (:mod:`shardc.tradeoff.frontier`) holds beside its searched plans.
+    ``reuse``: the problem's cost graph is built once there for every layout placed on it
+    (:meth:`shardc.solve.reuse.Reuse.pinned`: the same graph, cut)."""
     pinned = Fixed(inputs={**layouts, **fixed.inputs}, outputs=fixed.outputs)
-    cg = build(graph, tuple(sizes), tuple(names), cluster, ties, fixed=pinned,
-               resident=resident)
+    if reuse is None:
+        cg = build(graph, tuple(sizes), tuple(names), cluster, ties, fixed=pinned,
+                   resident=resident)
+    else:
+        cg = reuse.pinned(graph, tuple(sizes), tuple(names), cluster, ties, fixed, resident,
+                          layouts)
     cg.merge_followers()
     x = descent.from_inputs(cg, pinned.inputs)
     if x is None:  # no input kept a layout of its own (every one merged into a use)
