@@ -8,9 +8,7 @@ import math
 from shardc.plan.record import Plan, fingerprint
 from shardc.report.explain import mesh_label
 from shardc.runtime.multihost import agree
-from shardc.step.calling import (
-    Call,
-)
+from shardc.step.calling import Call
 from shardc.step.names import input_names
 from shardc.step.signature import TracedCall
 

@@ -15,7 +15,7 @@ from shardc.ir.trace import DEFAULT_WHILE_TRIPS
 from shardc.pipeline.schedule import Pipeline
 from shardc.report.explain import mesh_label
 
-__all__ = ["NeedsDevicesError", "Options", "auto_mesh"]
+__all__ = ["auto_mesh", "NeedsDevicesError", "Options", "platform_of"]
 
 
 def auto_mesh(mesh: Mesh | AbstractMesh) -> Mesh | AbstractMesh:

@@ -20,8 +20,7 @@ from shardc.tradeoff.views import View
 __all__ = ["check_specs", "is_spec_leaf", "named_seeds", "seed_layouts", "view_seeds"]
 
 
-def view_seeds(step, call: Call, candidates: list[View]
-                  ) -> list[dict[str, dict[int, NdSbp]]]:
+def view_seeds(step, call: Call, candidates: list[View]) -> list[dict[str, dict[int, NdSbp]]]:
     """The ``seeds`` option as graph-input layouts by seed name, per candidate view: a
     seed seeds each view whose axes its specs name (the mesh's own, or another view's
     such as ``gpu2`` / ``gpu4`` of a flat 8-device mesh); one that names no view's

@@ -20,7 +20,8 @@ from shardc.solve.costgraph import Fixed
 from shardc.step.calling import Call, abstract_leaf, placement
 from shardc.step.seeds import seed_layouts
 
-__all__ = ["resident_inputs", "tie_outputs"]
+__all__ = ["fixed_layouts", "gc_paused", "kept_layouts", "pins_layouts", "resident_inputs",
+           "tie_outputs", "TracedCall", "typed_outputs"]
 
 log = logging.getLogger("shardc")
 

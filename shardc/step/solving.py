@@ -21,9 +21,7 @@ from shardc.rules.registry import has_rule, warn_missing
 from shardc.solve.costgraph import NOTHING_FIXED, Fixed
 from shardc.solve.reuse import Reuse
 from shardc.solve.search import MemoryBudgetError, SolveOptions, plan_graph
-from shardc.step.calling import (
-    Call,
-)
+from shardc.step.calling import Call
 from shardc.step.options import Options, platform_of
 from shardc.step.seeds import view_seeds
 from shardc.step.signature import TracedCall, pins_layouts
