@@ -56,8 +56,12 @@ def _target_arguments(q) -> None:
                    help="also plan the other logical views of the devices (e.g. 16, 4x4)")
 
 
+DESCRIPTION = ("shardc, an auto-sharding compiler for JAX: demo | plan | pareto | calibrate | "
+               "explain | export | bench (each command's --help says more)")
+
+
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="shardc", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="shardc", description=DESCRIPTION)
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="plan and run a GPT train step on 8 simulated devices")
     d.add_argument("--layers", type=positive(int), default=2)

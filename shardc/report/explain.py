@@ -239,8 +239,8 @@ def op_table(plan, names: _Names, max_rows: int | None) -> Table:
                          _where([ops[i].source for i in members])))
     shown = rows
     folded = sum(1 for _, _, count in runs if count > 1)
-    what = f"{len(ops)} ops" + (f" in {len(rows)} rows ({folded} repeated runs shown once)"
-                                if folded else "")
+    runs_shown = f"{folded} repeated run{'s' if folded != 1 else ''} shown once"
+    what = f"{len(ops)} ops" + (f" in {len(rows)} rows ({runs_shown})" if folded else "")
     if max_rows is not None and len(rows) > max_rows:
         keep = set(sorted(range(len(rows)), key=lambda i: -(rows[i][2] + rows[i][3]))
                    [:max_rows])
