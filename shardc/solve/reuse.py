@@ -133,9 +133,7 @@ class Reuse:
         not merged: cut from the problem's graph built once (:func:`pin_inputs`), or built
         anew where a layout is not among its input's choices. ``fixed`` wins where it names
         an input ``layouts`` names too."""
-        held = (graph, cluster, fixed)
-        key = (*map(id, held), tuple(axis_sizes), tuple(axis_names), tuple(ties),
-               frozenset(resident))
+        held, key = _problem_key(graph, axis_sizes, axis_names, cluster, ties, fixed, resident)
         if key not in self._bases:
             self._bases[key] = (held, build(graph, axis_sizes, axis_names, cluster, ties,
                                             fixed=fixed, resident=resident))
@@ -151,9 +149,7 @@ class Reuse:
                    resident: Collection[int]) -> tuple[CostGraph, Starts]:
         """A copy of the problem's merged cost graph that a solve may add memory cuts to,
         and its :class:`Starts`."""
-        held = (graph, cluster, fixed)  # kept alive with the entry: their ids stay theirs
-        key = (*map(id, held), tuple(axis_sizes), tuple(axis_names), tuple(ties),
-               frozenset(resident))
+        held, key = _problem_key(graph, axis_sizes, axis_names, cluster, ties, fixed, resident)
         hit = self._built.get(key)
         if hit is None:
             cg = build(graph, axis_sizes, axis_names, cluster, ties, fixed=fixed,
@@ -162,3 +158,13 @@ class Reuse:
             hit = self._built[key] = (held, cg, Starts(cg))
         _, cg, starts = hit
         return dataclasses.replace(cg, memory=list(cg.memory)), starts
+
+
+def _problem_key(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str],
+                 cluster: Cluster, ties: Sequence[tuple[int, int]], fixed: Fixed,
+                 resident: Collection[int]) -> tuple[tuple, tuple]:
+    """``(held, key)``: the objects a problem's entry keeps alive (so that their ids, in the
+    key, stay theirs) and the key :class:`Reuse` files its cost graphs under."""
+    held = (graph, cluster, fixed)
+    return held, (*map(id, held), tuple(axis_sizes), tuple(axis_names), tuple(ties),
+                  frozenset(resident))

@@ -42,6 +42,7 @@ from shardc.plan.record import Plan, fingerprint
 from shardc.rules.fixed import on_mesh
 from shardc.runtime.multihost import agree
 from shardc.solve.costgraph import Fixed
+from shardc.step.adopt import use_plan
 from shardc.step.cache import PlanCache
 from shardc.step.calling import (
     Call,
@@ -54,8 +55,10 @@ from shardc.step.calling import (
     place,
     placement,
 )
+from shardc.step.margins import compare
 from shardc.step.names import input_names, output_names
 from shardc.step.options import NeedsDevicesError, Options, auto_mesh, platform_of
+from shardc.step.pareto import frontier
 from shardc.step.seeds import check_specs, named_seeds
 from shardc.step.signature import (
     TracedCall,
@@ -71,6 +74,7 @@ from shardc.tradeoff.frontier import (
     DeviceSweep,
     Frontier,
 )
+from shardc.tradeoff.sweep import device_sweep as sweep_devices
 from shardc.tradeoff.views import View
 
 __all__ = ["AutoSharded", "auto_shard", "device_sweep", "pareto"]
@@ -304,8 +308,6 @@ class AutoSharded:
         also seed every search, with the ``seeds`` option's); the non-dominated ones, each
         a plan ``use_plan`` runs. Nothing is cached:
         ``step.use_plan(frontier.pick(budget), *args)`` adopts one."""
-        from shardc.step.pareto import frontier
-
         return frontier(self, *args, budgets=budgets, **kwargs)
 
 
@@ -314,8 +316,6 @@ class AutoSharded:
         DP x TP layouts (:mod:`shardc.tradeoff.baselines`): on a mesh with devices each compiled and
         priced from its HLO, the plan's program too; on an abstract mesh estimated on the
         plan's cost model. ``plan.explain(margins=step.margins(*args))`` prints them."""
-        from shardc.step.margins import compare
-
         return compare(self, *args, **kwargs)
 
 
@@ -330,9 +330,7 @@ class AutoSharded:
         its seeds and kept layouts (written for the whole mesh); a count where no plan fits
         records the leanest plan's peak. Nothing is cached or run:
         ``step.use_plan(count.plan, *args)`` adopts the whole mesh's."""
-        from shardc.tradeoff.sweep import device_sweep
-
-        return device_sweep(self, *args, memory_budget=memory_budget, **kwargs)
+        return sweep_devices(self, *args, memory_budget=memory_budget, **kwargs)
 
     def pipeline_choice(self, *args, **kwargs):
         """The pipeline the planner chooses for these arguments, priced against this
@@ -361,8 +359,6 @@ class AutoSharded:
         """Adopt a saved plan (``Plan.from_json``) for these arguments: later calls trace
         and compile, but do not solve. A plan made for another program or mesh is refused;
         one made on an AbstractMesh runs on a concrete mesh of the same shape and names."""
-        from shardc.step.adopt import use_plan
-
         return use_plan(self, plan, *args, **kwargs)
 
 
