@@ -126,6 +126,7 @@ def solve(cg: CostGraph, options: SolveOptions = SolveOptions(), kept: Starts | 
     # below what the inputs alone hold no round can fit: the leanest plan reached names the
     # budget (the frontier's first ask, 1 byte, ran every round's ILPs for nothing)
     hopeless = memory_budget is not None and memory_budget < _floor(cg)
+    fallback = memory_budget is not None and any(kept.peak(y) <= memory_budget for y in starts)
     for _ in range(0 if hopeless else MEMORY_ROUNDS):
         x, status, stages = _solve_once(cg, x, memory_budget,
                                         options.time_limit if use_ilp else None, folding)
@@ -136,6 +137,13 @@ def solve(cg: CostGraph, options: SolveOptions = SolveOptions(), kept: Starts | 
         if profile[t] <= memory_budget:
             break
         found = min(found, float(profile[t]))
+        if descent.memory(cg, x) > memory_budget and fallback:
+            # no stage found a plan within the rows, and a start fits: a cut only narrows
+            # the rows, so the rounds left would find none either (GPT-2 under 1.52 GiB
+            # spent four more rounds, 8 of its 21 s, on plans of 1.79-1.81 GiB); the starts
+            # below settle it. Where none fits, the rounds go on: the leaner plans they
+            # reach name the budget the error asks for
+            break
         cg.memory.append(memory_cut(cg, x, t, profile[t]))  # constrain it too
         # the quotient's memory points were stale (its classes are not: costs and edges)
         folding = (quotient(cg, kept.classes()), kept.classes()) if large else None
