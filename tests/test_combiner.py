@@ -206,3 +206,46 @@ def test_micro_batched_step_summed_apart_matches_jit():
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4,
                                    atol=max(1e-5, 0.05 * cfg.learning_rate))
+
+
+def test_xla_gpu_shares_the_latency_of_parameter_gathers():
+    """XLA:GPU combines independent all-gathers (to 30 MiB each): the search's objective
+    shares one latency among the parameters (head values) the step's other ops read, as it
+    does for the gradients entering the update; XLA:CPU, which runs each all-gather on its
+    own, charges each its latency."""
+    from shardc.cost.combine import XLA_GPU, alpha_scales
+    from shardc.ir.flow import head_values, tail_values
+    from shardc.models import mlp
+
+    step_fn, (state, data) = mlp.make_train_step(mlp.MLPConfig.tiny())
+    graph = trace(step_fn, state, data).graph
+    head, tail = head_values(graph), tail_values(graph)
+    params = {v.id for v in graph.inputs[:len(jax.tree.leaves(state))]}
+    assert params <= head
+    gpu, cpu = alpha_scales(graph, XLA_GPU), alpha_scales(graph, XLA_CPU)
+    assert not any(v in cpu for v in head - tail)
+    shares = {gpu[v] for v in head - tail}
+    assert len(shares) == 1 and 0 < shares.pop() < 0.5
+    assert all(gpu[v] == cpu[v] for v in tail)  # the tail is shared as before
+    # a combiner whose byte limit no parameter fits runs each gather on its own
+    tight = Combiner("gpu", XLA_GPU.families, 1.0, 256)
+    assert all(alpha_scales(graph, tight)[v] == 1.0 for v in head - tail)
+
+
+def test_xla_gpu_plans_price_fsdp_gathers_combined():
+    """The combiner travels from the mesh's platform to the search: a plan for XLA:GPU
+    builds its cost graph with all-gathers among the combined kinds (their latencies
+    shared), one for XLA:CPU without."""
+    from shardc.cost.combine import XLA_GPU
+    from shardc.models import mlp
+    from shardc.solve.problem import build
+
+    step_fn, (state, data) = mlp.make_train_step(mlp.MLPConfig.tiny())
+    graph = trace(step_fn, state, data).graph
+    cluster = Cluster.multi_node("node", "gpu")
+    gpu = build(graph, (2, 4), ("node", "gpu"), cluster, combiner=XLA_GPU)
+    cpu = build(graph, (2, 4), ("node", "gpu"), cluster)
+    assert "all-gather" in gpu.combined and "all-gather" not in cpu.combined
+    # the same graph, cheaper or equal everywhere on XLA:GPU (latencies shared, never added)
+    assert sum(float(c.min()) for c in gpu.cost) <= sum(float(c.min()) for c in cpu.cost)
+    assert any((a.cost < b.cost - 1e-12).any() for a, b in zip(gpu.edges, cpu.edges))

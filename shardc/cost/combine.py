@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardc.ir.flow import tail_values
+from shardc.ir.flow import head_values, tail_values
 from shardc.ir.graph import Graph
 from shardc.ir.prims import facts
 
@@ -37,23 +37,51 @@ __all__ = ["alpha_scales", "COMBINED_KINDS", "Combiner", "combiner_for", "COMBIN
 COMBINED_KINDS = frozenset({"all-reduce", "reduce-scatter"})
 
 
-def alpha_scales(graph: Graph) -> dict[int, float]:
+def alpha_scales(graph: Graph, combiner: Combiner | None = None) -> dict[int, float]:
     """value id -> the share of a collective's latency it pays.
 
     Tail values share one latency among the ``K`` places a collective enters the tail: the
     tail values made by non-tail ops (a data-parallel step's gradients and loss). A scan
     body's tail (the per-layer gradients of a scanned model, on their way out as ys)
     combines within an iteration only: its values share among the entries made as often
-    as they are (``Op.weight``, standing for the loop they are in)."""
-    tail = tail_values(graph)
+    as they are (``Op.weight``, standing for the loop they are in). Where the backend
+    combines all-gathers (``combiner``: XLA:GPU), head values (:func:`shardc.ir.flow.
+    head_values`: the parameters an FSDP step gathers) share one latency among the ``K`` of
+    them the step's other ops read, the same way. A combiner with a byte limit runs ``K``
+    entries of ``B`` bytes as ``max(1, B / limit)`` collectives (at most ``K``): each pays
+    that many shares."""
+    combiner = combiner or XLA_CPU
     runs = graph.runs()
-    entries: dict[int, int] = {}
+    tail = tail_values(graph)
+    entries: dict[int, list[float]] = {}
     for op in graph.ops:
         if not facts(op.name).tail:
             for v in op.outputs:
                 if v.id in tail:
-                    entries[op.weight] = entries.get(op.weight, 0) + 1
-    return {vid: 1.0 / max(entries.get(runs.get(vid, 1), 1), 1) for vid in tail}
+                    entries.setdefault(op.weight, []).append(v.nbytes)
+    out: dict[int, float] = {}
+    if "all-gather" in combiner.kinds:
+        head = head_values(graph)
+        read: dict[int, list[float]] = {}
+        seen: set[int] = set()
+        for op in graph.ops:
+            if facts(op.name).tail and all(v.id in head for v in op.outputs):
+                continue  # a head op itself
+            for v in op.inputs:
+                if v.id in head and v.id not in seen:
+                    seen.add(v.id)
+                    read.setdefault(runs.get(v.id, 1), []).append(v.nbytes)
+        out.update((vid, _share(read.get(runs.get(vid, 1), ()), combiner)) for vid in head)
+    out.update((vid, _share(entries.get(runs.get(vid, 1), ()), combiner)) for vid in tail)
+    return out
+
+
+def _share(sizes, combiner: Combiner) -> float:
+    """One value's share of a latency among entries of ``sizes`` bytes (:func:`alpha_scales`):
+    ``K`` entries of ``B`` bytes in all run as ``max(1, B / limit)`` collectives."""
+    if not sizes:
+        return 1.0
+    return min(1.0, max(1.0, sum(sizes) / combiner.threshold_bytes) / len(sizes))
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +100,10 @@ class Combiner:
     References:
       XLA ``cpu_compiler.cc`` (``AllReduceCombiner`` with ``kCombineBytes`` = int64 max,
       ``kCombineCount`` = 256); XLA:GPU ``xla_gpu_all_reduce_combine_threshold_bytes`` and
-      its all-gather / reduce-scatter twins (30 MiB).
+      its all-gather / reduce-scatter twins (30 MiB). Reduce-scatters of different scatter
+      dimensions combine there (a ViT's gradients scattered over dims 0, 1 and 2 compile to
+      one reduce-scatter, each transposed to scatter its leading dim), and all-gathers of
+      different element types (XLA ``all_gather_combiner.cc``: its key holds no type).
     """
 
     backend: str
@@ -83,6 +114,12 @@ class Combiner:
 
     def family(self, kind: str) -> str | None:
         return dict(self.families).get(kind)
+
+    @property
+    def kinds(self) -> frozenset[str]:
+        """The collective kinds this backend combines (their latencies shared in the
+        search's objective, :func:`alpha_scales`)."""
+        return frozenset(k for k, _ in self.families)
 
 
 XLA_CPU = Combiner("cpu", (("all-reduce", "all-reduce"), ("reduce-scatter", "all-reduce")),

@@ -64,12 +64,14 @@ class Collective:
     buffer_factor: float = 0.0  # NCCL's buffer = buffer_factor * logical bytes
     group: Group | None = None  # None for a local step
 
-    def seconds(self, nbytes: float, model: str, share: float = 1.0) -> float:
+    def seconds(self, nbytes: float, model: str, share: float = 1.0,
+                combined: frozenset[str] = COMBINED_KINDS) -> float:
         """Seconds on a value of ``nbytes`` logical bytes; ``share`` scales the latency of a
-        kind XLA combines (:data:`shardc.cost.combine.COMBINED_KINDS`)."""
+        kind the backend combines (``combined``: :attr:`shardc.cost.combine.Combiner.kinds`,
+        XLA:CPU's by default)."""
         if self.group is None:
             return 0.0
-        share = share if self.kind in COMBINED_KINDS else 1.0
+        share = share if self.kind in combined else 1.0
         return seconds(self.kind, self.group, self.buffer_factor * nbytes, model, share)
 
 
@@ -85,12 +87,13 @@ class Conversion:
     local: float = 0.0
     layouts: tuple[NdSbp, ...] = ()
 
-    def time(self, nbytes: float, alpha_scale: float = 1.0) -> float:
-        """Seconds; ``alpha_scale`` < 1 when XLA combines the combinable collectives of this
-        conversion with others (they share one latency)."""
+    def time(self, nbytes: float, alpha_scale: float = 1.0,
+             combined: frozenset[str] = COMBINED_KINDS) -> float:
+        """Seconds; ``alpha_scale`` < 1 when XLA combines the collectives of this conversion
+        whose kinds it combines (``combined``) with others (they share one latency)."""
         if not self.collectives:
             return 0.0
-        return self.local + sum(c.seconds(nbytes, self.model, alpha_scale)
+        return self.local + sum(c.seconds(nbytes, self.model, alpha_scale, combined)
                                 for c in self.collectives)
 
     def wire_bytes(self, nbytes: float) -> float:

@@ -13,7 +13,7 @@ from shardc.ir.graph import Graph, Op, Value
 from shardc.ir.prims import facts
 from shardc.ir.trace import SCAN_ENTER, SCAN_EXIT
 
-__all__ = ["carry_exit", "loop_tests", "loop_ties", "read_runs", "reads",
+__all__ = ["carry_exit", "head_values", "loop_tests", "loop_ties", "read_runs", "reads",
            "tail_values", "unrolled_sums"]
 
 
@@ -93,3 +93,18 @@ def _tail_values(graph: Graph) -> frozenset[int]:
         tail.update(v.id for v in op.outputs if is_tail(v))
     tail.update(v.id for v in graph.inputs if is_tail(v))
     return frozenset(tail)
+
+
+def head_values(graph: Graph) -> frozenset[int]:
+    """Ids of the graph's inputs and of values made from them by tail primitives alone
+    (a parameter, its cast or transpose): values no step computes from the batch, so their
+    conversions depend on nothing in the step (computed once per graph)."""
+    return graph.memo("head_values", _head_values)
+
+
+def _head_values(graph: Graph) -> frozenset[int]:
+    head = {v.id for v in graph.inputs}
+    for op in graph.ops:
+        if facts(op.name).tail and all(v.is_const or v.id in head for v in op.inputs):
+            head.update(v.id for v in op.outputs)
+    return frozenset(head)

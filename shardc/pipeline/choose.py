@@ -25,6 +25,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from shardc.cost.cluster import Cluster
+from shardc.cost.combine import XLA_CPU, Combiner
 from shardc.cost.units import fmt_time
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Split
@@ -51,7 +52,8 @@ class ChoiceOptions:
     pipeline must save to be chosen (module doc); ``views``: the stage axis may also be
     an axis of another logical view of the devices (:func:`shardc.tradeoff.views.views`: one more
     unpipelined plan per view, and one stage plan per axis). ``pipeline``: as ``auto_shard``'s
-    option: None chooses, False chooses none, a :class:`Pipeline` prices that one."""
+    option: None chooses, False chooses none, a :class:`Pipeline` prices that one.
+    ``combiner``: the combiners of the backend the plans compile for."""
 
     memory_budget: float | None = None
     time_limit: float = 10.0
@@ -60,6 +62,7 @@ class ChoiceOptions:
     min_gain: float = 0.05
     views: bool = False
     pipeline: Pipeline | bool | None = None
+    combiner: Combiner = XLA_CPU
 
     def __post_init__(self):
         if not 0 <= self.min_gain < 1:
@@ -151,7 +154,8 @@ def _planned(graph: Graph, sizes: Sequence[int], names: Sequence[str], cluster: 
              ties, resident, options: SolveOptions, fixed: Fixed = NOTHING_FIXED) -> Plan:
     cg, sol = plan_graph(graph, sizes, names, cluster, options, ties=ties, resident=resident,
                          fixed=fixed)
-    return assemble(graph, cg, sol.choice, ties, {"status": sol.status.value})
+    return assemble(graph, cg, sol.choice, ties, {"status": sol.status.value},
+                    platform=options.combiner.backend)
 
 
 def _whole_weights(graph: Graph, layers: Layers, ties: Sequence[tuple[int, int]],
@@ -175,7 +179,7 @@ def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[
     ``resident`` as for :func:`shardc.solve.search.plan_graph`."""
     t0 = time.perf_counter()
     sizes, names = tuple(axis_sizes), tuple(axis_names)
-    solve = SolveOptions(time_limit=options.time_limit)
+    solve = SolveOptions(time_limit=options.time_limit, combiner=options.combiner)
     if base is None:
         base = _planned(graph, sizes, names, cluster, ties, resident, solve)
     layers = find_layers(graph, ties, resident)

@@ -134,7 +134,11 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
             if c.group is not None and family is not None:
                 op = next((s.reduction for a in c.axes
                            if isinstance(s := src.sbps[a], Partial)), "sum")
-                key = (family, c.axes, op, value.type_str().split("[")[0], times)
+                # a reduction combines with its own element type only; XLA:GPU's all-gather
+                # combiner joins gathers of any (a GPT-2 step's f32 activations and s32
+                # tokens compile to one all-gather of both)
+                dtype = None if family == "all-gather" else value.type_str().split("[")[0]
+                key = (family, c.axes, op, dtype, times)
                 # the combiners' limit is on result bytes: a reduce-scatter's is its
                 # buffer over the group, where it runs as one (not as an all-reduce);
                 # NCCL prices the buffer

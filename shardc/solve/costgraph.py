@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shardc.cost.cluster import Cluster
+from shardc.cost.combine import XLA_CPU
 from shardc.cost.comm import Conversion, conversion
 from shardc.ir.graph import Graph, Op, Value
 from shardc.ir.prims import facts
@@ -84,6 +85,8 @@ class CostGraph:
     axis_sizes: tuple[int, ...]
     axis_names: tuple[str, ...]
     cluster: Cluster
+    #: the collective kinds the backend combines, whose latencies values share
+    combined: frozenset[str] = XLA_CPU.kinds
     choices: list[list] = field(default_factory=list)  # NdSbp (inputs) or Strategy (ops)
     refs: list = field(default_factory=list)  # graph input Value or Op per node
     cost: list[np.ndarray] = field(default_factory=list)
@@ -142,7 +145,8 @@ class CostGraph:
             self.terms[key] = terms
         steps, runs, local = terms
         model = self.cluster.collective_model
-        t = np.array([c.seconds(nbytes, model, alpha_scale) for c in steps] or [0.0])
+        t = np.array([c.seconds(nbytes, model, alpha_scale, self.combined) for c in steps]
+                     or [0.0])
         small = (runs @ t + local).reshape(len(usrc), len(udst))
         return small[np.ix_(si, di)]
 

@@ -86,7 +86,7 @@ def quotient(cg: CostGraph, cls: dict[int, int]) -> CostGraph:
     first: dict[int, int] = {}
     for i in cg.live:
         first.setdefault(cls[i], i)
-    q = CostGraph(cg.graph, cg.axis_sizes, cg.axis_names, cg.cluster)
+    q = CostGraph(cg.graph, cg.axis_sizes, cg.axis_names, cg.cluster, cg.combined)
     q.choices = [cg.choices[first[c]] for c in range(n)]
     q.refs = [cg.refs[first[c]] for c in range(n)]
     q.cost = [np.zeros(len(ch)) for ch in q.choices]
@@ -120,7 +120,7 @@ def restrict(cg: CostGraph, allowed: dict[int, list[int]]) -> CostGraph:
     to ``allowed[i]`` (indices into ``cg.choices[i]``); a choice ``b`` of the result is
     choice ``allowed[i][b]`` of ``cg``."""
     assert not cg.follows, "restrict() works on graphs without followers"
-    r = CostGraph(cg.graph, cg.axis_sizes, cg.axis_names, cg.cluster)
+    r = CostGraph(cg.graph, cg.axis_sizes, cg.axis_names, cg.cluster, cg.combined)
     r.refs, r.order, r.carried = cg.refs, cg.order, cg.carried
     r.choices = [[ch[a] for a in allowed[i]] for i, ch in enumerate(cg.choices)]
     r.cost = [c[allowed[i]] for i, c in enumerate(cg.cost)]

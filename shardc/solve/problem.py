@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardc.cost.cluster import Cluster
-from shardc.cost.combine import alpha_scales
+from shardc.cost.combine import XLA_CPU, Combiner, alpha_scales
 from shardc.ir.flow import carry_exit, loop_tests, loop_ties, read_runs, reads, unrolled_sums
 from shardc.ir.graph import Graph, Op, Value
 from shardc.ir.sbp import B, NdSbp, Partial, Split
@@ -57,13 +57,14 @@ def _unreduce(nd: NdSbp) -> NdSbp:
 
 def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cluster: Cluster,
           ties: Sequence[tuple[int, int]] = (), *, fixed: Fixed = NOTHING_FIXED,
-          resident: Collection[int] = ()) -> CostGraph:
+          resident: Collection[int] = (), combiner: Combiner = XLA_CPU) -> CostGraph:
     """Build the cost graph. ``ties`` pairs (output index, input index) whose layouts should
     agree (a train step's new state feeds the next step's state). ``fixed`` pins graph
     inputs and outputs to one layout each. The tied inputs and the ``resident`` ones stay
-    on the devices between calls; every other input pays its host feed."""
+    on the devices between calls; every other input pays its host feed. ``combiner``: the
+    backend's, whose combined collectives share latencies (:func:`alpha_scales`)."""
     axis_sizes, axis_names = tuple(axis_sizes), tuple(axis_names)
-    cg = CostGraph(graph, axis_sizes, axis_names, cluster)
+    cg = CostGraph(graph, axis_sizes, axis_names, cluster, combined=combiner.kinds)
     rate = cluster.device_flops * cluster.utilization
     carried = {i for _, i in ties}
     cg.carried = carried
@@ -94,7 +95,7 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
             matrices[key] = mat
         return mat
 
-    scale = alpha_scales(graph)
+    scale = alpha_scales(graph, combiner)
     ties_in = loop_ties(graph)
     uses: dict[int, int] = {}
     # a carry's exit reads the loop-carried value as made (:func:`carry_exit`), so it does

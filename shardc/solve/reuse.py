@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from shardc.cost.cluster import Cluster
+from shardc.cost.combine import XLA_CPU, Combiner
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import NdSbp
 from shardc.solve import descent
@@ -146,14 +147,16 @@ class Reuse:
 
     def cost_graph(self, graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str],
                    cluster: Cluster, ties: Sequence[tuple[int, int]], fixed: Fixed,
-                   resident: Collection[int]) -> tuple[CostGraph, Starts]:
+                   resident: Collection[int], combiner: Combiner = XLA_CPU
+                   ) -> tuple[CostGraph, Starts]:
         """A copy of the problem's merged cost graph that a solve may add memory cuts to,
-        and its :class:`Starts`."""
+        and its :class:`Starts` (``combiner``: the backend's, as :func:`build` takes it)."""
         held, key = _problem_key(graph, axis_sizes, axis_names, cluster, ties, fixed, resident)
+        key = (*key, combiner)
         hit = self._built.get(key)
         if hit is None:
             cg = build(graph, axis_sizes, axis_names, cluster, ties, fixed=fixed,
-                       resident=resident)
+                       resident=resident, combiner=combiner)
             cg.merge_followers()
             hit = self._built[key] = (held, cg, Starts(cg))
         _, cg, starts = hit

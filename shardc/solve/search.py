@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shardc.cost.cluster import Cluster
+from shardc.cost.combine import XLA_CPU, Combiner
 from shardc.cost.units import fmt_bytes
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import NdSbp
@@ -58,12 +59,16 @@ class MemoryBudgetError(ValueError):
 class SolveOptions:
     """What the solver is asked for: a per-device byte budget, a wall-clock guard on each
     ILP solve (seconds; 0 runs coordinate descent alone), whether to run the ILP, and
-    hand-written plans to start from (by name: graph-input layouts)."""
+    hand-written plans to start from (by name: graph-input layouts), and the backend's
+    collective combiners."""
 
     memory_budget: float | None = None
     time_limit: float = 10.0
     use_ilp: bool = True
     seeds: Mapping[str, Mapping[int, NdSbp]] = field(default_factory=dict)
+    #: the combiners of the backend the plan compiles for: the collectives they join share
+    #: latencies in the objective (:func:`shardc.cost.combine.alpha_scales`)
+    combiner: Combiner = XLA_CPU
 
 
 class Status(enum.StrEnum):
@@ -229,11 +234,11 @@ def plan_graph(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str
     t0 = time.perf_counter()
     if reuse is None:
         cg = build(graph, axis_sizes, axis_names, cluster, ties, fixed=fixed,
-                   resident=resident)
+                   resident=resident, combiner=options.combiner)
         kept = None
     else:
         cg, kept = reuse.cost_graph(graph, axis_sizes, axis_names, cluster, ties, fixed,
-                                    resident)
+                                    resident, options.combiner)
     build_s = time.perf_counter() - t0
     sol = solve(cg, options, kept)
     return cg, dataclasses.replace(sol, stats={**sol.stats, "build_s": build_s})

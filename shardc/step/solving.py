@@ -11,6 +11,7 @@ import logging
 import math
 import time
 
+from shardc.cost.combine import combiner_for
 from shardc.cost.units import fmt_bytes
 from shardc.ir.remat import levels
 from shardc.ir.sbp import NdSbp
@@ -76,7 +77,7 @@ def choice_options(step, views: bool):
 
     opts = step.options
     return ChoiceOptions(opts.memory_budget, opts.time_limit, views=views,
-                         pipeline=opts.pipeline)
+                         pipeline=opts.pipeline, combiner=combiner_for(platform_of(step.mesh)))
 
 
 def problem(step, call: Call, tr: TracedCall
@@ -180,7 +181,8 @@ def solve_views(step, tr: TracedCall, candidates: list[View],
     for view, seeds_here in zip(candidates, seeds, strict=True):
         t = time.perf_counter()
         is_physical = view.names == names
-        sopts = SolveOptions(opts.memory_budget, opts.time_limit, seeds=seeds_here)
+        sopts = SolveOptions(opts.memory_budget, opts.time_limit, seeds=seeds_here,
+                             combiner=combiner_for(platform_of(step.mesh)))
         try:
             cg, sol = plan_graph(graph, view.shape, view.names, view.cluster, sopts,
                                  ties=tr.ties, fixed=tr.fixed if is_physical else NOTHING_FIXED,
