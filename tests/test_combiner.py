@@ -249,3 +249,24 @@ def test_xla_gpu_plans_price_fsdp_gathers_combined():
     # the same graph, cheaper or equal everywhere on XLA:GPU (latencies shared, never added)
     assert sum(float(c.min()) for c in gpu.cost) <= sum(float(c.min()) for c in cpu.cost)
     assert any((a.cost < b.cost - 1e-12).any() for a, b in zip(gpu.edges, cpu.edges))
+
+
+def test_overlap_planning_on_xla_gpu_searches_under_both_objectives():
+    """Under overlap the search's serial objective only proposes plans; on XLA:GPU it runs
+    once with the gathers' latencies shared (XLA:GPU's combiners) and once charging each
+    (XLA:CPU's), and the overlap replay ranks both searches' plans. Serially, or on a
+    backend whose combiners are XLA:CPU's, one search."""
+    import numpy as np
+
+    from shardc.cost.combine import XLA_GPU
+    from shardc.step.solving import objectives
+
+    class _Gpu:  # a concrete mesh's devices, as platform_of reads them
+        platform = "gpu"
+
+    gpu_mesh = type("Mesh", (), {"devices": np.array([_Gpu()] * 8, dtype=object)})()
+    cpu_mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+    serial, overlap = Cluster(), Cluster(overlap=True)
+    assert objectives(gpu_mesh, serial) == (XLA_GPU,)
+    assert objectives(gpu_mesh, overlap) == (XLA_GPU, XLA_CPU)
+    assert objectives(cpu_mesh, overlap) == (XLA_CPU,)
