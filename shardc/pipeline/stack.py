@@ -37,10 +37,15 @@ from jax.extend.core import jaxprs_in_params
 
 from shardc.pipeline.runtime import carry_of
 
-__all__ = ["PREFIX", "Stack", "has_stack", "layers", "running", "stack_named"]
+__all__ = ["PREFIX", "Stack", "has_stack", "layers", "running", "scans_as_layers",
+           "stack_named"]
 
 #: the name prefix of the inner ``jit`` calls of a layer stack
 PREFIX = "shardc_layers_"
+
+#: ``jax.lax.scan`` itself: a stack's scan and :func:`scans_as_layers`' fallback call it, never
+#: the routed one
+_SCAN = jax.lax.scan
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +71,7 @@ class Stack:
     def scan(self, carry, params, consts):
         def body(c, w):
             return self.layer(c, w, *consts), None
-        return jax.lax.scan(body, carry, params)[0]
+        return _SCAN(body, carry, params)[0]
 
 
 #: stack name -> Stack; a name is a digest of the layer function's code location and of
@@ -167,6 +172,80 @@ def running(run: Callable) -> Iterator[None]:
         _RUNNER.reset(token)
 
 
+#: whether ``jax.lax.scan`` calls made here are routed to :func:`layers`
+#: (:func:`scans_as_layers`; off while a stack's own layer is traced)
+_ROUTING: contextvars.ContextVar[bool] = contextvars.ContextVar("shardc_scans_as_layers",
+                                                                default=False)
+
+
+@contextlib.contextmanager
+def scans_as_layers() -> Iterator[None]:
+    """Within the block, a ``jax.lax.scan`` call that is a layer stack runs as
+    :func:`layers` (``auto_shard`` traces a function asked to pipeline so: ``pipeline=
+    Pipeline(...)`` pipelines its plain scans over layers too). A stack is a scan forward
+    (not ``reverse``) over stacked parameters (every ``xs`` leaf of one leading size) whose
+    carry's leaves share a leading batch dim and whose body returns no per-layer outputs
+    and closes over no traced value (a pipeline traces it again on micro-batches); any
+    other scan runs as it is. The layers must treat a batch's examples apart, as for
+    :func:`layers`. Only calls that look ``jax.lax.scan`` up when they run
+    (``jax.lax.scan(...)``, ``lax.scan(...)``) are seen: not a name imported before
+    (``from jax.lax import scan``), nor a scan inside a ``jax.jit`` function traced
+    before."""
+    token = _ROUTING.set(True)
+    jax.lax.scan = _routed
+    try:
+        yield
+    finally:
+        jax.lax.scan = _SCAN
+        _ROUTING.reset(token)
+
+
+@contextlib.contextmanager
+def _not_routing() -> Iterator[None]:
+    token = _ROUTING.set(False)
+    try:
+        yield
+    finally:
+        _ROUTING.reset(token)
+
+
+def _routed(f, init, xs=None, length=None, reverse=False, unroll=1, _split_transpose=False):
+    """``jax.lax.scan`` within :func:`scans_as_layers`."""
+    if _ROUTING.get() and not reverse and not _split_transpose:
+        ys = _stack_ys(f, init, xs, length)
+        if ys is not _NOT_A_STACK:  # the body's outputs, a tree of no arrays, as it gives them
+            return layers(f, init, xs)[0], ys
+    return _SCAN(f, init, xs, length=length, reverse=reverse, unroll=unroll,
+                 _split_transpose=_split_transpose)
+
+
+#: what :func:`_stack_ys` says of a scan that is not a layer stack
+_NOT_A_STACK = object()
+
+
+def _stack_ys(f: Callable, init: Any, xs: Any, length: int | None) -> Any:
+    """Where ``jax.lax.scan(f, init, xs, length)`` is a layer stack (:func:`scans_as_layers`),
+    the per-layer outputs its body returns, a tree holding no array; else
+    :data:`_NOT_A_STACK`. The body is traced abstractly, to see that it returns no
+    per-layer outputs and closes over no traced value."""
+    def leading(tree) -> set:
+        return {getattr(x, "shape", ())[:1] for x in jax.tree.leaves(tree)}
+    lx, lc = leading(xs), leading(init)
+    if len(lx) != 1 or len(lc) != 1 or () in lx or () in lc or \
+            (length is not None and lx != {(length,)}):
+        return _NOT_A_STACK
+    one = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape[1:], w.dtype), xs)
+    with _not_routing():
+        _, ys = jax.eval_shape(f, init, one)
+        if jax.tree.leaves(ys):
+            return _NOT_A_STACK
+        # a body closing over traced values is not one a pipeline can trace again on
+        # micro-batches; nor is a gradient-accumulation loop over micro-batches, whose
+        # carry (the gradients) would otherwise pass for a batch
+        _, consts = jax.closure_convert(lambda c, w: f(c, w)[0], init, one)
+    return _NOT_A_STACK if consts else ys
+
+
 def layers(layer_fn: Callable, carry: Any, stacked_params: Any) -> tuple[Any, None]:
     """``jax.lax.scan(layer_fn, carry, stacked_params)`` for a layer stack: ``layer_fn(carry,
     layer_params)`` returns ``(carry, None)`` (no per-layer outputs); ``carry``'s leaves share
@@ -178,6 +257,12 @@ def layers(layer_fn: Callable, carry: Any, stacked_params: Any) -> tuple[Any, No
     run = _RUNNER.get()
     if run is not None:
         return run(layer_fn, carry, stacked_params), None
+    with _not_routing():  # a scan inside the layer is the layer's own
+        return _filed(layer_fn, carry, stacked_params)
+
+
+def _filed(layer_fn: Callable, carry: Any, stacked_params: Any) -> tuple[Any, None]:
+    """:func:`layers` outside a hand-written pipeline: the stack filed and run."""
     one = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape[1:], w.dtype), stacked_params)
 
     layer, consts = jax.closure_convert(carry_of(layer_fn, "shardc.pipeline.layers"), carry,

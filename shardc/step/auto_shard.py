@@ -22,6 +22,7 @@ of the plan. On a mesh with Explicit axes, results come back typed on that mesh.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -38,6 +39,7 @@ from shardc.ir.trace import DEFAULT_WHILE_TRIPS, Traced, rematerialized, trace
 from shardc.lower.emit import explicit_axes, jit_plan
 from shardc.pipeline.runtime import check_axis
 from shardc.pipeline.schedule import Pipeline
+from shardc.pipeline.stack import scans_as_layers
 from shardc.plan.record import Plan, fingerprint
 from shardc.rules.fixed import on_mesh
 from shardc.runtime.multihost import agree
@@ -143,7 +145,10 @@ class AutoSharded:
         hit = self._traces.get(key)
         if hit is None:
             t0 = time.perf_counter()
-            with gc_paused():
+            # asked to pipeline: the function's plain scans over layers are stacks too
+            routing = scans_as_layers() if isinstance(self.options.pipeline, Pipeline) \
+                else contextlib.nullcontext()
+            with gc_paused(), routing:
                 traced = self._own(trace(call.function(self.fn),
                                          *map(abstract_leaf, call.leaves),
                                          platform=platform_of(self.mesh),

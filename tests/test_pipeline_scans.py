@@ -1,0 +1,124 @@
+"""Plain ``jax.lax.scan`` layer stacks pipelined when asked (``auto_shard(pipeline=
+Pipeline(...))`` traces the function with its scans over layers as
+:func:`shardc.pipeline.layers`): the pipelined step equals ``jax.jit``'s, the compiled
+program runs the stages' collective-permutes, and a scan that is not a layer stack runs as
+it is."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import shardc
+from shardc.pipeline import Pipeline
+from shardc.pipeline.lowering import NoStackError
+from shardc.pipeline.stack import scans_as_layers
+
+WIDTH, LAYERS, BATCH = 64, 8, 32
+
+
+def layer(c, w):
+    return c + jnp.tanh(c @ w), None
+
+
+def loss(w, x):
+    # the scan looked up when it runs, as user code writes it
+    return jnp.mean(jax.lax.scan(layer, x, w)[0] ** 2)
+
+
+def train_step(w, x):
+    value, g = jax.value_and_grad(loss)(w, x)
+    return w - 0.1 * g, value
+
+
+def args():
+    k = jax.random.split(jax.random.key(0))
+    return (jax.random.normal(k[0], (LAYERS, WIDTH, WIDTH)) / WIDTH,
+            jax.random.normal(k[1], (BATCH, WIDTH)))
+
+
+@pytest.mark.parametrize("pipe", [Pipeline("stage", 2, 4), Pipeline("stage", 4, 4, "1f1b"),
+                                  Pipeline("stage", 4, 4, "circular", 2)])
+def test_a_plain_scan_over_layers_runs_as_the_pipeline_asked_for(pipe):
+    w, x = args()
+    m = jax.make_mesh((pipe.stages, 8 // pipe.stages), ("stage", "data"))
+    step = shardc.auto_shard(train_step, mesh=m, pipeline=pipe)
+    got, want = step(w, x), jax.jit(train_step)(w, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+    assert step.plan(w, x).pipeline == pipe
+    text = step.lower(w, x).compile().as_text()
+    assert "collective-permute" in text
+
+
+def test_scans_that_are_not_layer_stacks_run_as_scans():
+    w, x = args()
+
+    def per_layer_outputs(w, x):  # ys: a scan, not a stack
+        return jax.lax.scan(lambda c, wl: (c @ wl, jnp.sum(c)), x, w)
+
+    def backwards(w, x):
+        return jax.lax.scan(layer, x, w, reverse=True)
+
+    def no_batch(w, x):  # a scalar carry has no batch to cut into micro-batches
+        return jax.lax.scan(lambda c, wl: (c + jnp.sum(wl), None), 0.0, w)
+
+    for fn in (per_layer_outputs, backwards, no_batch):
+        with scans_as_layers():
+            text = str(jax.make_jaxpr(fn)(w, x))
+        assert "shardc_layers_" not in text and "scan[" in text, fn.__name__
+        np.testing.assert_allclose(
+            np.asarray(jax.tree.leaves(jax.jit(fn)(w, x))[0]),
+            np.asarray(jax.tree.leaves(fn(w, x))[0]), rtol=1e-6)
+    assert jax.lax.scan.__module__.startswith("jax")  # the block put the scan back
+
+    # a loop over micro-batches closing over the weights is not a stack; the layer scan
+    # inside its body is
+    def accumulated(w, x):
+        def one(g, xb):
+            return g + jax.grad(loss)(w, xb), None
+        return jax.lax.scan(one, jnp.zeros_like(w), x.reshape(4, BATCH // 4, WIDTH))[0]
+
+    with scans_as_layers():
+        jaxpr = jax.make_jaxpr(accumulated)(w, x).jaxpr
+    outer = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    assert len(outer) == 1 and "shardc_layers_" in str(outer[0].params["jaxpr"])
+    # asked to pipeline a function with no stack: the error names the fix
+    m = jax.make_mesh((2, 4), ("stage", "data"))
+    with pytest.raises(NoStackError, match="shardc.pipeline.layers"):
+        shardc.auto_shard(lambda w, x: per_layer_outputs(w, x)[0], mesh=m,
+                          pipeline=Pipeline("stage", 2, 4)).lower(w, x)
+
+
+def test_a_flax_nn_scan_over_blocks_runs_as_the_pipeline_asked_for():
+    """Flax's ``nn.scan`` over blocks (parameters stacked on axis 0) calls ``lax.scan`` with
+    a body that closes over no traced value: it pipelines as a plain scan does."""
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            return x + jnp.tanh(nn.Dense(WIDTH)(x)), None
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            blocks = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                             length=4)
+            return blocks()(x, None)[0]
+
+    net = Net()
+    x = args()[1]
+    p = net.init(jax.random.key(1), x)
+
+    def step(p, x):
+        value, g = jax.value_and_grad(lambda p: jnp.mean(net.apply(p, x) ** 2))(p)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), value
+
+    m = jax.make_mesh((2, 4), ("stage", "data"))
+    run = shardc.auto_shard(step, mesh=m, pipeline=Pipeline("stage", 2, 4))
+    for a, b in zip(jax.tree.leaves(run(p, x)), jax.tree.leaves(jax.jit(step)(p, x)),
+                    strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+    assert run.plan(p, x).pipeline == Pipeline("stage", 2, 4)
+    assert "collective-permute" in run.lower(p, x).compile().as_text()
