@@ -389,3 +389,34 @@ def test_gradients_made_inside_a_checkpointed_layer_are_reduced_once_after_the_l
     got, want = step(state, batch), jax.jit(fn)(state, batch)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
+def test_a_layers_slice_settled_once_is_converted_every_iteration():
+    """A scan's per-iteration inputs (a layer's slice of the stacked weights, the carry as an
+    iteration reads it) exist inside the body only: their one shared conversion (the settle)
+    runs every iteration, and the cost graph and the plan's prediction charge it so. A
+    value made before the loop and read inside is settled once."""
+    from shardc.ir.flow import settle_runs
+    from shardc.ir.trace import SCAN_ENTER
+    from shardc.solve.problem import build
+
+    def fwd(ws, x, b):
+        def body(c, w):  # the slice w read twice: one settled layout for both reads
+            return jnp.tanh(c @ w) + c @ w.T + b, None
+        return jnp.sum(jax.lax.scan(body, x, ws)[0])
+
+    ws, x, b = jnp.ones((6, 16, 16)), jnp.ones((8, 16)), jnp.ones((16,))
+    graph = trace(fwd, ws, x, b).graph
+    enters = {op.params["kind"]: op for op in graph.ops if op.prim is SCAN_ENTER}
+    runs, settled = graph.runs(), settle_runs(graph)
+    for kind in ("xs", "carry"):
+        vid = enters[kind].outputs[0].id
+        assert runs[vid] == 1 and settled[vid] == 6, kind
+    assert settled.get(enters["const"].outputs[0].id, 1) == 1
+    # the settle edge of the slice costs six conversions, as the lowering runs them
+    cg = build(graph, (8,), ("x",), shardc.Cluster())
+    w = enters["xs"].outputs[0]
+    node = cg.settle[w.id]
+    edge = next(e for e in cg.edges if e.v == node and e.value.id == w.id)
+    one = cg.reshard_matrix(cg.out_sbps(*cg.producer[w.id]), cg.choices[node], w.nbytes)
+    np.testing.assert_allclose(edge.cost, 6 * one)

@@ -21,7 +21,7 @@ from shardc.cost.collectives import seconds
 from shardc.cost.combine import alpha_scales, combiner_for
 from shardc.cost.combiner import Pending, Use, combine_groups
 from shardc.cost.comm import conversion
-from shardc.ir.flow import carry_exit, loop_tests, loop_ties, read_runs, reads
+from shardc.ir.flow import carry_exit, loop_tests, loop_ties, read_runs, reads, settle_runs
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Partial
 from shardc.plan.record import OpPlan, Plan, Predicted, Reshard, fingerprint, unreduced
@@ -162,13 +162,13 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
         return t
 
     settled = {vid: cg.choices[w][choice[w]] for vid, w in cg.settle.items()}
-    runs = graph.runs()
+    runs, settling = graph.runs(), settle_runs(graph)
     reduced_ys = ys_exits(graph)
     scale.update(ys_shares(graph, reduced_ys))  # the after-loop all-reduces, combined
 
     def settle(v) -> None:
         if v.id in settled:
-            record(v, None, values[v.id], settled[v.id], runs.get(v.id, 1))
+            record(v, None, values[v.id], settled[v.id], settling.get(v.id, 1))
 
     def read(v) -> NdSbp:
         return settled.get(v.id, values[v.id])

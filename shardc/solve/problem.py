@@ -19,7 +19,15 @@ import numpy as np
 
 from shardc.cost.cluster import Cluster
 from shardc.cost.combine import XLA_CPU, Combiner, alpha_scales
-from shardc.ir.flow import carry_exit, loop_tests, loop_ties, read_runs, reads, unrolled_sums
+from shardc.ir.flow import (
+    carry_exit,
+    loop_tests,
+    loop_ties,
+    read_runs,
+    reads,
+    settle_runs,
+    unrolled_sums,
+)
 from shardc.ir.graph import Graph, Op, Value
 from shardc.ir.sbp import B, NdSbp, Partial, Split
 from shardc.ir.trace import SCAN_ENTER, SCAN_EXIT
@@ -149,6 +157,7 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
                 u, slot = cg.producer[val.id] if carry_exit(op) else source(val)
                 cg.edges.append(edge(u, slot, val, node, k, [s.ins[k] for s in strats], strats,
                                      read_runs(runs, val, op)))
+    settling = settle_runs(graph)
     for val in shared:
         w = len(cg.choices)
         u, slot = cg.producer[val.id]
@@ -157,7 +166,7 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
         cg.cost.append(np.zeros(len(cg.choices[w])))
         cg.edges.append(Edge(u, w, cg.reshard_matrix(cg.out_sbps(u, slot), cg.choices[w],
                                                      val.nbytes, scale.get(val.id, 1.0))
-                             * runs.get(val.id, 1), val, 0, (u, slot)))
+                             * settling.get(val.id, 1), val, 0, (u, slot)))
     for enter, val in ties_in:  # the body's carry, converted back every iteration
         u, slot = source(val)
         v = cg.producer[enter.outputs[0].id][0]
