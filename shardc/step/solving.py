@@ -185,7 +185,12 @@ def solve_views(step, tr: TracedCall, candidates: list[View],
             for k, combiner in enumerate(objectives(step.mesh, view.cluster)):
                 sopts = SolveOptions(opts.memory_budget, opts.time_limit, seeds=seeds_here,
                                      combiner=combiner)
-                mine, costs = _view_plan(step, tr, view, sopts, is_physical, reuse)
+                try:
+                    mine, costs = _view_plan(step, tr, view, sopts, is_physical, reuse)
+                except MemoryBudgetError:
+                    if k == 0:
+                        raise
+                    continue  # the backend's own search found a plan within the budget
                 if k == 0:
                     for name, cost in costs.items():
                         priced[name if is_physical else f"{name} on {view.label}"] = cost
