@@ -71,6 +71,11 @@ def test_scans_that_are_not_layer_stacks_run_as_scans():
             np.asarray(jax.tree.leaves(jax.jit(fn)(w, x))[0]),
             np.asarray(jax.tree.leaves(fn(w, x))[0]), rtol=1e-6)
     assert jax.lax.scan.__module__.startswith("jax")  # the block put the scan back
+    with scans_as_layers():
+        with scans_as_layers():
+            pass
+        assert "shardc_layers_" in str(jax.make_jaxpr(loss)(w, x))  # still routed
+    assert jax.lax.scan.__module__.startswith("jax")
 
     # a loop over micro-batches closing over the weights is not a stack; the layer scan
     # inside its body is

@@ -191,12 +191,12 @@ def scans_as_layers() -> Iterator[None]:
     (``jax.lax.scan(...)``, ``lax.scan(...)``) are seen: not a name imported before
     (``from jax.lax import scan``), nor a scan inside a ``jax.jit`` function traced
     before."""
-    token = _ROUTING.set(True)
+    token, before = _ROUTING.set(True), jax.lax.scan  # a block within a block keeps it
     jax.lax.scan = _routed
     try:
         yield
     finally:
-        jax.lax.scan = _SCAN
+        jax.lax.scan = before
         _ROUTING.reset(token)
 
 
