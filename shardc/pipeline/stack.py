@@ -165,11 +165,18 @@ def running(run: Callable) -> Iterator[None]:
     place of its stack: a pipeline written by hand (``pipeline_scan`` with the caller's
     stages and micro-batches, as MaxText's pipeline module wraps its decoder layers) under
     plain ``jax.jit``, the bench's pipelined experts."""
-    token = _RUNNER.set(run)
+    with _holding(_RUNNER, run):
+        yield
+
+
+@contextlib.contextmanager
+def _holding(var: contextvars.ContextVar, value) -> Iterator[None]:
+    """``var`` set to ``value`` within the block, as it was after it."""
+    token = var.set(value)
     try:
         yield
     finally:
-        _RUNNER.reset(token)
+        var.reset(token)
 
 
 #: whether ``jax.lax.scan`` calls made here are routed to :func:`layers`
@@ -191,22 +198,18 @@ def scans_as_layers() -> Iterator[None]:
     (``jax.lax.scan(...)``, ``lax.scan(...)``) are seen: not a name imported before
     (``from jax.lax import scan``), nor a scan inside a ``jax.jit`` function traced
     before."""
-    token, before = _ROUTING.set(True), jax.lax.scan  # a block within a block keeps it
+    before = jax.lax.scan  # a block within a block keeps the routing when it ends
     jax.lax.scan = _routed
     try:
-        yield
+        with _holding(_ROUTING, True):
+            yield
     finally:
         jax.lax.scan = before
-        _ROUTING.reset(token)
 
 
-@contextlib.contextmanager
-def _not_routing() -> Iterator[None]:
-    token = _ROUTING.set(False)
-    try:
-        yield
-    finally:
-        _ROUTING.reset(token)
+def _not_routing():
+    """A block in which ``jax.lax.scan`` calls run as they are."""
+    return _holding(_ROUTING, False)
 
 
 def _routed(f, init, xs=None, length=None, reverse=False, unroll=1, _split_transpose=False):
