@@ -11,9 +11,10 @@ them):
   op runs as late as its uses allow: what reads the state alone (a weight's reshape) first,
   then the rest by its longest path to the step's end, longest first. A weight gradient,
   which only the update reads, then comes after the rest of the backward pass, and so
-  does its reduction: in XLA:GPU's compiled GPT-2 steps the gradient all-reduces of a
-  data-parallel plan and FSDP's reduce-scatters all start in the last tenth of the
-  compute, while FSDP's weight all-gathers run from the start.
+  does its reduction, while FSDP's weight all-gathers run from the start. XLA:GPU starts a
+  data-parallel plan's combined gradient all-reduces earlier, back to back from about the
+  middle of the backward pass, so the estimate hides less of them than the compiled step
+  does (the design notes, "Where the overlap estimate misses", give the figures).
 - **communication**: one stream; each conversion (:class:`shardc.plan.record.Reshard`, all its
   collectives one block) can start when the op producing its value ends (a program input
   at 0; a conversion from another conversion's result, as a value's settling followed by
