@@ -415,12 +415,12 @@ def test_plan_overlap_runs_combined_conversions_as_one_block():
     assert plan_overlap(plan).time == 6.0
 
 
-def test_plan_overlap_computes_a_weight_gradient_as_soon_as_it_can():
-    """XLA:GPU computes a weight gradient where its reduction is issued, during the backward
-    pass: the weight gradient (op 1), read only by the update, runs before the activation
-    gradient (op 2) and its all-reduce starts then. Ops of 1: a = x.w (0-1), g = x.a (1-2),
-    all-reduce 2-4 beside dx = a.w (2-3) and tanh(dx) (3-4), the update (4-5), the last use
-    of tanh (5-6): 6. With the gradient after the rest of the backward pass, 7."""
+def test_plan_overlap_reduces_a_weight_gradient_after_the_rest_of_the_backward():
+    """XLA's scheduler runs an op as late as its uses allow: the weight gradient (op 1),
+    read only by the update, runs after the activation gradient (op 2) that comes after it
+    in program order, and its all-reduce (2) with it. Ops of 1: a = x.w (0-1), dx = a.w
+    (1-2), g = x.a (2-3), all-reduce 3-5 beside tanh(dx) (3-4), the update waits (5-6),
+    then the last use of tanh (6-7): 7, where program order gives 6."""
     from shardc.ir.sbp import B, NdSbp, P
     from shardc.plan.overlap import plan_overlap
     from shardc.plan.record import OpPlan, Reshard
@@ -430,43 +430,13 @@ def test_plan_overlap_computes_a_weight_gradient_as_soon_as_it_can():
     def op(i, prim, reads, writes):
         return OpPlan(i, prim, "", (b,) * len(reads), (b,), 1.0, 0.0, reads, writes)
 
-    ops = [op(0, "dot_general", (0, 1), (2,)), op(2, "dot_general", (2, 1), (4,)),
-           op(1, "dot_general", (0, 2), (3,)), op(3, "tanh", (4,), (5,)),
+    ops = [op(0, "dot_general", (0, 1), (2,)), op(1, "dot_general", (0, 2), (3,)),
+           op(2, "dot_general", (2, 1), (4,)), op(3, "tanh", (4,), (5,)),
            op(4, "sub", (1, 3), (6,)), op(5, "mul", (5,), (7,))]
     plan = _plan(ops, [Reshard(3, 4, p, b, 2.0, 0.0, ("all-reduce@x",))],
                  {v: b for v in range(8)} | {3: p})
     plan = dataclasses.replace(plan, input_ids=(0, 1))  # x (the batch), w (the state)
-    assert plan_overlap(plan).time == 6.0
-
-
-def test_plan_overlap_issues_the_gradient_reductions_as_a_chain_ending_at_the_last_kernel():
-    """XLA:GPU keeps one collective in flight and places KERNELS_UNDER_COLLECTIVE (5) kernels
-    under each: the step's gradient reductions run back to back, the last issued five
-    kernels before the step's last kernel ends. One weight gradient g (op 1, made at 2)
-    and six more dots after it (2-8): its all-reduce (6) is issued at the fifth-last
-    kernel (op 3, at 3), not at 2, and ends at 9; the update waits (9-10): 10. With
-    fewer kernels than the chain asks for, it starts when its value is made."""
-    from shardc.ir.sbp import B, NdSbp, P
-    from shardc.plan.overlap import KERNELS_UNDER_COLLECTIVE, plan_overlap
-    from shardc.plan.record import OpPlan, Reshard
-
-    assert KERNELS_UNDER_COLLECTIVE == 5
-    b, p = NdSbp((B,)), NdSbp((P,))
-
-    def op(i, prim, reads, writes):
-        return OpPlan(i, prim, "", (b,) * len(reads), (b,), 1.0, 0.0, reads, writes)
-
-    def step(more: int):
-        chain = [op(2 + j, "dot_general", (10 + j, 1), (11 + j,)) for j in range(more)]
-        ops = [op(0, "dot_general", (0, 1), (10,)), op(1, "dot_general", (0, 10), (3,)),
-               *chain, op(9, "sub", (1, 3), (6,))]
-        plan = _plan(ops, [Reshard(3, 9, p, b, 6.0, 0.0, ("all-reduce@x",))],
-                     {v: b for v in range(20)} | {3: p})
-        return dataclasses.replace(plan, input_ids=(0, 1))
-
-    assert plan_overlap(step(6)).time == 10.0
-    # 2 kernels after the gradient (4 in all): all-reduce 2-8, the update 8-9
-    assert plan_overlap(step(2)).time == 9.0
+    assert plan_overlap(plan).time == 7.0
 
 
 def test_plan_overlap_of_a_planned_fsdp_step_lies_within_the_bounds(mesh8):
