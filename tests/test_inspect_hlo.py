@@ -297,6 +297,36 @@ def test_cpu_reduce_scatter_only_when_the_sole_user_keeps_one_nth(mesh):
     assert found["ar.shared"].kind == "all-reduce"  # two users
 
 
+GPU_UNPACKED = """\
+HloModule gpu_unpacked, num_partitions=8
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+ENTRY %main (p: f32[256]) -> (f32[64], f32[64], f32[64], f32[64]) {
+  %p = f32[256]{0} parameter(0)
+  %ars = f32[256]{0} all-reduce-start(%p), replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%add
+  %ard = f32[256]{0} all-reduce-done(%ars)
+  %a = f32[64]{0} slice(%ard), slice={[0:64]}
+  %b = f32[64]{0} slice(%ard), slice={[64:128]}
+  %c = f32[64]{0} slice(%ard), slice={[128:192]}
+  %d = f32[64]{0} slice(%ard), slice={[192:256]}
+  ROOT %out = (f32[64]{0}, f32[64]{0}, f32[64]{0}, f32[64]{0}) tuple(%a, %b, %c, %d)
+}
+"""  # noqa: E501
+
+
+def test_gpu_combined_all_reduce_unpacked_by_slices_runs_whole(mesh):
+    """XLA:GPU's combined all-reduce of four equal members over four devices, unpacked by
+    four quarter slices, is an all-reduce of the whole buffer, not XLA:CPU's reduce-scatter
+    pattern (XLA:GPU rewrites the reduce-scatters it can)."""
+    c, = collectives(GPU_UNPACKED, mesh)
+    assert (c.kind, c.result_bytes, c.from_all_reduce) == ("all-reduce", 256 * F32, False)
+
+
 TUPLE_SCATTER = """\
 HloModule tuple_scatter, num_partitions=8
 

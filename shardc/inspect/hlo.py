@@ -48,7 +48,10 @@ all-reduce inside its computation (into fused computations through their paramet
 when the kept slice is ``1/group_size`` of the result, reports a ``reduce-scatter`` of the
 slice's size with ``from_all_reduce=True``: what a backend with the rewrite would run, and
 what the planner predicts for ``P → S``. (``shard_map``'s ``psum_scatter`` does print a real
-``reduce-scatter`` on CPU.)
+``reduce-scatter`` on CPU.) Only a synchronous ``all-reduce`` (XLA:CPU's) is read so:
+XLA:GPU rewrites the scatters it can, and an ``all-reduce-start`` whose users slice it is
+its combined all-reduce unpacked into its members (four equal gradients combined over four
+devices, each member a quarter of the buffer), which runs whole.
 
 Async forms ``<kind>-start`` count as their kind, ``-done`` (and ``-update``) never count;
 a generic ``async-start`` is not a collective itself, the op in the async computation it
@@ -234,8 +237,8 @@ def _collectives_of(comps: Mapping[str, Computation], comp: Computation,
         return HloCollective(kind, instr.name, sum(shape_bytes(s) for s in shapes),
                              tuple(shapes), size, groups, axes, from_ar, comp.name)
 
-    if kind != "all-reduce" or size == 1:
-        return [make(kind, shapes)]
+    if kind != "all-reduce" or size == 1 or instr.opcode != "all-reduce":
+        return [make(kind, shapes)]  # an async all-reduce is XLA:GPU's: it runs whole
     reduced, scattered = _split_scatters(comps, comp, instr, shapes, size)
     out = [make("all-reduce", reduced)] if reduced else []
     if scattered:
