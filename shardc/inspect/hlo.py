@@ -127,7 +127,7 @@ class CompiledCost:
 
 # ---- the CPU reduce-scatter pattern ----------------------------------------------------------
 
-_PASS_THROUGH = frozenset({"bitcast", "reshape", "copy", "transpose", "all-reduce-done"})
+_PASS_THROUGH = frozenset({"bitcast", "reshape", "copy", "transpose"})
 _CALLS = re.compile(r"calls=%?([^\s,}]+)")
 _INDEX = re.compile(r"\bindex=(\d+)")
 
