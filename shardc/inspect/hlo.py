@@ -237,8 +237,8 @@ def _collectives_of(comps: Mapping[str, Computation], comp: Computation,
         return HloCollective(kind, instr.name, sum(shape_bytes(s) for s in shapes),
                              tuple(shapes), size, groups, axes, from_ar, comp.name)
 
-    if kind != "all-reduce" or size == 1 or instr.opcode != "all-reduce":
-        return [make(kind, shapes)]  # an async all-reduce is XLA:GPU's: it runs whole
+    if instr.opcode != "all-reduce" or size == 1:  # an async all-reduce (XLA:GPU's) runs whole
+        return [make(kind, shapes)]
     reduced, scattered = _split_scatters(comps, comp, instr, shapes, size)
     out = [make("all-reduce", reduced)] if reduced else []
     if scattered:
