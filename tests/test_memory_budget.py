@@ -126,9 +126,9 @@ def test_a_budget_between_the_lean_and_the_free_plan_beats_every_generic_layout_
     # whose free plan holds 57 MiB, 29 MiB plans faster than FSDP and ZeRO-1 (28.0 and 28.3
     # MiB, the generic layouts that fit; FSDP held 23.0 MiB, and 24 was the budget, before
     # a layer's weight slices settled in the scan were priced per iteration: its completion
-    # now gathers them otherwise). The memory cut once
-    # charged every plan the copies one plan held at the peak point, and the search settled
-    # on its lean start (5.2 ms, against FSDP's 2.0)
+    # now gathers them otherwise). The memory cut once charged every plan the copies one
+    # plan held at the peak point, and the search settled on its lean start (5.2 ms,
+    # against FSDP's 2.0)
     cfg = llama.LlamaConfig(vocab=512, seq_len=16, d_model=256, n_heads=4, n_kv_heads=2,
                             d_ff=512, n_layers=4, batch=8, scan_layers=True)
     mesh = jax.sharding.AbstractMesh((2, 4), ("node", "gpu"))
