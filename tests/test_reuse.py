@@ -77,8 +77,9 @@ def test_what_a_graph_derives_from_itself_is_computed_once():
 
 
 def test_hand_written_layouts_place_on_the_graph_built_once_as_on_their_own():
-    """Placing layouts of the inputs on the problem's graph cut to each (the frontier places
-    a dozen) gives the plans that graphs built with those inputs fixed give."""
+    """Placing layouts of the inputs on the problem's merged graph cut to each (the frontier
+    places a dozen) gives the plans that graphs built and merged with those inputs fixed
+    give."""
     from shardc.solve.costgraph import Fixed
     from shardc.tradeoff.baselines import layout_plan
 
@@ -93,4 +94,4 @@ def test_hand_written_layouts_place_on_the_graph_built_once_as_on_their_own():
         assert cut.inputs == own.inputs and cut.values == own.values
         assert [o.strategy for o in cut.ops] == [o.strategy for o in own.ops]
         assert cut.predicted == own.predicted
-    assert len(reuse._bases) == 1  # the problem's graph, built once for every layout
+    assert len(reuse._built) == 1  # the problem's graph, built once for every layout

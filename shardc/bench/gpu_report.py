@@ -22,7 +22,8 @@ References:
   XLA ``latency_hiding_scheduler.cc`` (the GPU schedule's ``-start`` / ``-done`` positions);
   NCCL user guide, "CUDA stream semantics" (a stream's collectives run in issue order);
   NVIDIA H200 datasheet (2024): the H100's compute (989 TFLOP/s dense BF16, 494 TF32) with
-  141 GB of HBM3e at 4.8 TB/s.
+  141 GB of HBM3e at 4.8 TB/s; NVIDIA H100 datasheet (2023): H100 SXM5 80 GB, HBM3 at
+  3.35 TB/s.
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ from pathlib import Path
 
 from shardc.cli.common import force_cpu_devices
 
-__all__ = ["H200_HBM_BANDWIDTH", "in_order", "main"]
+__all__ = ["HBM_BANDWIDTH", "in_order", "main"]
 
-H200_HBM_BANDWIDTH = 4.8e12  # bytes/s (References)
+#: bytes/s of HBM by the device name JAX reports (References)
+HBM_BANDWIDTH = {"NVIDIA H200": 4.8e12, "NVIDIA H100 80GB HBM3": 3.35e12}
 _BODY = re.compile(r"\bbody=%?([^\s,}]+)")
 _CALLS = re.compile(r"(?:calls|to_apply)=%?([^\s,}]+)")
 
@@ -170,19 +172,22 @@ def report(folder: Path) -> str:
 
     steps = json.loads((folder / "steps.json").read_text())
     v = steps["versions"]
+    hbm = HBM_BANDWIDTH.get(v["device"])
     lines = ["# shardc on a GPU", "",
-             f"Measured with `python -m shardc.bench.device all` on one {v['device']} "
+             f"Measured with `python -m shardc.bench.device` on one {v['device']} "
              f"(jax {v['jax']}, Python {v['python']}); this page by `python -m "
-             "shardc.bench.gpu_report docs/benchmarks/gpu` from the measurements kept in "
-             "`docs/benchmarks/gpu/`. To measure again on a GPU machine: `python -m "
-             "shardc.bench.device all --out DIR`, then copy DIR's `*.json` and "
-             "`schedule-*.hlo.gz` there.", "",
+             f"shardc.bench.gpu_report {folder.as_posix()}` from the measurements kept in "
+             f"`{folder.as_posix()}/`. To measure again on a GPU machine, from a checkout "
+             "installed with `pip install -e . --no-deps` (the zoo's models are the package's "
+             "`shardc.models`): `python -m shardc.bench.device all --out DIR`, then copy "
+             "DIR's `*.json` and `schedule-*.hlo.gz` there.", "",
              "## Compute: one device's step against the predicted compute", "",
              "Each step at one device's share of the bench batch, compiled with `jax.jit` and "
              "timed (median of 15 after 3 warm-ups). *predicted* is the planner's compute "
              "(FLOPs over 494 TFLOP/s TF32 x 0.5 utilization, the H100 presets' figures; the "
              "H200 has the H100's compute); *HBM floor* is XLA's `bytes accessed` over the "
-             "H200's 4.8 TB/s.", "",
+             + (f"{v['device']}'s {hbm / 1e12:.2f} TB/s." if hbm else "device's HBM (not "
+                "known for this device: left out)."), "",
              "| model | measured ms | predicted compute ms | measured / predicted | "
              "achieved TFLOP/s | HBM floor ms |", "|---|---:|---:|---:|---:|---:|"]
     ratios = []
@@ -197,7 +202,7 @@ def report(folder: Path) -> str:
         ratios.append(ratio)
         lines.append(f"| {row['model']} | {_ms(row['step_s'])} | {_ms(pred)} | {ratio:.2f} | "
                      f"{pred * rate / row['step_s'] / 1e12:.0f} | "
-                     f"{_ms(row['xla_bytes_accessed'] / H200_HBM_BANDWIDTH)} |")
+                     f"{_ms(row['xla_bytes_accessed'] / hbm) if hbm else '-'} |")
     if ratios:
         lines += ["", f"Measured / predicted ranges from {min(ratios):.2f} to "
                   f"{max(ratios):.2f}. The planner's compute is FLOPs alone: on these steps "
@@ -292,9 +297,11 @@ def _kernels(info: dict) -> list[str]:
             f"the smallest {max(r['s'] * share * peak / r['flops'] for r in dots):.0f}x too "
             "fast.",
             f"- **Memory:** {big['bytes'] / big['s'] / 1e12:.2f} TB/s on "
-            f"{big['elements']:,} elements (the {v['device']}'s HBM; an H100's is 3.35 TB/s)."
-            " The compute term to fit: per kernel, the larger of its FLOPs at the dots' "
-            "throughput for its size and its bytes at this bandwidth, plus the floor."]
+            f"{big['elements']:,} elements (the {v['device']}'s HBM; its datasheet: "
+            + (f"{HBM_BANDWIDTH[v['device']] / 1e12:.2f} TB/s" if v["device"] in HBM_BANDWIDTH
+               else "not known here") + "). The compute term to fit: per kernel, the larger "
+            "of its FLOPs at the dots' throughput for its size and its bytes at this "
+            "bandwidth, plus the floor."]
     return out
 
 

@@ -140,20 +140,14 @@ class Graph:
         body's values once per iteration); graph inputs and constants are absent (once)."""
         return {v.id: op.weight for op in self.ops for v in op.outputs}
 
-    def constants(self) -> set[int]:
+    def constants(self) -> frozenset[int]:
         """Ids of values computed from constants only (a ``1/N`` broadcast, an ``iota``, the
         zeros an accumulator starts from): XLA folds them and makes them in the layout their
         users need, so the lowering leaves them unconstrained (a constraint there would block
         the folding), and one read as a partial sum is made so, at no cost (the zeros of a
         partial accumulator). A scan carry is not one, whatever it starts from: the loop
-        changes it."""
-        out: set[int] = set()
-        for op in self.ops:
-            if op.effects or op.name == "scan_enter" and op.params["kind"] == "carry":
-                continue
-            if all(v.is_const or v.id in out for v in op.inputs):
-                out.update(v.id for v in op.outputs)
-        return out
+        changes it. Kept (:meth:`memo`)."""
+        return self.memo("constants", _constants)
 
     def values(self) -> Iterable[Value]:
         yield from self.inputs
@@ -162,6 +156,16 @@ class Graph:
 
     def __str__(self) -> str:
         return format_graph(self)
+
+
+def _constants(graph: Graph) -> frozenset[int]:
+    out: set[int] = set()
+    for op in graph.ops:
+        if op.effects or op.name == "scan_enter" and op.params["kind"] == "carry":
+            continue
+        if all(v.is_const or v.id in out for v in op.inputs):
+            out.update(v.id for v in op.outputs)
+    return frozenset(out)
 
 
 def _consumers(graph: Graph) -> dict[int, list[tuple[Op, int]]]:

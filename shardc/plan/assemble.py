@@ -20,7 +20,6 @@ import numpy as np
 from shardc.cost.collectives import seconds
 from shardc.cost.combine import alpha_scales, combiner_for
 from shardc.cost.combiner import Pending, Use, combine_groups
-from shardc.cost.comm import conversion
 from shardc.ir.flow import carry_exit, loop_tests, loop_ties, read_runs, reads, settle_runs
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Partial
@@ -94,7 +93,7 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
     sizes, names, cluster = cg.axis_sizes, cg.axis_names, cg.cluster
     rate = cluster.device_flops * cluster.utilization
     values: dict[int, NdSbp] = {}
-    scale = alpha_scales(graph)
+    scale = dict(graph.memo("alpha_scales", alpha_scales))  # a copy: updated below
     n_in = len(graph.inputs)
     for k, v in enumerate(graph.inputs):
         values[v.id] = cg.choices[k][choice[k]]
@@ -118,7 +117,7 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
         ``reduced``: the consumer's results are all reduced where made (settled), so one
         it reads made partial here is read apart (:class:`shardc.cost.combiner.Use`)."""
         nonlocal comm, wire, zeroing
-        conv = conversion(src, dst, sizes, names, cluster)
+        conv = cg.conversion_of(src, dst)
         if not conv.collectives or value.id in folded and dst.has_partial:
             return 0.0
         if (value.id, src, dst) in done:
@@ -225,7 +224,7 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
                 tuple(values[v.id] for v in graph.inputs), tuple(outputs), values, tuple(ops),
                 tuple(reshards), Predicted(comm - zeroing, compute, wire, peak, feed, zeroing),
                 dict(solver),
-                fingerprint(graph), tuple(v.ndim for v in graph.inputs),
+                graph.memo("fingerprint", fingerprint), tuple(v.ndim for v in graph.inputs),
                 tuple(v.ndim for v in graph.outputs), settled,
                 tuple(v.id for v in graph.inputs), tuple(v.type_str() for v in graph.inputs),
                 tuple(v.type_str() for v in graph.outputs), remat=tuple(remat),

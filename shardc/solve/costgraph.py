@@ -131,7 +131,7 @@ class CostGraph:
         key = (tuple(usrc), tuple(udst))
         terms = self.terms.get(key)
         if terms is None:  # the pairs' distinct collectives, and how often each pair runs one
-            convs = [self._conversion(a, b) for a in usrc for b in udst]
+            convs = [self.conversion_of(a, b) for a in usrc for b in udst]
             steps: dict = {}
             for c in convs:
                 for step in c.collectives:
@@ -150,7 +150,9 @@ class CostGraph:
         small = (runs @ t + local).reshape(len(usrc), len(udst))
         return small[np.ix_(si, di)]
 
-    def _conversion(self, a: NdSbp, b: NdSbp) -> Conversion:
+    def conversion_of(self, a: NdSbp, b: NdSbp) -> Conversion:
+        """:func:`shardc.cost.comm.conversion` of ``a`` to ``b`` on this graph's mesh and
+        cluster, kept per graph (its copies share the dict)."""
         key = (a, b)
         hit = self.conversions.get(key)
         if hit is None:
@@ -326,25 +328,30 @@ def check_cost_graph(cg: CostGraph) -> None:
     if len(cg.refs) != n or len(cg.cost) != n:
         raise CostGraphError(f"{n} choice lists but {len(cg.refs)} refs and {len(cg.cost)} "
                              "cost vectors: every node needs one of each")
-    for i in range(n):
-        if not cg.choices[i]:
-            raise CostGraphError(f"node {i} ({cg.refs[i]}) has no choices")
-        c = np.asarray(cg.cost[i])
-        if c.shape != (len(cg.choices[i]),):
-            raise CostGraphError(f"node {i} ({cg.refs[i]}): cost vector of shape {c.shape} "
-                                 f"for {len(cg.choices[i])} choices")
-        if not np.all(np.isfinite(c)) or np.any(c < 0):
-            raise CostGraphError(f"node {i} ({cg.refs[i]}): costs must be finite and >= 0")
+    # each invariant is tested on all nodes (edges, points) at once; the loops below run
+    # only to name the first one broken (a frontier checks every graph it cuts)
+    sizes = [len(ch) for ch in cg.choices]
+    if not all(sizes) or any(np.shape(c) != (k,) for c, k in zip(cg.cost, sizes)):
+        for i in range(n):
+            if not cg.choices[i]:
+                raise CostGraphError(f"node {i} ({cg.refs[i]}) has no choices")
+            c = np.asarray(cg.cost[i])
+            if c.shape != (sizes[i],):
+                raise CostGraphError(f"node {i} ({cg.refs[i]}): cost vector of shape "
+                                     f"{c.shape} for {sizes[i]} choices")
+    if n and not _finite_non_negative(cg.cost):
+        i = next(i for i in range(n) if not _finite_non_negative([cg.cost[i]]))
+        raise CostGraphError(f"node {i} ({cg.refs[i]}): costs must be finite and >= 0")
     if sorted(cg.order) != list(range(n)):
         raise CostGraphError(f"order must list each of the {n} nodes once, got "
                              f"{len(cg.order)} entries ({len(set(cg.order))} distinct)")
     for v, (u, f) in cg.follows.items():
         if not (0 <= u < n) or u == v:
             raise CostGraphError(f"node {v} follows {u}, which is not another node")
-        if len(f) != len(cg.choices[u]) or np.any(f < 0) or np.any(f >= len(cg.choices[v])):
+        if len(f) != sizes[u] or np.any(f < 0) or np.any(f >= sizes[v]):
             raise CostGraphError(f"node {v} follows {u} with a choice map of length {len(f)} "
-                                 f"into {len(cg.choices[v])} choices; it must map each of "
-                                 f"{u}'s {len(cg.choices[u])} choices to one of {v}'s")
+                                 f"into {sizes[v]} choices; it must map each of "
+                                 f"{u}'s {sizes[u]} choices to one of {v}'s")
     live = set(cg.live)
     for k, e in enumerate(cg.edges):
         if e.u not in live or e.v not in live:
@@ -353,19 +360,30 @@ def check_cost_graph(cg: CostGraph) -> None:
         if e.u == e.v:
             raise CostGraphError(f"edge {k} is a self-loop on node {e.u}: fold its diagonal "
                                  "into the node's cost")
-        want = (len(cg.choices[e.u]), len(cg.choices[e.v]))
+        want = (sizes[e.u], sizes[e.v])
         if e.cost.shape != want:
             raise CostGraphError(f"edge {k} ({e.u} -> {e.v}): cost matrix {e.cost.shape}, "
                                  f"expected {want}")
-        if not np.all(np.isfinite(e.cost)) or np.any(e.cost < 0):
-            raise CostGraphError(f"edge {k} ({e.u} -> {e.v}): costs must be finite and >= 0")
+    if cg.edges and not _finite_non_negative([e.cost.ravel() for e in cg.edges]):
+        k, e = next((k, e) for k, e in enumerate(cg.edges)
+                    if not _finite_non_negative([e.cost.ravel()]))
+        raise CostGraphError(f"edge {k} ({e.u} -> {e.v}): costs must be finite and >= 0")
     for t, point in enumerate(cg.memory):
-        for i, vec in point.items():
-            if i not in live:
-                raise CostGraphError(f"memory point {t} counts node {i}, which is not live")
-            if np.shape(vec) != (len(cg.choices[i]),):
-                raise CostGraphError(f"memory point {t}, node {i}: {np.shape(vec)} byte "
-                                     f"counts for {len(cg.choices[i])} choices")
+        stray = point.keys() - live
+        if stray:
+            raise CostGraphError(f"memory point {t} counts node {min(stray)}, which is not "
+                                 "live")
+        if any(np.shape(vec) != (sizes[i],) for i, vec in point.items()):
+            i, vec = next((i, vec) for i, vec in point.items()
+                          if np.shape(vec) != (sizes[i],))
+            raise CostGraphError(f"memory point {t}, node {i}: {np.shape(vec)} byte "
+                                 f"counts for {sizes[i]} choices")
+
+
+def _finite_non_negative(arrays: Sequence[np.ndarray]) -> bool:
+    """Every entry of ``arrays`` (1-D) finite and >= 0."""
+    flat = np.concatenate(arrays)
+    return bool(np.isfinite(flat).all() and (flat >= 0).all())
 
 
 def _fresh_splits(strategies: Sequence, followed: Sequence[int]) -> np.ndarray:

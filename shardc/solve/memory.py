@@ -161,7 +161,7 @@ def _operand_copies(cg: CostGraph, choice: Sequence[int]
             held_copy = copies.get((vid, want))
             if held_copy is None:
                 joins = tail if tail and all(
-                    c.kind in COMBINED_KINDS for c in cg._conversion(src, want).collectives) \
+                    c.kind in COMBINED_KINDS for c in cg.conversion_of(src, want).collectives) \
                     else None
                 held_copy = copies[(vid, want)] = [
                     t, t, nbytes * want.shard_fraction(cg.axis_sizes), born, joins,
@@ -315,7 +315,7 @@ def _steps_over(cg: CostGraph, src: NdSbp, dst: NdSbp, nbytes: int) -> float:
     counts), the step's result is the whole reduced buffer, in a buffer of its own beside
     its operand's (the micro-batched step's combined reduce-scatters: every gradient twice,
     whole, before the slices), sliced after. The source is counted as its own value."""
-    conv = cg._conversion(src, dst)
+    conv = cg.conversion_of(src, dst)
     sizes = [nbytes * nd.shard_fraction(cg.axis_sizes) for nd in conv.layouts]
     peaks = [a + b for a, b in zip(sizes, sizes[1:])]
     if XLA_CPU.scatter_as_all_reduce:
@@ -330,7 +330,7 @@ def _steps_over(cg: CostGraph, src: NdSbp, dst: NdSbp, nbytes: int) -> float:
 def _moves(cg: CostGraph, src: NdSbp, dst: NdSbp) -> bool:
     """Converting ``src`` to ``dst`` runs a collective: its result is a buffer of its own
     (a local slice is fused into its reader)."""
-    return src != dst and bool(cg._conversion(src, dst).collectives)
+    return src != dst and bool(cg.conversion_of(src, dst).collectives)
 
 
 def memory_points(cg: CostGraph) -> list[dict[int, np.ndarray]]:

@@ -86,12 +86,16 @@ def exact_peak(cg: CostGraph, x: dict[int, int]) -> float:
 
 
 def pin_inputs(base: CostGraph, layouts: Mapping[int, NdSbp]) -> CostGraph | None:
-    """``base`` (built, its followers not merged) with graph input ``k`` cut to
-    ``layouts[k]``: what :func:`shardc.solve.problem.build` makes with those inputs also
-    fixed (their choices, feed costs, edge rows and bytes at the memory points are the same
-    numbers, cut), without pricing the graph again. None where a layout is not one of its
-    input's choices. The copy's lists, edges and memory points are its own (merging followers
-    changes them in place); the rest is shared with ``base`` and read only."""
+    """``base`` with graph input ``k`` cut to ``layouts[k]``: what
+    :func:`shardc.solve.problem.build` makes with those inputs also fixed (their choices,
+    feed costs, edge rows and bytes at the memory points are the same numbers, cut), without
+    pricing the graph again. ``base`` may have its followers merged (a graph input never
+    follows another node: it reads none), and a follower of a pinned input keeps its map's
+    row for the input's layout: the merged graph of the pinned problem, except that a use
+    which could follow the pinned layout but not every layout stays a node of its own
+    (a choice more, not less). None where a layout is not one of its input's choices. The
+    copy's lists, edges and memory points are its own (merging followers changes them in
+    place); the rest is shared with ``base`` and read only."""
     keep: dict[int, list[int]] = {}
     for k, nd in layouts.items():
         if nd not in base.choices[k]:
@@ -109,7 +113,7 @@ def pin_inputs(base: CostGraph, layouts: Mapping[int, NdSbp]) -> CostGraph | Non
         edges=edges,
         memory=[{i: vec[keep.get(i, every)] for i, vec in point.items()}
                 for point in base.memory],
-        follows={},
+        follows={v: (u, f[keep[u]] if u in keep else f) for v, (u, f) in base.follows.items()},
         fixed=Fixed({**base.fixed.inputs, **layouts}, base.fixed.outputs),
         adjacency=())
     check_cost_graph(out)
@@ -118,39 +122,18 @@ def pin_inputs(base: CostGraph, layouts: Mapping[int, NdSbp]) -> CostGraph | Non
 
 class Reuse:
     """Merged cost graphs by problem (graph, mesh, cluster, ties, fixed layouts, resident
-    inputs), for one caller that solves the same problems at several budgets (keep it no
-    longer than that: a large model's cost graph holds gigabytes); and each problem's
-    unmerged graph, which hand-written layouts of its inputs are placed on
-    (:meth:`pinned`)."""
+    inputs, the backend's combiners), for one caller that solves the same problems at
+    several budgets and places hand-written layouts of their inputs on them (keep it no
+    longer than that: a large model's cost graph holds gigabytes)."""
 
     def __init__(self):
         self._built: dict[tuple, tuple[tuple, CostGraph, Starts]] = {}
-        self._bases: dict[tuple, tuple[tuple, CostGraph]] = {}
 
-    def pinned(self, graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str],
-               cluster: Cluster, ties: Sequence[tuple[int, int]], fixed: Fixed,
-               resident: Collection[int], layouts: Mapping[int, NdSbp]) -> CostGraph:
-        """The problem's cost graph with the inputs ``layouts`` names fixed as well, followers
-        not merged: cut from the problem's graph built once (:func:`pin_inputs`), or built
-        anew where a layout is not among its input's choices. ``fixed`` wins where it names
-        an input ``layouts`` names too."""
-        held, key = _problem_key(graph, axis_sizes, axis_names, cluster, ties, fixed, resident)
-        if key not in self._bases:
-            self._bases[key] = (held, build(graph, axis_sizes, axis_names, cluster, ties,
-                                            fixed=fixed, resident=resident))
-        extra = {k: nd for k, nd in layouts.items() if k not in fixed.inputs}
-        cg = pin_inputs(self._bases[key][1], extra)
-        if cg is None:
-            cg = build(graph, axis_sizes, axis_names, cluster, ties,
-                       fixed=Fixed({**extra, **fixed.inputs}, fixed.outputs), resident=resident)
-        return cg
-
-    def cost_graph(self, graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str],
-                   cluster: Cluster, ties: Sequence[tuple[int, int]], fixed: Fixed,
-                   resident: Collection[int], combiner: Combiner = XLA_CPU
-                   ) -> tuple[CostGraph, Starts]:
-        """A copy of the problem's merged cost graph that a solve may add memory cuts to,
-        and its :class:`Starts` (``combiner``: the backend's, as :func:`build` takes it)."""
+    def _merged(self, graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str],
+                cluster: Cluster, ties: Sequence[tuple[int, int]], fixed: Fixed,
+                resident: Collection[int], combiner: Combiner) -> tuple[CostGraph, Starts]:
+        """The problem's merged cost graph, built and merged on the first call, and its
+        :class:`Starts`: not to be changed (callers take copies)."""
         held, key = _problem_key(graph, axis_sizes, axis_names, cluster, ties, fixed, resident)
         key = (*key, combiner)
         hit = self._built.get(key)
@@ -159,7 +142,36 @@ class Reuse:
                        resident=resident, combiner=combiner)
             cg.merge_followers()
             hit = self._built[key] = (held, cg, Starts(cg))
-        _, cg, starts = hit
+        return hit[1], hit[2]
+
+    def pinned(self, graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str],
+               cluster: Cluster, ties: Sequence[tuple[int, int]], fixed: Fixed,
+               resident: Collection[int], layouts: Mapping[int, NdSbp]) -> CostGraph:
+        """The problem's cost graph (XLA:CPU's combiners, as :func:`build` by default) with
+        the inputs ``layouts`` names fixed as well, followers merged: cut from the
+        problem's merged graph, built once and shared with its solves
+        (:func:`pin_inputs`; a frontier places a dozen layouts on each program, and merging
+        each cut anew took half a second of the 12-layer GPT-2's 1.7 s per layout), or
+        built anew where a layout is not among its input's choices. ``fixed`` wins where it
+        names an input ``layouts`` names too."""
+        base, _ = self._merged(graph, axis_sizes, axis_names, cluster, ties, fixed, resident,
+                               XLA_CPU)
+        extra = {k: nd for k, nd in layouts.items() if k not in fixed.inputs}
+        cg = pin_inputs(base, extra)
+        if cg is None:
+            cg = build(graph, axis_sizes, axis_names, cluster, ties,
+                       fixed=Fixed({**extra, **fixed.inputs}, fixed.outputs), resident=resident)
+            cg.merge_followers()
+        return cg
+
+    def cost_graph(self, graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str],
+                   cluster: Cluster, ties: Sequence[tuple[int, int]], fixed: Fixed,
+                   resident: Collection[int], combiner: Combiner = XLA_CPU
+                   ) -> tuple[CostGraph, Starts]:
+        """A copy of the problem's merged cost graph that a solve may add memory cuts to,
+        and its :class:`Starts` (``combiner``: the backend's, as :func:`build` takes it)."""
+        cg, starts = self._merged(graph, axis_sizes, axis_names, cluster, ties, fixed,
+                                  resident, combiner)
         return dataclasses.replace(cg, memory=list(cg.memory)), starts
 
 

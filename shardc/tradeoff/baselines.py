@@ -231,10 +231,10 @@ def layout_plan(graph: Graph, ties: Sequence[tuple[int, int]], sizes: Sequence[i
     if reuse is None:
         cg = build(graph, tuple(sizes), tuple(names), cluster, ties, fixed=pinned,
                    resident=resident)
-    else:
+        cg.merge_followers()
+    else:  # merged already
         cg = reuse.pinned(graph, tuple(sizes), tuple(names), cluster, ties, fixed, resident,
                           layouts)
-    cg.merge_followers()
     x = descent.from_inputs(cg, pinned.inputs)
     if x is None:  # no input kept a layout of its own (every one merged into a use)
         x = descent.solve(cg)
