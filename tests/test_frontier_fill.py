@@ -30,8 +30,9 @@ def _gaps(frontier) -> list[float]:
 
 
 def test_the_sweep_fills_every_gap_where_a_plan_exists():
-    """A program with a plan at every peak from 1 to 10 (step 1/peak): the geometric budgets
-    leave gaps of up to 31% of the range at the fast end; the sweep plans into them."""
+    """A program with a plan at every peak from 1 to 10 (step 1/peak) and no placements: the
+    searches into the gaps fill them, each splitting a gap where the parts need the fewest
+    searches more (nine for a gap of ten widths)."""
     asked = []
 
     def solve(budget, remat=()):
@@ -42,10 +43,10 @@ def test_the_sweep_fills_every_gap_where_a_plan_exists():
         return _plan(peak, 1.0 / peak)
 
     frontier = sweep(Sources(solve))
-    assert max(_gaps(frontier)) <= GAP
+    assert max(_gaps(frontier)) <= GAP + 1e-9
     points = frontier.points()
     assert all(m1 < m2 and t1 > t2 for (t1, m1), (t2, m2) in zip(points, points[1:]))
-    assert len(asked) <= 2 + 6 + 9  # the ends, the budgets, the gaps' searches
+    assert len(asked) <= 2 + 9  # the ends, the gaps' searches
 
 
 def test_a_gap_without_plans_is_searched_and_left():
@@ -91,7 +92,7 @@ def test_the_remat_choices_follow_the_greedy_and_the_budget():
         # recomputing: its FLOPs; sharding: 10x as much per byte saved
         return _plan(peak, 1.0 + flops[remat] * 1e-4 + (fastest - peak) * 1e-2, remat)
 
-    frontier = sweep(Sources(solve, segments=segs))
+    frontier = sweep(Sources(solve, segments=segs), budgets=6)  # budgets chosen between
     tried = {remat for _, remat in asked}
     assert tried <= set(chain)
     assert tried & set(chain[1:-1]), "no choice between none and every segment was planned"

@@ -27,6 +27,7 @@ from shardc.bench import COMPILERS
 from shardc.cli.bench import cmd_bench
 from shardc.cli.calibrate import cmd_calibrate
 from shardc.cli.common import PRESETS, axis_names, mesh_shape, positive
+from shardc.tradeoff.frontier import BUDGETS
 from shardc.cli.demo import cmd_demo
 from shardc.cli.explain import cmd_explain
 from shardc.cli.export import cmd_export
@@ -85,8 +86,10 @@ def main(argv: list[str] | None = None) -> None:
                        description="Plan at no memory budget, at the smallest one a plan was "
                        "found for, and at budgets between; print the non-dominated plans.")
     _target_arguments(f)
-    f.add_argument("--budgets", type=positive(int), default=6,
-                   help="budgets planned between the leanest and the fastest plan")
+    f.add_argument("--budgets", type=positive(int, zero=True), default=BUDGETS,
+                   help="budgets searched at fixed points between the leanest and the fastest "
+                   "plan, besides the searches into the gaps the placements leave (default "
+                   "%(default)s)")
     f.add_argument("--plot", default=None, help="save the time-memory plot (PNG) here")
     f.add_argument("--out", default=None, help="save the frontier's plans as a JSON list here")
     f.add_argument("--devices", action="store_true",

@@ -47,16 +47,19 @@ def axis_names(text: str) -> tuple[str, ...]:
     return names
 
 
-def positive(kind):
+def positive(kind, zero: bool = False):
+    """An argparse type: a ``kind`` above 0 (``zero``: at least 0)."""
+    word = "non-negative" if zero else "positive"
+
     def parse(text: str):
         try:
             v = kind(text)
         except ValueError:
             v = None
-        if v is None or not v > 0:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a positive {kind.__name__}")
+        if v is None or not (v >= 0 if zero else v > 0):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {word} {kind.__name__}")
         return v
-    parse.__name__ = f"positive {kind.__name__}"
+    parse.__name__ = f"{word} {kind.__name__}"
     return parse
 
 

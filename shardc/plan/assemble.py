@@ -83,6 +83,16 @@ def _joined(graph: Graph, uses: list, via: dict, pending: list, combiner, reshar
     return combined
 
 
+def _op_facts(graph: Graph) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """Per op, what its :class:`OpPlan` records of the program alone: its types
+    (``"f32[8,16],f32[16,32]->f32[8,32]"``), its inputs' ids (-1 a constant) and its
+    outputs' (kept per graph: a frontier assembles dozens of plans of one program)."""
+    return [(",".join(v.type_str() for v in op.inputs) + "->" +
+             ",".join(v.type_str() for v in op.outputs),
+             tuple(-1 if v.is_const else v.id for v in op.inputs),
+             tuple(v.id for v in op.outputs)) for op in graph.ops]
+
+
 def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[tuple[int, int]],
              solver: dict, remat: tuple[int, ...] = (), segments: int = 0,
              platform: str | None = None) -> Plan:
@@ -174,6 +184,7 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
 
     for v in graph.inputs:
         settle(v)
+    facts = graph.memo("op_plan_facts", _op_facts)
     for j, op in enumerate(graph.ops):
         strat = cg.choices[n_in + j][choice[n_in + j]]
         op_comm = 0.0
@@ -187,12 +198,10 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
         for v, nd in zip(op.outputs, strat.outs):
             values[v.id] = nd
             settle(v)
-        types = (",".join(v.type_str() for v in op.inputs) + "->" +
-                 ",".join(v.type_str() for v in op.outputs))
+        types, ins, outs = facts[j]
         ops.append(OpPlan(op.id, op.name, types, strat.ins, strat.outs,
-                          strat.flops / rate * op.weight, op_comm,
-                          tuple(-1 if v.is_const else v.id for v in op.inputs),
-                          tuple(v.id for v in op.outputs), op.source, op.where))
+                          strat.flops / rate * op.weight, op_comm, ins, outs, op.source,
+                          op.where))
         compute += strat.flops / rate * op.weight
     for enter, v in loop_ties(graph):  # a scan's carry back to its carried layout
         record(v, enter.id, read(v), values[enter.outputs[0].id], runs.get(v.id, 1))

@@ -36,7 +36,7 @@ from shardc.solve.costgraph import NOTHING_FIXED, CostGraph, Edge, Fixed, Settle
 from shardc.solve.memory import memory_points
 from shardc.solve.reduced_ys import stacked_ys, whole_partial, ys_exits, ys_reduction, ys_shares
 
-__all__ = ["accumulators", "build", "feed_time", "input_choices"]
+__all__ = ["accumulators", "build", "BuildShare", "feed_time", "input_choices"]
 
 
 def input_choices(v: Value, axis_sizes: Sequence[int]) -> list[NdSbp]:
@@ -63,23 +63,51 @@ def _unreduce(nd: NdSbp) -> NdSbp:
     return NdSbp(tuple(B if isinstance(s, Partial) else s for s in nd.sbps))
 
 
+class BuildShare:
+    """What builds of different programs on one mesh, cluster and backend share (a frontier
+    builds a dozen programs that recompute different forward segments, each mostly the same
+    ops): each op signature's strategy list, each input shape's layouts, the conversions,
+    and the edge cost matrices between those lists (found again by the lists' identity, which
+    the entry keeps alive). Every kept value is what a build would compute again."""
+
+    __slots__ = ("key", "strategies", "layouts", "conversions", "matrices")
+
+    def __init__(self, axis_sizes: Sequence[int], axis_names: Sequence[str], cluster: Cluster,
+                 combiner: Combiner = XLA_CPU):
+        self.key = (tuple(axis_sizes), tuple(axis_names), cluster, combiner)
+        self.strategies: dict = {}
+        self.layouts: dict = {}
+        self.conversions: dict = {}
+        self.matrices: dict = {}
+
+
 def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cluster: Cluster,
           ties: Sequence[tuple[int, int]] = (), *, fixed: Fixed = NOTHING_FIXED,
-          resident: Collection[int] = (), combiner: Combiner = XLA_CPU) -> CostGraph:
+          resident: Collection[int] = (), combiner: Combiner = XLA_CPU,
+          share: BuildShare | None = None) -> CostGraph:
     """Build the cost graph. ``ties`` pairs (output index, input index) whose layouts should
     agree (a train step's new state feeds the next step's state). ``fixed`` pins graph
     inputs and outputs to one layout each. The tied inputs and the ``resident`` ones stay
     on the devices between calls; every other input pays its host feed. ``combiner``: the
-    backend's, whose combined collectives share latencies (:func:`alpha_scales`)."""
+    backend's, whose combined collectives share latencies (:func:`alpha_scales`).
+    ``share``: what other builds on this mesh, cluster and backend computed
+    (:class:`BuildShare`)."""
     axis_sizes, axis_names = tuple(axis_sizes), tuple(axis_names)
-    cg = CostGraph(graph, axis_sizes, axis_names, cluster, combined=combiner.kinds)
+    if share is None:
+        share = BuildShare(axis_sizes, axis_names, cluster, combiner)
+    elif share.key != (axis_sizes, axis_names, cluster, combiner):
+        raise ValueError(f"build: a BuildShare made for {share.key[:2]} and its cluster and "
+                         f"combiner, asked for {(axis_sizes, axis_names)}: make one per mesh, "
+                         "cluster and combiner")
+    cg = CostGraph(graph, axis_sizes, axis_names, cluster, combined=combiner.kinds,
+                   conversions=share.conversions)
     rate = cluster.device_flops * cluster.utilization
     carried = {i for _, i in ties}
     cg.carried = carried
     cg.resident = set(resident)
     cg.ties = list(ties)
     cg.fixed = fixed
-    layouts: dict = {}
+    layouts = share.layouts
     for k, v in enumerate(graph.inputs):
         cg.producer[v.id] = (len(cg.choices), 0)
         if k in fixed.inputs:
@@ -92,16 +120,16 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
         cg.cost.append(np.array([feed_time(v, nd, axis_sizes, cluster,
                                            k in carried or k in cg.resident)
                                  for nd in cg.choices[-1]]))
-    matrices: dict = {}  # identical edges (repeated layers) share one cost matrix
+    matrices = share.matrices  # identical edges (repeated layers) share one cost matrix
 
     def edge_matrix(src_owner: list, slot: int, src, dst_owner: list, k: int, dst, nbytes,
                     a_scale):
         key = (id(src_owner), slot, id(dst_owner), k, nbytes, a_scale)
-        mat = matrices.get(key)
-        if mat is None:
-            mat = cg.reshard_matrix(src, dst, nbytes, a_scale)
-            matrices[key] = mat
-        return mat
+        hit = matrices.get(key)
+        if hit is None or hit[0] is not src_owner or hit[1] is not dst_owner:
+            hit = matrices[key] = (src_owner, dst_owner,
+                                   cg.reshard_matrix(src, dst, nbytes, a_scale))
+        return hit[2]
 
     scale = alpha_scales(graph, combiner)
     ties_in = loop_ties(graph)
@@ -141,7 +169,8 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
     reduced_ys = ys_exits(graph)
     ys_share = ys_shares(graph, reduced_ys)
     op_strategies = graph.memo(("strategies", axis_sizes, axis_names),
-                               lambda g: _op_strategies(g, axis_sizes, axis_names))
+                               lambda g: _op_strategies(g, axis_sizes, axis_names,
+                                                        share.strategies))
     for op, strats in zip(graph.ops, op_strategies):
         node = len(cg.choices)
         cg.choices.append(strats)
@@ -205,20 +234,20 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
     return cg
 
 
-def _op_strategies(graph: Graph, axis_sizes: tuple[int, ...], axis_names: tuple[str, ...]
-                   ) -> list[list]:
+def _op_strategies(graph: Graph, axis_sizes: tuple[int, ...], axis_names: tuple[str, ...],
+                   cache: dict) -> list[list]:
     """Each op's strategies on the mesh (:func:`shardc.rules.registry.strategies`), one
-    list shared by the ops of one signature; a ys reduced after its loop keeps those that
-    read it whole or partial. Kept per graph and mesh (:meth:`Graph.memo`): a frontier
-    builds the cost graph of one program many times."""
+    list shared by the ops of one signature (in ``cache``, for this mesh: shared with other
+    programs' builds); a ys reduced after its loop keeps those that read it whole or
+    partial. Kept per graph and mesh (:meth:`Graph.memo`): a frontier builds the cost graph
+    of one program many times."""
     consume = accumulators(graph)
     reduced_ys = ys_exits(graph)
-    cache: dict = {}
     out = []
     for op in graph.ops:
         key = _op_key(op)
         if key is not None:
-            key = (key, op.id in consume)
+            key = (key, op.id in consume, op.id in reduced_ys)
         strats = cache.get(key) if key is not None else None
         if strats is None:
             strats = strategies(op, axis_sizes, axis_names, consume_partial=op.id in consume)

@@ -27,7 +27,7 @@ from shardc.solve import descent
 from shardc.solve.costgraph import CostGraph, Fixed, check_cost_graph
 from shardc.solve.fold import colour_classes
 from shardc.solve.memory import memory_profile
-from shardc.solve.problem import build
+from shardc.solve.problem import BuildShare, build
 
 __all__ = ["Reuse", "Starts", "exact_peak", "pin_inputs"]
 
@@ -128,6 +128,16 @@ class Reuse:
 
     def __init__(self):
         self._built: dict[tuple, tuple[tuple, CostGraph, Starts]] = {}
+        self._shares: dict[tuple, BuildShare] = {}
+
+    def share(self, axis_sizes: Sequence[int], axis_names: Sequence[str], cluster: Cluster,
+              combiner: Combiner = XLA_CPU) -> BuildShare:
+        """What every build on this mesh, cluster and backend shares (:class:`BuildShare`:
+        the programs a frontier builds are mostly the same ops)."""
+        key = (tuple(axis_sizes), tuple(axis_names), cluster, combiner)
+        if key not in self._shares:
+            self._shares[key] = BuildShare(*key)
+        return self._shares[key]
 
     def _merged(self, graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str],
                 cluster: Cluster, ties: Sequence[tuple[int, int]], fixed: Fixed,
@@ -139,7 +149,8 @@ class Reuse:
         hit = self._built.get(key)
         if hit is None:
             cg = build(graph, axis_sizes, axis_names, cluster, ties, fixed=fixed,
-                       resident=resident, combiner=combiner)
+                       resident=resident, combiner=combiner,
+                       share=self.share(axis_sizes, axis_names, cluster, combiner))
             cg.merge_followers()
             hit = self._built[key] = (held, cg, Starts(cg))
         return hit[1], hit[2]
@@ -160,7 +171,8 @@ class Reuse:
         cg = pin_inputs(base, extra)
         if cg is None:
             cg = build(graph, axis_sizes, axis_names, cluster, ties,
-                       fixed=Fixed({**extra, **fixed.inputs}, fixed.outputs), resident=resident)
+                       fixed=Fixed({**extra, **fixed.inputs}, fixed.outputs), resident=resident,
+                       share=self.share(axis_sizes, axis_names, cluster))
             cg.merge_followers()
         return cg
 
