@@ -27,12 +27,12 @@ from shardc.bench import COMPILERS
 from shardc.cli.bench import cmd_bench
 from shardc.cli.calibrate import cmd_calibrate
 from shardc.cli.common import PRESETS, axis_names, mesh_shape, positive
-from shardc.tradeoff.frontier import BUDGETS
 from shardc.cli.demo import cmd_demo
 from shardc.cli.explain import cmd_explain
 from shardc.cli.export import cmd_export
 from shardc.cli.pareto import cmd_pareto
 from shardc.cli.plan import cmd_plan
+from shardc.tradeoff.frontier import BUDGETS
 
 __all__ = ["main"]
 

@@ -32,8 +32,8 @@ from shardc.plan.record import Plan
 from shardc.report.explain import mesh_label
 from shardc.solve.search import MemoryBudgetError
 
-__all__ = ["BUDGETS", "DeviceCount", "DeviceSweep", "FILLS", "Frontier", "GAP", "SEARCHES", "Sources",
-           "device_counts", "sweep"]
+__all__ = ["BUDGETS", "DeviceCount", "DeviceSweep", "FILLS", "Frontier", "GAP", "SEARCHES",
+           "Sources", "device_counts", "sweep"]
 
 log = logging.getLogger("shardc")
 
