@@ -34,17 +34,10 @@ from shardc.solve.problem import build
 from shardc.solve.refine import ILP_FULL_TERMS, better, quotient_refine
 from shardc.solve.reuse import Reuse, Starts, exact_peak
 
-__all__ = ["CUT_SPACING", "CUTS", "MEMORY_ROUNDS", "MemoryBudgetError", "plan_graph", "Solution",
-           "solve", "SolveOptions", "Status"]
+__all__ = ["MEMORY_ROUNDS", "MemoryBudgetError", "plan_graph", "Solution", "solve",
+           "SolveOptions", "Status"]
 
-MEMORY_ROUNDS = 6  # re-solves adding the worst violated program points
-#: program points over the budget each round constrains (:func:`_worst_points`): the worst,
-#: and the next worst apart from those taken by more than ``1/CUT_SPACING`` of the program.
-#: One a round left the scanned Llama's leanest plan at 1.10 GiB and 61.7 ms after six
-#: rounds (each cut met the next point over); three, at 1.07 GiB and 15.5 ms, sooner.
-#: GPT-2 small's plans at five budgets are the same either way (measured here)
-CUTS = 3
-CUT_SPACING = 20
+MEMORY_ROUNDS = 6  # re-solves adding the worst violated program point
 
 
 class MemoryBudgetError(ValueError):
@@ -156,8 +149,7 @@ def solve(cg: CostGraph, options: SolveOptions = SolveOptions(), kept: Starts | 
             # below settle it. Where none fits, the rounds go on: the leaner plans they
             # reach name the budget the error asks for
             break
-        for j in _worst_points(profile, memory_budget):  # constrain them too
-            cg.memory.append(memory_cut(cg, x, j, profile[j]))
+        cg.memory.append(memory_cut(cg, x, t, profile[t]))  # constrain it too
         # the quotient's memory points were stale (its classes are not: costs and edges)
         folding = (quotient(cg, kept.classes()), kept.classes()) if large else None
         x = _descent(cg, folding, memory_budget)
@@ -183,20 +175,6 @@ def solve(cg: CostGraph, options: SolveOptions = SolveOptions(), kept: Starts | 
     seed_choices = {name: cg.decode(y) for name, y in seed_plans.items()
                     if memory_budget is None or kept.peak(y) <= memory_budget}
     return Solution(cg.decode(x), status, descent.objective(cg, x), stats, seed_choices)
-
-
-def _worst_points(profile: np.ndarray, budget: float) -> list[int]:
-    """Up to :data:`CUTS` program points over ``budget``, worst first, each further than
-    ``len(profile) / CUT_SPACING`` points from those taken (neighbouring points hold mostly
-    the same values: a cut at one bounds its neighbours too)."""
-    apart = len(profile) // CUT_SPACING
-    picked: list[int] = []
-    for j in np.argsort(-profile, kind="stable"):
-        if profile[j] <= budget or len(picked) == CUTS:
-            break
-        if all(abs(int(j) - q) > apart for q in picked):
-            picked.append(int(j))
-    return picked
 
 
 def _descent(cg: CostGraph, folding: tuple[CostGraph, dict[int, int]] | None,
