@@ -20,8 +20,8 @@ from shardc.step.auto_shard import device_sweep as device_sweep
 from shardc.step.auto_shard import pareto as pareto
 from shardc.step.options import NeedsDevicesError as NeedsDevicesError
 from shardc.step.options import Options as Options
-from shardc.tradeoff.frontier import DeviceSweep as DeviceSweep
 from shardc.tradeoff.frontier import Frontier as Frontier
+from shardc.tradeoff.sweep import DeviceSweep as DeviceSweep
 from shardc.version import __version__ as __version__
 
 __all__ = ["AutoSharded", "B", "Broadcast", "Cluster", "DeviceSweep", "Frontier",

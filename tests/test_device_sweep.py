@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 import shardc
 from shardc.models import mlp
-from shardc.tradeoff.frontier import device_counts
+from shardc.tradeoff.sweep import device_counts
 
 # weights dominate (4 layers of 2048 x 8192 with Adam): one device cannot hold the state in
 # a GiB, so the sweep has counts that do not fit and counts that do

@@ -71,11 +71,8 @@ from shardc.step.signature import (
     tie_outputs,
 )
 from shardc.step.solving import choice_options, pipelined, problem
-from shardc.tradeoff.frontier import (
-    BUDGETS,
-    DeviceSweep,
-    Frontier,
-)
+from shardc.tradeoff.frontier import BUDGETS, Frontier
+from shardc.tradeoff.sweep import DeviceSweep
 from shardc.tradeoff.sweep import device_sweep as sweep_devices
 from shardc.tradeoff.views import View
 
@@ -327,7 +324,7 @@ class AutoSharded:
     def device_sweep(self, *args, memory_budget: float | None = None, **kwargs
                      ) -> DeviceSweep:
         """The best plan for these arguments on each device count that divides the mesh
-        (:func:`shardc.tradeoff.frontier.device_counts`: the first devices, inner axes filled
+        (:func:`shardc.tradeoff.sweep.device_counts`: the first devices, inner axes filled
         first), within ``memory_budget`` bytes per device (default: this function's budget,
         else the cluster's ``device_memory``): how many devices the program needs, and what
         each more buys. Each count is planned on an AbstractMesh of its sub-mesh, its axes

@@ -7,9 +7,8 @@ budget a plan was found for (the leanest), and at budgets spaced geometrically b
 peaks, and plans that recompute forward segments' activations in the backward pass
 (:mod:`shardc.ir.remat`); the non-dominated plans form a :class:`Frontier`, each a full
 :class:`shardc.Plan` that runs (``step.use_plan(plan, ...)``). ``step.pareto(*args)`` and
-:func:`shardc.pareto` call it. :func:`device_counts` and :class:`DeviceSweep` are
-TensorOpt's other axis: the best plan on each sub-mesh of the devices
-(``step.device_sweep(*args)``), to read how many devices a program needs.
+:func:`shardc.pareto` call it. TensorOpt's other axis, the best plan on each sub-mesh of
+the devices, is :mod:`shardc.tradeoff.sweep`.
 
 References:
   TensorOpt (Cai et al., TPDS 2022) §3: the Pareto set of (time, memory) strategies.
@@ -32,8 +31,7 @@ from shardc.plan.record import Plan
 from shardc.report.explain import mesh_label
 from shardc.solve.search import MemoryBudgetError
 
-__all__ = ["BUDGETS", "DeviceCount", "DeviceSweep", "FILLS", "Frontier", "GAP", "SEARCHES",
-           "Sources", "device_counts", "sweep"]
+__all__ = ["BUDGETS", "FILLS", "Frontier", "GAP", "SEARCHES", "Sources", "sweep"]
 
 log = logging.getLogger("shardc")
 
@@ -442,81 +440,3 @@ def _leanest(solve: Callable[..., Plan], remat: tuple[int, ...]) -> Plan:
             with contextlib.suppress(MemoryBudgetError):
                 return solve(float(math.ceil(exc.found)), remat)
         return solve(float(exc.needed), remat)
-
-
-def device_counts(shape: Sequence[int], names: Sequence[str]
-                  ) -> list[tuple[int, tuple[int, ...], tuple[str, ...]]]:
-    """``(devices, sub-mesh shape, its axis names)`` for each device count that divides the
-    mesh, fewest first: the first devices in row-major order, so a count fills the inner
-    (fastest) axes before the outer ones (4 of ``(node=2, gpu=4)`` is ``(node=1, gpu=4)``).
-    Every axis keeps its name, at size 1 where the count leaves it: the program's own
-    ``with_sharding_constraint`` may name any of the mesh's axes, and a spec naming an axis
-    of size 1 places the value as if it named none. A count whose devices are not a whole
-    block of inner axes is skipped (6 of ``(2, 4)``: it divides nothing, as does no count
-    that is not a divisor)."""
-    n = math.prod(shape)
-    out = []
-    for k in range(1, n + 1):
-        if n % k:
-            continue
-        sub, rem = [], k
-        for size in reversed(shape):
-            take = math.gcd(size, rem)
-            if rem > 1 and take < min(size, rem):
-                break
-            sub.append(take)
-            rem //= take
-        else:
-            if rem != 1:
-                continue
-            sub.reverse()
-            out.append((k, tuple(sub), tuple(names)))
-    return out
-
-
-@dataclass(frozen=True)
-class DeviceCount:
-    """The best plan on ``devices`` devices (the sub-mesh ``mesh``), within the sweep's
-    budget; ``plan`` is None when none fits, and ``needed`` the leanest plan's peak."""
-
-    devices: int
-    mesh: tuple[tuple[str, int], ...]
-    plan: Plan | None
-    needed: int | None = None
-
-    @property
-    def fits(self) -> bool:
-        return self.plan is not None
-
-
-@dataclass(frozen=True)
-class DeviceSweep:
-    """One :class:`DeviceCount` per device count that divides the mesh, fewest first, each
-    planned within ``memory_budget`` bytes per device."""
-
-    counts: tuple[DeviceCount, ...]
-    memory_budget: float
-
-    def fewest(self) -> DeviceCount:
-        """The fewest devices on which a plan fits the budget; :class:`MemoryBudgetError`
-        naming the leanest plan on all of them if none does."""
-        for c in self.counts:
-            if c.fits:
-                return c
-        raise MemoryBudgetError(self.memory_budget, self.counts[-1].needed)
-
-    def table(self) -> str:
-        rows = ["devices   mesh                  predicted step   peak per device   fits "
-                f"{fmt_bytes(self.memory_budget)}"]
-        for c in self.counts:
-            if c.plan is None:
-                step, peak, fits = "-", f">= {fmt_bytes(c.needed, up=True)}", "no"
-            else:
-                step = fmt_time(c.plan.predicted.step_time)
-                peak, fits = fmt_bytes(c.plan.predicted.peak_memory), "yes"
-            rows.append(f"{c.devices:>7}   {mesh_label(c.mesh):<20}  {step:>14}   "
-                        f"{peak:>15}   {fits}")
-        return "\n".join(rows)
-
-    def __str__(self) -> str:
-        return self.table()

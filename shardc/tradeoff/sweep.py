@@ -6,21 +6,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from jax.sharding import AbstractMesh
 
-from shardc.cost.units import fmt_time
+from shardc.cost.units import fmt_bytes, fmt_time
+from shardc.plan.record import Plan
 from shardc.report.explain import mesh_label
 from shardc.solve.search import MemoryBudgetError
-from shardc.tradeoff.frontier import (
-    DeviceCount,
-    DeviceSweep,
-    device_counts,
-)
 
 log = logging.getLogger("shardc")
 
-__all__ = ["device_sweep"]
+__all__ = ["DeviceCount", "DeviceSweep", "device_counts", "device_sweep"]
 
 
 def device_sweep(step, *args, memory_budget: float | None = None, **kwargs
@@ -52,3 +51,81 @@ def device_sweep(step, *args, memory_budget: float | None = None, **kwargs
                  "no plan fits" if counts[-1].plan is None else
                  fmt_time(counts[-1].plan.predicted.step_time) + " step")
     return DeviceSweep(tuple(counts), budget)
+
+
+def device_counts(shape: Sequence[int], names: Sequence[str]
+                  ) -> list[tuple[int, tuple[int, ...], tuple[str, ...]]]:
+    """``(devices, sub-mesh shape, its axis names)`` for each device count that divides the
+    mesh, fewest first: the first devices in row-major order, so a count fills the inner
+    (fastest) axes before the outer ones (4 of ``(node=2, gpu=4)`` is ``(node=1, gpu=4)``).
+    Every axis keeps its name, at size 1 where the count leaves it: the program's own
+    ``with_sharding_constraint`` may name any of the mesh's axes, and a spec naming an axis
+    of size 1 places the value as if it named none. A count whose devices are not a whole
+    block of inner axes is skipped (6 of ``(2, 4)``: it divides nothing, as does no count
+    that is not a divisor)."""
+    n = math.prod(shape)
+    out = []
+    for k in range(1, n + 1):
+        if n % k:
+            continue
+        sub, rem = [], k
+        for size in reversed(shape):
+            take = math.gcd(size, rem)
+            if rem > 1 and take < min(size, rem):
+                break
+            sub.append(take)
+            rem //= take
+        else:
+            if rem != 1:
+                continue
+            sub.reverse()
+            out.append((k, tuple(sub), tuple(names)))
+    return out
+
+
+@dataclass(frozen=True)
+class DeviceCount:
+    """The best plan on ``devices`` devices (the sub-mesh ``mesh``), within the sweep's
+    budget; ``plan`` is None when none fits, and ``needed`` the leanest plan's peak."""
+
+    devices: int
+    mesh: tuple[tuple[str, int], ...]
+    plan: Plan | None
+    needed: int | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.plan is not None
+
+
+@dataclass(frozen=True)
+class DeviceSweep:
+    """One :class:`DeviceCount` per device count that divides the mesh, fewest first, each
+    planned within ``memory_budget`` bytes per device."""
+
+    counts: tuple[DeviceCount, ...]
+    memory_budget: float
+
+    def fewest(self) -> DeviceCount:
+        """The fewest devices on which a plan fits the budget; :class:`MemoryBudgetError`
+        naming the leanest plan on all of them if none does."""
+        for c in self.counts:
+            if c.fits:
+                return c
+        raise MemoryBudgetError(self.memory_budget, self.counts[-1].needed)
+
+    def table(self) -> str:
+        rows = ["devices   mesh                  predicted step   peak per device   fits "
+                f"{fmt_bytes(self.memory_budget)}"]
+        for c in self.counts:
+            if c.plan is None:
+                step, peak, fits = "-", f">= {fmt_bytes(c.needed, up=True)}", "no"
+            else:
+                step = fmt_time(c.plan.predicted.step_time)
+                peak, fits = fmt_bytes(c.plan.predicted.peak_memory), "yes"
+            rows.append(f"{c.devices:>7}   {mesh_label(c.mesh):<20}  {step:>14}   "
+                        f"{peak:>15}   {fits}")
+        return "\n".join(rows)
+
+    def __str__(self) -> str:
+        return self.table()

@@ -117,7 +117,7 @@ def views(shape: Sequence[int], names: Sequence[str], cluster: Cluster,
           max_axes: int = 2) -> list[View]:
     """The physical mesh first, then every logical cut of it of up to ``max_axes`` axes (each
     at least 2 devices) that cuts the physical axes evenly. Physical axes of size 1 (a
-    sub-mesh of :func:`shardc.tradeoff.frontier.device_counts`) hold no devices to cut: the cut that
+    sub-mesh of :func:`shardc.tradeoff.sweep.device_counts`) hold no devices to cut: the cut that
     only drops them is the physical mesh again, and one device has no cut at all. A 1-D or
     2-D cut whose two axes would take the same name (two halves of one physical axis) is
     left out, as the mesh search always has; a 3-D cut names its repeated pieces apart
