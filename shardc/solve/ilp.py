@@ -60,8 +60,9 @@ INTEGRALITY = 1e-6
 #: scale ``t`` until a relaxation's plan fits, then bisections between it and the last
 #: that did not; sweeps of single-node moves polishing each plan. One bisection: four
 #: planned the same plans at four budgets each of GPT-2 small (12 layers), the quick Llama,
-#: MoE, MLP and WRN on (2, 4) (the repair and polish of every relaxation's plan settle what
-#: the further bisections refined), in 55-90% of the time (measured here)
+#: MoE, MLP and WRN on (2, 4), and the 1B Llama's bench plans under its budget (the repair
+#: and polish of every relaxation's plan settle what the further bisections refined), in
+#: 55-90% of the time (measured here)
 DOUBLINGS = 24
 BISECTIONS = 1
 POLISH_SWEEPS = 20
