@@ -68,6 +68,28 @@ def test_a_gap_without_plans_is_searched_and_left():
     assert any(b is not None and 2.0 < b < 9.0 for b in asked)
 
 
+def test_a_search_landing_below_the_gap_is_not_asked_again():
+    """Plans at peaks 1 and 10, and for any budget between a plan at peak 2 that the lean
+    plan dominates: each search into the gap lands below where its unexplored part starts,
+    which explores the gap from there on; the searches step up it, none asked twice (one
+    was asked again until the sweep's searches ran out)."""
+    asked = []
+
+    def solve(budget, remat=()):
+        asked.append(budget)
+        if budget is not None and budget < 1.0:
+            raise MemoryBudgetError(budget, 1)
+        if budget is None or budget >= 10.0:
+            return _plan(10.0, 1.0)
+        return _plan(1.0, 10.0) if budget < 2.0 else _plan(2.0, 10.0)
+
+    frontier = sweep(Sources(solve))
+    assert [m for _, m in frontier.points()] == [1.0, 10.0]
+    searched = [b for b in asked if b is not None and b > 1.0]
+    assert searched == sorted(set(searched)), searched  # each higher than the last
+    assert len(searched) < 9  # the gap explored, not the searches run out
+
+
 def test_the_remat_choices_follow_the_greedy_and_the_budget():
     """Four segments with different trades: the sweep plans the greedy's prefixes (best
     bytes per recomputed FLOP first), and between none and all of them, not only all or

@@ -95,3 +95,41 @@ def test_hand_written_layouts_place_on_the_graph_built_once_as_on_their_own():
         assert [o.strategy for o in cut.ops] == [o.strategy for o in own.ops]
         assert cut.predicted == own.predicted
     assert len(reuse._built) == 1  # the problem's graph, built once for every layout
+
+
+def test_builds_sharing_one_record_build_what_fresh_builds_do():
+    """Programs built on one mesh with one :class:`BuildShare` (a frontier's remat variants)
+    get the cost graphs fresh builds give: the same choices, costs, edges and memory points;
+    the second build finds the first's strategy lists and edge matrices."""
+    from shardc.solve.problem import BuildShare, build
+
+    def other_step():  # the same layers, one more: most ops shared, some not
+        def loss(w, x):
+            for k in range(4):
+                x = jnp.tanh(x @ w[k])
+            return jnp.sum(x)
+
+        def step(w, x):
+            g = jax.grad(loss)(w, x)
+            return [a - 0.1 * b for a, b in zip(w, g)]
+
+        return trace(step, [jnp.ones((256, 256))] * 4, jnp.ones((64, 256))).graph
+
+    share = BuildShare(*MESH, CLUSTER)
+    built = []
+    for graph, ties in ((_step(), [(k, k) for k in range(3)]),
+                        (other_step(), [(k, k) for k in range(4)])):
+        before = len(share.matrices)
+        kept = build(graph, *MESH, CLUSTER, ties, share=share)
+        fresh = build(graph, *MESH, CLUSTER, ties)
+        assert kept.choices == fresh.choices
+        assert all(np.array_equal(a, b) for a, b in zip(kept.cost, fresh.cost))
+        assert [(e.u, e.v, e.k) for e in kept.edges] == [(e.u, e.v, e.k) for e in fresh.edges]
+        assert all(np.array_equal(a.cost, b.cost) for a, b in zip(kept.edges, fresh.edges))
+        assert [sorted(p) for p in kept.memory] == [sorted(p) for p in fresh.memory]
+        assert len(share.matrices) > before  # each program adds the matrices it alone has
+        built.append(kept)
+    first = {id(ch) for ch in built[0].choices}
+    assert any(id(ch) in first for ch in built[1].choices)  # a tanh's strategies, found again
+    with pytest.raises(ValueError, match="one per mesh"):
+        build(_step(), (8,), ("x",), CLUSTER, share=share)
