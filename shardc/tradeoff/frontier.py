@@ -2,10 +2,11 @@
 predicted peak memory per device.
 
 TensorOpt's point is that no single plan is right: with few devices memory binds, with many
-time does. :func:`sweep` plans a program at no budget (the fastest plan), at the smallest
-budget a plan was found for (the leanest), and at budgets spaced geometrically between their
-peaks, and plans that recompute forward segments' activations in the backward pass
-(:mod:`shardc.ir.remat`); the non-dominated plans form a :class:`Frontier`, each a full
+time does. :func:`sweep` plans a program at no budget (the fastest plan) and at the
+smallest budget a plan was found for (the leanest), places hand-written and its own plans'
+layouts at several remat levels (forward segments' activations recomputed in the backward
+pass, :mod:`shardc.ir.remat`), and searches the gaps those leave (and, if asked, budgets
+spaced between the ends); the non-dominated plans form a :class:`Frontier`, each a full
 :class:`shardc.Plan` that runs (``step.use_plan(plan, ...)``). ``step.pareto(*args)`` and
 :func:`shardc.pareto` call it. TensorOpt's other axis, the best plan on each sub-mesh of
 the devices, is :mod:`shardc.tradeoff.sweep`.
@@ -313,7 +314,7 @@ class _Sweep:
         partly replaced by ``a``'s (:meth:`_mixed`); where none lands in the gap, a search
         at the middle's budget. A search that finds no plan in the gap shows that none
         below its budget beats ``a`` (as far as the search sees), so the gap left to
-        explore is its upper part: searches bisect it until what is left is narrower than
+        explore is its upper part: searches split it until what is left is narrower than
         :data:`GAP`. At most :data:`FILLS` tries and ``budgets +`` :data:`SEARCHES` searches."""
         cheap_tried: set[tuple[float, float]] = set()
         explored: list[tuple[float, float]] = []  # (peak, budget): nothing better between
