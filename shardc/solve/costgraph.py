@@ -328,17 +328,16 @@ def check_cost_graph(cg: CostGraph) -> None:
     if len(cg.refs) != n or len(cg.cost) != n:
         raise CostGraphError(f"{n} choice lists but {len(cg.refs)} refs and {len(cg.cost)} "
                              "cost vectors: every node needs one of each")
-    # each invariant is tested on all nodes (edges, points) at once; the loops below run
-    # only to name the first one broken (a frontier checks every graph it cuts)
+    # the costs' values are tested on all nodes (edges) at once; the search that names the
+    # first one broken runs only when one is (a frontier checks every graph it cuts)
     sizes = [len(ch) for ch in cg.choices]
-    if not all(sizes) or any(np.shape(c) != (k,) for c, k in zip(cg.cost, sizes)):
-        for i in range(n):
-            if not cg.choices[i]:
-                raise CostGraphError(f"node {i} ({cg.refs[i]}) has no choices")
-            c = np.asarray(cg.cost[i])
-            if c.shape != (sizes[i],):
-                raise CostGraphError(f"node {i} ({cg.refs[i]}): cost vector of shape "
-                                     f"{c.shape} for {sizes[i]} choices")
+    i = next((i for i in range(n) if not sizes[i] or np.shape(cg.cost[i]) != (sizes[i],)),
+             None)
+    if i is not None:
+        if not sizes[i]:
+            raise CostGraphError(f"node {i} ({cg.refs[i]}) has no choices")
+        raise CostGraphError(f"node {i} ({cg.refs[i]}): cost vector of shape "
+                             f"{np.shape(cg.cost[i])} for {sizes[i]} choices")
     if n and not _finite_non_negative(cg.cost):
         i = next(i for i in range(n) if not _finite_non_negative([cg.cost[i]]))
         raise CostGraphError(f"node {i} ({cg.refs[i]}): costs must be finite and >= 0")
@@ -373,9 +372,10 @@ def check_cost_graph(cg: CostGraph) -> None:
         if stray:
             raise CostGraphError(f"memory point {t} counts node {min(stray)}, which is not "
                                  "live")
-        if any(np.shape(vec) != (sizes[i],) for i, vec in point.items()):
-            i, vec = next((i, vec) for i, vec in point.items()
-                          if np.shape(vec) != (sizes[i],))
+        bad = next(((i, vec) for i, vec in point.items() if np.shape(vec) != (sizes[i],)),
+                   None)
+        if bad is not None:
+            i, vec = bad
             raise CostGraphError(f"memory point {t}, node {i}: {np.shape(vec)} byte "
                                  f"counts for {sizes[i]} choices")
 

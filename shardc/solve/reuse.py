@@ -134,10 +134,8 @@ class Reuse:
               combiner: Combiner = XLA_CPU) -> BuildShare:
         """What every build on this mesh, cluster and backend shares (:class:`BuildShare`:
         the programs a frontier builds are mostly the same ops)."""
-        key = (tuple(axis_sizes), tuple(axis_names), cluster, combiner)
-        if key not in self._shares:
-            self._shares[key] = BuildShare(*key)
-        return self._shares[key]
+        share = BuildShare(axis_sizes, axis_names, cluster, combiner)
+        return self._shares.setdefault(share.key, share)
 
     def _merged(self, graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str],
                 cluster: Cluster, ties: Sequence[tuple[int, int]], fixed: Fixed,
