@@ -74,12 +74,26 @@ class NdSbp:
 
     sbps: tuple[Sbp, ...]
     _hash: int = field(init=False, repr=False, compare=False, default=0)
+    #: the sbps as plain ints and strings (a split's dim, -1 broadcast, a partial's op):
+    #: NdSbps key the solver's tables, and equal keys made apart compare millions of times
+    #: a frontier, each through every element's generated ``__eq__`` otherwise
+    _key: tuple = field(init=False, repr=False, compare=False, default=())
 
-    def __post_init__(self):  # NdSbps key the solver's tables: hash once
+    def __post_init__(self):  # hashed and keyed once
         object.__setattr__(self, "_hash", hash(self.sbps))
+        object.__setattr__(self, "_key", tuple(
+            s.dim if isinstance(s, Split) else s.op if isinstance(s, Partial) else -1
+            for s in self.sbps))
 
     def __hash__(self) -> int:
         return self._hash
+
+    def __eq__(self, other) -> bool:
+        if self is other:
+            return True
+        if other.__class__ is not NdSbp:
+            return NotImplemented
+        return self._key == other._key
 
     def __str__(self) -> str:
         return "(" + ", ".join(str(s) for s in self.sbps) + ")"

@@ -28,18 +28,47 @@ __all__ = ["batch_nodes", "completions", "descend", "fixed_inputs", "from_inputs
            "tail_nodes", "TIE_WEIGHT"]
 
 
-def _adjacency(cg: CostGraph) -> dict[int, list]:
-    """Per live node, its edges (and whether it is their ``u``); kept with ``cg`` while its
-    edge list is the same list of the same length (a solve descends a hundred times on one
-    graph; a pass that changes the edges makes a new list, and one that appends to it
-    changes its length) and shared: not to be changed."""
+class _Adjacency:
+    """Per live node, its edges seen from it: ``near[i]`` lists ``(other, rows, into)`` per
+    edge, ``rows[x[other]]`` the edge's costs over ``i``'s choices given ``other``'s choice
+    (the edge's matrix, or its transpose where ``i`` is the edge's ``u``) and ``into``
+    whether the edge comes into ``i``; :meth:`uses` ``(v, matrix)`` per edge out of a
+    node, :meth:`ins` ``(u, matrix)`` per edge into it (made on first use: only the greedy
+    reads them). Descent reads these a million times a frontier: built once per edge list."""
+
+    __slots__ = ("near", "_uses", "_ins")
+
+    def __init__(self, cg: CostGraph):
+        near: dict[int, list] = {i: [] for i in cg.live}
+        for e in cg.edges:
+            near[e.u].append((e.v, e.cost.T, False))
+            near[e.v].append((e.u, e.cost, True))
+        self.near = near
+        self._uses: dict[int, list] | None = None
+        self._ins: dict[int, list] | None = None
+
+    def uses(self, i: int) -> list:
+        if self._uses is None:
+            self._uses = {i: [(j, rows.T) for j, rows, into in near if not into]
+                          for i, near in self.near.items()}
+        return self._uses[i]
+
+    def ins(self, i: int) -> list:
+        if self._ins is None:
+            self._ins = {i: [(j, rows) for j, rows, into in near if into]
+                         for i, near in self.near.items()}
+        return self._ins[i]
+
+
+def _adjacency(cg: CostGraph) -> _Adjacency:
+    """``cg``'s :class:`_Adjacency`, kept with it while its edge list is the same list of
+    the same length (a solve descends a hundred times on one graph; a pass that changes the
+    edges makes a new list, and one that appends to it changes its length) and shared: not
+    to be changed."""
     kept = cg.adjacency
     if kept and kept[0] is cg.edges and kept[1] == len(cg.edges):
         return kept[2]
-    adj: dict[int, list] = {i: [] for i in cg.live}
-    for e in cg.edges:
-        adj[e.u].append((e, True))
-        adj[e.v].append((e, False))
+    adj = _Adjacency(cg)
     cg.adjacency = (cg.edges, len(cg.edges), adj)
     return adj
 
@@ -58,6 +87,7 @@ def descend(cg: CostGraph, start: dict[int, int], memory_weight: float = 0.0,
     """Coordinate descent from ``start`` on time plus ``memory_weight`` x each node's bytes
     (``mem``: per node, per choice; by default its bytes at the sampled memory points)."""
     adj = _adjacency(cg)
+    near, cost = adj.near, cg.cost
     if mem is None:
         mem = _node_memory(cg) if memory_weight else {}
     x = dict(start)
@@ -71,24 +101,25 @@ def descend(cg: CostGraph, start: dict[int, int], memory_weight: float = 0.0,
             if i not in dirty:
                 continue
             dirty.discard(i)
-            local = cg.cost[i].copy()
-            for e, is_u in adj[i]:
-                local += e.cost[:, x[e.v]] if is_u else e.cost[x[e.u], :]
+            local = cost[i].copy()
+            for j, rows, _ in near[i]:
+                local += rows[x[j]]
             if i in mem:
                 local += memory_weight * mem[i]
-            best = int(np.argmin(local))
+            best = int(local.argmin())
             if local[best] < local[x[i]] - 1e-15:
                 x[i] = best
                 changed = True
-                dirty.update(e.v if is_u else e.u for e, is_u in adj[i])
+                dirty.update(j for j, _, _ in near[i])
         if not changed:
             break
     return x
 
 
 def objective(cg: CostGraph, x: dict[int, int]) -> float:
-    t = sum(float(cg.cost[i][x[i]]) for i in cg.live)
-    return t + sum(float(e.cost[x[e.u], x[e.v]]) for e in cg.edges)
+    cost = cg.cost  # ``item``: the element as a float, no numpy scalar made
+    t = sum(cost[i].item(x[i]) for i in cg.live)
+    return t + sum(e.cost.item(x[e.u], x[e.v]) for e in cg.edges)
 
 
 def memory(cg: CostGraph, x: dict[int, int]) -> float:
@@ -104,25 +135,25 @@ def greedy(cg: CostGraph, inputs: dict[int, int], first: Sequence[int] = (),
     first keeps the layouts of those it reads (no conversion of their values), then takes
     the cheapest of the choices that do (:func:`from_inputs`)."""
     adj = _adjacency(cg)
+    near, cost = adj.near, cg.cost
     x = dict(inputs)
     for i in [*first, *cg.live]:
         if i in x:
             continue
-        local = cg.cost[i].copy()
+        local = cost[i].copy()
         moved = np.zeros_like(local)
-        for e, is_u in adj[i]:
-            other = e.v if is_u else e.u
-            if other in x:
-                cost = e.cost[:, x[other]] if is_u else e.cost[x[other], :]
-                local += cost
-                if not is_u and other in kept:
-                    moved += cost
+        for j, rows, into in near[i]:
+            if j in x:
+                row = rows[x[j]]
+                local += row
+                if into and j in kept:
+                    moved += row
         # and what its uses will pay for it (a slice of a replicated weight split for
         # free is gathered again by the dot that reads it)
         total = local + _uses_cost(cg, adj, x, i)
         if kept:
             total = np.where(moved <= moved.min() * (1 + 1e-9) + 1e-15, total, np.inf)
-        x[i] = int(np.argmin(total))
+        x[i] = int(total.argmin())
     return x
 
 
@@ -151,22 +182,22 @@ def batch_nodes(cg: CostGraph) -> frozenset[int]:
     return frozenset(out)
 
 
-def _uses_cost(cg: CostGraph, adj: Mapping[int, list], x: Mapping[int, int], i: int,
+def _uses_cost(cg: CostGraph, adj: _Adjacency, x: Mapping[int, int], i: int,
                through_settle: bool = True) -> np.ndarray:
     """Per choice of node ``i``: its undecided uses at their cheapest, each given the
     edge from ``i`` and its other inputs decided in ``x`` (a use that is a shared value's
     settle, with that value's own uses, once)."""
     total = np.zeros(len(cg.choices[i]))
-    for e, is_u in adj[i]:
-        if not is_u or e.v in x or e.v == i:
+    for v, matrix in adj.uses(i):
+        if v in x or v == i:
             continue
-        own = cg.cost[e.v].copy()
-        for f, f_is_u in adj[e.v]:
-            if not f_is_u and f.u != i and f.u in x:
-                own += f.cost[x[f.u], :]
-        if through_settle and isinstance(cg.refs[e.v], Settle):
-            own += _uses_cost(cg, adj, x, e.v, through_settle=False)
-        total += (e.cost + own[None, :]).min(axis=1)
+        own = cg.cost[v].copy()
+        for u, into in adj.ins(v):
+            if u != i and u in x:
+                own += into[x[u]]
+        if through_settle and isinstance(cg.refs[v], Settle):
+            own += _uses_cost(cg, adj, x, v, through_settle=False)
+        total += (matrix + own[None, :]).min(axis=1)
     return total
 
 

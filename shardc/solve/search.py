@@ -26,12 +26,13 @@ from shardc.cost.units import fmt_bytes
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import NdSbp
 from shardc.solve import descent
+from shardc.solve.collector import paused
 from shardc.solve.costgraph import NOTHING_FIXED, CostGraph, Fixed
 from shardc.solve.fold import expand, quotient
 from shardc.solve.ilp import problem_size, solve_ilp
 from shardc.solve.memory import memory_cut, memory_profile
 from shardc.solve.problem import build
-from shardc.solve.refine import ILP_FULL_TERMS, better, quotient_refine
+from shardc.solve.refine import ILP_FULL_TERMS, best_of, better, quotient_refine
 from shardc.solve.reuse import Reuse, Starts, exact_peak
 
 __all__ = ["MEMORY_ROUNDS", "MemoryBudgetError", "plan_graph", "Solution", "solve",
@@ -124,8 +125,7 @@ def solve(cg: CostGraph, options: SolveOptions = SolveOptions(), kept: Starts | 
         starts += ends
     if memory_budget is not None:
         starts.append(kept.lean())
-    for y in starts:
-        x = better(cg, x, y, memory_budget)
+    x = best_of(cg, x, starts, memory_budget)
     t2 = time.perf_counter()
     status, stages, found = Status.DESCENT_ONLY, "", math.inf
     # below what the inputs alone hold no round can fit: the leanest plan reached names the
@@ -153,8 +153,7 @@ def solve(cg: CostGraph, options: SolveOptions = SolveOptions(), kept: Starts | 
         # the quotient's memory points were stale (its classes are not: costs and edges)
         folding = (quotient(cg, kept.classes()), kept.classes()) if large else None
         x = _descent(cg, folding, memory_budget)
-        for y in starts:
-            x = better(cg, x, y, memory_budget)
+        x = best_of(cg, x, starts, memory_budget)
     peak = exact_peak(cg, x) if memory_budget is not None else 0.0
     if memory_budget is not None and peak > memory_budget:
         # the sampled points let through a plan the exact profile rejects: keep the cheapest
@@ -221,6 +220,7 @@ def _solve_once(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: flo
     return better(cg, x, res.assignment, memory_budget), status, ""
 
 
+@paused()
 def plan_graph(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str],
                cluster: Cluster, options: SolveOptions = SolveOptions(), *,
                ties: Sequence[tuple[int, int]] = (),
