@@ -26,7 +26,7 @@ from shardc.cost.units import fmt_bytes
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import NdSbp
 from shardc.solve import descent
-from shardc.solve.collector import paused
+from shardc.solve.collector import gc_paused
 from shardc.solve.costgraph import NOTHING_FIXED, CostGraph, Fixed
 from shardc.solve.fold import expand, quotient
 from shardc.solve.ilp import problem_size, solve_ilp
@@ -220,7 +220,7 @@ def _solve_once(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: flo
     return better(cg, x, res.assignment, memory_budget), status, ""
 
 
-@paused()
+@gc_paused()
 def plan_graph(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str],
                cluster: Cluster, options: SolveOptions = SolveOptions(), *,
                ties: Sequence[tuple[int, int]] = (),

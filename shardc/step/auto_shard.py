@@ -43,7 +43,7 @@ from shardc.pipeline.stack import scans_as_layers
 from shardc.plan.record import Plan, fingerprint
 from shardc.rules.fixed import on_mesh
 from shardc.runtime.multihost import agree
-from shardc.solve.collector import paused
+from shardc.solve.collector import gc_paused
 from shardc.solve.costgraph import Fixed
 from shardc.step.adopt import use_plan
 from shardc.step.cache import PlanCache
@@ -66,7 +66,6 @@ from shardc.step.seeds import check_specs, named_seeds
 from shardc.step.signature import (
     TracedCall,
     fixed_layouts,
-    gc_paused,
     kept_layouts,
     resident_inputs,
     tie_outputs,
@@ -166,7 +165,7 @@ class AutoSharded:
             on_mesh(traced.graph.ops, self.mesh)
         return traced
 
-    @paused()
+    @gc_paused()
     def _plan(self, call: Call) -> tuple[Any, TracedCall, Plan]:
         """The call's key, its plan, and the program the plan runs (the traced one, or the
         one recomputing the segments the plan chose)."""

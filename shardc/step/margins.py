@@ -11,9 +11,10 @@ from jax.sharding import AbstractMesh, NamedSharding
 
 from shardc.ir.sbp import Broadcast, NdSbp, to_partition_spec
 from shardc.plan.record import Plan, Predicted
+from shardc.solve.collector import gc_paused
 from shardc.solve.problem import feed_time
 from shardc.step.calling import Call
-from shardc.step.signature import TracedCall, gc_paused
+from shardc.step.signature import TracedCall
 
 __all__ = ["compare", "compiled_margin", "state_inputs"]
 

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 from shardc.ir.sbp import NdSbp
 from shardc.plan.record import Plan
-from shardc.solve.collector import paused
+from shardc.solve.collector import gc_paused
 from shardc.solve.reuse import Reuse
 from shardc.step.margins import state_inputs
 from shardc.step.solving import problem, solve_views
@@ -24,7 +24,7 @@ from shardc.tradeoff.frontier import (
 __all__ = ["frontier"]
 
 
-@paused()
+@gc_paused()
 def frontier(step, *args, budgets: int = BUDGETS, **kwargs) -> Frontier:
     """:meth:`AutoSharded.pareto <shardc.step.auto_shard.AutoSharded.pareto>` of ``step``:
     its searches and the generic layouts' plans, swept by

@@ -4,8 +4,6 @@ keep (``in_shardings``, kept placements, results typed on a mesh with Explicit a
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 from dataclasses import dataclass
 
@@ -20,7 +18,7 @@ from shardc.solve.costgraph import Fixed
 from shardc.step.calling import Call, abstract_leaf, placement
 from shardc.step.seeds import seed_layouts
 
-__all__ = ["fixed_layouts", "gc_paused", "kept_layouts", "pins_layouts", "resident_inputs",
+__all__ = ["fixed_layouts", "kept_layouts", "pins_layouts", "resident_inputs",
            "tie_outputs", "TracedCall", "typed_outputs"]
 
 log = logging.getLogger("shardc")
@@ -74,23 +72,6 @@ class TracedCall:
     #: inputs that stay on the devices from call to call besides the tied state
     #: (:func:`resident_inputs`): no host feed is charged for them
     resident: frozenset[int] = frozenset()
-
-
-@contextlib.contextmanager
-def gc_paused():
-    """Pause Python's cyclic garbage collector while tracing or lowering: both allocate
-    hundreds of thousands of short-lived objects, and in a process that already holds many
-    (a training script, the bench) every full collection they trigger walks all of them.
-    Reference counting still frees what dies; the collector resumes afterwards. Measured in
-    the bench process (350k objects) on the ViT's saved plan: tracing 1.2 s -> 0.8 s."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def pins_layouts(tr: TracedCall) -> bool:

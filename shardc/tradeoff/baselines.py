@@ -49,7 +49,7 @@ from shardc.plan.assemble import assemble
 from shardc.plan.record import Plan, Predicted
 from shardc.report.tables import Table
 from shardc.solve import descent
-from shardc.solve.collector import paused
+from shardc.solve.collector import gc_paused
 from shardc.solve.costgraph import NOTHING_FIXED, Fixed
 from shardc.solve.problem import build
 from shardc.solve.reuse import Reuse
@@ -214,7 +214,7 @@ def _estimate(graph: Graph, ties: Sequence[tuple[int, int]], plan: Plan,
                        resident=resident).predicted
 
 
-@paused()
+@gc_paused()
 def layout_plan(graph: Graph, ties: Sequence[tuple[int, int]], sizes: Sequence[int],
                 names: Sequence[str], cluster: Cluster, layouts: Mapping[int, NdSbp],
                 fixed: Fixed = NOTHING_FIXED, resident: Sequence[int] = (),
