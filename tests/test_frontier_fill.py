@@ -90,6 +90,30 @@ def test_a_search_landing_below_the_gap_is_not_asked_again():
     assert len(searched) < 9  # the gap explored, not the searches run out
 
 
+@pytest.mark.parametrize("lean, searched", [(1600.0, False), (900.0, True)])
+def test_the_leanest_plan_recomputing_nothing_is_searched_where_it_may_be_leanest(lean,
+                                                                                  searched):
+    """The program recomputing nothing has its leanest plan searched (at the budget its
+    first ask names) only where that peak is below the fastest plan recomputing every
+    segment (1500 here): above it, a plan between the two is what the gaps' fills search
+    for (GPT-2 small's leanest plan without remat, 2.94 GiB, lay above the 2.62 GiB of its
+    fastest remat plan, and its search took a tenth of the frontier)."""
+    segs = (Segment(0, (0,), (0,), 500, 100),)
+    asked = []
+
+    def solve(budget, remat=()):
+        asked.append((budget, remat))
+        fastest, least = (1500.0, 1000.0) if remat else (2000.0, lean)
+        if budget is not None and budget < least:
+            raise MemoryBudgetError(budget, int(least))
+        peak = fastest if budget is None or budget >= fastest else max(budget, least)
+        return _plan(peak, 1.0 + (fastest - peak) * 1e-3 + (0.1 if remat else 0.0), remat)
+
+    frontier = sweep(Sources(solve, segments=segs), budgets=0)
+    assert ((lean, ()) in asked) == searched
+    assert frontier.plans[0].predicted.peak_memory == (lean if searched else 1000.0)
+
+
 def test_the_remat_choices_follow_the_greedy_and_the_budget():
     """Four segments with different trades: the sweep plans the greedy's prefixes (best
     bytes per recomputed FLOP first), and between none and all of them, not only all or

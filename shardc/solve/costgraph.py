@@ -107,6 +107,11 @@ class CostGraph:
     #: fused reader extends it, value id -> the program point making it): ``solve/lifetimes.py``
     fusion: tuple = (frozenset(), {}, {})
     conversions: dict = field(default_factory=dict)  # (src, dst) -> Conversion
+    #: (ids of a producer's and a consumer's choice lists, the producer's result slot, the
+    #: consumer's operand) -> (the two lists, [|producer|, |consumer|] True where the layouts
+    #: agree): :meth:`_same_layout`, kept per list pair (the layers of a program, and the
+    #: programs a frontier builds, share their strategy lists)
+    agreements: dict = field(default_factory=dict)
     terms: dict = field(default_factory=dict)  # (srcs, dsts) -> reshard_matrix's cost terms
     carried: set = field(default_factory=set)  # input nodes tied to an output (the state)
     resident: set = field(default_factory=set)  # other inputs kept on the devices: no feed
@@ -190,12 +195,16 @@ class CostGraph:
                 continue  # a tie or a re-pointed edge: no input slot of v to compare
             node, slot = e.src
             _, g = self.resolve(node)  # u's choice -> the producer's choice
-            src = self.out_sbps(node, slot)
-            dst = [c.ins[e.k] for c in self.choices[v]]
-            index: dict = {}
-            si = np.array([index.setdefault(x, len(index)) for x in src])[g]
-            di = np.array([index.setdefault(x, len(index)) for x in dst])
-            ok &= si[:, None] == di[None, :]
+            mine, theirs = self.choices[node], self.choices[v]
+            key = (id(mine), slot, id(theirs), e.k)
+            hit = self.agreements.get(key)
+            if hit is None or hit[0] is not mine or hit[1] is not theirs:
+                index: dict = {}
+                si = np.array([index.setdefault(x, len(index))
+                               for x in self.out_sbps(node, slot)])
+                di = np.array([index.setdefault(c.ins[e.k], len(index)) for c in theirs])
+                hit = self.agreements[key] = (mine, theirs, si[:, None] == di[None, :])
+            ok &= hit[2][g]
         return ok
 
     def _generates(self, v: int, ins: list[Edge]) -> bool:

@@ -67,10 +67,10 @@ class BuildShare:
     """What builds of different programs on one mesh, cluster and backend share (a frontier
     builds a dozen programs that recompute different forward segments, each mostly the same
     ops): each op signature's strategy list, each input shape's layouts, the conversions,
-    and the edge cost matrices between those lists (found again by the lists' identity, which
-    the entry keeps alive). Every kept value is what a build would compute again."""
+    and the edge cost matrices between those lists and where their layouts agree (found again
+    by the lists' identity, which the entry keeps alive). Every kept value is what a build would compute again."""
 
-    __slots__ = ("key", "strategies", "layouts", "conversions", "matrices")
+    __slots__ = ("key", "strategies", "layouts", "conversions", "matrices", "agreements")
 
     def __init__(self, axis_sizes: Sequence[int], axis_names: Sequence[str], cluster: Cluster,
                  combiner: Combiner = XLA_CPU):
@@ -79,6 +79,7 @@ class BuildShare:
         self.layouts: dict = {}
         self.conversions: dict = {}
         self.matrices: dict = {}
+        self.agreements: dict = {}
 
 
 def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cluster: Cluster,
@@ -100,7 +101,7 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
                          f"combiner, asked for {(axis_sizes, axis_names)}: make one per mesh, "
                          "cluster and combiner")
     cg = CostGraph(graph, axis_sizes, axis_names, cluster, combined=combiner.kinds,
-                   conversions=share.conversions)
+                   conversions=share.conversions, agreements=share.agreements)
     rate = cluster.device_flops * cluster.utilization
     carried = {i for _, i in ties}
     cg.carried = carried
