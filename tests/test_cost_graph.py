@@ -60,6 +60,10 @@ def _small():
         next(iter(cg.follows)), cg.live[0], np.zeros((1, 1)), cg.edges[0].value)),
      "follows another"),
     (lambda cg: cg.memory.append({cg.live[0]: np.zeros(1)}), "byte counts"),
+    (lambda cg: cg.follows.update({(v := next(iter(cg.follows))): (
+        cg.follows[v][0], cg.follows[v][1] + len(cg.choices[v]))}), "choice map"),
+    (lambda cg: cg.follows.update({(v := next(iter(cg.follows))): (v, cg.follows[v][1])}),
+     "not another node"),
 ])
 def test_a_broken_cost_graph_names_the_invariant(break_it, message):
     cg = _small()

@@ -32,11 +32,12 @@ class _Adjacency:
     """Per live node, its edges seen from it: ``near[i]`` lists ``(other, rows, into)`` per
     edge, ``rows[x[other]]`` the edge's costs over ``i``'s choices given ``other``'s choice
     (the edge's matrix, or its transpose where ``i`` is the edge's ``u``) and ``into``
-    whether the edge comes into ``i``; :meth:`uses` ``(v, matrix)`` per edge out of a
-    node, :meth:`ins` ``(u, matrix)`` per edge into it (made on first use: only the greedy
-    reads them). Descent reads these a million times a frontier: built once per edge list."""
+    whether the edge comes into ``i``; ``settles`` the live nodes that settle a value;
+    :meth:`uses` ``(v, matrix)`` per edge out of a node, :meth:`ins` ``(u, matrix)`` per
+    edge into it (made on first use: only the greedy reads them). Descent reads these a
+    million times a frontier: built once per edge list."""
 
-    __slots__ = ("near", "_uses", "_ins")
+    __slots__ = ("near", "settles", "_uses", "_ins")
 
     def __init__(self, cg: CostGraph):
         near: dict[int, list] = {i: [] for i in cg.live}
@@ -44,6 +45,7 @@ class _Adjacency:
             near[e.u].append((e.v, e.cost.T, False))
             near[e.v].append((e.u, e.cost, True))
         self.near = near
+        self.settles = frozenset(i for i in near if isinstance(cg.refs[i], Settle))
         self._uses: dict[int, list] | None = None
         self._ins: dict[int, list] | None = None
 
@@ -141,17 +143,18 @@ def greedy(cg: CostGraph, inputs: dict[int, int], first: Sequence[int] = (),
         if i in x:
             continue
         local = cost[i].copy()
-        moved = np.zeros_like(local)
+        moved = None  # the conversions of kept values' reads (none: no choice is held back)
         for j, rows, into in near[i]:
             if j in x:
                 row = rows[x[j]]
                 local += row
                 if into and j in kept:
-                    moved += row
+                    moved = row.copy() if moved is None else moved + row
         # and what its uses will pay for it (a slice of a replicated weight split for
         # free is gathered again by the dot that reads it)
-        total = local + _uses_cost(cg, adj, x, i)
-        if kept:
+        ahead = _uses_cost(cg, adj, x, i)
+        total = local if ahead is None else local + ahead
+        if moved is not None:
             total = np.where(moved <= moved.min() * (1 + 1e-9) + 1e-15, total, np.inf)
         x[i] = int(total.argmin())
     return x
@@ -183,21 +186,25 @@ def batch_nodes(cg: CostGraph) -> frozenset[int]:
 
 
 def _uses_cost(cg: CostGraph, adj: _Adjacency, x: Mapping[int, int], i: int,
-               through_settle: bool = True) -> np.ndarray:
+               through_settle: bool = True) -> np.ndarray | None:
     """Per choice of node ``i``: its undecided uses at their cheapest, each given the
     edge from ``i`` and its other inputs decided in ``x`` (a use that is a shared value's
-    settle, with that value's own uses, once)."""
-    total = np.zeros(len(cg.choices[i]))
+    settle, with that value's own uses, once); None where it has none (what it adds is
+    summed in the order of ``i``'s edges, as a running total from zero would be)."""
+    total = None
     for v, matrix in adj.uses(i):
         if v in x or v == i:
             continue
-        own = cg.cost[v].copy()
+        own = cg.cost[v]
         for u, into in adj.ins(v):
             if u != i and u in x:
-                own += into[x[u]]
-        if through_settle and isinstance(cg.refs[v], Settle):
-            own += _uses_cost(cg, adj, x, v, through_settle=False)
-        total += (matrix + own[None, :]).min(axis=1)
+                own = own + into[x[u]]
+        if through_settle and v in adj.settles:
+            more = _uses_cost(cg, adj, x, v, through_settle=False)
+            if more is not None:
+                own = own + more
+        cheapest = np.minimum.reduce(matrix + own, axis=1)
+        total = cheapest if total is None else total + cheapest
     return total
 
 
