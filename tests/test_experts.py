@@ -183,7 +183,8 @@ def test_expert_seeds_name_only_views_the_mesh_search_plans():
 
 def test_pipelined_experts_run_the_deep_stack_as_gpipe_over_the_slow_axis():
     """Over Ethernet-joined nodes a model whose layers are a shardc.pipeline.layers stack
-    gets GPipe over the node axis with DP, FSDP or TP within the node (none without a stack,
+    gets GPipe over the node axis with DP, FSDP or TP within the node, and MaxText's
+    default circular pipeline with FSDP within (none without a stack,
     nor where the nodes are joined by links as fast as the node's); each keeps a stage's
     layers on its node (the stacked state split over it) and equals the unsharded step, and
     its program sends each micro-batch on with a collective-permute over the node axis."""
@@ -192,8 +193,9 @@ def test_pipelined_experts_run_the_deep_stack_as_gpipe_over_the_slow_axis():
 
     eth = Cluster.ethernet_nodes("node", "gpu")
     names = {e.name for e in preset_experts((2, 4), ("node", "gpu"), eth, Traits(stack=True))}
-    assert {"gpipe2-x-dp4", "gpipe2-x-fsdp4", "gpipe2-x-tp4"} <= names
-    assert not any(n.startswith("gpipe") for n in
+    assert {"gpipe2-x-dp4", "gpipe2-x-fsdp4", "gpipe2-x-tp4", "maxtext-circular2-x-fsdp4"} \
+        <= names
+    assert not any(n.startswith(("gpipe", "maxtext")) for n in
                    {e.name for e in preset_experts((2, 4), ("node", "gpu"), eth)} |
                    {e.name for e in preset_experts((2, 4), ("node", "gpu"),
                                                    Cluster.nvlink_node(("node", "gpu")),
@@ -201,7 +203,8 @@ def test_pipelined_experts_run_the_deep_stack_as_gpipe_over_the_slow_axis():
     assert harness.traits(ZOO["deep"]).stack
     mesh = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
     found = {e.name: e for e in preset_experts((2, 4), ("node", "gpu"), eth, Traits(stack=True))}
-    for name in ("gpipe2-x-dp4", "gpipe2-x-tp4"):
+    assert found["maxtext-circular2-x-fsdp4"].pipeline.schedule == "circular"
+    for name in ("gpipe2-x-dp4", "gpipe2-x-tp4", "maxtext-circular2-x-fsdp4"):
         _, compiled = _checked("deep", found[name], mesh)
         specs = _state_specs(compiled)
         assert specs["params"]["layers"]["mlp"]["up"]["kernel"][0] == "node", name

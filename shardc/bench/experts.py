@@ -28,8 +28,11 @@ view of the devices, so "best expert" is the minimum over all of them:
   holding its own; the batch cut into as many micro-batches as stages, written by hand
   with :func:`shardc.pipeline.pipeline_scan` as MaxText's pipeline module wraps its
   decoder layers) with data parallelism, FSDP or Megatron TP within the node
-  (``gpipe4-x-dp8``, ``gpipe4-x-fsdp8``, ``gpipe4-x-tp8``). 1F1B is not listed: the
-  runtime runs it in GPipe's order, the same program (:mod:`shardc.pipeline.runtime`);
+  (``gpipe4-x-dp8``, ``gpipe4-x-fsdp8``, ``gpipe4-x-tp8``), and MaxText's pipeline as
+  its defaults configure it: circular, one layer per stage per pass, as many
+  micro-batches as stages, FSDP within the node (``maxtext-circular4-x-fsdp8``). 1F1B is
+  not listed: the runtime runs it in GPipe's order, the same program
+  (:mod:`shardc.pipeline.runtime`);
 - variants: on a model with a token sequence, every TP form also with sequence parallelism
   (``-sp``: the residual stream split on the sequence over the TP axis); on a model with a
   vocabulary table, every FSDP form also with the tables sharded on the vocabulary
@@ -204,16 +207,23 @@ def experts_for(view: View, traits: Traits = Traits(), whole: bool = True,
 def _pipelined(view: View) -> list[Expert]:
     """GPipe over the outer axis ``a`` (a stage per device of it, as many micro-batches as
     stages), the stacked layers' state split over it; within a stage data parallelism,
-    FSDP or Megatron TP over the inner axis ``b``."""
+    FSDP or Megatron TP over the inner axis ``b``. And MaxText's pipeline as its defaults
+    configure it (``dcn_pipeline_parallelism`` over the nodes, ``ici_fsdp_parallelism``
+    within): the circular schedule with one layer per stage per pass
+    (``num_layers_per_pipeline_stage: 1``, so ``num_pipeline_repeats`` is the layers over
+    the stages: :func:`_runner` sets the virtual stages from the stack) and as many
+    micro-batches as stages (``num_pipeline_microbatches: -1``), FSDP within the node."""
     a, b = view.names
     s, k = view.shape
     pipe = Pipeline(a, s, s)
     tensor = _on(b, TENSOR)
+    fsdp = {**_on(b, FSDP), "layers": a}
     return [Expert(f"gpipe{s}-x-dp{k}", {"layers": a}, {"batch": b}, view, pipeline=pipe),
-            Expert(f"gpipe{s}-x-fsdp{k}", {**_on(b, FSDP), "layers": a}, {"batch": b}, view,
-                   pipeline=pipe),
+            Expert(f"gpipe{s}-x-fsdp{k}", fsdp, {"batch": b}, view, pipeline=pipe),
             Expert(f"gpipe{s}-x-tp{k}", {**tensor, "layers": a}, tensor, view,
-                   pipeline=pipe)]
+                   pipeline=pipe),
+            Expert(f"maxtext-circular{s}-x-fsdp{k}", fsdp, {"batch": b}, view,
+                   pipeline=Pipeline(a, s, s, "circular"))]
 
 
 def _runner(expert: Expert, mesh: Mesh) -> Callable:
@@ -224,6 +234,7 @@ def _runner(expert: Expert, mesh: Mesh) -> Callable:
     annotations are off inside), at the most micro-batches up to the expert's that the
     batch allows (the numerics check's small batch takes fewer)."""
     p = expert.pipeline
+    circular = p.schedule == "circular"  # MaxText's: one layer per stage per pass
     rule = expert.acts.get("batch")
     axes = tuple(x for x in ((rule,) if isinstance(rule, str) else tuple(rule or ()))
                  if x != p.axis)
@@ -237,8 +248,14 @@ def _runner(expert: Expert, mesh: Mesh) -> Callable:
         n = jax.tree.leaves(carry)[0].shape[0]
         m = max(d for d in range(1, p.microbatches + 1)
                 if n % d == 0 and (n // d) % ways == 0)
+        pipe = dataclasses.replace(p, microbatches=m)
+        if circular and m >= p.stages:  # each micro-batch back at stage 0 for its next pass
+            pipe = dataclasses.replace(
+                pipe, virtual=jax.tree.leaves(params)[0].shape[0] // p.stages)
+        elif circular:  # the numerics check's small batch: one pass, as GPipe runs it
+            pipe = dataclasses.replace(pipe, schedule="gpipe")
         return pipeline_scan(layer, carry, params, mesh=mesh, batch_axes=axes,
-                             pipeline=dataclasses.replace(p, microbatches=m))[0]
+                             pipeline=pipe)[0]
 
     return run
 
