@@ -120,6 +120,9 @@ class CostGraph:
     ties: list = field(default_factory=list)  # (output index, input index) pairs
     fixed: Fixed = NOTHING_FIXED
     adjacency: tuple = ()  # (edges, their count, node -> its edges): :mod:`shardc.solve.descent`
+    #: (follows, its length, per node :meth:`resolve`'s answer): :meth:`decode`'s table,
+    #: dropped by the pass that changes ``follows`` (:meth:`merge_followers`)
+    resolved: tuple = ()
 
     # ---- construction ---------------------------------------------------------------------
     def out_sbp(self, node: int, slot: int, choice: int) -> NdSbp:
@@ -179,12 +182,14 @@ class CostGraph:
         return node, f
 
     def decode(self, assignment: dict[int, int]) -> list[int]:
-        """Choices of every node from the choices of the live ones."""
-        out = []
-        for i in range(len(self.choices)):
-            root, f = self.resolve(i)
-            out.append(int(f[assignment[root]]))
-        return out
+        """Choices of every node from the choices of the live ones (each node's leader and
+        choice map found once per graph: a frontier decodes a few hundred plans)."""
+        kept = self.resolved
+        if not (kept and kept[0] is self.follows and kept[1] == len(self.follows)
+                and len(kept[2]) == len(self.choices)):
+            kept = self.resolved = (self.follows, len(self.follows),
+                                    [self.resolve(i) for i in range(len(self.choices))])
+        return [f.item(assignment[root]) for root, f in kept[2]]
 
     # ---- follow merging -------------------------------------------------------------------
     def _same_layout(self, ins: list[Edge], u: int, v: int) -> np.ndarray:
@@ -285,6 +290,7 @@ class CostGraph:
                     point[u] = point[u] + vec if u in point else vec
         self.edges = [e for es in outs_of.values() for e in es]
         self._absorb_sources()
+        self.resolved = ()
 
     def _absorb_sources(self) -> None:
         """Fold ops with no inputs from other nodes (iota, broadcasts of constants, and what
