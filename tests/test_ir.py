@@ -64,6 +64,19 @@ def test_check_graph_names_the_broken_invariant():
         check_graph(Graph([x], [y], [op, op.replace(id=1)]))
 
 
+def test_layouts_made_apart_are_equal_exactly_when_their_sbps_are():
+    """NdSbp compares a key of plain values: equal sbps made apart are equal (and hash
+    alike, so they find each other's table entries); a split on another dim, another
+    partial reduction, broadcast against a split of dim 0, or another type are not."""
+    from shardc.ir.sbp import WHOLE, Broadcast, Partial, Split
+
+    a, b = NdSbp((S(0), B, P)), NdSbp((Split(0), Broadcast(), Partial("sum")))
+    assert a == b and hash(a) == hash(b) and {a: 1}[b] == 1
+    assert a != NdSbp((S(1), B, P)) and a != NdSbp((S(0), B, WHOLE))
+    assert NdSbp((B,)) != NdSbp((S(0),)) and NdSbp((S(0),)) != NdSbp((S(0), B))
+    assert a != a.sbps and a != "(S(0), B, P)"
+
+
 def test_partition_spec_round_trip():
     names = ("node", "gpu")
     nd = NdSbp((S(0), S(0)))

@@ -326,3 +326,30 @@ def test_an_fsdp_seed_keeps_the_batch_split_and_gathers_the_weights():
     inputs = descent.fixed_inputs(cg, layouts)
     cheapest = descent.descend(cg, descent.greedy(cg, inputs, descent.tail_nodes(cg)))
     assert descent.objective(cg, seeded) < 0.8 * descent.objective(cg, cheapest)
+
+
+def test_the_collector_pause_restores_what_it_found():
+    """Planning runs with Python's cyclic collector off (``gc_paused``): back on after, also
+    after an error; a pause inside another, or one entered with the collector off, leaves
+    it off."""
+    import gc
+
+    from shardc.solve.collector import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), gc_paused():
+        raise RuntimeError("planning failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
