@@ -324,6 +324,8 @@ def _op_key(op: Op):
         params = tuple(sorted((k, repr(v)) for k, v in op.params.items()))
     except Exception:  # noqa: BLE001 - unprintable params: do not cache
         return None
-    ins = tuple((v.shape, str(v.dtype), v.is_const) for v in op.inputs)
-    outs = tuple((v.shape, str(v.dtype)) for v in op.outputs)
+    # the dtypes as they are (hashable; numpy's ``str`` of a dtype is Python code, 20,000
+    # calls a frontier's program)
+    ins = tuple((v.shape, v.dtype, v.is_const) for v in op.inputs)
+    outs = tuple((v.shape, v.dtype) for v in op.outputs)
     return op.name, ins, outs, params
