@@ -74,6 +74,7 @@ def test_layouts_made_apart_are_equal_exactly_when_their_sbps_are():
     assert a == b and hash(a) == hash(b) and {a: 1}[b] == 1
     assert a != NdSbp((S(1), B, P)) and a != NdSbp((S(0), B, WHOLE))
     assert NdSbp((B,)) != NdSbp((S(0),)) and NdSbp((S(0),)) != NdSbp((S(0), B))
+    assert NdSbp((B,)) != NdSbp((S(-1),))  # no split's dim stands for broadcast
     assert a != a.sbps and a != "(S(0), B, P)"
 
 

@@ -249,10 +249,11 @@ def _runner(expert: Expert, mesh: Mesh) -> Callable:
         m = max(d for d in range(1, p.microbatches + 1)
                 if n % d == 0 and (n // d) % ways == 0)
         pipe = dataclasses.replace(p, microbatches=m)
-        if circular and m >= p.stages:  # each micro-batch back at stage 0 for its next pass
-            pipe = dataclasses.replace(
-                pipe, virtual=jax.tree.leaves(params)[0].shape[0] // p.stages)
-        elif circular:  # the numerics check's small batch: one pass, as GPipe runs it
+        passes = jax.tree.leaves(params)[0].shape[0] // p.stages  # one layer a stage a pass
+        if circular and m >= p.stages and passes > 1:  # each micro-batch back at stage 0
+            pipe = dataclasses.replace(pipe, virtual=passes)  # for its next pass
+        elif circular:  # a batch of fewer micro-batches than stages (the bench's numerics
+            # check on 4 nodes), or one pass: the same stages in GPipe's order
             pipe = dataclasses.replace(pipe, schedule="gpipe")
         return pipeline_scan(layer, carry, params, mesh=mesh, batch_axes=axes,
                              pipeline=pipe)[0]

@@ -74,7 +74,7 @@ class NdSbp:
 
     sbps: tuple[Sbp, ...]
     _hash: int = field(init=False, repr=False, compare=False, default=0)
-    #: the sbps as plain ints and strings (a split's dim, -1 broadcast, a partial's op):
+    #: the sbps as plain values (a split's dim, a partial's op, None for broadcast):
     #: NdSbps key the solver's tables, and equal keys made apart compare millions of times
     #: a frontier, each through every element's generated ``__eq__`` otherwise
     _key: tuple = field(init=False, repr=False, compare=False, default=())
@@ -82,7 +82,7 @@ class NdSbp:
     def __post_init__(self):  # hashed and keyed once
         object.__setattr__(self, "_hash", hash(self.sbps))
         object.__setattr__(self, "_key", tuple(
-            s.dim if isinstance(s, Split) else s.op if isinstance(s, Partial) else -1
+            s.dim if isinstance(s, Split) else s.op if isinstance(s, Partial) else None
             for s in self.sbps))
 
     def __hash__(self) -> int:

@@ -8,7 +8,9 @@ and every full collection walks the whole heap. Measured: in the bench process (
 objects) tracing the ViT's saved plan took 1.2 s with the collector on, 0.8 s paused; GPT-2
 small's time-memory frontier on (2, 4) spent 5 of its 38 s in collections that found under
 20,000 objects in cycles across the run (reference counting frees the rest). The cycles
-left wait for the first collection after the pause."""
+left wait for the first collection after the pause. The collector is the process's: where
+two threads plan at once, the first to finish turns it back on while the other plans
+(that one is then slower, not wrong)."""
 
 from __future__ import annotations
 

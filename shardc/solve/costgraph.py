@@ -121,7 +121,8 @@ class CostGraph:
     fixed: Fixed = NOTHING_FIXED
     adjacency: tuple = ()  # (edges, their count, node -> its edges): :mod:`shardc.solve.descent`
     #: (follows, its length, per node :meth:`resolve`'s answer): :meth:`decode`'s table,
-    #: dropped by the pass that changes ``follows`` (:meth:`merge_followers`)
+    #: dropped by the pass that changes ``follows`` (:meth:`merge_followers`); a caller that
+    #: replaced an entry of ``follows`` by hand, keeping its length, must drop it too
     resolved: tuple = ()
 
     # ---- construction ---------------------------------------------------------------------
@@ -359,6 +360,7 @@ def check_cost_graph(cg: CostGraph) -> None:
     if sorted(cg.order) != list(range(n)):
         raise CostGraphError(f"order must list each of the {n} nodes once, got "
                              f"{len(cg.order)} entries ({len(set(cg.order))} distinct)")
+
     def follows_badly(v: int, u: int, f: np.ndarray) -> bool:
         if not (0 <= u < n) or u == v:
             raise CostGraphError(f"node {v} follows {u}, which is not another node")

@@ -51,14 +51,14 @@ class _Adjacency:
 
     def uses(self, i: int) -> list:
         if self._uses is None:
-            self._uses = {i: [(j, rows.T) for j, rows, into in near if not into]
-                          for i, near in self.near.items()}
+            self._uses = {node: [(j, rows.T) for j, rows, into in near if not into]
+                          for node, near in self.near.items()}
         return self._uses[i]
 
     def ins(self, i: int) -> list:
         if self._ins is None:
-            self._ins = {i: [(j, rows) for j, rows, into in near if into]
-                         for i, near in self.near.items()}
+            self._ins = {node: [(j, rows) for j, rows, into in near if into]
+                         for node, near in self.near.items()}
         return self._ins[i]
 
 
@@ -196,9 +196,9 @@ def _uses_cost(cg: CostGraph, adj: _Adjacency, x: Mapping[int, int], i: int,
         if v in x or v == i:
             continue
         own = cg.cost[v]
-        for u, into in adj.ins(v):
+        for u, matrix_in in adj.ins(v):
             if u != i and u in x:
-                own = own + into[x[u]]
+                own = own + matrix_in[x[u]]
         if through_settle and v in adj.settles:
             more = _uses_cost(cg, adj, x, v, through_settle=False)
             if more is not None:

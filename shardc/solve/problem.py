@@ -68,7 +68,9 @@ class BuildShare:
     builds a dozen programs that recompute different forward segments, each mostly the same
     ops): each op signature's strategy list, each input shape's layouts, the conversions,
     and the edge cost matrices between those lists and where their layouts agree (found again
-    by the lists' identity, which the entry keeps alive). Every kept value is what a build would compute again."""
+    by the lists' identity, which the entry keeps alive). Every kept value is what a build
+    would compute again; the share grows with each build (a pinned input's one-layout
+    list is new per build) for as long as its owner keeps it (a frontier's ``Reuse``)."""
 
     __slots__ = ("key", "strategies", "layouts", "conversions", "matrices", "agreements")
 

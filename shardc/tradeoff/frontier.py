@@ -214,8 +214,8 @@ class _Sweep:
         self.kept = [sum(sources.segments[i].kept for i in c) for c in self.chain]
         self.plans: list[Plan] = []
         self.fast: dict[int, Plan] = {}  # by remat choice (index in chain): no budget
-        self.lean: dict[int, Plan] = {}  # and the smallest budget planned
-        self.lean_peak: dict[int, float] = {}  # its peak (where not searched, the one named)
+        self.lean: dict[int, Plan] = {}  # every segment recomputed: the smallest budget planned
+        self.lean_peak: dict[int, float] = {}  # the leanest peaks (not searched: the one named)
         self.placed: set[tuple[int, frozenset]] = set()  # (remat choice, input layouts)
         self.tried, self.total = 0, 2 + budgets + 2 * bool(sources.segments)
 
@@ -263,12 +263,15 @@ class _Sweep:
         # segments, 1.12 GiB and 72.4 ms). Not searched where its peak (the search's first,
         # cheap ask names it) is no leaner than the fastest plan recomputing every segment:
         # a plan between those two is what the budgets and the gaps' fills look for
-        # (GPT-2 small on (2, 4): 2.94 GiB against 2.62, 3.5 of the frontier's 35 s)
+        # (GPT-2 small on (2, 4): 2.94 GiB against 2.62, 3.5 of the frontier's 35 s). A
+        # heuristic, not an exact saving: such a plan faster than that remat plan would be
+        # on the staircase, and is left to the fills (GPT-2's and the Llama's staircases
+        # are the same; its peak stands in for the plan's where ``choose`` reads it)
         lean, self.lean_peak[0] = _leanest(src.solve, (), _peak(self.fast[n]) if n else math.inf)
         if lean is None:
             self.total -= 1
         else:
-            self.lean[0] = self.found("the leanest", lean)
+            self.found("the leanest", lean)
         if n:
             lean, self.lean_peak[n] = _leanest(src.solve, self.chain[n])
             self.lean[n] = self.found(f"the leanest with {n} segments recomputed", lean)
