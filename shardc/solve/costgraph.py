@@ -24,8 +24,9 @@ References:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -36,9 +37,24 @@ from shardc.ir.graph import Graph, Op, Value
 from shardc.ir.prims import facts
 from shardc.ir.sbp import Broadcast, NdSbp, Split
 
-__all__ = ["NOTHING_FIXED", "CostGraph", "CostGraphError", "Edge", "Fixed", "Settle",
+__all__ = ["NOTHING_FIXED", "by_lists", "CostGraph", "CostGraphError", "Edge", "Fixed", "Settle",
            "check_cost_graph"]
 
+
+
+def by_lists(cache: dict, lists: tuple[list, list], rest: tuple, make: Callable[..., Any],
+             *args) -> Any:
+    """``make(*args)`` kept in ``cache`` per pair of choice lists (by identity) and ``rest``: the
+    entry holds the two lists, so their ids are not reused while it lives, and an id that
+    names another list now misses. Strategy lists are shared by the ops of one signature,
+    the layers of a program and the programs a frontier builds
+    (:class:`shardc.solve.problem.BuildShare`): what is computed between two lists is
+    computed once."""
+    key = (id(lists[0]), id(lists[1]), *rest)
+    hit = cache.get(key)
+    if hit is None or hit[0] is not lists[0] or hit[1] is not lists[1]:
+        hit = cache[key] = (lists[0], lists[1], make(*args))
+    return hit[2]
 
 @dataclass
 class Edge:
@@ -107,10 +123,8 @@ class CostGraph:
     #: fused reader extends it, value id -> the program point making it): ``solve/lifetimes.py``
     fusion: tuple = (frozenset(), {}, {})
     conversions: dict = field(default_factory=dict)  # (src, dst) -> Conversion
-    #: (ids of a producer's and a consumer's choice lists, the producer's result slot, the
-    #: consumer's operand) -> (the two lists, [|producer|, |consumer|] True where the layouts
-    #: agree): :meth:`_same_layout`, kept per list pair (the layers of a program, and the
-    #: programs a frontier builds, share their strategy lists)
+    #: where a producer's and a consumer's layouts agree (:meth:`_agree`), per pair of
+    #: choice lists (:func:`by_lists`), for :meth:`_same_layout`
     agreements: dict = field(default_factory=dict)
     terms: dict = field(default_factory=dict)  # (srcs, dsts) -> reshard_matrix's cost terms
     carried: set = field(default_factory=set)  # input nodes tied to an output (the state)
@@ -201,17 +215,17 @@ class CostGraph:
                 continue  # a tie or a re-pointed edge: no input slot of v to compare
             node, slot = e.src
             _, g = self.resolve(node)  # u's choice -> the producer's choice
-            mine, theirs = self.choices[node], self.choices[v]
-            key = (id(mine), slot, id(theirs), e.k)
-            hit = self.agreements.get(key)
-            if hit is None or hit[0] is not mine or hit[1] is not theirs:
-                index: dict = {}
-                si = np.array([index.setdefault(x, len(index))
-                               for x in self.out_sbps(node, slot)])
-                di = np.array([index.setdefault(c.ins[e.k], len(index)) for c in theirs])
-                hit = self.agreements[key] = (mine, theirs, si[:, None] == di[None, :])
-            ok &= hit[2][g]
+            ok &= by_lists(self.agreements, (self.choices[node], self.choices[v]), (slot, e.k),
+                           self._agree, node, slot, v, e.k)[g]
         return ok
+
+    def _agree(self, node: int, slot: int, v: int, k: int) -> np.ndarray:
+        """[|node's choices|, |v's|] True where ``node``'s result ``slot`` is laid out as
+        ``v`` reads its operand ``k``."""
+        index: dict = {}
+        si = np.array([index.setdefault(x, len(index)) for x in self.out_sbps(node, slot)])
+        di = np.array([index.setdefault(c.ins[k], len(index)) for c in self.choices[v]])
+        return si[:, None] == di[None, :]
 
     def _generates(self, v: int, ins: list[Edge]) -> bool:
         """``v`` makes far more data than it reads from the node it would follow (random
@@ -361,23 +375,26 @@ def check_cost_graph(cg: CostGraph) -> None:
         raise CostGraphError(f"order must list each of the {n} nodes once, got "
                              f"{len(cg.order)} entries ({len(set(cg.order))} distinct)")
 
-    def follows_badly(v: int, u: int, f: np.ndarray) -> bool:
+    def wrong_map(v: int, u: int, f: np.ndarray) -> CostGraphError:
+        return CostGraphError(f"node {v} follows {u} with a choice map of length {len(f)} "
+                              f"into {sizes[v]} choices; it must map each of "
+                              f"{u}'s {sizes[u]} choices to one of {v}'s")
+
+    # the leaders and the maps' lengths are plain ints, each tested in turn; the maps'
+    # entries all at once (a pinned copy of GPT-2's graph has 5,700 followers), the search
+    # naming the first broken one running only when one is
+    maps = list(cg.follows.items())
+    for v, (u, f) in maps:
         if not (0 <= u < n) or u == v:
             raise CostGraphError(f"node {v} follows {u}, which is not another node")
-        return len(f) != sizes[u] or bool(np.any(f < 0) or np.any(f >= sizes[v]))
-
-    # the maps' entries are tested all at once (a pinned copy of GPT-2's graph has 5,700
-    # followers); the loop naming the first broken one runs only when one is
-    maps = list(cg.follows.items())
+        if len(f) != sizes[u]:
+            raise wrong_map(v, u, f)
     if maps:
         entries = np.concatenate([f for _, (_, f) in maps])
         bounds = np.repeat([sizes[v] for v, _ in maps], [len(f) for _, (_, f) in maps])
-        wrong = any(not (0 <= u < n) or u == v or len(f) != sizes[u] for v, (u, f) in maps)
-        if wrong or np.any(entries < 0) or np.any(entries >= bounds):
-            v, (u, f) = next((v, (u, f)) for v, (u, f) in maps if follows_badly(v, u, f))
-            raise CostGraphError(f"node {v} follows {u} with a choice map of length {len(f)} "
-                                 f"into {sizes[v]} choices; it must map each of "
-                                 f"{u}'s {sizes[u]} choices to one of {v}'s")
+        if np.any(entries < 0) or np.any(entries >= bounds):
+            raise wrong_map(*next((v, u, f) for v, (u, f) in maps
+                                  if np.any(f < 0) or np.any(f >= sizes[v])))
     live = set(cg.live)
     for k, e in enumerate(cg.edges):
         if e.u not in live or e.v not in live:

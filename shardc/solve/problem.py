@@ -32,7 +32,7 @@ from shardc.ir.graph import Graph, Op, Value
 from shardc.ir.sbp import B, NdSbp, Partial, Split
 from shardc.ir.trace import SCAN_ENTER, SCAN_EXIT
 from shardc.rules.registry import strategies
-from shardc.solve.costgraph import NOTHING_FIXED, CostGraph, Edge, Fixed, Settle
+from shardc.solve.costgraph import NOTHING_FIXED, CostGraph, Edge, Fixed, Settle, by_lists
 from shardc.solve.memory import memory_points
 from shardc.solve.reduced_ys import stacked_ys, whole_partial, ys_exits, ys_reduction, ys_shares
 
@@ -127,12 +127,8 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
 
     def edge_matrix(src_owner: list, slot: int, src, dst_owner: list, k: int, dst, nbytes,
                     a_scale):
-        key = (id(src_owner), slot, id(dst_owner), k, nbytes, a_scale)
-        hit = matrices.get(key)
-        if hit is None or hit[0] is not src_owner or hit[1] is not dst_owner:
-            hit = matrices[key] = (src_owner, dst_owner,
-                                   cg.reshard_matrix(src, dst, nbytes, a_scale))
-        return hit[2]
+        return by_lists(matrices, (src_owner, dst_owner), (slot, k, nbytes, a_scale),
+                        cg.reshard_matrix, src, dst, nbytes, a_scale)
 
     scale = alpha_scales(graph, combiner)
     ties_in = loop_ties(graph)

@@ -215,7 +215,7 @@ class _Sweep:
         self.plans: list[Plan] = []
         self.fast: dict[int, Plan] = {}  # by remat choice (index in chain): no budget
         self.lean: dict[int, Plan] = {}  # every segment recomputed: the smallest budget planned
-        self.lean_peak: dict[int, float] = {}  # the leanest peaks (not searched: the one named)
+        self.lean_peak = math.inf  # recomputing nothing: the leanest peak, searched or named
         self.placed: set[tuple[int, frozenset]] = set()  # (remat choice, input layouts)
         self.tried, self.total = 0, 2 + budgets + 2 * bool(sources.segments)
 
@@ -267,14 +267,14 @@ class _Sweep:
         # heuristic, not an exact saving: such a plan faster than that remat plan would be
         # on the staircase, and is left to the fills (GPT-2's and the Llama's staircases
         # are the same; its peak stands in for the plan's where ``choose`` reads it)
-        lean, self.lean_peak[0] = _leanest(src.solve, (), _peak(self.fast[n]) if n else math.inf)
+        lean, self.lean_peak = _leanest(src.solve, (), _peak(self.fast[n]) if n else math.inf)
         if lean is None:
             self.total -= 1
         else:
             self.found("the leanest", lean)
         if n:
-            lean, self.lean_peak[n] = _leanest(src.solve, self.chain[n])
-            self.lean[n] = self.found(f"the leanest with {n} segments recomputed", lean)
+            self.lean[n] = self.found(f"the leanest with {n} segments recomputed",
+                                      _leanest(src.solve, self.chain[n])[0])
         # the hand-written layouts with no and every segment recomputed, and the fastest
         # plan's layouts recomputing a quarter, half and three quarters of the bytes (cheap)
         self.place(0, src.layouts)
@@ -314,9 +314,9 @@ class _Sweep:
             saved = _peak(a) - _peak(b)
             return (_time(b) - _time(a)) / saved if saved > 0 else math.inf
 
-        ends = {k: _peak(p) for k, p in self.fast.items()} \
+        ends = {0: _peak(self.fast[0]), n: _peak(self.fast[n])} \
             if rate(self.fast[0], self.fast[n]) <= rate(self.fast[n], self.lean[n]) \
-            else self.lean_peak
+            else {0: self.lean_peak, n: _peak(self.lean[n])}
         return next((k for k in range(n + 1) if est(ends, k) <= budget), n)
 
     def fill(self) -> None:
