@@ -1,5 +1,5 @@
 """``python -m shardc.cli ...``: the ``shardc`` command."""
 
-from shardc.cli import main
+from shardc.cli import command
 
-main()
+command()

@@ -61,13 +61,9 @@ def post_order(graph: Graph, uses: Sequence[Use], via: dict[tuple[int, int], int
     depth-first walk from the outputs, in order, each instruction after its operands, first
     operand first. ``via[(consumer, value id)]`` is the reshard a read goes through (one
     converted the same way for several readers is one, as XLA's CSE makes it)."""
-    producer = {v.id: op for op in graph.ops for v in op.outputs}
-    ops = {op.id: op for op in graph.ops}
-    settles: dict[int, list[int]] = {}
-    for i, u in enumerate(uses):
-        p = producer.get(u.value)
-        if u.consumer is None or p is not None and u.consumer == p.id:
-            settles.setdefault(u.value, []).append(i)
+    producer = graph.producers()
+    ops = graph.memo("ops by id", lambda g: {op.id: op for op in g.ops})
+    settles = _settles(graph, uses)
 
     def made(vid: int) -> tuple | None:
         chain = settles.get(vid)
@@ -172,16 +168,23 @@ def combine_groups(graph: Graph, uses: Sequence[Use], via: dict[tuple[int, int],
     return group
 
 
-def _ancestors(graph: Graph, uses: Sequence[Use], via: dict[tuple[int, int], int],
-               pending: Sequence[Pending], by_reshard: dict[int, list[int]]) -> list[int]:
-    """Per pending collective, the bit set of the pending collectives it depends on."""
-    producer = {v.id: op for op in graph.ops for v in op.outputs}
-    own = {r: sum(1 << i for i in ids) for r, ids in by_reshard.items()}
+def _settles(graph: Graph, uses: Sequence[Use]) -> dict[int, list[int]]:
+    """value id -> the reshards (indices into ``uses``) that settle it for all its readers,
+    in order: those of no one reader, or read by the op making the value."""
+    producer = graph.producers()
     settles: dict[int, list[int]] = {}
     for i, u in enumerate(uses):
         p = producer.get(u.value)
         if u.consumer is None or p is not None and u.consumer == p.id:
             settles.setdefault(u.value, []).append(i)
+    return settles
+
+
+def _ancestors(graph: Graph, uses: Sequence[Use], via: dict[tuple[int, int], int],
+               pending: Sequence[Pending], by_reshard: dict[int, list[int]]) -> list[int]:
+    """Per pending collective, the bit set of the pending collectives it depends on."""
+    own = {r: sum(1 << i for i in ids) for r, ids in by_reshard.items()}
+    settles = _settles(graph, uses)
     made: dict[int, int] = {}  # value id -> what it depends on, as its readers see it
     done: dict[int, int] = {}  # reshard -> what its result depends on
 

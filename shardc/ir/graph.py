@@ -135,10 +135,15 @@ class Graph:
         """value id -> [(consumer op, input index)] (kept: :meth:`memo`)."""
         return self.memo("consumers", _consumers)
 
+    def producers(self) -> dict[int, Op]:
+        """value id -> the op making it; graph inputs are absent (kept: :meth:`memo`)."""
+        return self.memo("producers", lambda g: {v.id: op for op in g.ops for v in op.outputs})
+
     def runs(self) -> dict[int, int]:
         """value id -> how many times it is made per call (its producer's ``weight``: a loop
-        body's values once per iteration); graph inputs and constants are absent (once)."""
-        return {v.id: op.weight for op in self.ops for v in op.outputs}
+        body's values once per iteration); graph inputs and constants are absent (once).
+        Kept (:meth:`memo`)."""
+        return self.memo("runs", lambda g: {v.id: op.weight for op in g.ops for v in op.outputs})
 
     def constants(self) -> frozenset[int]:
         """Ids of values computed from constants only (a ``1/N`` broadcast, an ``iota``, the

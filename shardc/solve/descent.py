@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from shardc.ir.flow import tail_values
-from shardc.ir.graph import Op, Value
+from shardc.ir.graph import Graph, Op, Value
 from shardc.ir.prims import facts
 from shardc.ir.sbp import NdSbp
 from shardc.solve.costgraph import CostGraph, Settle
@@ -37,7 +37,7 @@ class _Adjacency:
     edge into it (made on first use: only the greedy reads them). Descent reads these a
     million times a frontier: built once per edge list."""
 
-    __slots__ = ("near", "settles", "_uses", "_ins")
+    __slots__ = ("near", "settles", "_uses", "_ins", "_flat")
 
     def __init__(self, cg: CostGraph):
         near: dict[int, list] = {i: [] for i in cg.live}
@@ -48,6 +48,28 @@ class _Adjacency:
         self.settles = frozenset(i for i in near if isinstance(cg.refs[i], Settle))
         self._uses: dict[int, list] | None = None
         self._ins: dict[int, list] | None = None
+        self._flat: tuple | None = None
+
+    def flat(self, cg: CostGraph) -> tuple:
+        """The live nodes' and the edges' costs in one array each, with each node's and
+        each edge's offset and each edge's ends and row length (:func:`objective` sums a
+        plan's entries of them in two gathers; a frontier asks a few hundred times, each a
+        Python sum over some 6,000 nodes and edges before)."""
+        if self._flat is None:
+            live = np.array(list(self.near), dtype=np.int64)
+            node_cost = [cg.cost[i] for i in live.tolist()]
+            node_at = np.cumsum([0] + [len(c) for c in node_cost])[:-1]
+            edges = cg.edges
+            u = np.array([e.u for e in edges], dtype=np.int64)
+            v = np.array([e.v for e in edges], dtype=np.int64)
+            cols = np.array([e.cost.shape[1] for e in edges], dtype=np.int64)
+            edge_at = np.cumsum([0] + [e.cost.size for e in edges])[:-1]
+            self._flat = (live, np.concatenate(node_cost) if node_cost else np.zeros(0),
+                          np.asarray(node_at, dtype=np.int64), u, v, cols,
+                          np.concatenate([e.cost.ravel() for e in edges]) if edges
+                          else np.zeros(0), np.asarray(edge_at, dtype=np.int64),
+                          len(cg.choices))
+        return self._flat
 
     def uses(self, i: int) -> list:
         if self._uses is None:
@@ -119,9 +141,13 @@ def descend(cg: CostGraph, start: dict[int, int], memory_weight: float = 0.0,
 
 
 def objective(cg: CostGraph, x: dict[int, int]) -> float:
-    cost = cg.cost  # ``item``: the element as a float, no numpy scalar made
-    t = sum(cost[i].item(x[i]) for i in cg.live)
-    return t + sum(e.cost.item(x[e.u], x[e.v]) for e in cg.edges)
+    """The predicted seconds of the plan ``x`` (a choice per live node): its nodes' costs
+    and its edges' (:meth:`_Adjacency.flat`)."""
+    live, node_cost, node_at, u, v, cols, edge_cost, edge_at, n = _adjacency(cg).flat(cg)
+    at = np.zeros(n, dtype=np.int64)
+    at[np.fromiter(x.keys(), np.int64, len(x))] = np.fromiter(x.values(), np.int64, len(x))
+    return float(node_cost[node_at + at[live]].sum() +
+                 edge_cost[edge_at + at[u] * cols + at[v]].sum())
 
 
 def memory(cg: CostGraph, x: dict[int, int]) -> float:
@@ -165,7 +191,20 @@ def batch_nodes(cg: CostGraph) -> frozenset[int]:
     what the step computes from it (activations, their gradients), as against the state
     (an input the tail reads, :func:`shardc.ir.flow.tail_values`) and what is computed
     from the state alone (a parameter's transpose or cast)."""
-    graph = cg.graph
+    of_batch = cg.graph.memo("batch values", _batch_values)
+    out = set()
+    for i in cg.live:
+        ref = cg.refs[i]
+        vid = ref.value.id if isinstance(ref, Settle) else \
+            ref.outputs[0].id if isinstance(ref, Op) else ref.id
+        if vid in of_batch:
+            out.add(i)
+    return frozenset(out)
+
+
+def _batch_values(graph: Graph) -> frozenset[int]:
+    """Ids of the values that depend on an input the step does not update (the graph's
+    alone: kept with it, for every placement's :func:`batch_nodes`)."""
     tail = tail_values(graph)
     consumers = graph.consumers()
     state = {v.id for v in graph.inputs
@@ -175,14 +214,7 @@ def batch_nodes(cg: CostGraph) -> frozenset[int]:
     for op in graph.ops:
         if any(v.id in of_batch for v in op.inputs if not v.is_const):
             of_batch.update(v.id for v in op.outputs)
-    out = set()
-    for i in cg.live:
-        ref = cg.refs[i]
-        vid = ref.value.id if isinstance(ref, Settle) else \
-            ref.outputs[0].id if isinstance(ref, Op) else ref.id
-        if vid in of_batch:
-            out.add(i)
-    return frozenset(out)
+    return frozenset(of_batch)
 
 
 def _uses_cost(cg: CostGraph, adj: _Adjacency, x: Mapping[int, int], i: int,

@@ -27,11 +27,13 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
 import scipy.sparse as sparse
 
+from shardc.solve.beside import beside
 from shardc.solve.costgraph import CostGraph
 
 if TYPE_CHECKING:
@@ -391,8 +393,18 @@ class _Budgeted:
             return None if values is None else self.decode(values)
 
         t_lo, t_hi = 0.0, 1.0
+        ahead: tuple[float, np.ndarray | None] | None = None
         for _ in range(DOUBLINGS):
-            a = relaxed(t_hi)
+            # the first bisection's relaxation solved beside the doubling's
+            # (:func:`shardc.solve.beside.beside`): where this ``t`` fits, the bisection is
+            # between it and the last that did not, and its answer is already here (every
+            # search of GPT-2's frontier fitted at its first ``t``); else it is dropped
+            mid = (t_lo + t_hi) / 2
+            if BISECTIONS:
+                a, b = beside([partial(relaxed, t_hi), partial(relaxed, mid)])
+                ahead = (mid, b)
+            else:
+                a = relaxed(t_hi)
             if a is None:
                 break
             plans.append(a)
@@ -403,7 +415,8 @@ class _Budgeted:
             t_hi = None
         for _ in range(BISECTIONS if t_hi is not None else 0):
             t = (t_lo + t_hi) / 2
-            a = relaxed(t)
+            a = ahead[1] if ahead is not None and ahead[0] == t else relaxed(t)
+            ahead = None
             if a is None:
                 break
             plans.append(a)

@@ -130,6 +130,15 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
         return by_lists(matrices, (src_owner, dst_owner), (slot, k, nbytes, a_scale),
                         cg.reshard_matrix, src, dst, nbytes, a_scale)
 
+    def own_matrix(u: int, slot: int, w: int, val: Value) -> np.ndarray:
+        """The matrix converting ``val`` from ``(u, slot)``'s layouts to node ``w``'s own
+        (a settle's, a tied input's), kept as :func:`edge_matrix` keeps an op's reads."""
+        a_scale = scale.get(val.id, 1.0)
+        return by_lists(matrices, (cg.choices[u], cg.choices[w]),
+                        (slot, "own", val.nbytes, a_scale),
+                        lambda: cg.reshard_matrix(cg.out_sbps(u, slot), cg.choices[w],
+                                                  val.nbytes, a_scale))
+
     scale = alpha_scales(graph, combiner)
     ties_in = loop_ties(graph)
     uses: dict[int, int] = {}
@@ -192,9 +201,8 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
         cg.choices.append(_settle_choices(val, axis_sizes, layouts))
         cg.refs.append(Settle(val))
         cg.cost.append(np.zeros(len(cg.choices[w])))
-        cg.edges.append(Edge(u, w, cg.reshard_matrix(cg.out_sbps(u, slot), cg.choices[w],
-                                                     val.nbytes, scale.get(val.id, 1.0))
-                             * settling.get(val.id, 1), val, 0, (u, slot)))
+        cg.edges.append(Edge(u, w, own_matrix(u, slot, w, val) * settling.get(val.id, 1),
+                             val, 0, (u, slot)))
     for enter, val in ties_in:  # the body's carry, converted back every iteration
         u, slot = source(val)
         v = cg.producer[enter.outputs[0].id][0]
@@ -222,9 +230,7 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
         elif j in tied:
             t = tied[j]
             if t != u and (val.id not in cg.settle or cg.producer[val.id][0] != t):
-                cg.edges.append(Edge(u, t, cg.reshard_matrix(
-                    src, cg.choices[t], val.nbytes, scale.get(val.id, 1.0)), val,
-                    src=(u, slot)))
+                cg.edges.append(Edge(u, t, own_matrix(u, slot, t, val), val, src=(u, slot)))
         else:
             fix = cg.reshard_matrix(src, [_unreduce(s) for s in src], val.nbytes,
                                     scale.get(val.id, 1.0))

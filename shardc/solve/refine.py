@@ -14,10 +14,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from functools import partial
 
 from shardc.ir.flow import tail_values
 from shardc.ir.sbp import B, NdSbp
 from shardc.solve import descent
+from shardc.solve.beside import beside
 from shardc.solve.costgraph import CostGraph
 from shardc.solve.fold import expand, members, restrict
 from shardc.solve.ilp import problem_size, solve_ilp
@@ -197,15 +199,18 @@ def sub_mesh_seeds(q: CostGraph, memory_budget, time_limit: float) -> list[dict[
     subsets = [tuple(range(len(names)))] + [
         (k,) for k, a in enumerate(names)
         if (q.cluster.bandwidth(a), -q.cluster.latency(a)) > slow]
-    seeds = []
-    for axes in subsets:
+    def seed(axes: tuple[int, ...]) -> dict[int, int] | None:
         allowed = {i: axes_choices(ch, axes) or list(range(len(ch)))
                    for i, ch in enumerate(q.choices)}
         res = solve_ilp(restrict(q, allowed), time_limit=time_limit,
                         memory_budget=memory_budget)
-        if res.assignment is not None:
-            seeds.append({i: allowed[i][b] for i, b in res.assignment.items()})
-    return seeds
+        if res.assignment is None:
+            return None
+        return {i: allowed[i][b] for i, b in res.assignment.items()}
+
+    # the 1-D problems are apart: solved beside each other (:mod:`shardc.solve.beside`)
+    return [x for x in beside([partial(seed, axes) for axes in subsets])
+            if x is not None]
 
 
 def axes_choices(choices: Sequence, axes: Sequence[int]) -> list[int]:
