@@ -353,3 +353,53 @@ def test_the_collector_pause_restores_what_it_found():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_beside_answers_in_order_runs_the_rest_on_other_threads_and_raises(monkeypatch):
+    """``beside``: the first call on this thread, the others on threads of their own (one
+    core: all here, one after another); answers in the calls' order; an error raised."""
+    import threading
+
+    from shardc.solve import beside as module
+
+    here = threading.get_ident()
+
+    def where(k):
+        return lambda: (k, threading.get_ident() == here)
+
+    monkeypatch.setattr(module, "cores", lambda: 2)
+    assert module.beside([where(k) for k in range(3)]) == [(0, True), (1, False), (2, False)]
+    monkeypatch.setattr(module, "cores", lambda: 1)
+    assert module.beside([where(k) for k in range(3)]) == [(0, True), (1, True), (2, True)]
+    monkeypatch.setattr(module, "cores", lambda: 2)
+
+    def fails():
+        raise ValueError("an LP failed")
+
+    with pytest.raises(ValueError, match="an LP failed"):
+        module.beside([where(0), fails])
+
+
+def test_a_budgeted_plan_is_the_same_on_one_core_and_two(monkeypatch):
+    """The Lagrangian search's relaxations and the 1-D seeds run beside each other where
+    two cores are free (:mod:`shardc.solve.beside`): the same LPs, so the same plan as one
+    after another, and the searches did run them two at a time."""
+    import shardc.solve.beside as module
+    import shardc.solve.ilp as ilp
+    from shardc.models import gpt
+    from shardc.solve.search import SolveOptions, plan_graph
+
+    cfg = gpt.GPTConfig.tiny()
+    t = trace(gpt.build_step(cfg), *gpt.abstract_args(cfg))
+    cluster = Cluster.multi_node("node", "gpu")
+    pairs = []
+    real = ilp.beside
+    monkeypatch.setattr(ilp, "beside", lambda calls: pairs.append(len(calls)) or real(calls))
+    plans = []
+    for n in (2, 1):
+        monkeypatch.setattr(module, "cores", lambda n=n: n)
+        _, sol = plan_graph(t.graph, (2, 4), ("node", "gpu"), cluster,
+                            SolveOptions(memory_budget=2.0e6))
+        plans.append(sol.choice)
+    assert pairs and set(pairs) == {2}  # Lagrangian searches ran, each a pair of LPs
+    assert plans[0] == plans[1]
