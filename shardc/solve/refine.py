@@ -142,16 +142,27 @@ def quotient_refine(cg: CostGraph, x: dict[int, int], memory_budget, time_limit:
     descent on the full graph, and keep it if it beats ``x``. A quotient small enough (or
     on a 1-D mesh) is one exact ILP; a larger nd one starts from its 1-D seeds
     (:func:`sub_mesh_seeds`) and is solved axis by axis (:func:`axis_sweeps`), then in
-    cross neighbourhoods (:func:`cross_sweeps`). Returns the plan and how the quotient was
-    settled. ``folding`` is ``fold(cg)``."""
+    cross neighbourhoods (:func:`cross_sweeps`); the blocks (:func:`block_refine`) refine
+    the plan the axis sweeps reach beside the cross neighbourhoods' LP. Returns the plan
+    and how the quotient was settled. ``folding`` is ``fold(cg)``."""
     q, cls = folding
     xq = {c: x[m[0]] for c, m in enumerate(members(cls))}
+    # a tail block of every layer is one block of the quotient
+    tail = list(map(list, dict.fromkeys(tuple(sorted({cls[i] for i in block}))
+                                        for block in _tail_blocks(cg))))
+
+    def blocks(xq: dict[int, int]) -> tuple[dict[int, int], str]:
+        if len(q.axis_sizes) > 2:
+            return held_axis_blocks(q, xq, memory_budget, time_limit, tail)
+        return block_refine(q, xq, memory_budget, time_limit, tail)
+
     if len(q.axis_sizes) == 1 or problem_size(q) <= ILP_FULL_TERMS:
         res = solve_ilp(q, time_limit=time_limit, memory_budget=memory_budget, hint=xq)
         if res.assignment is not None:
             xq = better(q, xq, res.assignment, memory_budget)
         status = {"OPTIMAL": "optimal", "INFEASIBLE": "infeasible",
                   "LAGRANGIAN": "lagrangian"}.get(res.status, "time-limit")
+        xq, refined = blocks(xq)
     else:
         for seed in sub_mesh_seeds(q, memory_budget, time_limit):
             xq = better(q, xq, seed, memory_budget)
@@ -163,15 +174,14 @@ def quotient_refine(cg: CostGraph, x: dict[int, int], memory_budget, time_limit:
         # (without a budget one pass over the axes: a cross round holds every axis move)
         xq, status = axis_sweeps(q, xq, memory_budget, time_limit,
                                  AXIS_ROUNDS if memory_budget is not None else 1)
-        xq, crossed = cross_sweeps(q, xq, memory_budget, time_limit)
+        # the blocks refine the axis sweeps' plan beside the cross neighbourhoods' LP
+        # (:mod:`shardc.solve.beside`: that LP is HiGHS's, the blocks mostly Python's);
+        # where a cross round moves the plan, the blocks refine the moved one after (on
+        # every solve of GPT-2's frontier the first round moved nothing)
+        (blocked, refined), (moved, crossed) = beside(
+            [partial(blocks, xq), partial(cross_sweeps, q, xq, memory_budget, time_limit)])
+        xq, refined = (blocked, refined) if moved == xq else blocks(moved)
         status = f"axes {'time-limit' if 'time-limit' in (status, crossed) else status}"
-    # a tail block of every layer is one block of the quotient
-    tail = list(map(list, dict.fromkeys(tuple(sorted({cls[i] for i in block}))
-                                        for block in _tail_blocks(cg))))
-    if len(q.axis_sizes) > 2:
-        xq, refined = held_axis_blocks(q, xq, memory_budget, time_limit, tail)
-    else:
-        xq, refined = block_refine(q, xq, memory_budget, time_limit, tail)
     # descent on the full graph knows no budget: where it leaves the budget's rows, the
     # expansion itself is the candidate (the 70B decoder under 80 GiB: expanded 10.45 s at
     # 78 GiB of rows, descended 10.41 s at 159)
