@@ -242,3 +242,24 @@ def test_bad_program_arguments_are_one_line(tmp_path, capsys, planned):
             (["export", str(plan), "--format", "yaml"], "invalid choice"),
             (["export", str(tmp_path / "unnamed.json"), "--format", "rules"], "no names")):
         assert expect in _one_line_error(argv, capsys), argv
+
+
+def test_the_console_script_runs_main_then_leaves_the_heap_to_the_exit(monkeypatch):
+    """``shardc`` (``pyproject``'s script, ``python -m shardc.cli``) is ``command``: the
+    command, then ``gc.freeze`` (no last collection walking what it planned); ``main``
+    alone, as tests and scripts call it, leaves the collector as it was."""
+    import gc
+    import tomllib
+    from pathlib import Path
+
+    import shardc.cli as cli
+
+    calls = []
+    monkeypatch.setattr(cli, "main", lambda argv=None: calls.append("main"))
+    monkeypatch.setattr(gc, "freeze", lambda: calls.append("freeze"))
+    cli.command()
+    assert calls == ["main", "freeze"]
+    root = Path(__file__).resolve().parents[1]
+    scripts = tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["shardc"] == "shardc.cli:command"
+    assert "command()" in (root / "shardc" / "cli" / "__main__.py").read_text()

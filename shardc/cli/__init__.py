@@ -189,4 +189,3 @@ def command() -> None:
     process that goes on, leaves the collector alone."""
     main()
     gc.freeze()
-
