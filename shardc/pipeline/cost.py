@@ -129,20 +129,22 @@ class Parts:
         return total
 
 
-def _owner(r, producer: dict) -> int | None:
+def _owner(r, graph: Graph) -> int | None:
     """The op a conversion is charged to: its reader, else the op making the value (None:
     a graph input's settling, or a graph output's)."""
-    return r.consumer if r.consumer is not None and r.consumer >= 0 else producer.get(r.value)
+    if r.consumer is not None and r.consumer >= 0:
+        return r.consumer
+    op = graph.producers().get(r.value)
+    return None if op is None else op.id
 
 
 def rest_reshards(plan: Plan, graph: Graph, layers: Layers) -> list:
     """The conversions of ``plan`` that a pipeline runs as the plan does, over the whole
     mesh: those of no layer scan's op, no stacked value's update and no stacked value's
     settling."""
-    producer = {v.id: op.id for op in graph.ops for v in op.outputs}
     out = []
     for r in plan.reshards:
-        owner = _owner(r, producer)
+        owner = _owner(r, graph)
         if owner is None and r.value in layers.stacked or \
                 owner is not None and layers.layer_part(owner):
             continue
@@ -170,7 +172,6 @@ def _cotangent(graph: Graph, layers: Layers) -> bool:
 def parts(plan: Plan, graph: Graph, layers: Layers, ties=(), resident=()) -> Parts:
     """Split ``plan`` (of ``graph``) into :class:`Parts` by ``layers``."""
     sizes = plan.axis_sizes
-    producer = {v.id: op.id for op in graph.ops for v in op.outputs}
     nbytes = {v.id: v.nbytes for v in graph.values()}
     compute = scans = outside = rerun = 0.0
     reruns = {op.id for op in graph.ops
@@ -183,7 +184,7 @@ def parts(plan: Plan, graph: Graph, layers: Layers, ties=(), resident=()) -> Par
             outside += op.compute_time
     sample, once, rest = [], outside, 0.0
     for r in plan.reshards:
-        owner = _owner(r, producer)
+        owner = _owner(r, graph)
         if owner is None and r.value not in layers.stacked or \
                 owner is not None and not layers.layer_part(owner):
             rest += r.time

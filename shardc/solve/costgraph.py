@@ -41,7 +41,6 @@ __all__ = ["NOTHING_FIXED", "by_lists", "CostGraph", "CostGraphError", "Edge", "
            "check_cost_graph"]
 
 
-
 def by_lists(cache: dict, lists: tuple[list, list], rest: tuple, make: Callable[..., Any],
              *args) -> Any:
     """``make(*args)`` kept in ``cache`` per pair of choice lists (by identity) and ``rest``: the
@@ -55,6 +54,7 @@ def by_lists(cache: dict, lists: tuple[list, list], rest: tuple, make: Callable[
     if hit is None or hit[0] is not lists[0] or hit[1] is not lists[1]:
         hit = cache[key] = (lists[0], lists[1], make(*args))
     return hit[2]
+
 
 @dataclass
 class Edge:
