@@ -476,6 +476,23 @@ def test_a_plan_saved_in_the_first_format_still_runs():
     close(s(W, X), f(W, X))
 
 
+def test_a_plan_saved_with_a_zeroing_charge_still_runs():
+    """Plans saved while the search charged each ``B -> P`` zeroing a latency carry it in
+    ``predicted.zeroing_time``; they load (the charge dropped: no collective ever ran for
+    it) and run."""
+    def f(w, x):
+        return x @ w
+
+    s = shard(f)
+    plan = s.plan(W, X)
+    d = json.loads(plan.to_json())
+    d["predicted"]["zeroing_time"] = 1e-5
+    old = shardc.Plan.from_json(json.dumps(d))
+    assert old.predicted == plan.predicted
+    s.use_plan(old, W, X)
+    close(s(W, X), f(W, X))
+
+
 # ---- errors that name the fix ------------------------------------------------------------
 
 @pytest.mark.parametrize("kw, field", [

@@ -71,11 +71,13 @@ def test_a_value_used_twice_is_reduced_once():
     assert objective == pytest.approx(plan.predicted.step_time, rel=1e-9)
 
 
-def test_a_zeroing_is_charged_in_the_step_not_in_the_communication():
+def test_a_zeroing_is_listed_and_free():
     """A replicated value added to a partial sum is zeroed on all but one device (``B ->
-    P``): the search charges it one latency of the axis, but the compiled program runs no
-    collective for it, so the plan counts the charge apart from its communication (the
-    wide ResNet's 29 zeroings had read as 12% more communication than XLA:GPU compiled)."""
+    P``): the plan lists the step, but no collective runs for it (the compiled program
+    selects the value on one device, fused into the add), so neither the search nor the
+    prediction charges it (a latency each had the wide ResNet's weight decay, 29 zeroings,
+    priced at 99 us: its search ranked ZeRO-1's layouts 0.7% above its own plan, which
+    compiled 0.7% slower)."""
 
     def f(x, y, z):  # the sum on its way out may read partial values (a Python loop's)
         return x.T @ y + z * 2.0
@@ -103,9 +105,9 @@ def test_a_zeroing_is_charged_in_the_step_not_in_the_communication():
     zeroed = [r for r in plan.reshards if r.collectives == ("local@x",)]
     (mul_op,) = [op for op in graph.ops if op.name == "mul"]
     assert len(zeroed) == 1 and zeroed[0].value == mul_op.outputs[0].id
+    assert zeroed[0].time == 0.0 and zeroed[0].wire_bytes == 0.0
     p = plan.predicted
-    assert p.zeroing_time == pytest.approx(CLUSTER.latency("x"))
-    assert p.comm_time == pytest.approx(sum(r.time for r in plan.reshards) - p.zeroing_time)
+    assert p.comm_time == pytest.approx(sum(r.time for r in plan.reshards))
+    assert p.comm_time > 0  # the partial sum's all-reduce
     objective = descent.objective(cg, dict(enumerate(choice)))
     assert objective == pytest.approx(p.step_time, rel=1e-9)  # the search's price, whole
-    assert "zeroing charge" in plan.explain()

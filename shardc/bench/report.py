@@ -17,7 +17,8 @@ from shardc.bench.harness import (
     shardc_method,
 )
 
-__all__ = ["load", "markdown", "merge", "plot", "pricing_rows", "summary", "write"]
+__all__ = ["ROBUST", "load", "markdown", "merge", "plot", "pricing_rows", "robust_bounds",
+           "summary", "write"]
 
 
 def _ms(x: float | None) -> str:
@@ -187,6 +188,56 @@ def _pricing_table(cells: list[Cell]) -> list[str]:
             xs = [r[key] for r in mine if r[key]]
             means.append(_ratio(math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None))
         out.append(f"| {pricing} | " + " | ".join(means) + " |")
+    return out + [""] + _disagreements(cells)
+
+
+#: how far above the best expert under another pricing shardc's default plan may be
+ROBUST = 1.05
+
+
+def robust_bounds(cells: list[Cell]) -> list[dict]:
+    """Where shardc's default plan is more than :data:`ROBUST` x the best expert under
+    another pricing (serial or overlapped): the best ratio there of any program measured in
+    the cell (experts and shardc's plans for every pricing) that is no slower than the
+    default plan under the default pricing (NCCL's, serial), and which program that is. A
+    bound above :data:`ROBUST` says no measured program meets both: the pricings disagree."""
+    groups: dict[tuple[str, str], list[Cell]] = defaultdict(list)
+    for c in cells:
+        groups[(c.model, c.preset)].append(c)
+    rows = []
+    for r in pricing_rows(cells):
+        for k, mode in enumerate(("serial", "overlap")):
+            ratio = r[f"{mode}_default_ratio"]
+            if ratio is None or ratio <= ROBUST:
+                continue
+            cs = [c for c in groups[(r["model"], r["preset"])]
+                  if c.priced.get("nccl") and c.priced.get(r["pricing"]) and c.fits is not False]
+            default = next(c for c in cs if c.method == "shardc")
+            limit = default.priced["nccl"][0] * (1 + 1e-9)
+            fair = [c for c in cs if c.priced["nccl"][0] <= limit]
+            best = min(fair, key=lambda c: c.priced[r["pricing"]][k])
+            rows.append({"model": r["model"], "preset": r["preset"], "pricing": r["pricing"],
+                         "mode": mode, "default_ratio": ratio, "bound_method": best.method,
+                         "bound": best.priced[r["pricing"]][k] / r[f"{mode}_expert_s"]})
+    return rows
+
+
+def _disagreements(cells: list[Cell]) -> list[str]:
+    rows = robust_bounds(cells)
+    if not rows:
+        return []
+    out = ["### Where the pricings disagree\n",
+           f"The rows above where shardc's default plan is more than {ROBUST:.2f} x the best "
+           "expert under another pricing. *bound*: the best ratio there of any program "
+           "measured in the cell (every expert and each of shardc's plans) that is no "
+           "slower than the default plan under NCCL's serial pricing, and that program; "
+           f"above {ROBUST:.2f}, no measured program is both.\n",
+           "| model | preset | pricing | default / expert | bound | by |",
+           "|---|---|---|---:|---:|---|"]
+    for r in rows:
+        how = r["pricing"] + (", overlapped" if r["mode"] == "overlap" else "")
+        out.append(f"| {r['model']} | {r['preset']} | {how} | {r['default_ratio']:.3f} | "
+                   f"{r['bound']:.3f} | {r['bound_method']} |")
     return out + [""]
 
 

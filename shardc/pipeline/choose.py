@@ -257,7 +257,6 @@ def adopt(plan: Plan, choice: Choice, graph: Graph, ties: Sequence[tuple[int, in
     comm = sum(r.time for r in reshards)
     stages = best.step_time - best.rest - best.transfers - best.gathers - best.grads
     rest = sum(op.compute_time for op in plan.ops if not layers.layer_part(op.id))
-    # the pipelined program's conversions are priced whole: any zeroing charge stays in comm
     predicted = Predicted(comm, stages + rest, sum(r.wire_bytes for r in reshards),
                           best.peak_memory, old.feed_time)
     record = {"reason": choice.reason, "layers": choice.layers, "step_s": best.step_time,

@@ -108,7 +108,7 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
     for k, v in enumerate(graph.inputs):
         values[v.id] = cg.choices[k][choice[k]]
     ops, reshards = [], []
-    comm = wire = compute = zeroing = 0.0
+    comm = wire = compute = 0.0
 
     done: dict[tuple, int] = {}  # (value, src, dst) -> its reshard
     folded = graph.constants()  # read partial, one is made so (as in the cost graph)
@@ -126,7 +126,7 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
         gathered for the forward and the backward dot compiles to one all-gather).
         ``reduced``: the consumer's results are all reduced where made (settled), so one
         it reads made partial here is read apart (:class:`shardc.cost.combiner.Use`)."""
-        nonlocal comm, wire, zeroing
+        nonlocal comm, wire
         conv = cg.conversion_of(src, dst)
         if not conv.collectives or value.id in folded and dst.has_partial:
             return 0.0
@@ -159,7 +159,6 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
                                  c.seconds(value.nbytes, cluster.collective_model, share)
                                  * times, buffer)))
         comm += t
-        zeroing += conv.local * times
         wire += conv.wire_bytes(value.nbytes) * times
         reshards.append(Reshard(value.id, consumer, src, dst, t,
                                 conv.wire_bytes(value.nbytes) * times,
@@ -231,7 +230,7 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
                for k, v in enumerate(graph.inputs))
     return Plan(tuple(zip(names, sizes)), cluster,
                 tuple(values[v.id] for v in graph.inputs), tuple(outputs), values, tuple(ops),
-                tuple(reshards), Predicted(comm - zeroing, compute, wire, peak, feed, zeroing),
+                tuple(reshards), Predicted(comm, compute, wire, peak, feed),
                 dict(solver),
                 graph.memo("fingerprint", fingerprint), tuple(v.ndim for v in graph.inputs),
                 tuple(v.ndim for v in graph.outputs), settled,

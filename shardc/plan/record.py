@@ -44,15 +44,10 @@ class Predicted:
     comm_bytes: float  # wire bytes per device per step
     peak_memory: float  # bytes per device
     feed_time: float = 0.0  # host -> device transfer of the inputs not carried between steps
-    #: the search's charge for the plan's ``B -> P`` zeroings, one latency of the axis each
-    #: (`B -> P` in :mod:`shardc.cost.comm`): not a collective (the compiled program
-    #: selects the value on one device), so not in ``comm_time``; kept in the step so that
-    #: plans rank as the search chose them
-    zeroing_time: float = 0.0
 
     @property
     def step_time(self) -> float:
-        return self.comm_time + self.compute_time + self.feed_time + self.zeroing_time
+        return self.comm_time + self.compute_time + self.feed_time
 
 
 @dataclass(frozen=True)
@@ -341,7 +336,9 @@ class Plan:
         ops = read.ops(d["ops"], OpPlan)
         reshards = read.reshards(d["reshards"], Reshard)
         with reading_field("predicted"):
-            predicted = Predicted(**d["predicted"])
+            # plans saved before zeroings went free (shardc.cost.comm) carry their charge
+            predicted = Predicted(**{k: v for k, v in d["predicted"].items()
+                                     if k != "zeroing_time"})
         with reading_field("input_ranks / output_ranks"):
             input_ranks = tuple(int(r) for r in d["input_ranks"])
             output_ranks = tuple(int(r) for r in d["output_ranks"])

@@ -303,10 +303,7 @@ def explain_report(plan, max_rows: int | None = 60, top: int = 10, margins=None,
         + f" in {plan.solver.get('plan_s', 0.0):.2f} s",
         f"predicted step: {fmt_time(p.step_time)} = compute {fmt_time(p.compute_time)} + "
         f"comm {fmt_time(p.comm_time)} ({fmt_bytes(p.comm_bytes)} on the wire per device) + "
-        f"input feed {fmt_time(p.feed_time)}"
-        + (f" + zeroing charge {fmt_time(p.zeroing_time)} (the search's price of its "
-           "B -> P conversions: no collective runs)" if p.zeroing_time else "")
-        + f"; peak memory {fmt_bytes(p.peak_memory)} per device",
+        f"input feed {fmt_time(p.feed_time)}; peak memory {fmt_bytes(p.peak_memory)} per device",
     ]
     if plan.remat:
         blocks.append(f"remat: recomputes the activations of {len(plan.remat)} of "

@@ -98,8 +98,7 @@ def plot_plan(plan, path: str | None = None):
     p = plan.predicted
     bottom.set_title(f"predicted step {fmt_time(p.step_time)}: compute "
                      f"{fmt_time(p.compute_time)}, comm {fmt_time(p.comm_time)}, input feed "
-                     f"{fmt_time(p.feed_time)}"
-                     + (f", zeroing {fmt_time(p.zeroing_time)}" if p.zeroing_time else ""),
+                     f"{fmt_time(p.feed_time)}",
                      fontsize=10)
     bottom.set_xlabel("op (program order)")
     bottom.set_ylabel("cumulative time (us)")

@@ -163,14 +163,13 @@ class CostGraph:
             for i, c in enumerate(convs):
                 for step in c.collectives:
                     runs[i, steps[step]] += 1
-            local = np.array([c.local if c.collectives else 0.0 for c in convs])
-            terms = (tuple(steps), runs, local)
+            terms = (tuple(steps), runs)
             self.terms[key] = terms
-        steps, runs, local = terms
+        steps, runs = terms
         model = self.cluster.collective_model
         t = np.array([c.seconds(nbytes, model, alpha_scale, self.combined) for c in steps]
                      or [0.0])
-        small = (runs @ t + local).reshape(len(usrc), len(udst))
+        small = (runs @ t).reshape(len(usrc), len(udst))
         return small[np.ix_(si, di)]
 
     def conversion_of(self, a: NdSbp, b: NdSbp) -> Conversion:
