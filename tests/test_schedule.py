@@ -11,6 +11,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -457,8 +458,8 @@ def test_plan_overlap_of_a_planned_fsdp_step_lies_within_the_bounds(mesh8):
 
 
 def test_an_overlap_cluster_ranks_the_mesh_views_by_their_overlapped_step():
-    """Cluster(overlap=True): the search keeps the view whose overlapped step is least,
-    and each view tried records the time it was ranked by."""
+    """Cluster(overlap=True): the search keeps the view whose overlapped step is least
+    (estimated: rank_compiled=0), and each view tried records the time it was ranked by."""
     import shardc
     from shardc.plan.overlap import plan_overlap, ranking_time
 
@@ -466,7 +467,8 @@ def test_an_overlap_cluster_ranks_the_mesh_views_by_their_overlapped_step():
     mesh = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
     cluster = dataclasses.replace(Cluster.multi_node(), device_flops=1e9, overlap=True)
     plan = shardc.auto_shard(_train(_forward), mesh=mesh, cluster=cluster, time_limit=5.0,
-                             mesh_search=True).plan(ws, x)
+                             mesh_search=True, rank_compiled=0).plan(ws, x)
+    assert "compiled_ranking" not in plan.solver
     assert ranking_time(plan) == pytest.approx(plan_overlap(plan).time
                                                + plan.predicted.feed_time)
     assert ranking_time(plan) <= plan.predicted.step_time
@@ -475,6 +477,75 @@ def test_an_overlap_cluster_ranks_the_mesh_views_by_their_overlapped_step():
     assert len(ranked) > 1 and ranking_time(plan) == pytest.approx(min(ranked))
     serial = dataclasses.replace(cluster, overlap=False)
     assert Cluster.from_json(cluster.to_json()) == cluster != serial
+
+
+def test_an_overlap_plan_is_the_fastest_compiled_of_the_best_candidates():
+    """Under overlap the best ``rank_compiled`` candidates by the estimate (every view's,
+    every seed's) are compiled and the plan is the one whose compiled program is fastest
+    overlapped (``plan.solver["compiled_ranking"]``, in the estimate's order); it runs as
+    jax.jit does. Serial plans, and plans on an AbstractMesh, compile nothing."""
+    import shardc
+    from shardc.inspect.hlo import price
+    from shardc.plan.overlap import ranking_time
+
+    ws, x = _layers(), jnp.ones((BATCH, WIDTH), jnp.float32)
+    mesh = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
+    cluster = dataclasses.replace(Cluster.multi_node(), device_flops=1e9, overlap=True)
+    seeds = {"data-parallel": (None, P(("node", "gpu")))}
+    step = shardc.auto_shard(_train(_forward), mesh=mesh, cluster=cluster, time_limit=5.0,
+                             mesh_search=True, rank_compiled=3, seeds=seeds)
+    plan = step.plan(ws, x)
+    rows = plan.solver["compiled_ranking"]
+    assert 1 < len(rows) <= 3 and all("compiled_s" in r for r in rows), rows
+    estimates = [r["estimated_s"] for r in rows]
+    assert estimates == sorted(estimates)
+    got = min(r["compiled_s"] for r in rows)
+    compiled = price(step.lower(ws, x).compile(), step.mesh_for(plan), plan.cluster)
+    assert compiled.overlapped_time + plan.predicted.feed_time == pytest.approx(got, rel=1e-9)
+    assert ranking_time(plan) in estimates
+    want = jax.jit(_train(_forward))(ws, x)
+    for a, b in zip(jax.tree.leaves(step(ws, x)), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    serial = shardc.auto_shard(_train(_forward), mesh=mesh, time_limit=5.0,
+                               cluster=dataclasses.replace(cluster, overlap=False))
+    assert "compiled_ranking" not in serial.plan(ws, x).solver
+    abstract = shardc.auto_shard(_train(_forward), mesh=mesh.abstract_mesh, cluster=cluster,
+                                 time_limit=5.0)
+    assert "compiled_ranking" not in abstract.plan(ws, x).solver
+
+
+def test_rank_compiled_is_a_whole_number():
+    import shardc
+
+    mesh = jax.make_mesh((8,), ("gpu",), axis_types=(AxisType.Auto,))
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="rank_compiled"):
+            shardc.auto_shard(lambda x: x, mesh=mesh, rank_compiled=bad)
+
+
+def test_a_compile_without_a_gemm_tiling_falls_back_to_cublas():
+    """XLA:GPU's Triton emitter finds no tiling for some dots when nothing autotunes (an
+    ahead-of-time compile): the program is compiled again with its dots on cuBLAS."""
+    from shardc.step.ranking import UNTILED, compile_lowered
+
+    class Lowered:
+        asked = []
+
+        def compile(self, compiler_options=None):
+            self.asked.append(compiler_options)
+            if compiler_options is None:
+                raise RuntimeError(f"INTERNAL: {UNTILED} for dot.12")
+            return "compiled"
+
+    assert compile_lowered(Lowered()) == "compiled"
+    assert Lowered.asked == [None, {"xla_gpu_enable_triton_gemm": False}]
+
+    class Broken(Lowered):
+        def compile(self, compiler_options=None):
+            raise RuntimeError("INTERNAL: something else")
+
+    with pytest.raises(RuntimeError, match="something else"):
+        compile_lowered(Broken())
 
 
 _CONV_HLO = """HloModule conv, entry_computation_layout={(f32[16,32,32,16]{3,2,1,0}, f32[16,3,3,16]{3,2,1,0}, f32[16,32,32,16]{3,2,1,0})->f32[16,32,32,16]{3,2,1,0}}

@@ -40,13 +40,13 @@ from shardc.inspect.hlo import price_all
 from shardc.plan.record import Plan
 from shardc.report.explain import mesh_label
 from shardc.step.auto_shard import auto_shard
+from shardc.step.ranking import compile_lowered
 from shardc.tradeoff.views import views
 
-__all__ = ["ADAM_SLACK", "Cell", "cells", "compile_lowered", "expert_seeds", "experts",
+__all__ = ["ADAM_SLACK", "Cell", "cells", "expert_seeds", "experts",
            "feed_seconds", "GPU_TIMING_RUNS", "jit_seconds", "make_mesh", "MEMORY_MARGIN",
            "PLANNED", "planned_and_compiled", "planned_for", "planning_budget", "PRICINGS",
-           "run_cell", "run_expert", "run_shardc", "shardc_method", "TIMING_RUNS", "traits",
-           "UNTILED"]
+           "run_cell", "run_expert", "run_shardc", "shardc_method", "TIMING_RUNS", "traits"]
 
 RTOL, ATOL = 1e-4, 1e-5
 ADAM_SLACK = 0.05
@@ -256,7 +256,7 @@ def planned_and_compiled(zm: ZooModel, preset: Preset, cfg, time_limit: float,
     and priced like a bench cell (no numerics, no saved-plan timing); ``method`` labels it."""
     cell, step, plan, view, args = _plan_cell(zm, preset, cfg, time_limit, mesh_search, method,
                                               compiler)
-    compiled = compile_lowered(step.lower(*args), compiler)
+    compiled = compile_lowered(step.lower(*args))
     _fill_compiled(cell, compiled, view, plan.cluster, args[1])
     cell.planned_counts = _planned_counts(plan, compiled, view)
     return cell
@@ -282,17 +282,17 @@ def run_shardc(zm: ZooModel, preset: Preset, which: str, check: bool,
         t0 = time.perf_counter()
         again = auto_shard(fn, mesh=mesh, cluster=preset.cluster, mesh_search=mesh_search)
         again.use_plan(Plan.from_json(text), *args)
-        compiled = compile_lowered(again.lower(*args), compiler)
+        compiled = compile_lowered(again.lower(*args))
         saved.append(time.perf_counter() - t0)
         return compiled
 
     runs = TIMING_RUNS if compiler == "cpu" else GPU_TIMING_RUNS
     for k in range(runs):  # the saved plan first in even runs, jax.jit in odd ones
         if k % 2:
-            jitted.append(jit_seconds(mod.build_step(cfg), args, plan, view, compiler))
+            jitted.append(jit_seconds(mod.build_step(cfg), args, plan, view))
         compiled = from_saved()
         if not k % 2:
-            jitted.append(jit_seconds(mod.build_step(cfg), args, plan, view, compiler))
+            jitted.append(jit_seconds(mod.build_step(cfg), args, plan, view))
     cell.saved_plan_s, cell.jit_s = min(saved), min(jitted)
     _fill_compiled(cell, compiled, view, plan.cluster, args[1])
     cell.unplanned_comm_s = sum(r.compiled_time for r in plan.verify(compiled, view).unplanned)
@@ -308,7 +308,7 @@ def run_shardc(zm: ZooModel, preset: Preset, which: str, check: bool,
     return cell
 
 
-def jit_seconds(fn, args, plan: Plan, mesh, compiler: str = "cpu") -> float:
+def jit_seconds(fn, args, plan: Plan, mesh) -> float:
     """Wall time of tracing ``fn`` once and ``jax.jit``-compiling it with ``plan``'s input
     and output shardings: what running a saved plan is measured against (shardc traces
     once more, to check the plan fits the program)."""
@@ -321,26 +321,8 @@ def jit_seconds(fn, args, plan: Plan, mesh, compiler: str = "cpu") -> float:
     jax.make_jaxpr(fn)(*args)
     jitted = jax.jit(flat, in_shardings=[NamedSharding(mesh, p) for p in plan.input_specs()],
                      out_shardings=[NamedSharding(mesh, p) for p in plan.output_specs()])
-    compile_lowered(jitted.lower(*jax.tree.leaves(args)), compiler)
+    compile_lowered(jitted.lower(*jax.tree.leaves(args)))
     return time.perf_counter() - t0
-
-
-UNTILED = "Couldn't find output tile sizes"
-"""XLA:GPU's error where its Triton GEMM emitter finds no tiling for a dot it was given
-without autotuning (an ahead-of-time compile with no GPU: the ViT's 197-token dots,
-``f32[788,768]``); on a GPU, autotuning would pick cuBLAS for it."""
-
-
-def compile_lowered(lowered, compiler: str = "cpu"):
-    """``lowered.compile()``; for XLA:GPU, where its Triton GEMM emitter finds no tiling
-    (:data:`UNTILED`), compiled again with its dots on cuBLAS
-    (``xla_gpu_enable_triton_gemm=False``): the same partitioning and collectives."""
-    try:
-        return lowered.compile()
-    except Exception as exc:  # noqa: BLE001 - jax's runtime error type is private
-        if compiler != "gpu" or UNTILED not in str(exc):
-            raise
-        return lowered.compile(compiler_options={"xla_gpu_enable_triton_gemm": False})
 
 
 def expert_seeds(zm: ZooModel, mesh, preset: Preset, args, mesh_search: bool) -> dict:
@@ -371,7 +353,7 @@ def run_expert(zm: ZooModel, preset: Preset, expert: Expert, which: str, check: 
     cfg = zm.config(which, preset.devices)
     args = mod.abstract_args(cfg)
     _, lowered = compile_expert(mod.build_step(cfg), *args, mesh, expert, mod.param_axes)
-    _fill_compiled(cell, compile_lowered(lowered, compiler), expert.mesh(mesh),
+    _fill_compiled(cell, compile_lowered(lowered), expert.mesh(mesh),
                    expert.view.cluster, args[1])
     if check:  # on the CPU devices, as run_shardc's
         tiny_fn, (state, batch), want = _tiny(zm.name)

@@ -59,6 +59,7 @@ class Options:
     cache_dir: str | None = None  # None: $SHARDC_CACHE_DIR if set, else no disk cache
     while_trips: int = DEFAULT_WHILE_TRIPS
     pipeline: Pipeline | bool | None = None  # None: the planner's choice; False: never
+    rank_compiled: int = 3  # under overlap: the best candidates compiled and ranked so
 
     def __post_init__(self):
         if not (self.pipeline is None or self.pipeline is False
@@ -73,6 +74,12 @@ class Options:
         if self.memory_budget is not None and not self.memory_budget > 0:
             raise ValueError(f"memory_budget must be a positive number of bytes per device, "
                              f"got {self.memory_budget!r}")
+        if (not isinstance(self.rank_compiled, int) or isinstance(self.rank_compiled, bool)
+                or self.rank_compiled < 0):
+            raise ValueError(f"rank_compiled is how many of the best candidate plans are "
+                             f"compiled and ranked by their compiled programs under "
+                             f"Cluster(overlap=True), a whole number >= 0 (0: the estimate "
+                             f"alone); got {self.rank_compiled!r}")
         if not self.time_limit >= 0:
             raise ValueError(f"time_limit must be seconds >= 0, got {self.time_limit!r}")
 

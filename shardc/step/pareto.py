@@ -47,7 +47,8 @@ def frontier(step, *args, budgets: int = BUDGETS, **kwargs) -> Frontier:
     reuse = Reuse()  # each program's cost graphs, built once for all its budgets
 
     def solve(budget: float | None, remat: tuple[int, ...] = ()) -> Plan:
-        opts = dataclasses.replace(step.options, memory_budget=budget)
+        # the frontier's points are ranked by the estimate: no compiles (rank_compiled)
+        opts = dataclasses.replace(step.options, memory_budget=budget, rank_compiled=0)
         rtr = step._traced(call, remat)[1]
         return step._named(call, rtr, solve_views(step, rtr, candidates, seeds, opts,
                                                         reuse))

@@ -24,6 +24,7 @@ from shardc.solve.reuse import Reuse
 from shardc.solve.search import MemoryBudgetError, SolveOptions, plan_graph
 from shardc.step.calling import Call
 from shardc.step.options import Options, platform_of
+from shardc.step.ranking import compiled_best
 from shardc.step.seeds import view_seeds
 from shardc.step.signature import TracedCall, pins_layouts
 from shardc.tradeoff.views import View, views
@@ -177,6 +178,7 @@ def solve_views(step, tr: TracedCall, candidates: list[View],
     names = tuple(step.mesh.axis_names)
     t0 = time.perf_counter()
     best, tried, failure, priced = None, [], None, {}
+    pool: list[Plan] = []  # every plan assembled: what rank_compiled compiles the best of
     for view, seeds_here in zip(candidates, seeds, strict=True):
         t = time.perf_counter()
         is_physical = view.names == names
@@ -186,7 +188,8 @@ def solve_views(step, tr: TracedCall, candidates: list[View],
                 sopts = SolveOptions(opts.memory_budget, opts.time_limit, seeds=seeds_here,
                                      combiner=combiner)
                 try:
-                    mine, costs = _view_plan(step, tr, view, sopts, is_physical, reuse)
+                    mine, costs, assembled = _view_plan(step, tr, view, sopts, is_physical,
+                                                        reuse)
                 except MemoryBudgetError:
                     if k == 0:
                         raise
@@ -194,6 +197,7 @@ def solve_views(step, tr: TracedCall, candidates: list[View],
                 if k == 0:
                     for name, cost in costs.items():
                         priced[name if is_physical else f"{name} on {view.label}"] = cost
+                pool += assembled
                 if plan is None or ranking_time(mine) < ranking_time(plan):
                     plan = mine
         except MemoryBudgetError as exc:
@@ -210,6 +214,8 @@ def solve_views(step, tr: TracedCall, candidates: list[View],
             best = plan
     if best is None:
         raise failure
+    if best.cluster.overlap and opts.rank_compiled and not step.abstract:
+        best = compiled_best(step, tr, [best] + pool, opts.rank_compiled)
     solver = {**best.solver, "plan_s": time.perf_counter() - t0}
     if priced:
         solver["seeds"] = priced  # every view's seeds: the plan costs no more than any
@@ -234,9 +240,9 @@ def objectives(mesh, cluster) -> tuple[Combiner, ...]:
 
 
 def _view_plan(step, tr: TracedCall, view: View, sopts: SolveOptions, is_physical: bool,
-               reuse: Reuse | None) -> tuple[Plan, dict[str, float]]:
+               reuse: Reuse | None) -> tuple[Plan, dict[str, float], list[Plan]]:
     """The best plan on one view from one search (the search's, or a seed's that ranks
-    better), and the seeds' objectives."""
+    better), the seeds' objectives, and every plan assembled (the search's first)."""
     graph = tr.traced.graph
     cg, sol = plan_graph(graph, view.shape, view.names, view.cluster, sopts,
                          ties=tr.ties, fixed=tr.fixed if is_physical else NOTHING_FIXED,
@@ -245,6 +251,7 @@ def _view_plan(step, tr: TracedCall, view: View, sopts: SolveOptions, is_physica
     solver = {"status": sol.status.value, "objective": sol.objective, **sol.stats}
     plan = assemble(graph, cg, sol.choice, tr.ties, solver, tr.traced.remat,
                     len(tr.traced.segments), platform_of(step.mesh))
+    assembled = [plan]
     for name, choice in sol.seed_choices.items():
         # the objective prices combined collectives by shares; a seed close to the
         # plan is priced as the plan is, so the plan predicts no more than any seed.
@@ -256,9 +263,10 @@ def _view_plan(step, tr: TracedCall, view: View, sopts: SolveOptions, is_physica
             other = assemble(graph, cg, choice, tr.ties, {**solver, "seed": name},
                              tr.traced.remat, len(tr.traced.segments),
                              platform_of(step.mesh))
+            assembled.append(other)
             if ranking_time(other) < ranking_time(plan):
                 plan = other
-    return plan, costs
+    return plan, costs, assembled
 
 
 #: a seed whose objective is within this factor of the plan's is assembled and compared on
