@@ -125,7 +125,6 @@ class AutoSharded:
 
 
 
-
     def _traced(self, call: Call, remat: tuple[int, ...] = ()) -> tuple[Any, TracedCall]:
         """The call's signature key and its traced program; with ``remat``, the program
         that recomputes those forward segments (:mod:`shardc.ir.remat`)."""
@@ -203,7 +202,6 @@ class AutoSharded:
             plan = pipelined(self, call, tr, candidates, seeds)
             store.save(key, plan)
         return plan
-
 
     def _compatible(self, key, fixed: Fixed) -> Plan | None:
         """A plan made for the same shapes that already has the layouts ``fixed`` asks for:
@@ -313,14 +311,12 @@ class AutoSharded:
         ``step.use_plan(frontier.pick(budget), *args)`` adopts one."""
         return frontier(self, *args, budgets=budgets, **kwargs)
 
-
     def margins(self, *args, **kwargs):
         """The plan for these arguments beside generic data-parallel, FSDP, Megatron and
         DP x TP layouts (:mod:`shardc.tradeoff.baselines`): on a mesh with devices each compiled and
         priced from its HLO, the plan's program too; on an abstract mesh estimated on the
         plan's cost model. ``plan.explain(margins=step.margins(*args))`` prints them."""
         return compare(self, *args, **kwargs)
-
 
     def device_sweep(self, *args, memory_budget: float | None = None, **kwargs
                      ) -> DeviceSweep:
@@ -363,7 +359,6 @@ class AutoSharded:
         and compile, but do not solve. A plan made for another program or mesh is refused;
         one made on an AbstractMesh runs on a concrete mesh of the same shape and names."""
         return use_plan(self, plan, *args, **kwargs)
-
 
     def lower(self, *args, **kwargs):
         """``jax.stages.Lowered`` of the planned program (ShapeDtypeStructs are fine); its
