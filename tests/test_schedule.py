@@ -503,6 +503,7 @@ def test_an_overlap_plan_is_the_fastest_compiled_of_the_best_candidates():
     compiled = price(step.lower(ws, x).compile(), step.mesh_for(plan), plan.cluster)
     assert compiled.overlapped_time + plan.predicted.feed_time == pytest.approx(got, rel=1e-9)
     assert ranking_time(plan) in estimates
+    assert "ranked on their compiled programs" in plan.explain()
     want = jax.jit(_train(_forward))(ws, x)
     for a, b in zip(jax.tree.leaves(step(ws, x)), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

@@ -316,6 +316,13 @@ def explain_report(plan, max_rows: int | None = 60, top: int = 10, margins=None,
         blocks.append("mesh search (predicted step per view of the devices): " + "; ".join(
             f"{t['mesh']} " + (fmt_time(t["predicted_s"]) if t["predicted_s"] is not None
                                else "over the memory budget") for t in tried))
+    ranked = plan.solver.get("compiled_ranking")
+    if ranked:
+        blocks.append("ranked on their compiled programs (estimated -> compiled, overlapped): "
+                      + "; ".join(f"{r['mesh']}" + (f" ({r['seed']})" if r["seed"] else "")
+                                  + f" {fmt_time(r['estimated_s'])} -> "
+                                  + (fmt_time(r["compiled_s"]) if "compiled_s" in r
+                                     else "did not compile") for r in ranked))
     seeds = plan.solver.get("seeds")
     if seeds:
         blocks.append("seeds (hand-written plans, predicted): " + ", ".join(
