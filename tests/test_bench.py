@@ -210,6 +210,10 @@ def test_pricing_rows_compare_each_plan_with_the_best_expert_under_its_pricing()
     assert bounds[("ring", "overlap")]["bound"] == 3.0 / 2.0
     assert ("nccl", "serial") not in bounds  # the default is the best there
     assert "### Where the pricings disagree" in md
+    # a default plan over the device's memory is no bound itself; the programs that fit are
+    over = [harness.Cell("m", "p", c.method, compiled_s=1.0, priced=c.priced, budget=1.0,
+                         peak_memory=2.0 if c.method == "shardc" else 0.5) for c in cells]
+    assert {b["bound_method"] for b in report.robust_bounds(over)} == {"dp"}
 
 
 def test_the_scale_page_has_the_pipelines_and_the_weak_scaling_efficiency():

@@ -211,10 +211,14 @@ def robust_bounds(cells: list[Cell]) -> list[dict]:
             if ratio is None or ratio <= ROBUST:
                 continue
             cs = [c for c in groups[(r["model"], r["preset"])]
-                  if c.priced.get("nccl") and c.priced.get(r["pricing"]) and c.fits is not False]
-            default = next(c for c in cs if c.method == "shardc")
+                  if c.priced.get("nccl") and c.priced.get(r["pricing"])]
+            default = next((c for c in cs if c.method == "shardc"), None)
+            if default is None:  # priced another way only (results made before NCCL's)
+                continue
             limit = default.priced["nccl"][0] * (1 + 1e-9)
-            fair = [c for c in cs if c.priced["nccl"][0] <= limit]
+            fair = [c for c in cs if c.priced["nccl"][0] <= limit and c.fits is not False]
+            if not fair:  # the default plan itself does not fit the device
+                continue
             best = min(fair, key=lambda c: c.priced[r["pricing"]][k])
             rows.append({"model": r["model"], "preset": r["preset"], "pricing": r["pricing"],
                          "mode": mode, "default_ratio": ratio, "bound_method": best.method,
