@@ -29,14 +29,20 @@ def _gib(x: float | None) -> str:
     return "-" if x is None else f"{x / 2**30:.2f}"
 
 
+def _by_cell(cells: list[Cell]) -> dict[tuple[str, str], list[Cell]]:
+    """The methods measured per (model, preset), in the cells' order."""
+    groups: dict[tuple[str, str], list[Cell]] = defaultdict(list)
+    for c in cells:
+        groups[(c.model, c.preset)].append(c)
+    return groups
+
+
 def summary(cells: list[Cell]) -> list[dict]:
     """Per (model, preset): shardc / best-expert compiled step time, serial and with
     communication overlapped (the best expert of each may differ), predicted-vs-compiled
     communication error. On a memory-bound cell the best expert is the best of those whose
     compiled peak fits the device memory (a plan that does not fit does not run)."""
-    groups: dict[tuple[str, str], list[Cell]] = defaultdict(list)
-    for c in cells:
-        groups[(c.model, c.preset)].append(c)
+    groups = _by_cell(cells)
     rows = []
     for (model, preset), cs in groups.items():
         ours = next((c for c in cs if c.method == "shardc" and c.compiled_s), None)
@@ -123,9 +129,7 @@ def pricing_rows(cells: list[Cell]) -> list[dict]:
     pricing, serial and overlapped, and against it shardc's plan made for that pricing and
     its default plan (made for NCCL's), each priced that way; None where a figure is
     missing (results made before the pricings)."""
-    groups: dict[tuple[str, str], list[Cell]] = defaultdict(list)
-    for c in cells:
-        groups[(c.model, c.preset)].append(c)
+    groups = _by_cell(cells)
     rows = []
     for (model, preset), cs in groups.items():
         by_method = {c.method: c for c in cs if c.priced}
@@ -201,9 +205,7 @@ def robust_bounds(cells: list[Cell]) -> list[dict]:
     the cell (experts and shardc's plans for every pricing) that is no slower than the
     default plan under the default pricing (NCCL's, serial), and which program that is. A
     bound above :data:`ROBUST` says no measured program meets both: the pricings disagree."""
-    groups: dict[tuple[str, str], list[Cell]] = defaultdict(list)
-    for c in cells:
-        groups[(c.model, c.preset)].append(c)
+    groups = _by_cell(cells)
     rows = []
     for r in pricing_rows(cells):
         for k, mode in enumerate(("serial", "overlap")):

@@ -29,6 +29,7 @@ from shardc.ir.sbp import to_partition_spec
 from shardc.lower.emit import jit_plan
 from shardc.plan.overlap import ranking_time
 from shardc.plan.record import Plan
+from shardc.report.explain import mesh_label
 from shardc.step.signature import TracedCall
 
 __all__ = ["UNTILED", "compile_lowered", "compiled_best", "compiled_time"]
@@ -83,7 +84,7 @@ def compiled_best(step, tr: TracedCall, plans: list[Plan], count: int) -> Plan:
             break
     rows, best, best_s = [], plans[0], None
     for p in top:
-        row = {"mesh": " x ".join(f"{a}={n}" for a, n in p.mesh_axes),
+        row = {"mesh": mesh_label(p.mesh_axes),
                "seed": p.solver.get("seed"), "estimated_s": ranking_time(p)}
         t0 = time.perf_counter()
         try:
