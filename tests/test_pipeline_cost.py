@@ -40,8 +40,7 @@ def test_bubble_formulas():
     assert Pipeline("node", 4, 8, "circular", 2).bubble == pytest.approx(3 / 19)
 
 
-@pytest.mark.parametrize("pipe", [Pipeline("node", 4, 8), Pipeline("node", 4, 8, "1f1b"),
-                                  Pipeline("node", 4, 8, "circular", 2)])
+@pytest.mark.parametrize("pipe", [Pipeline("node", 4, 8), Pipeline("node", 4, 8, "circular", 2)])
 def test_price_matches_hand_computation(pipe):
     whole, stage = _parts(), _parts(step=40.0, layers=32.0, compute=32.0, once=0.8)
     p = price(pipe, whole, stage, CLUSTER)
@@ -86,11 +85,31 @@ def test_a_send_between_nodes_runs_on_one_port():
     assert eth.send_seconds([("gpu", 8)], 1e6) < eth.send_seconds([("node", 4)], 1e6)
 
 
-def test_one_f_one_b_is_priced_as_the_gpipe_order_it_runs():
-    whole, stage = _parts(), _parts()
-    gpipe = price(Pipeline("node", 4, 16), whole, stage, CLUSTER)
-    onefb = price(Pipeline("node", 4, 16, "1f1b"), whole, stage, CLUSTER)
-    assert (onefb.step_time, onefb.peak_memory) == (gpipe.step_time, gpipe.peak_memory)
+def test_one_f_one_b_holds_fewer_micro_batches_and_runs_the_loss_on_the_last_stage():
+    """1F1B (shardc.pipeline.onefb): GPipe's compute and bubble, plus the loss on the last
+    stage's devices (S - 1 more times the whole plan's); M + 2S - 2 ticks of a permute
+    each way; the residuals of min(M, 2S - 1) micro-batches held, not M + S - 1 steps';
+    no all-reduce of the finished micro-batches, one of the loss's weights' gradient over
+    the stage axis and the batch's."""
+    s, m = 4, 16
+    whole = _parts(head=0.5, head_weights=4e6)
+    stage = _parts(head=0.5, head_weights=4e6, batch_spans=(("gpu", 2),), weights=8e6)
+    gpipe = price(Pipeline("node", s, m), whole, stage, CLUSTER)
+    onefb = price(Pipeline("node", s, m, "1f1b"), whole, stage, CLUSTER)
+    assert onefb.bubble == pytest.approx(gpipe.bubble)
+    assert onefb.layers == pytest.approx(gpipe.layers + (s - 1) * 0.5)
+    ticks = m + 2 * s - 2
+    assert (onefb.ticks, onefb.permutes) == (ticks, 2 * ticks)
+    assert onefb.transfers == pytest.approx(2 * ticks * (ALPHA + 1e6 / m / BW))
+    assert (onefb.reduces, gpipe.reduces) == (1, 2)
+    assert onefb.loss_spans == (("node", s), ("gpu", 2)) and onefb.loss_bytes == 4e6 + 4
+    assert onefb.loss_reduce == pytest.approx(
+        CLUSTER.collective_seconds("all-reduce", onefb.loss_spans, 4e6 + 4))
+    assert onefb.comm == pytest.approx(onefb.transfers + onefb.gathers + onefb.grads
+                                       + onefb.loss_reduce)
+    residuals = 2e8 / (s * m)  # one micro-batch's residuals of a stage's layers
+    assert gpipe.peak_memory - onefb.peak_memory == \
+        pytest.approx(residuals * ((m + s - 1) - (2 * s - 1)))
 
 
 def test_per_sample_conversions_pay_their_latency_per_micro_batch():
@@ -237,9 +256,12 @@ def test_no_pipeline_on_the_existing_presets(model, preset, scanned):
 def test_pipelines_can_be_forbidden_or_requested():
     assert _choose("deep", "4nodes-eth", pipeline=False).reason.startswith(
         "pipelines are forbidden")
-    want = Pipeline("node", 4, 2, "1f1b")
+    want = Pipeline("node", 4, 2)
     choice = _choose("deep", "4nodes-eth", pipeline=want)
     assert choice.pipeline == want and choice.best.pipeline == want
+    # the deep model's stack returns its carry: 1F1B needs the loss inside (layers_loss)
+    with pytest.raises(ValueError, match="layers_loss"):
+        _choose("deep", "4nodes-eth", pipeline=Pipeline("node", 4, 2, "1f1b"))
     with pytest.raises(ValueError, match="stages=4"):
         _choose("deep", "4nodes-eth", pipeline=Pipeline("node", 2, 2))
     with pytest.raises(TypeError, match="shardc.pipeline.Pipeline"):

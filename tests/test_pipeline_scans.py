@@ -37,7 +37,7 @@ def args():
             jax.random.normal(k[1], (BATCH, WIDTH)))
 
 
-@pytest.mark.parametrize("pipe", [Pipeline("stage", 2, 4), Pipeline("stage", 4, 4, "1f1b"),
+@pytest.mark.parametrize("pipe", [Pipeline("stage", 2, 4), Pipeline("stage", 4, 2),
                                   Pipeline("stage", 4, 4, "circular", 2)])
 def test_a_plain_scan_over_layers_runs_as_the_pipeline_asked_for(pipe):
     w, x = args()

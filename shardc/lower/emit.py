@@ -113,7 +113,8 @@ class _Lowering(ControlFlow, StackedSums):
         #: (id of a traced value, source, target) -> (that value, its converted copy)
         self.converted: dict = {}
         #: the layer stacks run as the plan's pipeline (:mod:`shardc.pipeline.lowering`)
-        self.stacks = Stacks(plan.pipeline, mesh, self.by_op) \
+        self.stacks = Stacks(plan.pipeline, mesh, self.by_op,
+                             plan.solver.get("pipeline", {}).get("batch_axes")) \
             if plan.pipeline is not None else None
         self.sums = unrolled_sums(graph)  # a Python loop's sums, which may stay partial
         if self.stacks is not None:  # the layer state's update, as the stages hold it

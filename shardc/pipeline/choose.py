@@ -14,7 +14,9 @@ is none. The margin stands for what the price leaves out and a pipeline adds: th
 over ticks, the copies that rotate the stage buffers, smaller kernels per micro-batch; it
 is a judgement, not a measured figure (5% by default). The search is deterministic:
 candidates are priced in a fixed order; of equal steps the leaner wins, then the first
-(GPipe before 1F1B, which runs GPipe's order here and is priced the same).
+(GPipe before 1F1B, which holds fewer micro-batches' residuals and runs the loss on the
+last stage: it is a candidate only for a stack that ends in its loss,
+:func:`shardc.pipeline.stack.layers_loss`).
 """
 
 from __future__ import annotations
@@ -47,11 +49,13 @@ __all__ = ["Choice", "ChoiceOptions", "adopt", "best_pipeline", "candidates", "p
 class ChoiceOptions:
     """``memory_budget``: bytes per device a stage may hold (None: the cluster's device
     memory); ``time_limit``: the ILP guard of each stage plan's search (seconds);
-    ``schedules``: those considered; ``max_virtual``: the most virtual stages per device
-    a circular schedule may have; ``min_gain``: the share of the unpipelined step a
-    pipeline must save to be chosen (module doc); ``views``: the stage axis may also be
-    an axis of another logical view of the devices (:func:`shardc.tradeoff.views.views`: one more
-    unpipelined plan per view, and one stage plan per axis). ``pipeline``: as ``auto_shard``'s
+    ``schedules``: those considered (``"1f1b"`` only where the program has a
+    :func:`~shardc.pipeline.stack.layers_loss` stack); ``max_virtual``: the most virtual
+    stages per device a circular schedule may have; ``min_gain``: the share of the
+    unpipelined step a pipeline must save to be chosen (module doc); ``views``: the stage
+    axis may also be an axis of another logical view of the devices
+    (:func:`shardc.tradeoff.views.views`: one more unpipelined plan per view, and one
+    stage plan per axis). ``pipeline``: as ``auto_shard``'s
     option: None chooses, False chooses none, a :class:`Pipeline` prices that one.
     ``combiner``: the combiners of the backend the plans compile for."""
 
@@ -124,9 +128,14 @@ def candidates(axis: str, stages: int, layers: Layers, options: ChoiceOptions
 
 
 def _check_request(p: Pipeline, sizes: Sequence[int], names: Sequence[str],
-                   layers: Layers) -> None:
-    """A requested pipeline fits the mesh, the layers and the batch, else the error names
-    the fix."""
+                   layers: Layers, schedules: Sequence[str]) -> None:
+    """A requested pipeline fits the mesh, the layers, the batch and the program (1F1B
+    needs a stack's loss: ``schedules``), else the error names the fix."""
+    if p.schedule not in schedules:
+        raise ValueError(f"{p}: 1F1B runs each micro-batch's backward right after its "
+                         "forward, so the loss must be inside the pipeline: write the stack "
+                         "and its loss as shardc.pipeline.layers_loss(layer_fn, loss_fn, "
+                         "carry, stacked_params, head, targets), or use schedule='gpipe'")
     if p.axis not in names:
         raise ValueError(f"{p}: axis {p.axis!r} is not a mesh axis; use one of {list(names)}")
     size = sizes[list(names).index(p.axis)]
@@ -195,7 +204,7 @@ def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[
         return none("no scan over layers whose carry leads with the batch")
     meshes = [View(sizes, names, cluster)]
     if isinstance(request, Pipeline):
-        _check_request(request, sizes, names, layers)
+        _check_request(request, sizes, names, layers, options.schedules)
     elif options.views:
         meshes += views(sizes, names, cluster)[1:]
     priced: list[PipelinePrice] = []
@@ -255,7 +264,8 @@ def adopt(plan: Plan, choice: Choice, graph: Graph, ties: Sequence[tuple[int, in
     layers = find_layers(graph, ties, resident)
     reshards = pipelined_reshards(plan, graph, layers, choice.pipeline, best)
     comm = sum(r.time for r in reshards)
-    stages = best.step_time - best.rest - best.transfers - best.gathers - best.grads
+    stages = best.step_time - best.rest - best.transfers - best.gathers - best.grads - \
+        best.loss_reduce
     rest = sum(op.compute_time for op in plan.ops if not layers.layer_part(op.id))
     predicted = Predicted(comm, stages + rest, sum(r.wire_bytes for r in reshards),
                           best.peak_memory, old.feed_time)
@@ -264,6 +274,8 @@ def adopt(plan: Plan, choice: Choice, graph: Graph, ties: Sequence[tuple[int, in
               "permutes": best.permutes, "permute_bytes": best.permute_bytes,
               "reduces": best.reduces, "reduce_bytes": best.reduce_bytes,
               "comm_s": best.comm, "grads_s": best.grads, "grad_bytes": best.grad_bytes,
+              "batch_axes": [name for name, _ in best.batch_spans],
+              "loss_bytes": best.loss_bytes, "loss_axes": [n for n, _ in best.loss_spans],
               "choice_s": choice.plan_s, "free": sorted(updates(graph, ties, resident))}
     return dataclasses.replace(plan, pipeline=choice.pipeline, predicted=predicted,
                                reshards=tuple(reshards),

@@ -36,12 +36,20 @@ the link ``a`` crosses (:meth:`shardc.cost.cluster.Cluster.send_seconds`: a pair
 nodes sends over one NIC), the all-reduces as any collective over ``a``. Communication adds
 to compute, as the planner prices any plan.
 
+1F1B (a stack ending in its loss, :func:`shardc.pipeline.stack.layers_loss`) runs GPipe's
+compute in ``M + 2S - 2`` ticks of a permute each way (a tick costs its busiest stage:
+the ticks add up to GPipe's), computes the loss on the last stage's devices (``S - 1``
+more times the whole plan's loss compute, :func:`head_ops`), keeps the finished
+micro-batches there (no all-reduce of them) and ends with one all-reduce of the loss's
+weights' gradient over the stage axis and the batch's.
+
 Per-stage peak memory, as the runtime holds it: the stacked state (parameters and
 optimizer moments) at 1 / S, the rest of the state as the whole plan holds it, the whole
 plan's working memory besides state and saved activations (the head's logits, the
 gradients being formed), and what the backward reads: autodiff's residuals of ``T = M V + S
 - 1`` steps of ``L / (S V)`` layers on a micro-batch, ``T / (S V M)`` of the stage plan's
-saved activations (GPipe and, run in GPipe's order, 1F1B); for the circular schedule,
+saved activations (GPipe); for 1F1B, those of ``min(M, 2S - 1)`` micro-batches
+(:mod:`shardc.pipeline.onefb`); for the circular schedule,
 whose chunks are recomputed in the backward, ``T`` chunk inputs (``T / M`` carries) and
 one chunk's residuals instead. Besides, the micro-batched input and the finished
 micro-batches, a carry each (and for the circular schedule the buffer of micro-batches
@@ -71,11 +79,13 @@ from shardc.cost.units import fmt_bytes, fmt_time
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import shared_dim_splits
 from shardc.ir.trace import SCAN_EXIT
+from shardc.pipeline.onefb import in_flight
+from shardc.pipeline.onefb import ticks as onefb_ticks
 from shardc.pipeline.scans import Layers
 from shardc.pipeline.schedule import Pipeline
 from shardc.plan.record import Plan
 
-__all__ = ["Parts", "PipelinePrice", "parts", "price"]
+__all__ = ["Parts", "PipelinePrice", "head_ops", "parts", "price"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +108,12 @@ class Parts:
     pipeline's stages split each micro-batch over, :mod:`shardc.pipeline.lowering`);
     ``weights``: the bytes of the stacked parameters the layer scans read, whole;
     ``cotangent``: the backward scan's carry cotangent (the stack input's) is read (the
-    input is differentiated: one more closing all-reduce)."""
+    input is differentiated: one more closing all-reduce); ``head``: the compute of the
+    ops of the stacks' own calls outside their scans (a
+    :func:`~shardc.pipeline.stack.layers_loss` stack's loss, forward and backward; next to
+    nothing for a :func:`~shardc.pipeline.stack.layers` stack) and ``head_weights``: the
+    bytes of the step's inputs they read that are not fed per step (the loss's weights,
+    whole)."""
 
     step: float
     peak: float
@@ -117,6 +132,8 @@ class Parts:
     batch_spans: tuple[tuple[str, int], ...] = ()
     weights: float = 0.0
     cotangent: bool = True
+    head: float = 0.0
+    head_weights: float = 0.0
 
     def sample_seconds(self, microbatches: int) -> float:
         """The per-sample conversions' seconds when each runs once per micro-batch on
@@ -209,11 +226,28 @@ def parts(plan: Plan, graph: Graph, layers: Layers, ties=(), resident=()) -> Par
                 other += held
     saved = sum(nbytes[i] * plan.values[i].shard_fraction(sizes) for i in layers.saved)
     carry = sum(nbytes[i] * plan.values[i].shard_fraction(sizes) for i in layers.carry)
+    head = head_ops(graph, layers)
+    fed = {v.id for k, v in enumerate(graph.inputs) if k not in carried}
+    read = {v.id for op in graph.ops if op.id in head for v in op.inputs}
+    head_weights = sum(v.nbytes for v in graph.inputs
+                       if v.id in read and v.id not in fed and v.id not in layers.stacked)
     return Parts(plan.predicted.step_time, plan.predicted.peak_memory,
                  compute + scans + once, compute, tuple(sample), once, state, other, saved,
                  carry, min(len(layers.scans), 2), rerun, rest, outside,
                  _batch_spans(plan, layers), float(sum(nbytes[i] for i in layers.params)),
-                 _cotangent(graph, layers))
+                 _cotangent(graph, layers),
+                 sum(op.compute_time for op in plan.ops if op.id in head),
+                 float(head_weights))
+
+
+def head_ops(graph: Graph, layers: Layers) -> frozenset[int]:
+    """Ids of the ops in the calls a stack's scans are in (a stack's ``jit`` calls), outside
+    the scans and the stacked values' updates: a loss stack's loss. None for scans that
+    are in no call."""
+    calls = {w[:-1] for w in layers.scans if len(w) > 1}
+    return frozenset(op.id for op in graph.ops
+                     if any(op.where[:len(c)] == c for c in calls)
+                     and not layers.layer_part(op.id))
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,12 +284,17 @@ class PipelinePrice:
     grad_bytes: float = 0.0
     grad_spans: tuple[tuple[str, int], ...] = ()
     rest_comm: float = 0.0
+    ticks: int = 0
+    batch_spans: tuple[tuple[str, int], ...] = ()
+    loss_reduce: float = 0.0
+    loss_bytes: float = 0.0
+    loss_spans: tuple[tuple[str, int], ...] = ()
 
     @property
     def comm(self) -> float:
         """Seconds of the step's communication: the sends, the closing all-reduces, the
         stages' gradient all-reduce and the rest's conversions."""
-        return self.transfers + self.gathers + self.grads + self.rest_comm
+        return self.transfers + self.gathers + self.grads + self.rest_comm + self.loss_reduce
 
     def summary(self) -> str:
         """One line: the pipeline, its step, the bubble's share of the step, the sends and
@@ -275,13 +314,27 @@ def price(pipeline: Pipeline, whole: Parts, stage: Parts, cluster: Cluster,
     :class:`Parts` and the stage plan's (see the module doc)."""
     s, m, v = pipeline.stages, pipeline.microbatches, pipeline.virtual
     ticks = m * v + s - 1
+    onefb = pipeline.schedule == "1f1b" and stage.passes > 1  # forward only: GPipe's
     # GPipe keeps its forward's residuals (no rerun); circular recomputes each chunk
     work = (stage.compute - (stage.rerun if v == 1 else 0.0) + stage.sample_seconds(m)) / s
     layers = work * ticks / (m * v)
+    bubble = layers - work
     spans = [(pipeline.axis, s)]
+    loss_reduce = loss_bytes = 0.0
+    loss_spans: tuple[tuple[str, int], ...] = ()
+    if onefb:
+        # a tick costs its busiest stage's work: the ticks add up to GPipe's (onefb doc);
+        # the loss runs on the last stage's devices alone, S times the whole plan's time
+        ticks = onefb_ticks(pipeline)
+        layers += (s - 1) * whole.head
+        reduces = int(stage.cotangent)
+        loss_spans = ((pipeline.axis, s), *stage.batch_spans)
+        loss_bytes = stage.head_weights + 4.0  # the gradient and the float32 loss
+        loss_reduce = cluster.collective_seconds("all-reduce", loss_spans, loss_bytes)
+    else:
+        reduces = 1 + (stage.passes > 1 and stage.cotangent)
     permutes = stage.passes * ticks
     transfers = permutes * cluster.send_seconds(spans, stage.carry / m)
-    reduces = 1 + (stage.passes > 1 and stage.cotangent)
     gathers = reduces * cluster.collective_seconds("all-reduce", spans, stage.carry)
     grads = grad_bytes = 0.0
     if stage.batch_spans and stage.passes > 1:
@@ -297,10 +350,13 @@ def price(pipeline: Pipeline, whole: Parts, stage: Parts, cluster: Cluster,
     working = max(0.0, whole.peak - whole.state - whole.other_state - whole.saved)
     if v > 1:  # chunk inputs kept, one chunk recomputed at a time; the returning buffer
         held = stage.carry * ticks / m + stage.saved / (s * v * m) + 3 * stage.carry
+    elif onefb:  # the residuals of the micro-batches in flight; the input, its cotangent
+        held = stage.saved * in_flight(pipeline) / (s * m) + 2 * stage.carry
     else:
         held = stage.saved * ticks / (s * m) + 2 * stage.carry
     peak = stage.state / s + whole.other_state + working + held
-    return PipelinePrice(pipeline, rest + layers + transfers + gathers + once, rest, layers,
-                         layers - work, transfers, gathers, once, permutes, stage.carry / m,
-                         reduces, stage.carry, peak, mesh, grads, grad_bytes,
-                         stage.batch_spans if grads else (), whole.rest_comm)
+    return PipelinePrice(pipeline, rest + layers + transfers + gathers + once + loss_reduce,
+                         rest, layers, bubble, transfers, gathers, once, permutes,
+                         stage.carry / m, reduces, stage.carry, peak, mesh, grads, grad_bytes,
+                         stage.batch_spans if grads else (), whole.rest_comm, ticks,
+                         stage.batch_spans, loss_reduce, loss_bytes, loss_spans)

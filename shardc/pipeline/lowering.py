@@ -1,18 +1,21 @@
 """A plan's pipeline in the lowering: the layer stacks of the program
 (:func:`shardc.pipeline.stack.layers`) run as :func:`~shardc.pipeline.runtime.pipeline_scan`.
 
-Which scans are pipelined: every stack written with :func:`~shardc.pipeline.stack.layers`,
-found by the names of its inner ``jit`` calls (a plain ``jax.lax.scan`` is not pipelined:
-its traced body is fixed at the full batch). The forward call runs the pipelined forward
-under ``jax.vjp`` and keeps its backward; the backward call of the same operands (the
-program's gradient, traced in the same ``jit``) runs that kept backward, so the step
-computes the pipelined forward once. A backward call whose forward ran elsewhere (another
-trace: a recomputed segment, a user's gradient of the whole step) recomputes the pipelined
-forward and differentiates it.
+Which scans are pipelined: every stack written with :func:`~shardc.pipeline.stack.layers`
+or :func:`~shardc.pipeline.stack.layers_loss`, found by the names of its inner ``jit``
+calls (a plain ``jax.lax.scan`` is pipelined where ``auto_shard`` routed it to ``layers``
+when tracing: its traced body is fixed at the full batch). A ``layers_loss`` stack runs
+its loss after the pipeline, or, for ``"1f1b"``, inside it
+(:func:`~shardc.pipeline.onefb.pipeline_loss`: its forward computes the gradient too).
+The forward call runs the pipelined forward under ``jax.vjp`` and keeps its backward; the
+backward call of the same operands (the program's gradient, traced in the same ``jit``)
+runs that kept backward, so the step computes the pipelined forward once. A backward call
+whose forward ran elsewhere (another trace: a recomputed segment, a user's gradient of the
+whole step) recomputes the pipelined forward and differentiates it.
 
-Within each stage, the micro-batches are split over the mesh axes the plan splits the
-stack's carry's batch dim over (as the stack's scan reads it; the stage axis aside): the
-plan's data parallelism runs inside the pipeline.
+Within each stage, the micro-batches are split over the mesh axes the pipeline was priced
+with (the stage plan's split of the stack's carry's batch dim, the stage axis aside;
+recorded in the plan): the plan's data parallelism runs inside the pipeline.
 
 A plan with a pipeline over a program without a stack raises: the pipeline would silently
 run nothing. A step that takes no gradient inside keeps the stack's custom-derivative
@@ -27,6 +30,7 @@ from jax.sharding import Mesh
 
 from shardc.ir.sbp import shared_dim_splits
 from shardc.ir.trace import Loop, Region
+from shardc.pipeline.onefb import pipeline_loss
 from shardc.pipeline.runtime import pipeline_scan
 from shardc.pipeline.schedule import Pipeline
 from shardc.pipeline.stack import Stack, stack_named
@@ -89,33 +93,52 @@ class Stacks:
     """The lowering's pipelined stacks: ``call`` runs an inner ``jit`` call of a stack as
     the pipeline, or returns None for any other call."""
 
-    __slots__ = ("pipeline", "mesh", "by_op", "kept", "ran")
+    __slots__ = ("pipeline", "mesh", "by_op", "batch", "kept", "ran")
 
-    def __init__(self, pipeline: Pipeline, mesh: Mesh, by_op: dict):
+    def __init__(self, pipeline: Pipeline, mesh: Mesh, by_op: dict,
+                 batch: tuple[str, ...] | None = None):
         self.pipeline = pipeline
         self.mesh = mesh
         self.by_op = by_op  # the plan's ops by id
+        #: the mesh axes each micro-batch is split over, as the pipeline was priced (the
+        #: plan's record, ``solver["pipeline"]["batch_axes"]``); None: read off the plan's
+        #: layout of the stack's carry (a plan made before the record had them)
+        self.batch = None if batch is None else tuple(batch)
         #: ids of a forward call's operands -> (those operands, held so their ids are not
         #: reused, and the pipelined forward's backward)
         self.kept: dict[tuple[int, ...], tuple[list, object]] = {}
         self.ran = 0
 
     def _forward(self, stack: Stack, region: Region | None):
-        """The stack's pipelined forward: the user's ``layer_fn`` traced again on
-        micro-batches (the converted layer is a jaxpr fixed at the full batch)."""
-        if stack.consts:
-            raise ValueError(
-                f"shardc.pipeline.layers: the layer function {stack.fn.__qualname__} closes "
-                f"over {stack.consts} traced array(s); a pipelined stack traces it again on "
-                "micro-batches, where those values are gone: pass them in the carry or the "
-                "stacked params (a per-layer copy), or leave pipeline=None")
+        """The stack's pipelined forward (of a :func:`~shardc.pipeline.stack.layers_loss`
+        stack, its loss; 1F1B runs the backward with it): the user's ``layer_fn`` (and
+        ``loss_fn``) traced again on micro-batches (the converted ones are jaxprs fixed at
+        the full batch)."""
+        closing = [(stack.fn, stack.consts, "the carry or the stacked params (a per-layer "
+                    "copy)")]
+        if stack.loss is not None:
+            closing.append((stack.loss.fn, stack.loss.consts, "the head or the targets"))
+        for fn, n, where in closing:
+            if n:
+                raise ValueError(
+                    f"shardc.pipeline: the function {fn.__qualname__} closes over {n} traced "
+                    "array(s); a pipelined stack traces it again on micro-batches, where "
+                    f"those values are gone: pass them in {where}, or leave pipeline=None")
 
-        axes = () if region is None else \
-            batch_axes(region, self.by_op, tuple(self.mesh.axis_names), self.pipeline.axis)
+        if self.batch is not None:
+            axes = self.batch
+        else:
+            axes = () if region is None else batch_axes(
+                region, self.by_op, tuple(self.mesh.axis_names), self.pipeline.axis)
+        p, mesh = self.pipeline, self.mesh
 
-        def fn(carry, params, consts):
-            return pipeline_scan(stack.fn, carry, params, pipeline=self.pipeline,
-                                 mesh=self.mesh, batch_axes=axes)[0]
+        def fn(carry, params, consts, head=None, targets=None, loss_consts=()):
+            if stack.loss is not None and p.schedule == "1f1b":
+                return pipeline_loss(stack.fn, stack.loss.fn, carry, params, head, targets,
+                                     pipeline=p, mesh=mesh, batch_axes=axes)
+            out = pipeline_scan(stack.fn, carry, params, pipeline=p, mesh=mesh,
+                                batch_axes=axes)[0]
+            return out if stack.loss is None else stack.loss.fn(out, head, targets)
         return fn
 
     def call(self, eqn, region: Region | None, args: list) -> list | None:
@@ -133,8 +156,7 @@ class Stacks:
             return None
         stack, kind = found
         self.ran += 1
-        n = stack.carry.num_leaves + stack.params.num_leaves + stack.consts
-        operands = list(args[:n])
+        operands = list(args[:stack.operands])
         key = tuple(map(id, operands))
         if kind == "fwd":
             out, back = jax.vjp(self._forward(stack, region), *stack.split(operands))
@@ -149,7 +171,7 @@ class Stacks:
                 back = hit[1]
             else:
                 back = jax.vjp(self._forward(stack, region), *stack.split(operands))[1]
-            ct = jax.tree.unflatten(stack.carry, args[len(args) - stack.carry.num_leaves:])
+            ct = jax.tree.unflatten(stack.result, args[len(args) - stack.result.num_leaves:])
             outs = jax.tree.leaves(back(ct))
         if len(outs) != len(eqn.outvars):
             raise AssertionError(f"{eqn.params['name']}: {len(outs)} results for "

@@ -16,7 +16,8 @@ converts:
   them). A stack's recomputed forward (:attr:`~shardc.pipeline.scans.Layers.rerun`) does
   not run: the backward pipeline keeps its forward's residuals;
 * the pipeline's own: the sends each way (one collective-permute per pass, run every
-  tick), the closing all-reduces over the stage axis, and the stages' gradient
+  tick), the closing all-reduces over the stage axis (for 1F1B, also the loss's and its
+  weights' gradient, over the stage axis and the batch's), and the stages' gradient
   all-reduce over the axes splitting each micro-batch, which XLA's all-reduce combiner
   joins with the rest's over the same axes where there is one (the same tuple
   collective: charged what it adds to it), charged to the forward scan's first carry.
@@ -36,7 +37,7 @@ from shardc.cost.comm import conversion
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Split
 from shardc.ir.trace import SCAN_ENTER, SCAN_EXIT
-from shardc.pipeline.cost import PipelinePrice, rest_reshards
+from shardc.pipeline.cost import PipelinePrice, head_ops, rest_reshards
 from shardc.pipeline.scans import Layers
 from shardc.pipeline.schedule import Pipeline
 from shardc.plan.record import Plan, Reshard
@@ -59,16 +60,22 @@ def _converted(plan: Plan, value, consumer: int | None, src: NdSbp, dst: NdSbp
                    (-1,) * len(conv.collectives))
 
 
-def _edges(plan: Plan, graph: Graph, layers: Layers, at: NdSbp, rest: list[Reshard]
-           ) -> list[Reshard]:
+def _edges(plan: Plan, graph: Graph, layers: Layers, at: NdSbp, rest: list[Reshard],
+           head: frozenset[int], loss: set[int]) -> list[Reshard]:
     """``rest`` with the stacks' edges converted to and from the pipeline's layout ``at``
-    (module doc): the carry enters of the forward and backward scans, and their carry
-    exits (their readers' conversions re-priced from ``at``)."""
+    (module doc): the carry enters of the forward and backward scans (but a cotangent a
+    stack's loss makes, ``loss``), and their carry exits (their readers' conversions
+    re-priced from ``at``; but an exit only a stack's loss reads, of the ops ``head``):
+    the pipelined program runs a stack's loss on what the pipeline gives it."""
     run = (layers.scans[0], layers.scans[-1]) if len(layers.scans) > 1 else layers.scans[:1]
     enters = [op for op in graph.ops if op.prim is SCAN_ENTER and op.where in run
               and op.params.get("kind") == "carry"]
     exits = {op.outputs[0].id: op.outputs[0] for op in graph.ops
              if op.prim is SCAN_EXIT and op.where in run and op.params.get("kind") == "carry"}
+    if head:
+        outer = {v.id for op in graph.ops if op.id not in head for v in op.inputs} | \
+            {v.id for v in graph.outputs}
+        exits = {i: v for i, v in exits.items() if i in outer}
     out = []
     for r in rest:  # a pipeline's result is read from the pipeline's layout
         if r.value in exits:
@@ -81,17 +88,17 @@ def _edges(plan: Plan, graph: Graph, layers: Layers, at: NdSbp, rest: list[Resha
             out += filter(None, [_converted(plan, v, None, at, plan.read_as(v.id))])
     for op in enters:
         v = op.inputs[0]
-        if not v.is_const:
+        if not v.is_const and v.id not in loss:
             out += filter(None, [_converted(plan, v, op.id, plan.read_as(v.id), at)])
     return out
 
 
-def _layout(plan: Plan, layers: Layers, axis: str) -> NdSbp:
-    """The pipeline's layout of a carry: its batch dim split over the mesh axes the plan's
-    forward scan reads it split over (the stage axis aside), whole over the others."""
-    nd = plan.values[layers.carry[0]]
-    return NdSbp(tuple(Split(0) if isinstance(s, Split) and s.dim == 0 and name != axis
-                       else B for name, s in zip(plan.axis_names, nd.sbps)))
+def _layout(plan: Plan, best: PipelinePrice) -> NdSbp:
+    """The pipeline's layout of a carry: its batch dim split over the mesh axes each
+    micro-batch is split over inside the stages (``best.batch_spans``), whole over the
+    others."""
+    split = {name for name, _ in best.batch_spans}
+    return NdSbp(tuple(Split(0) if name in split else B for name in plan.axis_names))
 
 
 def pipelined_reshards(plan: Plan, graph: Graph, layers: Layers, pipeline: Pipeline,
@@ -100,8 +107,13 @@ def pipelined_reshards(plan: Plan, graph: Graph, layers: Layers, pipeline: Pipel
     priced ``best`` (module doc)."""
     p = pipeline
     carry = layers.carry[0]
-    at = _layout(plan, layers, p.axis)
-    out = _edges(plan, graph, layers, at, rest_reshards(plan, graph, layers))
+    at = _layout(plan, best)
+    head = head_ops(graph, layers)
+    loss = {v.id for op in graph.ops if op.id in head for v in op.outputs}
+    rest = rest_reshards(plan, graph, layers)
+    if best.loss_reduce:  # 1F1B: the loss and its gradients are summed inside the pipeline
+        rest = [r for r in rest if r.value not in loss and r.consumer not in head]
+    out = _edges(plan, graph, layers, at, rest, head, loss)
 
     def one(kind: str, spans, nbytes: float, seconds: float, runs: int = 1,
             group: int = -1) -> Reshard:
@@ -111,12 +123,13 @@ def pipelined_reshards(plan: Plan, graph: Graph, layers: Layers, pipeline: Pipel
                        (group,))
 
     stage = ((p.axis, p.stages),)
-    passes = best.permutes // (p.microbatches * p.virtual + p.stages - 1)
-    runs = best.permutes // passes
+    passes = best.permutes // best.ticks
     out += [one("collective-permute", stage, best.permute_bytes, best.transfers / passes,
-                runs) for _ in range(passes)]
+                best.ticks) for _ in range(passes)]
     out += [one("all-reduce", stage, best.reduce_bytes, best.gathers / best.reduces)
             for _ in range(best.reduces)]
+    if best.loss_reduce:  # 1F1B: the loss and its weights' gradient, from the last stage
+        out.append(one("all-reduce", best.loss_spans, best.loss_bytes, best.loss_reduce))
     if best.grads:
         name = "all-reduce@" + "+".join(n for n, _ in best.grad_spans)
         out, group = _joined(out, name)

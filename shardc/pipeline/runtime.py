@@ -44,13 +44,9 @@ saves for ``K`` layers on ``b`` examples (the unpipelined scan's residuals times
 backward, one extra forward of the stack); besides, the micro-batched input, the
 finished micro-batches and (circular) the buffer of returning ones, ``M * b * a`` each.
 
-What the ``"1f1b"`` schedule is here: the same forward order as ``"gpipe"`` and the same
-autodiff backward, so its values and gradients equal the scan's, but it is not a
-one-forward-one-backward interleaving: a stage holds the residuals of all ``M + S - 1``
-steps, not 1F1B's bound of ``min(M, S)`` micro-batches (:mod:`shardc.pipeline.cost`
-prices what it holds). A true 1F1B needs the loss inside the pipelined loop (the
-backward of micro-batch ``m`` runs before the forward of ``m + S``), which a function
-returning the stack's carry cannot give.
+Schedules: ``"gpipe"`` and ``"circular"``. ``"1f1b"`` runs each micro-batch's backward
+soon after its forward, which needs the loss inside the loop: a stack and its loss run so
+with :func:`shardc.pipeline.onefb.pipeline_loss`; asked of this function, it raises.
 
 References:
   Huang et al., "GPipe" (NeurIPS 2019): micro-batches through stages, the bubble.
@@ -73,10 +69,11 @@ from jax.sharding import Mesh, PartitionSpec
 
 from shardc.pipeline.schedule import Pipeline
 
-__all__ = ["carry_of", "check_axis", "check_pipeline", "pipeline_scan"]
+__all__ = ["at", "carry_of", "check_axis", "check_batch_axes", "check_pipeline", "leading",
+           "pipeline_scan", "put"]
 
 
-def _leading(tree, what: str) -> int:
+def leading(tree, what: str) -> int:
     sizes = {x.shape[0] if getattr(x, "ndim", 0) else None for x in jax.tree.leaves(tree)}
     if len(sizes) != 1 or None in sizes:
         raise ValueError(f"pipeline_scan: every leaf of the {what} needs the same leading "
@@ -128,7 +125,7 @@ def carry_of(layer_fn: Callable, who: str) -> Callable:
     return one
 
 
-def _check_batch_axes(p: Pipeline, mesh, batch_axes, batch: int) -> None:
+def check_batch_axes(p: Pipeline, mesh, batch_axes, batch: int) -> None:
     shape = dict(mesh.shape)
     bad = [a for a in batch_axes if a not in shape or a == p.axis]
     if bad:
@@ -142,11 +139,12 @@ def _check_batch_axes(p: Pipeline, mesh, batch_axes, batch: int) -> None:
                          "micro-batches or fewer batch axes")
 
 
-def _at(tree, i):
+def at(tree, i):
+    """``tree[i]``: every leaf indexed at ``i`` (a traced index) on its leading dim."""
     return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
 
 
-def _put(tree, i, new, keep):
+def put(tree, i, new, keep):
     """``tree[i] = new`` where ``keep`` is false; unchanged where it is true."""
     def one(x, y):
         old = jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
@@ -177,7 +175,7 @@ def _stages(layer_fn: Callable, pipeline: Pipeline, steps: int, batch_axes: tupl
         """Chunk ``v`` of the stage's ``[V, K, ...]`` weights on ``x``, recomputed in the
         backward: weights sliced by a step's ``v`` are saved per step otherwise (a copy
         of a chunk's weights per step, ``T / V`` copies of the stage's)."""
-        return layers_of(_at(params, v), x)
+        return layers_of(at(params, v), x)
 
     def run(params, mbs):
         # made varying once, before the loop: the cotangents' sums over the axes (the
@@ -191,7 +189,7 @@ def _stages(layer_fn: Callable, pipeline: Pipeline, steps: int, batch_axes: tupl
                                   params)
         only = params  # V = 1: the stage's one chunk, outside the loop
         s = jax.lax.axis_index(axis)
-        first = _at(mbs, 0)  # a stand-in for the bubble steps
+        first = at(mbs, 0)  # a stand-in for the bubble steps
         outs = jax.tree.map(jnp.zeros_like, mbs)
         circ = outs if v_n > 1 else None
 
@@ -200,15 +198,15 @@ def _stages(layer_fn: Callable, pipeline: Pipeline, steps: int, batch_axes: tupl
             done = jnp.maximum(t - s, 0)
             m, v = done % m_n, jnp.minimum(done // m_n, v_n - 1)
             live = (t - s >= 0) & (t - s < m_n * v_n)
-            head = _at(mbs, m) if circ is None else \
-                _where(v == 0, _at(mbs, m), _at(circ, m))
+            head = at(mbs, m) if circ is None else \
+                _where(v == 0, at(mbs, m), at(circ, m))
             x = _where(s == 0, head, cur)
             y = layers_of(only, x) if v_n == 1 else picked(params, v, x)
-            outs = _put(outs, m, y, ~(live & (s == s_n - 1) & (v == v_n - 1)))
+            outs = put(outs, m, y, ~(live & (s == s_n - 1) & (v == v_n - 1)))
             nxt = jax.tree.map(lambda a: jax.lax.ppermute(a, axis, ring), y)
             if circ is not None:  # stage 0 keeps what came round for its next pass
                 back = t - (s_n - 1)
-                circ = _put(circ, jnp.maximum(back, 0) % m_n, nxt,
+                circ = put(circ, jnp.maximum(back, 0) % m_n, nxt,
                             ~((s == 0) & (back >= 0) & (back < m_n * (v_n - 1))))
             return (nxt, circ, outs), None
 
@@ -227,8 +225,9 @@ def pipeline_scan(layer_fn: Callable, carry: Any, stacked_params: Any, *,
     ``stacked_params``' leaves a leading layer dim (cut into ``stages * virtual`` chunks,
     chunk ``v * stages + s`` on stage ``s``); ``layer_fn(carry, layer_params)`` returns
     ``(carry, None)``. Returns ``(carry, None)``, as the scan does. Differentiable; see the
-    module docstring for the schedules and what ``"1f1b"`` is here. The layers must treat
-    the examples of a batch apart (as a transformer's layers do, not a batch norm):
+    module docstring for the schedules (``"1f1b"`` is
+    :func:`shardc.pipeline.onefb.pipeline_loss`'s). The layers must treat the examples of
+    a batch apart (as a transformer's layers do, not a batch norm):
     micro-batch ``m`` holds examples ``m, m + M, m + 2M, ...``.
 
     ``batch_axes`` (mesh axes other than the stage axis) split every micro-batch's batch
@@ -237,7 +236,13 @@ def pipeline_scan(layer_fn: Callable, carry: Any, stacked_params: Any, *,
     gradients are summed over them once, after the backward loop. Without, the other
     axes stay Auto and XLA lays the micro-batches out as it likes."""
     p = pipeline
-    batch, layers = _leading(carry, "carry"), _leading(stacked_params, "stacked params")
+    if p.schedule == "1f1b":
+        raise ValueError(f"pipeline_scan({p}): 1F1B runs each micro-batch's backward right "
+                         "after its forward, so the loss must be inside the pipeline: write "
+                         "the stack and its loss as shardc.pipeline.layers_loss(layer_fn, "
+                         "loss_fn, carry, stacked_params, head, targets), or use "
+                         "schedule='gpipe'")
+    batch, layers = leading(carry, "carry"), leading(stacked_params, "stacked params")
     check_pipeline(p, mesh, batch, layers)
     s_n, m_n, v_n = p.stages, p.microbatches, p.virtual
     k = layers // (s_n * v_n)
@@ -246,7 +251,7 @@ def pipeline_scan(layer_fn: Callable, carry: Any, stacked_params: Any, *,
     params = stacked_params if v_n == 1 else \
         jax.tree.map(lambda w: w.reshape((v_n, s_n, k) + w.shape[1:]), stacked_params)
     weights = PartitionSpec(p.axis) if v_n == 1 else PartitionSpec(None, p.axis)
-    _check_batch_axes(p, mesh, batch_axes, batch)
+    check_batch_axes(p, mesh, batch_axes, batch)
     # micro-batch m is rows m, m + M, m + 2M, ...: a batch split over mesh axes (in blocks)
     # stays split within every micro-batch, not across them
     mbs = jax.tree.map(

@@ -37,8 +37,8 @@ from jax.extend.core import jaxprs_in_params
 
 from shardc.pipeline.runtime import carry_of
 
-__all__ = ["PREFIX", "Stack", "has_stack", "layers", "running", "scans_as_layers",
-           "stack_named"]
+__all__ = ["PREFIX", "Loss", "Stack", "has_stack", "layers", "layers_loss", "running",
+           "scans_as_layers", "stack_named"]
 
 #: the name prefix of the inner ``jit`` calls of a layer stack
 PREFIX = "shardc_layers_"
@@ -49,29 +49,72 @@ _SCAN = jax.lax.scan
 
 
 @dataclass(frozen=True, slots=True)
+class Loss:
+    """The loss a stack of :func:`layers_loss` ends in: the user's ``loss_fn``, its
+    closure-converted form ``loss(final_carry, head, targets, *consts) -> scalar``, and the
+    trees of its operands (``head``, ``targets``, ``consts`` closed-over arrays)."""
+
+    fn: Callable
+    loss: Callable
+    head: Any  # treedef
+    targets: Any  # treedef
+    consts: int
+
+
+@dataclass(frozen=True, slots=True)
 class Stack:
     """A filed layer stack: the user's ``layer_fn``, its closure-converted form
     ``layer(carry, layer_params, *consts) -> carry`` (closed-over traced arrays as
-    operands), and the trees of its flat operands (carry, stacked parameters, ``consts``
-    closed-over arrays)."""
+    operands), the trees of its flat operands (carry, stacked parameters, ``consts``
+    closed-over arrays) and, for :func:`layers_loss`, the loss it ends in (then the head,
+    the targets and the loss's closed-over arrays follow those operands)."""
 
     fn: Callable
     layer: Callable
     carry: Any  # treedef
     params: Any  # treedef
     consts: int
+    loss: Loss | None = None
 
-    def split(self, flat) -> tuple[Any, Any, tuple]:
-        """Flat operands -> (carry, stacked params, consts)."""
-        nc, npar = self.carry.num_leaves, self.params.num_leaves
-        return (jax.tree.unflatten(self.carry, flat[:nc]),
-                jax.tree.unflatten(self.params, flat[nc:nc + npar]),
-                tuple(flat[nc + npar:nc + npar + self.consts]))
+    @property
+    def operands(self) -> int:
+        """How many flat operands the stack's calls take (before a backward's own)."""
+        n = self.carry.num_leaves + self.params.num_leaves + self.consts
+        if self.loss is not None:
+            n += self.loss.head.num_leaves + self.loss.targets.num_leaves + self.loss.consts
+        return n
+
+    @property
+    def result(self) -> Any:
+        """The tree of the forward's result: the carry's, or a scalar loss's."""
+        return self.carry if self.loss is None else jax.tree.structure(0.0)
+
+    def split(self, flat) -> tuple:
+        """Flat operands -> (carry, stacked params, consts), and for a loss stack (head,
+        targets, the loss's consts) after them."""
+        out, at = [], 0
+        trees = [self.carry, self.params, self.consts]
+        if self.loss is not None:
+            trees += [self.loss.head, self.loss.targets, self.loss.consts]
+        for tree in trees:
+            n = tree if isinstance(tree, int) else tree.num_leaves
+            part = flat[at:at + n]
+            out.append(tuple(part) if isinstance(tree, int) else jax.tree.unflatten(tree, part))
+            at += n
+        return tuple(out)
 
     def scan(self, carry, params, consts):
         def body(c, w):
             return self.layer(c, w, *consts), None
         return _SCAN(body, carry, params)[0]
+
+    def run(self, *operands):
+        """What the stack computes unpipelined: the scan's carry, or its loss."""
+        out = self.scan(*operands[:3])
+        if self.loss is None:
+            return out
+        head, targets, consts = operands[3:]
+        return self.loss.loss(out, head, targets, *consts)
 
 
 #: stack name -> Stack; a name is a digest of the layer function's code location and of
@@ -92,17 +135,18 @@ def stack_named(name: str) -> tuple[Stack, str] | None:
     return stack, kind
 
 
-def has_stack(jaxpr) -> bool:
-    """Whether ``jaxpr`` (open or closed; None: no program) calls a filed layer stack, at
-    any depth."""
+def has_stack(jaxpr, loss: bool = False) -> bool:
+    """Whether ``jaxpr`` (open or closed; None: no program) calls a filed layer stack (with
+    ``loss``, one of :func:`layers_loss`), at any depth."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     if jaxpr is None:
         return False
     for eqn in jaxpr.eqns:
-        if stack_named(str(eqn.params.get("name", ""))) is not None:
+        found = stack_named(str(eqn.params.get("name", "")))
+        if found is not None and (not loss or found[0].loss is not None):
             return True
         for sub in jaxprs_in_params(eqn.params):
-            if has_stack(sub):
+            if has_stack(sub, loss):
                 return True
     return False
 
@@ -122,33 +166,33 @@ def _named(fn: Callable, name: str) -> Callable:
     return jax.jit(fn)
 
 
-def _forward(name: str, carry, params, consts):
+def _forward(name: str, *operands):
     stack = _STACKS[name]
-    return _named(lambda c, p, k: stack.scan(c, p, k), f"{name}_fwd")(carry, params, consts)
+    return _named(lambda *ops: stack.run(*ops), f"{name}_fwd")(*operands)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _run(name: str, carry, params, consts):
-    return _forward(name, carry, params, consts)
+def _run(name: str, *operands):
+    return _forward(name, *operands)
 
 
-def _fwd(name, carry, params, consts):
+def _fwd(name, *operands):
     stack = _STACKS[name]
 
-    def forward(c, p, k):  # the scan's own backward, kept: jax.vjp's is a pytree of arrays
-        return jax.vjp(stack.scan, c, p, k)
+    def forward(*ops):  # the stack's own backward, kept: jax.vjp's is a pytree of arrays
+        return jax.vjp(stack.run, *ops)
 
-    out, back = _named(forward, f"{name}_fwd")(carry, params, consts)
-    return out, (carry, params, consts, back)
+    out, back = _named(forward, f"{name}_fwd")(*operands)
+    return out, (operands, back)
 
 
 def _bwd(name, res, ct):
-    carry, params, consts, back = res
+    operands, back = res
 
-    def backward(c, p, k, back, ct):  # the operands ride along: a pipeline's backward
-        return back(ct)  # (shardc.pipeline.lowering) is keyed by them
+    def backward(*args):  # the operands ride along: a pipeline's backward
+        return args[-2](args[-1])  # (shardc.pipeline.lowering) is keyed by them
 
-    return _named(backward, f"{name}_bwd")(carry, params, consts, back, ct)
+    return _named(backward, f"{name}_bwd")(*operands, back, ct)
 
 
 _run.defvjp(_fwd, _bwd)
@@ -261,18 +305,47 @@ def layers(layer_fn: Callable, carry: Any, stacked_params: Any) -> tuple[Any, No
     if run is not None:
         return run(layer_fn, carry, stacked_params), None
     with _not_routing():  # a scan inside the layer is the layer's own
-        return _filed(layer_fn, carry, stacked_params)
+        return _filed(layer_fn, carry, stacked_params), None
 
 
-def _filed(layer_fn: Callable, carry: Any, stacked_params: Any) -> tuple[Any, None]:
-    """:func:`layers` outside a hand-written pipeline: the stack filed and run."""
+def layers_loss(layer_fn: Callable, loss_fn: Callable, carry: Any, stacked_params: Any,
+                head: Any, targets: Any) -> jax.Array:
+    """``loss_fn(jax.lax.scan(layer_fn, carry, stacked_params)[0], head, targets)``: a layer
+    stack (as :func:`layers`) and the loss it ends in, which a pipeline can run as 1F1B
+    (each micro-batch's backward as soon as its loss is known: ``Pipeline(...,
+    schedule="1f1b")``, :mod:`shardc.pipeline.onefb`). ``loss_fn(final_carry, head,
+    targets)`` returns a scalar, the mean over the batch's examples of a per-example term
+    (a pipeline's loss is the mean of its micro-batches'); ``head`` is what it reads
+    besides (the output layer's weights: a pytree, differentiated), ``targets``' leaves lead
+    with the batch dim, as ``carry``'s. Everywhere but a pipelined ``auto_shard`` it is that
+    expression, its gradient autodiff's; within :func:`running`, the stack runs as its
+    runner has it."""
+    run = _RUNNER.get()
+    if run is not None:
+        return loss_fn(run(layer_fn, carry, stacked_params), head, targets)
+    with _not_routing():
+        return _filed(layer_fn, carry, stacked_params, (loss_fn, head, targets))
+
+
+def _filed(layer_fn: Callable, carry: Any, stacked_params: Any, loss=None):
+    """:func:`layers` (and, with ``loss`` = (loss_fn, head, targets), :func:`layers_loss`)
+    outside a hand-written pipeline: the stack filed and run."""
     one = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape[1:], w.dtype), stacked_params)
-
-    layer, consts = jax.closure_convert(carry_of(layer_fn, "shardc.pipeline.layers"), carry,
-                                        one)
+    who = "shardc.pipeline.layers" if loss is None else "shardc.pipeline.layers_loss"
+    layer, consts = jax.closure_convert(carry_of(layer_fn, who), carry, one)
     text = str(jax.make_jaxpr(layer)(carry, one, *consts))
     trees = (jax.tree.structure(carry), jax.tree.structure(stacked_params))
-    digest = hashlib.sha1(f"{_origin(layer_fn)}|{text}|{trees}".encode()).hexdigest()[:16]
-    name = f"{PREFIX}{digest}"
-    _STACKS[name] = Stack(layer_fn, layer, *trees, len(consts))
-    return _run(name, carry, stacked_params, tuple(consts)), None
+    key = f"{_origin(layer_fn)}|{text}|{trees}"
+    operands = [carry, stacked_params, tuple(consts)]
+    filed_loss = None
+    if loss is not None:
+        loss_fn, head, targets = loss
+        out = jax.eval_shape(layer_fn, carry, jax.tree.map(lambda w: w[0], stacked_params))[0]
+        fn, lconsts = jax.closure_convert(loss_fn, out, head, targets)
+        filed_loss = Loss(loss_fn, fn, jax.tree.structure(head), jax.tree.structure(targets),
+                          len(lconsts))
+        key += f"|{_origin(loss_fn)}|{jax.make_jaxpr(fn)(out, head, targets, *lconsts)}"
+        operands += [head, targets, tuple(lconsts)]
+    name = f"{PREFIX}{hashlib.sha1(key.encode()).hexdigest()[:16]}"
+    _STACKS[name] = Stack(layer_fn, layer, *trees, len(consts), filed_loss)
+    return _run(name, *operands)

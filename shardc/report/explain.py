@@ -274,19 +274,24 @@ def _pipeline(plan) -> str:
             f"at {p.axis}=s{', each ' + ' x '.join(others) if others else ''}), "
             f"{p.schedule} schedule{virtual}, {p.microbatches} micro-batches")
     if p.schedule == "1f1b":
-        head += " (run in GPipe's order: 1F1B's values, not its memory)"
+        head += " (each micro-batch's backward as soon as its loss is known, on the last stage)"
     priced = plan.solver.get("pipeline")
     if not priced:
         return head + f"; bubble {p.bubble:.0%} of the pipelined part (not priced)"
     step = priced["step_s"]
+    loss = f" and 1 all-reduce of the loss's gradient ({fmt_bytes(priced['loss_bytes'])}) " \
+        f"over {'+'.join(priced['loss_axes'])}" if priced.get("loss_bytes") else ""
+    split = priced.get("batch_axes")
+    split = "over " + " x ".join(split) if split else "over no axis" if split is not None \
+        else "as they split the stack's carry"
     return textwrap.fill(
         head + f"; {p.describe(priced['layers'])}; bubble {fmt_time(priced['bubble_s'])}, "
         f"{priced['bubble_s'] / step:.0%} of the step; {priced['permutes']} "
         f"collective-permutes of {fmt_bytes(priced['permute_bytes'])} and "
         f"{priced['reduces']} all-reduces of {fmt_bytes(priced['reduce_bytes'])} over "
-        f"{p.axis!r} per step; unpipelined step {fmt_time(priced['unpipelined_s'])} "
+        f"{p.axis!r}{loss} per step; unpipelined step {fmt_time(priced['unpipelined_s'])} "
         f"(the tables below lay out the unpipelined program; each stage splits a "
-        f"micro-batch as they split the stack's carry)",
+        f"micro-batch {split})",
         width=100, subsequent_indent="  ", break_on_hyphens=False)
 
 

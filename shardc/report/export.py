@@ -106,12 +106,15 @@ def _stacks_code(plan) -> str:
     ``shardc.pipeline.layers``, so it has shardc), or None for a plan without one."""
     if plan.pipeline is None:
         return 'def _stacks(mesh):\n    """None: the plan runs no pipeline."""\n    return None\n'
-    return '''def _stacks(mesh):
-    """The layer stacks (shardc.pipeline.layers) run as the plan's pipeline."""
+    axes = plan.solver.get("pipeline", {}).get("batch_axes")
+    axes = None if axes is None else tuple(axes)
+    return f'''def _stacks(mesh):
+    """The layer stacks (shardc.pipeline.layers) run as the plan's pipeline, each
+    micro-batch split over the mesh axes it was priced with."""
     from shardc.pipeline import Pipeline
     from shardc.pipeline.lowering import Stacks
 
-    return Stacks(Pipeline.from_json(PIPELINE), mesh, {})
+    return Stacks(Pipeline.from_json(PIPELINE), mesh, {{}}, {axes!r})
 '''
 
 

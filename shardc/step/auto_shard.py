@@ -341,7 +341,7 @@ class AutoSharded:
         base = plan if plan.pipeline is None else None  # a pipelined plan's step is not one
         return best_pipeline(tr.traced.graph, plan.axis_sizes, plan.axis_names, plan.cluster,
                              ties=tr.ties, resident=tr.resident, base=base,
-                             options=choice_options(self, self.options.mesh_search))
+                             options=choice_options(self, tr, self.options.mesh_search))
 
     def input_shardings(self, *args, **kwargs) -> tuple[tuple, dict]:
         """The shardings the plan gives the dynamic arguments (static ones left out), as

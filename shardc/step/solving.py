@@ -55,7 +55,7 @@ def pipelined(step, call: Call, tr: TracedCall, candidates: list[View],
     # and where mesh_search ran another view, the pipeline must beat that one too
     own = plan.axis_names == tuple(step.mesh.axis_names)
     base = plan if own else solve(step, call, tr, candidates[:1], seeds[:1], step.options)
-    graph, opts = tr.traced.graph, choice_options(step, views=False)
+    graph, opts = tr.traced.graph, choice_options(step, tr, views=False)
     choice = best_pipeline(graph, base.axis_sizes, base.axis_names, base.cluster,
                            ties=tr.ties, resident=tr.resident, base=base, options=opts)
     log.info("shardc: %s", choice.summary())
@@ -73,11 +73,17 @@ def pipelined(step, call: Call, tr: TracedCall, candidates: list[View],
     return adopt(base, choice, graph, tr.ties, tr.resident)
 
 
-def choice_options(step, views: bool):
+def choice_options(step, tr: TracedCall, views: bool):
+    """The pipeline choice's options for ``step`` on the program ``tr``: 1F1B is a schedule
+    only where a stack ends in its loss (:func:`shardc.pipeline.stack.layers_loss`)."""
     from shardc.pipeline.choose import ChoiceOptions
+    from shardc.pipeline.schedule import SCHEDULES
+    from shardc.pipeline.stack import has_stack
 
     opts = step.options
-    return ChoiceOptions(opts.memory_budget, opts.time_limit, views=views,
+    schedules = SCHEDULES if has_stack(tr.traced.jaxpr, loss=True) else \
+        tuple(s for s in SCHEDULES if s != "1f1b")
+    return ChoiceOptions(opts.memory_budget, opts.time_limit, schedules, views=views,
                          pipeline=opts.pipeline, combiner=combiner_for(platform_of(step.mesh)))
 
 
