@@ -49,7 +49,7 @@ from shardc.models.common import (
 from shardc.models.layers import HEADS, HIDDEN, RESID, SCORES, Axes, checked
 from shardc.models.logical import constrain
 
-__all__ = ["abstract_args", "apply_rope", "Attention", "build_step", "DATA_SEED",
+__all__ = ["abstract_args", "apply_rope", "Attention", "build_step", "cross_entropy", "DATA_SEED",
            "DecoderLayer", "example_batch", "init_state", "INIT_STD", "Llama", "LlamaConfig",
            "make_optimizer", "make_train_step", "next_token_loss", "NORM_EPS", "param_axes",
            "PARAM_SEED", "rope_tables", "ROPE_THETA", "SwiGLU"]
@@ -80,11 +80,17 @@ class LlamaConfig:
     #: True: the scan written as :func:`shardc.pipeline.layers` (a stack auto_shard can
     #: pipeline; its backward recomputes the forward, so ``remat`` adds a third forward)
     stack_layers: bool = False
+    #: True: the stack and the loss it ends in (final norm, head, cross entropy) written as
+    #: :func:`shardc.pipeline.layers_loss`, which a 1F1B pipeline can run
+    loss_in_stack: bool = False
 
     def __post_init__(self) -> None:
         if self.stack_layers and not self.scan_layers:
             raise ValueError("stack_layers=True writes the layer scan as "
                              "shardc.pipeline.layers; it needs scan_layers=True")
+        if self.loss_in_stack and not self.stack_layers:
+            raise ValueError("loss_in_stack=True writes the stack and its loss as "
+                             "shardc.pipeline.layers_loss; it needs stack_layers=True")
         for name in ("vocab", "seq_len", "d_model", "n_heads", "n_kv_heads", "d_ff",
                      "n_layers", "batch"):
             if getattr(self, name) < 1:
@@ -122,18 +128,19 @@ class LlamaConfig:
     def deep(cls, n_layers: int = 32) -> LlamaConfig:
         """A deep, narrow decoder (the bench's pipelined model): 32 layers of d 512, 8
         heads over 2 kv heads, d_ff 1408, seq 512, vocab 8192 (99M params at 32 layers);
-        batch 8 on 8 devices. Its layers are a :func:`shardc.pipeline.layers` stack, not
-        checkpointed (the stack's backward recomputes the forward: the FLOPs of a
+        batch 8 on 8 devices. Its layers and the loss they end in are a
+        :func:`shardc.pipeline.layers_loss` stack (any schedule, 1F1B included, can run
+        it), not checkpointed (the stack's backward recomputes the forward: the FLOPs of a
         checkpointed scan)."""
         return cls(vocab=8192, seq_len=512, d_model=512, n_heads=8, n_kv_heads=2, d_ff=1408,
                    n_layers=n_layers, batch=8, learning_rate=3e-4, remat=False,
-                   stack_layers=True)
+                   stack_layers=True, loss_in_stack=True)
 
     @classmethod
     def deep_tiny(cls, n_layers: int = 32) -> LlamaConfig:
-        """The deep model at test size: :meth:`tiny`'s widths, 32 layers, a stack as
-        :meth:`deep`'s."""
-        return cls(n_layers=n_layers, remat=False, stack_layers=True)
+        """The deep model at test size: :meth:`tiny`'s widths, 32 layers, a stack ending
+        in its loss as :meth:`deep`'s."""
+        return cls(n_layers=n_layers, remat=False, stack_layers=True, loss_in_stack=True)
 
     @classmethod
     def realistic(cls, n_layers: int = 8) -> LlamaConfig:
@@ -247,6 +254,34 @@ class Llama(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Logits ``[B, T, vocab]`` for int tokens ``[B, T]``."""
+        x, one_layer, stacked = self._stack_input(tokens)
+        cfg = self.cfg
+        if cfg.stack_layers:
+            x, _ = pipeline.layers(one_layer, x, stacked)
+        elif cfg.scan_layers:
+            x, _ = jax.lax.scan(one_layer, x, stacked)
+        else:  # unrolled: the program a scan replaces, for comparing the two
+            for layer in range(cfg.n_layers):
+                x, _ = one_layer(x, jax.tree.map(lambda a, i=layer: a[i], stacked))
+        return _logits(self.norm, self.lm_head, x)
+
+    def loss(self, tokens: jax.Array, targets: jax.Array) -> jax.Array:
+        """Mean next-token cross entropy of the logits of ``tokens`` against ``targets``;
+        with ``loss_in_stack``, the layer stack and this loss as one
+        :func:`shardc.pipeline.layers_loss` (the final norm and the head its ``head``)."""
+        if not self.cfg.loss_in_stack:
+            return cross_entropy(self(tokens), targets)
+        x, one_layer, stacked = self._stack_input(tokens)
+        graphdef, head = nnx.split((self.norm, self.lm_head))
+
+        def head_loss(h: jax.Array, head: nnx.State, targets: jax.Array) -> jax.Array:
+            return cross_entropy(_logits(*nnx.merge(graphdef, head), h), targets)
+
+        return pipeline.layers_loss(one_layer, head_loss, x, stacked, head, targets)
+
+    def _stack_input(self, tokens: jax.Array):
+        """(the embedded tokens, the layer function a scan over the layers runs, the
+        stacked layer state)."""
         cfg = self.cfg
         cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.dtype)
         x = constrain(self.embed(tokens), RESID)
@@ -263,15 +298,19 @@ class Llama(nnx.Module):
 
         if cfg.remat:  # a scan keeps iterations apart: no CSE barrier there (MaxText too)
             one_layer = jax.checkpoint(one_layer, prevent_cse=not cfg.scan_layers)
-        if cfg.stack_layers:
-            x, _ = pipeline.layers(one_layer, x, stacked)
-        elif cfg.scan_layers:
-            x, _ = jax.lax.scan(one_layer, x, stacked)
-        else:  # unrolled: the program a scan replaces, for comparing the two
-            for layer in range(cfg.n_layers):
-                x, _ = one_layer(x, jax.tree.map(lambda a, i=layer: a[i], stacked))
-        x = constrain(self.norm(x), RESID)
-        return constrain(self.lm_head(x), ("batch", "seq", "vocab"))
+        return x, one_layer, stacked
+
+
+def _logits(norm: nnx.Module, lm_head: nnx.Module, x: jax.Array) -> jax.Array:
+    """The final norm and the output projection of the last layer's activations."""
+    return constrain(lm_head(constrain(norm(x), RESID)), ("batch", "seq", "vocab"))
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean cross entropy of ``logits`` (in float32) against integer ``targets``."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
+                                                             targets)
+    return jnp.mean(losses)
 
 
 _LLAMA_AXES: dict[tuple[str, ...], Axes] = {
@@ -297,9 +336,7 @@ def param_axes(path: tuple[str, ...], shape: tuple[int, ...]) -> Axes:
 
 def next_token_loss(model: Llama, batch: Batch) -> jax.Array:
     """Mean next-token cross entropy of ``model(tokens)`` against ``targets``."""
-    logits = model(batch["tokens"]).astype(jnp.float32)
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-    return jnp.mean(losses)
+    return model.loss(batch["tokens"], batch["targets"])
 
 
 def make_optimizer(config: LlamaConfig) -> optax.GradientTransformation:

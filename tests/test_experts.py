@@ -183,7 +183,8 @@ def test_expert_seeds_name_only_views_the_mesh_search_plans():
 
 def test_pipelined_experts_run_the_deep_stack_as_gpipe_over_the_slow_axis():
     """Over Ethernet-joined nodes a model whose layers are a shardc.pipeline.layers stack
-    gets GPipe over the node axis with DP, FSDP or TP within the node, and MaxText's
+    gets GPipe over the node axis with DP, FSDP or TP within the node (1F1B so too where
+    the stack ends in its loss), and MaxText's
     default circular pipeline with FSDP within (none without a stack,
     nor where the nodes are joined by links as fast as the node's); each keeps a stage's
     layers on its node (the stacked state split over it) and equals the unsharded step, and
@@ -194,17 +195,20 @@ def test_pipelined_experts_run_the_deep_stack_as_gpipe_over_the_slow_axis():
     eth = Cluster.ethernet_nodes("node", "gpu")
     names = {e.name for e in preset_experts((2, 4), ("node", "gpu"), eth, Traits(stack=True))}
     assert {"gpipe2-x-dp4", "gpipe2-x-fsdp4", "gpipe2-x-tp4", "maxtext-circular2-x-fsdp4"} \
-        <= names
+        <= names and not any(n.startswith("1f1b") for n in names)
+    loss = Traits(stack=True, loss=True)
+    assert {"1f1b2-x-dp4", "1f1b2-x-fsdp4", "1f1b2-x-tp4"} <= \
+        {e.name for e in preset_experts((2, 4), ("node", "gpu"), eth, loss)}
     assert not any(n.startswith(("gpipe", "maxtext")) for n in
                    {e.name for e in preset_experts((2, 4), ("node", "gpu"), eth)} |
                    {e.name for e in preset_experts((2, 4), ("node", "gpu"),
                                                    Cluster.nvlink_node(("node", "gpu")),
                                                    Traits(stack=True))})
-    assert harness.traits(ZOO["deep"]).stack
+    assert harness.traits(ZOO["deep"]).stack and harness.traits(ZOO["deep"]).loss
     mesh = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
-    found = {e.name: e for e in preset_experts((2, 4), ("node", "gpu"), eth, Traits(stack=True))}
+    found = {e.name: e for e in preset_experts((2, 4), ("node", "gpu"), eth, loss)}
     assert found["maxtext-circular2-x-fsdp4"].pipeline.schedule == "circular"
-    for name in ("gpipe2-x-dp4", "gpipe2-x-tp4", "maxtext-circular2-x-fsdp4"):
+    for name in ("gpipe2-x-dp4", "gpipe2-x-tp4", "maxtext-circular2-x-fsdp4", "1f1b2-x-fsdp4"):
         _, compiled = _checked("deep", found[name], mesh)
         specs = _state_specs(compiled)
         assert specs["params"]["layers"]["mlp"]["up"]["kernel"][0] == "node", name

@@ -30,9 +30,10 @@ view of the devices, so "best expert" is the minimum over all of them:
   decoder layers) with data parallelism, FSDP or Megatron TP within the node
   (``gpipe4-x-dp8``, ``gpipe4-x-fsdp8``, ``gpipe4-x-tp8``), and MaxText's pipeline as
   its defaults configure it: circular, one layer per stage per pass, as many
-  micro-batches as stages, FSDP within the node (``maxtext-circular4-x-fsdp8``). 1F1B is
-  not listed: the runtime runs it in GPipe's order, the same program
-  (:mod:`shardc.pipeline.runtime`);
+  micro-batches as stages, FSDP within the node (``maxtext-circular4-x-fsdp8``); 1F1B
+  likewise where the stack ends in its loss (``1f1b4-x-dp8``, ... :
+  :func:`shardc.pipeline.layers_loss`; on a stack returning its carry it would run
+  GPipe's program);
 - variants: on a model with a token sequence, every TP form also with sequence parallelism
   (``-sp``: the residual stream split on the sequence over the TP axis); on a model with a
   vocabulary table, every FSDP form also with the tables sharded on the vocabulary
@@ -66,6 +67,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardc.cost.cluster import Cluster
 from shardc.models.logical import axis_rules, no_axis_rules, spec
+from shardc.pipeline.onefb import pipeline_loss
 from shardc.pipeline.runtime import pipeline_scan
 from shardc.pipeline.schedule import Pipeline
 from shardc.pipeline.stack import running
@@ -89,12 +91,14 @@ parallelism splits over the tensor-parallel axis."""
 class Traits:
     """What a model has that some forms need: an ``"expert"`` dim (MoE), a vocabulary table
     (``"vocab"``), a residual stream with a sequence dim (:data:`SEQ`), its layers as a
-    :func:`shardc.pipeline.layers` stack (``stack``: a hand-written pipeline can run it)."""
+    :func:`shardc.pipeline.layers` stack (``stack``: a hand-written pipeline can run it),
+    ending in its loss (``loss``, :func:`shardc.pipeline.layers_loss`: 1F1B can run it)."""
 
     moe: bool = False
     vocab: bool = False
     seq: bool = False
     stack: bool = False
+    loss: bool = False
 
 
 @dataclass(frozen=True)
@@ -192,7 +196,7 @@ def experts_for(view: View, traits: Traits = Traits(), whole: bool = True,
             out += [Expert("data-parallel-node", {}, {"batch": b}, view),
                     *_fsdp("fsdp-node", b, b, view, traits)]
             if traits.stack:
-                out += _pipelined(view)
+                out += _pipelined(view, traits.loss)
             if traits.moe:
                 out.append(Expert("expert-parallel-node", {"expert": b},
                                   {"expert": b, "batch": b}, view))
@@ -204,10 +208,11 @@ def experts_for(view: View, traits: Traits = Traits(), whole: bool = True,
     return out
 
 
-def _pipelined(view: View) -> list[Expert]:
+def _pipelined(view: View, loss: bool) -> list[Expert]:
     """GPipe over the outer axis ``a`` (a stage per device of it, as many micro-batches as
     stages), the stacked layers' state split over it; within a stage data parallelism,
-    FSDP or Megatron TP over the inner axis ``b``. And MaxText's pipeline as its defaults
+    FSDP or Megatron TP over the inner axis ``b``; 1F1B so where the stack ends in its
+    ``loss``. And MaxText's pipeline as its defaults
     configure it (``dcn_pipeline_parallelism`` over the nodes, ``ici_fsdp_parallelism``
     within): the circular schedule with one layer per stage per pass
     (``num_layers_per_pipeline_stage: 1``, so ``num_pipeline_repeats`` is the layers over
@@ -215,20 +220,24 @@ def _pipelined(view: View) -> list[Expert]:
     micro-batches as stages (``num_pipeline_microbatches: -1``), FSDP within the node."""
     a, b = view.names
     s, k = view.shape
-    pipe = Pipeline(a, s, s)
     tensor = _on(b, TENSOR)
     fsdp = {**_on(b, FSDP), "layers": a}
-    return [Expert(f"gpipe{s}-x-dp{k}", {"layers": a}, {"batch": b}, view, pipeline=pipe),
-            Expert(f"gpipe{s}-x-fsdp{k}", fsdp, {"batch": b}, view, pipeline=pipe),
-            Expert(f"gpipe{s}-x-tp{k}", {**tensor, "layers": a}, tensor, view,
-                   pipeline=pipe),
-            Expert(f"maxtext-circular{s}-x-fsdp{k}", fsdp, {"batch": b}, view,
-                   pipeline=Pipeline(a, s, s, "circular"))]
+    out = []
+    schedules = ("gpipe", "1f1b") if loss else ("gpipe",)
+    for name in schedules:
+        pipe = Pipeline(a, s, s, name)
+        out += [Expert(f"{name}{s}-x-dp{k}", {"layers": a}, {"batch": b}, view, pipeline=pipe),
+                Expert(f"{name}{s}-x-fsdp{k}", fsdp, {"batch": b}, view, pipeline=pipe),
+                Expert(f"{name}{s}-x-tp{k}", {**tensor, "layers": a}, tensor, view,
+                       pipeline=pipe)]
+    return out + [Expert(f"maxtext-circular{s}-x-fsdp{k}", fsdp, {"batch": b}, view,
+                         pipeline=Pipeline(a, s, s, "circular"))]
 
 
-def _runner(expert: Expert, mesh: Mesh) -> Callable:
+def _runner(expert: Expert, mesh: Mesh) -> tuple[Callable, Callable | None]:
     """The expert's hand-written pipeline, as :func:`shardc.pipeline.stack.running` takes
-    it: the stack run by :func:`~shardc.pipeline.runtime.pipeline_scan` with each
+    it: the stack run by :func:`~shardc.pipeline.runtime.pipeline_scan` (for 1F1B, the
+    stack and its loss by :func:`~shardc.pipeline.onefb.pipeline_loss`) with each
     micro-batch split over the expert's batch axes but the stage axis (data parallelism
     within the stage, the ``shard_map`` manual over them: the layers' own activation
     annotations are off inside), at the most micro-batches up to the expert's that the
@@ -240,25 +249,36 @@ def _runner(expert: Expert, mesh: Mesh) -> Callable:
                  if x != p.axis)
     ways = math.prod(mesh.shape[x] for x in axes)
 
-    def run(layer_fn, carry, params):
-        def layer(c, w):
+    def bare(fn):
+        def call(*args):
             with no_axis_rules():
-                return layer_fn(c, w)
+                return fn(*args)
+        return call
 
+    def micro(carry) -> Pipeline:
         n = jax.tree.leaves(carry)[0].shape[0]
         m = max(d for d in range(1, p.microbatches + 1)
                 if n % d == 0 and (n // d) % ways == 0)
-        pipe = dataclasses.replace(p, microbatches=m)
+        return dataclasses.replace(p, microbatches=m)
+
+    def run_loss(layer_fn, loss_fn, carry, params, head, targets):
+        return pipeline_loss(bare(layer_fn), bare(loss_fn), carry, params, head, targets,
+                             pipeline=micro(carry), mesh=mesh, batch_axes=axes)
+
+    def run(layer_fn, carry, params):
+        layer = bare(layer_fn)
+        pipe = micro(carry)
         passes = jax.tree.leaves(params)[0].shape[0] // p.stages  # one layer a stage a pass
-        if circular and m >= p.stages and passes > 1:  # each micro-batch back at stage 0
-            pipe = dataclasses.replace(pipe, virtual=passes)  # for its next pass
+        # each micro-batch back at stage 0 for its next pass
+        if circular and pipe.microbatches >= p.stages and passes > 1:
+            pipe = dataclasses.replace(pipe, virtual=passes)
         elif circular:  # a batch of fewer micro-batches than stages (the bench's numerics
             # check on 4 nodes), or one pass: the same stages in GPipe's order
             pipe = dataclasses.replace(pipe, schedule="gpipe")
         return pipeline_scan(layer, carry, params, mesh=mesh, batch_axes=axes,
                              pipeline=pipe)[0]
 
-    return run
+    return run, run_loss if p.schedule == "1f1b" else None
 
 
 def _slow_outer(view: View) -> bool:
@@ -344,7 +364,7 @@ def compile_expert(step: Callable, state, batch, physical: Mesh, expert: Expert,
 
     jitted = jax.jit(run, in_shardings=(st, bt),
                      out_shardings=(st, NamedSharding(mesh, PartitionSpec())))
-    with axis_rules(mesh, expert.acts), (running(_runner(expert, mesh)) if expert.pipeline
+    with axis_rules(mesh, expert.acts), (running(*_runner(expert, mesh)) if expert.pipeline
                                          else contextlib.nullcontext()):
         lowered = jitted.lower(state, batch)
     return jitted, lowered

@@ -389,11 +389,12 @@ def experts(zm: ZooModel, preset: Preset) -> list[Expert]:
 
 def traits(zm: ZooModel) -> Traits:
     """What ``zm`` has that some expert forms need: experts (the zoo's flag), a vocabulary
-    table, a token sequence and a layer stack (its config's ``vocab``, ``seq_len`` and
-    ``stack_layers``)."""
+    table, a token sequence and a layer stack, ending in its loss or not (its config's
+    ``vocab``, ``seq_len``, ``stack_layers`` and ``loss_in_stack``)."""
     cfg = zm.config("tiny")
     return Traits(moe=zm.moe, vocab=hasattr(cfg, "vocab"), seq=hasattr(cfg, "seq_len"),
-                  stack=getattr(cfg, "stack_layers", False))
+                  stack=getattr(cfg, "stack_layers", False),
+                  loss=getattr(cfg, "loss_in_stack", False))
 
 
 def run_cell(zm: ZooModel, preset: Preset, method: str, which: str, check: bool,

@@ -201,15 +201,21 @@ _run.defvjp(_fwd, _bwd)
 #: a hand-written pipeline :func:`layers` runs in place of its stack (:func:`running`)
 _RUNNER: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
     "shardc_pipeline_runner", default=None)
+#: a hand-written pipeline :func:`layers_loss` runs in place of its stack and loss
+_LOSS_RUNNER: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
+    "shardc_pipeline_loss_runner", default=None)
 
 
 @contextlib.contextmanager
-def running(run: Callable) -> Iterator[None]:
+def running(run: Callable, loss: Callable | None = None) -> Iterator[None]:
     """Within the block, :func:`layers` returns ``run(layer_fn, carry, stacked_params)`` in
     place of its stack: a pipeline written by hand (``pipeline_scan`` with the caller's
     stages and micro-batches, as MaxText's pipeline module wraps its decoder layers) under
-    plain ``jax.jit``, the bench's pipelined experts."""
-    with _holding(_RUNNER, run):
+    plain ``jax.jit``, the bench's pipelined experts. :func:`layers_loss` returns
+    ``loss(layer_fn, loss_fn, carry, stacked_params, head, targets)`` (a 1F1B pipeline,
+    :func:`~shardc.pipeline.onefb.pipeline_loss`), or without ``loss``, ``loss_fn`` of
+    ``run``'s result."""
+    with _holding(_RUNNER, run), _holding(_LOSS_RUNNER, loss):
         yield
 
 
@@ -320,7 +326,9 @@ def layers_loss(layer_fn: Callable, loss_fn: Callable, carry: Any, stacked_param
     with the batch dim, as ``carry``'s. Everywhere but a pipelined ``auto_shard`` it is that
     expression, its gradient autodiff's; within :func:`running`, the stack runs as its
     runner has it."""
-    run = _RUNNER.get()
+    run, whole = _RUNNER.get(), _LOSS_RUNNER.get()
+    if whole is not None:
+        return whole(layer_fn, loss_fn, carry, stacked_params, head, targets)
     if run is not None:
         return loss_fn(run(layer_fn, carry, stacked_params), head, targets)
     with _not_routing():
