@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as Ps
 import shardc
 from shardc.inspect import price
 from shardc.inspect.loops import loop_extra_flops, multiplicity
+from shardc.inspect.schedule import replay_flops
 from shardc.ir.graph import check_graph
 from shardc.ir.sbp import B, NdSbp
 from shardc.ir.trace import trace
@@ -162,6 +163,34 @@ def test_compiled_compute_counts_loop_bodies_by_trip_count():
     fa, fb = price(a, one, cluster).flops, price(b, one, cluster).flops
     assert fa == pytest.approx(fb, rel=0.02)
     assert max(multiplicity(a.as_text()).values()) == 10
+
+
+def test_a_conditional_in_a_loop_counts_its_costliest_branch_every_trip():
+    """A loop whose body takes a matmul or a cheap branch by the step (a 1F1B pipeline's
+    ticks): priced as the costliest branch on every trip, as the unconditional loop (it
+    was counted once, as cost_analysis counts the body), in the serial pricing and the
+    overlap replay alike; the branch's computation runs as often as the loop."""
+    x = jnp.ones((128, 128)) / 128
+
+    def body(cond):
+        def step(c, i):
+            if cond:
+                return jax.lax.cond(i % 2 == 0, lambda: jnp.tanh(c @ x), lambda: c * 2.0), None
+            return jnp.tanh(c @ x), None
+        return step
+
+    one = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+    got = {}
+    for cond in (True, False):
+        compiled = jax.jit(lambda c, cond=cond: jax.lax.scan(body(cond), c, jnp.arange(6))[0]
+                           ).lower(x).compile()
+        cost = price(compiled, one, shardc.Cluster())
+        got[cond] = (cost.flops, replay_flops(compiled.as_text(), []))
+        if cond:
+            runs = multiplicity(compiled.as_text())
+            assert sorted(runs.values())[-2:] == [6, 6], runs
+    assert got[True][0] == pytest.approx(got[False][0], rel=0.01), got
+    assert got[True][1] == pytest.approx(got[False][1], rel=0.01), got
 
 
 def test_gradient_accumulation_reduces_once():

@@ -86,19 +86,21 @@ def test_a_send_between_nodes_runs_on_one_port():
 
 
 def test_one_f_one_b_holds_fewer_micro_batches_and_runs_the_loss_on_the_last_stage():
-    """1F1B (shardc.pipeline.onefb): GPipe's compute and bubble, plus the loss on the last
-    stage's devices (S - 1 more times the whole plan's); M + 2S - 2 ticks of a permute
-    each way; the residuals of min(M, 2S - 1) micro-batches held, not M + S - 1 steps';
-    no all-reduce of the finished micro-batches, one of the loss's weights' gradient over
-    the stage axis and the batch's."""
+    """1F1B (shardc.pipeline.onefb), as its compiled program's cost is counted: M + 2S - 2
+    ticks, each a micro-batch's forward, backward and loss on a stage's devices, with a
+    permute each way; the residuals of min(M, 2S - 1) micro-batches held, not M + S - 1
+    steps'; no all-reduce of the finished micro-batches; the loss's gradient summed by one
+    all-reduce over the stage axis and the batch's, not by the whole plan's conversions."""
     s, m = 4, 16
-    whole = _parts(head=0.5, head_weights=4e6)
+    whole = _parts(head=0.5, head_weights=4e6, head_comm=0.25)
     stage = _parts(head=0.5, head_weights=4e6, batch_spans=(("gpu", 2),), weights=8e6)
     gpipe = price(Pipeline("node", s, m), whole, stage, CLUSTER)
     onefb = price(Pipeline("node", s, m, "1f1b"), whole, stage, CLUSTER)
-    assert onefb.bubble == pytest.approx(gpipe.bubble)
-    assert onefb.layers == pytest.approx(gpipe.layers + (s - 1) * 0.5)
     ticks = m + 2 * s - 2
+    work = 8.0 / s
+    assert onefb.bubble == pytest.approx(work * ticks / m - work)
+    assert onefb.layers == pytest.approx(work * ticks / m + 0.5 * (ticks * s / m - 1))
+    assert onefb.rest == pytest.approx(gpipe.rest - 0.25)
     assert (onefb.ticks, onefb.permutes) == (ticks, 2 * ticks)
     assert onefb.transfers == pytest.approx(2 * ticks * (ALPHA + 1e6 / m / BW))
     assert (onefb.reduces, gpipe.reduces) == (1, 2)
@@ -154,7 +156,8 @@ def test_find_layers_of_a_scanned_decoder():
 
 def test_a_scanned_decoder_reruns_no_scan():
     cfg = llama.LlamaConfig.deep_tiny()
-    layers = find_layers(*_traced(dataclasses.replace(cfg, stack_layers=False, remat=True)))
+    scanned = dataclasses.replace(cfg, stack_layers=False, loss_in_stack=False, remat=True)
+    layers = find_layers(*_traced(scanned))
     assert len(layers.scans) == 2 and layers.rerun == () and layers.saved
 
 
@@ -213,7 +216,7 @@ def _step(model: str, preset: str, scanned: bool = False, **kw):
     mod = zm.load()
     cfg = zm.config("bench", pre.devices)
     if scanned:
-        cfg = dataclasses.replace(cfg, stack_layers=False, remat=True)
+        cfg = dataclasses.replace(cfg, stack_layers=False, loss_in_stack=False, remat=True)
     step = shardc.auto_shard(mod.build_step(cfg), mesh=mesh, cluster=pre.cluster,
                              memory_budget=zm.device_memory, **kw)
     args = mod.abstract_args(cfg)
@@ -256,12 +259,10 @@ def test_no_pipeline_on_the_existing_presets(model, preset, scanned):
 def test_pipelines_can_be_forbidden_or_requested():
     assert _choose("deep", "4nodes-eth", pipeline=False).reason.startswith(
         "pipelines are forbidden")
-    want = Pipeline("node", 4, 2)
-    choice = _choose("deep", "4nodes-eth", pipeline=want)
-    assert choice.pipeline == want and choice.best.pipeline == want
-    # the deep model's stack returns its carry: 1F1B needs the loss inside (layers_loss)
-    with pytest.raises(ValueError, match="layers_loss"):
-        _choose("deep", "4nodes-eth", pipeline=Pipeline("node", 4, 2, "1f1b"))
+    for want in (Pipeline("node", 4, 2), Pipeline("node", 4, 2, "1f1b")):
+        # (the deep model's stack ends in its loss: 1F1B can run it)
+        choice = _choose("deep", "4nodes-eth", pipeline=want)
+        assert choice.pipeline == want and choice.best.pipeline == want
     with pytest.raises(ValueError, match="stages=4"):
         _choose("deep", "4nodes-eth", pipeline=Pipeline("node", 2, 2))
     with pytest.raises(TypeError, match="shardc.pipeline.Pipeline"):

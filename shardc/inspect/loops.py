@@ -14,7 +14,7 @@ count count once.
 References:
   XLA ``hlo_cost_analysis.cc`` (``HandleDot``: 2 * output elements * contracted size;
   ``HandleConvolution``: 2 * output elements * kernel taps per output; ``HandleWhile``
-  counts the body once).
+  counts the body once; ``HandleConditional``: the costliest branch).
 """
 
 from __future__ import annotations
@@ -24,10 +24,15 @@ import re
 
 from shardc.inspect.hlotext import Computation, Instruction, parse_module
 
-__all__ = ["ELEMENTWISE", "instruction_flops", "loop_extra_flops", "multiplicity", "trip_count"]
+__all__ = ["ELEMENTWISE", "branches", "called_flops", "instruction_flops", "loop_extra_flops",
+           "multiplicity", "trip_count"]
 
 _DIMS = re.compile(r"^[a-z][a-z0-9]*\[([^\]]*)\]")
 _CALLS = re.compile(r"(?:calls|to_apply|body|condition)=%?([^\s,}]+)")
+#: a ``conditional``'s branches: ``branch_computations={%a, %b}`` or ``true_computation=%a,
+#: false_computation=%b``
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRUE_FALSE = re.compile(r"(?:true|false)_computation=%?([^\s,}]+)")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 _LHS_CONTRACT = re.compile(r"lhs_contracting_dims=\{([^}]*)\}")
 _DIM_LABELS = re.compile(r"dim_labels=([0-9a-z]+)_([0-9a-z]+)->([0-9a-z]+)")
@@ -85,9 +90,25 @@ def _flops(comps: dict[str, Computation], name: str, trips: bool, memo: dict) ->
     for instr in (comp.instructions.values() if comp is not None else ()):
         total += instruction_flops(comp, instr)
         n = (trip_count(instr) or 1) if trips else 1
-        total += n * sum(_flops(comps, c, trips, memo) for c in _CALLS.findall(instr.attrs))
+        total += n * called_flops(comps, instr, trips, memo)
     memo[key] = total
     return total
+
+
+def branches(instr: Instruction) -> list[str]:
+    """The branch computations of a ``conditional`` (none for another instruction)."""
+    m = _BRANCHES.search(instr.attrs)
+    names = m.group(1).split(",") if m else _TRUE_FALSE.findall(instr.attrs)
+    return [n.strip().lstrip("%") for n in names if n.strip()]
+
+
+def called_flops(comps: dict[str, Computation], instr: Instruction, trips: bool,
+                 memo: dict) -> float:
+    """FLOPs of what one run of ``instr`` calls: the computations it calls (a fusion's, a
+    loop's body once), and of a ``conditional``'s branches the costliest (as
+    ``cost_analysis`` counts it: which branch runs is known only at run time)."""
+    called = sum(_flops(comps, c, trips, memo) for c in _CALLS.findall(instr.attrs))
+    return called + max((_flops(comps, b, trips, memo) for b in branches(instr)), default=0.0)
 
 
 def loop_extra_flops(hlo_text: str) -> float:
@@ -118,7 +139,7 @@ def multiplicity(hlo_text: str) -> dict[str, int]:
         out[name] = times
         for instr in comps[name].instructions.values():
             n = (trip_count(instr) or 1) if instr.opcode == "while" else 1
-            for callee in _CALLS.findall(instr.attrs):
+            for callee in _CALLS.findall(instr.attrs) + branches(instr):
                 visit(callee, times * n)
 
     visit(_entry(hlo_text), 1)

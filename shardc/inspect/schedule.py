@@ -86,7 +86,7 @@ from shardc.inspect.hlotext import Computation, Instruction, leaves, parse_modul
 from shardc.inspect.loops import (
     _dims,
     _entry,
-    _flops,
+    called_flops,
     instruction_flops,
     multiplicity,
     trip_count,
@@ -197,7 +197,7 @@ class _Replay:
 
     def __init__(self, comps: dict[str, Computation], seconds: dict[str, dict[str, float]]):
         self.comps, self.seconds = comps, seconds
-        self.memo: dict = {}  # loops._flops's
+        self.memo: dict = {}  # loops.called_flops's
         self.weights: dict[tuple[str, str], float] = {}
         self.totals: dict[str, float] = {}
         self.first_use: dict[str, dict[str, int]] = {}
@@ -214,8 +214,8 @@ class _Replay:
             elif instr.opcode == "custom-call":
                 w = _gemm_flops(comp, instr) or _conv_flops(comp, instr)
             else:
-                w = instruction_flops(comp, instr) + sum(
-                    _flops(self.comps, c, True, self.memo) for c in _CALLS.findall(instr.attrs))
+                w = instruction_flops(comp, instr) + called_flops(self.comps, instr, True,
+                                                                  self.memo)
             self.weights[key] = w
         return self.weights[key]
 

@@ -36,12 +36,15 @@ the link ``a`` crosses (:meth:`shardc.cost.cluster.Cluster.send_seconds`: a pair
 nodes sends over one NIC), the all-reduces as any collective over ``a``. Communication adds
 to compute, as the planner prices any plan.
 
-1F1B (a stack ending in its loss, :func:`shardc.pipeline.stack.layers_loss`) runs GPipe's
-compute in ``M + 2S - 2`` ticks of a permute each way (a tick costs its busiest stage:
-the ticks add up to GPipe's), computes the loss on the last stage's devices (``S - 1``
-more times the whole plan's loss compute, :func:`head_ops`), keeps the finished
-micro-batches there (no all-reduce of them) and ends with one all-reduce of the loss's
-weights' gradient over the stage axis and the batch's.
+1F1B (a stack ending in its loss, :func:`shardc.pipeline.stack.layers_loss`) runs ``M + 2S
+- 2`` ticks of a permute each way, each tick a micro-batch's forward, backward and loss
+(:func:`head_ops`, on a stage's devices: ``S / M`` of the whole plan's loss compute), as
+the compiled program's cost is counted (its parts are conditionals, counted at their
+costliest branch on every tick: on hardware that skips a stage's idle parts a tick costs
+its busiest stage, and the ticks add up to GPipe's ``M + S - 1``, so this is an upper
+bound); it keeps the finished micro-batches on the last stage (no all-reduce of them) and
+ends with one all-reduce of the loss's weights' gradient over the stage axis and the
+batch's, in place of the whole plan's conversions of the loss's values.
 
 Per-stage peak memory, as the runtime holds it: the stacked state (parameters and
 optimizer moments) at 1 / S, the rest of the state as the whole plan holds it, the whole
@@ -113,7 +116,9 @@ class Parts:
     :func:`~shardc.pipeline.stack.layers_loss` stack's loss, forward and backward; next to
     nothing for a :func:`~shardc.pipeline.stack.layers` stack) and ``head_weights``: the
     bytes of the step's inputs they read that are not fed per step (the loss's weights,
-    whole)."""
+    whole); ``head_comm``: the seconds of the conversions of the values those ops make or
+    read (the loss's gradient summed over the batch's axes: 1F1B sums it inside the
+    pipeline instead)."""
 
     step: float
     peak: float
@@ -134,6 +139,7 @@ class Parts:
     cotangent: bool = True
     head: float = 0.0
     head_weights: float = 0.0
+    head_comm: float = 0.0
 
     def sample_seconds(self, microbatches: int) -> float:
         """The per-sample conversions' seconds when each runs once per micro-batch on
@@ -231,13 +237,15 @@ def parts(plan: Plan, graph: Graph, layers: Layers, ties=(), resident=()) -> Par
     read = {v.id for op in graph.ops if op.id in head for v in op.inputs}
     head_weights = sum(v.nbytes for v in graph.inputs
                        if v.id in read and v.id not in fed and v.id not in layers.stacked)
+    made = {v.id for op in graph.ops if op.id in head for v in op.outputs}
     return Parts(plan.predicted.step_time, plan.predicted.peak_memory,
                  compute + scans + once, compute, tuple(sample), once, state, other, saved,
                  carry, min(len(layers.scans), 2), rerun, rest, outside,
                  _batch_spans(plan, layers), float(sum(nbytes[i] for i in layers.params)),
                  _cotangent(graph, layers),
                  sum(op.compute_time for op in plan.ops if op.id in head),
-                 float(head_weights))
+                 float(head_weights),
+                 sum(r.time for r in plan.reshards if r.value in made or r.consumer in head))
 
 
 def head_ops(graph: Graph, layers: Layers) -> frozenset[int]:
@@ -322,11 +330,17 @@ def price(pipeline: Pipeline, whole: Parts, stage: Parts, cluster: Cluster,
     spans = [(pipeline.axis, s)]
     loss_reduce = loss_bytes = 0.0
     loss_spans: tuple[tuple[str, int], ...] = ()
+    rest = whole.step - whole.layers
     if onefb:
-        # a tick costs its busiest stage's work: the ticks add up to GPipe's (onefb doc);
-        # the loss runs on the last stage's devices alone, S times the whole plan's time
+        # as the compiled program's cost is counted (a conditional's costliest branch):
+        # every tick runs a forward, a backward and the loss of a micro-batch on a stage's
+        # devices (S / M of the whole plan's loss), which the whole plan's rest ran once;
+        # the loss's gradient is summed inside the pipeline, not by the rest's conversions
         ticks = onefb_ticks(pipeline)
-        layers += (s - 1) * whole.head
+        layers = work * ticks / m
+        bubble = layers - work
+        layers += whole.head * (ticks * s / m - 1)
+        rest -= whole.head_comm
         reduces = int(stage.cotangent)
         loss_spans = ((pipeline.axis, s), *stage.batch_spans)
         loss_bytes = stage.head_weights + 4.0  # the gradient and the float32 loss
@@ -346,7 +360,6 @@ def price(pipeline: Pipeline, whole: Parts, stage: Parts, cluster: Cluster,
         once = stage.update / s + grads
     else:
         once = stage.once / s
-    rest = whole.step - whole.layers
     working = max(0.0, whole.peak - whole.state - whole.other_state - whole.saved)
     if v > 1:  # chunk inputs kept, one chunk recomputed at a time; the returning buffer
         held = stage.carry * ticks / m + stage.saved / (s * v * m) + 3 * stage.carry

@@ -24,9 +24,12 @@ one the backward's input cotangent to ``s - 1``. A stage keeps the residuals of 
 ``R = min(M, 2 S - 1)`` micro-batches (stage 0's count; the last stage's is one), in a
 buffer of ``R`` slots; a residual that is a weight itself is read where it is, not copied
 per slot. Forward, loss and backward each run under ``lax.cond`` on whether the tick has
-one for the stage, so a tick costs what its busiest stage runs: ``S - 1`` ticks of a
-forward, ``M`` of a forward and a backward (and, on the last stage, the loss), ``S - 1`` of
-a backward: the time of GPipe's ``M + S - 1`` forward and backward ticks.
+one for the stage: on hardware that skips a stage's idle parts a tick costs what its
+busiest stage runs (``S - 1`` ticks of a forward, ``M`` of a forward and a backward and,
+on the last stage, the loss, ``S - 1`` of a backward: GPipe's ``M + S - 1`` ticks of
+each). The compiled program's cost counts a conditional at its costliest branch, every
+tick a forward, a backward and a loss (:mod:`shardc.inspect.loops`), and
+:mod:`shardc.pipeline.cost` prices it so: an upper bound.
 
 What one step compiles to (per device; ``a`` the bytes of one example's carry, ``b = B/M``
 over the ``batch_axes`` ways): in the loop, two collective-permutes of ``b * a`` bytes per
