@@ -178,7 +178,7 @@ def test_the_planner_chooses_1f1b_for_a_loss_stack_over_a_slow_axis():
     computed on the last stage (no all-reduce of the finished micro-batches over the
     stages), is the planner's choice; it runs as jax.jit's step. (A stack returning its
     carry is not offered 1F1B: test_1f1b_needs_the_loss_inside_the_stack.)"""
-    state, batch = make(4, 1024, 512)
+    state, batch = make(4, 1024, 256)
     mesh = jax.make_mesh((4, 2), ("stage", "data"))
     slower = dataclasses.replace(SLOW, axis_bandwidth={**SLOW.axis_bandwidth, "stage": 1e9})
     run = shardc.auto_shard(train_step(stacked_loss), mesh=mesh, cluster=slower)

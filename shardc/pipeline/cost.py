@@ -37,14 +37,12 @@ nodes sends over one NIC), the all-reduces as any collective over ``a``. Communi
 to compute, as the planner prices any plan.
 
 1F1B (a stack ending in its loss, :func:`shardc.pipeline.stack.layers_loss`) runs ``M + 2S
-- 2`` ticks of a permute each way, each tick a micro-batch's forward, backward and loss
-(:func:`head_ops`, on a stage's devices: ``S / M`` of the whole plan's loss compute), as
-the compiled program's cost is counted (its parts are conditionals, counted at their
-costliest branch on every tick: on hardware that skips a stage's idle parts a tick costs
-its busiest stage, and the ticks add up to GPipe's ``M + S - 1``, so this is an upper
-bound); it keeps the finished micro-batches on the last stage (no all-reduce of them) and
-ends with one all-reduce of the loss's weights' gradient over the stage axis and the
-batch's, in place of the whole plan's conversions of the loss's values.
+- 2`` ticks of a permute each way, each tick on every stage a micro-batch's forward,
+backward and loss (:func:`head_ops`, on a stage's devices: ``S / M`` of the whole plan's
+loss compute), as :mod:`shardc.pipeline.onefb` compiles it; it keeps the finished
+micro-batches on the last stage (no all-reduce of them) and ends with one all-reduce of
+the loss's weights' gradient over the stage axis and the batch's, in place of the whole
+plan's conversions of the loss's values.
 
 Per-stage peak memory, as the runtime holds it: the stacked state (parameters and
 optimizer moments) at 1 / S, the rest of the state as the whole plan holds it, the whole
@@ -332,10 +330,9 @@ def price(pipeline: Pipeline, whole: Parts, stage: Parts, cluster: Cluster,
     loss_spans: tuple[tuple[str, int], ...] = ()
     rest = whole.step - whole.layers
     if onefb:
-        # as the compiled program's cost is counted (a conditional's costliest branch):
-        # every tick runs a forward, a backward and the loss of a micro-batch on a stage's
-        # devices (S / M of the whole plan's loss), which the whole plan's rest ran once;
-        # the loss's gradient is summed inside the pipeline, not by the rest's conversions
+        # every tick every stage runs a forward, a backward and the loss of a micro-batch
+        # on its devices (S / M of the whole plan's loss, which the rest ran once); the
+        # loss's gradient is summed inside the pipeline, not by the rest's conversions
         ticks = onefb_ticks(pipeline)
         layers = work * ticks / m
         bubble = layers - work

@@ -23,13 +23,13 @@ weights' gradient. Each tick one ``ppermute`` sends the forward's output to ``s 
 one the backward's input cotangent to ``s - 1``. A stage keeps the residuals of at most
 ``R = min(M, 2 S - 1)`` micro-batches (stage 0's count; the last stage's is one), in a
 buffer of ``R`` slots; a residual that is a weight itself is read where it is, not copied
-per slot. Forward, loss and backward each run under ``lax.cond`` on whether the tick has
-one for the stage: on hardware that skips a stage's idle parts a tick costs what its
-busiest stage runs (``S - 1`` ticks of a forward, ``M`` of a forward and a backward and,
-on the last stage, the loss, ``S - 1`` of a backward: GPipe's ``M + S - 1`` ticks of
-each). The compiled program's cost counts a conditional at its costliest branch, every
-tick a forward, a backward and a loss (:mod:`shardc.inspect.loops`), and
-:mod:`shardc.pipeline.cost` prices it so: an upper bound.
+per slot. Every stage runs the forward, the loss and the backward every tick, its results
+kept where the tick has them for the stage (``jnp.where``): a part under ``lax.cond``
+would skip a stage's idle work, but a stage's tensor parallelism puts collectives inside
+the branch, which the stages taking the other branch never join (XLA:CPU's
+collective-permute waits for every device: the 1F1B expert with TP inside its stages hung
+so). :mod:`shardc.pipeline.cost` prices what runs: ``M + 2S - 2`` ticks of each part, where
+GPipe runs ``M + S - 1`` of a forward and as many of a backward.
 
 What one step compiles to (per device; ``a`` the bytes of one example's carry, ``b = B/M``
 over the ``batch_axes`` ways): in the loop, two collective-permutes of ``b * a`` bytes per
@@ -82,11 +82,6 @@ def in_flight(pipeline: Pipeline) -> int:
     return min(pipeline.microbatches, 2 * pipeline.stages - 1)
 
 
-def _zeros(shapes, axes: tuple[str, ...]):
-    """Zeros of ``shapes``, varying over ``axes`` (as a ``lax.cond``'s other branch is)."""
-    return jax.tree.map(lambda s: _varying(jnp.zeros(s.shape, s.dtype), axes), shapes)
-
-
 def _varying(a, axes: tuple[str, ...]):
     """``a`` varying over every one of ``axes`` inside a ``shard_map``."""
     have = jax.typeof(a).manual_axis_type.varying
@@ -132,9 +127,7 @@ def _loop(layer_fn: Callable, loss_fn: Callable, pipeline: Pipeline,
             return y, [leaf for leaf, k in zip(leaves, where) if k is None], tree, where
 
         x0 = at(mbs, 0)
-        _, kept0, tree, where = residuals(params, x0)  # the shapes (XLA drops the compute)
-        y_shape = jax.eval_shape(stage, params, x0)
-        kept_shapes = [jax.ShapeDtypeStruct(k.shape, k.dtype) for k in kept0]
+        y0, kept0, tree, where = residuals(params, x0)  # the shapes (XLA drops the compute)
 
         def forward(w, x):
             y, kept, _, w_at = residuals(w, x)
@@ -158,24 +151,20 @@ def _loop(layer_fn: Callable, loss_fn: Callable, pipeline: Pipeline,
             live_f, live_b = (f >= 0) & (f < m_n), (b >= 0) & (b < m_n)
             fm, bm = jnp.clip(f, 0, m_n - 1), jnp.clip(b, 0, m_n - 1)
             x = jax.tree.map(lambda a, c: jnp.where(s == 0, a, c), at(mbs, fm), cur)
-            y, kept = jax.lax.cond(
-                live_f, forward,
-                lambda w, x: (_zeros(y_shape, every), _zeros(kept_shapes, every)), params, x)
-            lm, (dy, dh) = jax.lax.cond(
-                live_f & last, loss_of,
-                lambda y, h, tg: (_varying(jnp.zeros((), jnp.float32), every),
-                                  (_zeros(y_shape, every), jax.tree.map(jnp.zeros_like, h))),
-                y, head, at(tgs, fm))
+            # every part runs on every stage each tick, its results kept where the tick
+            # has it for the stage (module doc: no collective may sit in a branch)
+            y, kept = forward(params, x)
+            lm, (dy, dh) = loss_of(y, head, at(tgs, fm))
+            mine_loss = live_f & last
+            lm = jnp.where(mine_loss, lm, 0.0)
+            dh = jax.tree.map(lambda g: jnp.where(mine_loss, g, jnp.zeros_like(g)), dh)
             # the last stage runs the backward of the micro-batch it has just finished
             mine = [jnp.where(last, k, jax.lax.dynamic_index_in_dim(old, bm % slots,
                                                                      keepdims=False))
                     for k, old in zip(kept, buf)]
             ct = jax.tree.map(lambda a, c: jnp.where(last, a, c), dy, dcur)
-            dw, dx = jax.lax.cond(
-                live_b, backward,
-                lambda w, kept, ct: (jax.tree.map(jnp.zeros_like, w),
-                                     _zeros(y_shape, every)),
-                params, mine, ct)
+            dw, dx = backward(params, mine, ct)
+            dw = jax.tree.map(lambda g: jnp.where(live_b, g, jnp.zeros_like(g)), dw)
             buf = [jax.lax.dynamic_update_index_in_dim(
                 old, jnp.where(live_f, k, jax.lax.dynamic_index_in_dim(
                     old, fm % slots, keepdims=False)), fm % slots, 0)
@@ -187,8 +176,8 @@ def _loop(layer_fn: Callable, loss_fn: Callable, pipeline: Pipeline,
             back = jax.tree.map(lambda a: jax.lax.ppermute(a, axis, down), dx)
             return (nxt, back, buf, gw, gh, dmbs, loss + lm), None
 
-        start = (x0, _zeros(y_shape, every), [jnp.zeros((slots,) + k.shape, k.dtype)
-                                       for k in kept_shapes],
+        start = (x0, jax.tree.map(jnp.zeros_like, y0),
+                 [jnp.zeros((slots,) + k.shape, k.dtype) for k in kept0],
                  jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.zeros_like, head),
                  jax.tree.map(jnp.zeros_like, mbs), jnp.zeros((), jnp.float32))
         start = jax.tree.map(lambda a: _varying(a, every), start)
