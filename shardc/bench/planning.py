@@ -327,10 +327,10 @@ def write(cases: list[PlanningCase], out: Path, command: str,
 
 #: Llama 3 70B's shapes (Dubey et al. 2024, "The Llama 3 Herd of Models", Table 3): 80
 #: layers, d 8192, 64 heads over 8 kv heads, FFN 28672, vocabulary 128,256; sequences of
-#: 4096 tokens, one per device, bfloat16 parameters and Adam state; the layers a
-#: :func:`shardc.pipeline.layers` stack, so the planner may pipeline them (as a
-#: :func:`shardc.pipeline.layers_loss` stack, 1F1B included, it planned 10850 ms at 76.8 GiB
-#: unpipelined on 128 x 8 against 10659 at 64.3, and no pipeline either way)
+#: 4096 tokens, one per device, bfloat16 parameters and Adam state; the layers and the loss
+#: they end in a :func:`shardc.pipeline.layers_loss` stack, so the planner may pipeline
+#: them, 1F1B included (as a plain :func:`shardc.pipeline.layers` stack every figure of
+#: the page is the same)
 SCALE_MESHES = (((128, 8), ("node", "gpu")), ((8, 16, 8), ("pod", "node", "gpu")))
 #: weak scaling: the same decoder at one sequence per device on nodes of 8 GPUs, from 8 to
 #: 128 nodes (PaddlePaddle's adaptive training reports 91.7% weak-scaling efficiency for
@@ -362,7 +362,7 @@ def _scale_config(devices: int):
     return llama, llama.LlamaConfig(vocab=128256, seq_len=4096, d_model=8192, n_heads=64,
                                     n_kv_heads=8, d_ff=28672, n_layers=80, batch=devices,
                                     learning_rate=3e-4, dtype=jnp.bfloat16,
-                                    stack_layers=True)
+                                    stack_layers=True, loss_in_stack=True)
 
 
 def _scale_experts(view) -> list:
@@ -445,9 +445,9 @@ def scale_markdown(cases: list[ScaleCase], command: str) -> str:
              f"`{command}` — a Llama-3-70B-shaped decoder (80 scanned, remat'd layers, d 8192, "
              "GQA 64/8, FFN 28672, vocabulary 128,256, 4096-token sequences, one per device, "
              "bfloat16 with Adam) planned on an `AbstractMesh` (no such devices here) with "
-             "`memory_budget` = the cluster's device memory; its layers are a "
-             "`shardc.pipeline.layers` stack, so the planner considers pipelines; wall "
-             "seconds of "
+             "`memory_budget` = the cluster's device memory; its layers and the loss they end "
+             "in are a `shardc.pipeline.layers_loss` stack, so the planner considers "
+             "pipelines (GPipe, 1F1B, circular); wall seconds of "
              "`step.plan`, tracing included, each mesh in a fresh process, on this 2-core "
              "machine. The experts are priced by the same cost model (their input layouts "
              "fixed, the rest completed by the planner, unpipelined).", ""]
