@@ -101,6 +101,24 @@ def test_pipeline_loss_equals_the_scan_and_its_gradient(stages, micro, data):
     close(jax.jit(mine)(stacked, head, x), jax.jit(want)(stacked, head, x))
 
 
+def test_the_loss_keeps_its_dtype():
+    """The loop sums the loss in float32; the result has the loss function's dtype, as
+    the unpipelined expression's (a custom_vjp's forward must match its primal)."""
+    (stacked, head), (x, targets) = jax.tree.map(lambda a: a.astype(jnp.float16),
+                                                 make(4, 8, 16))
+    pipe, mesh = Pipeline("stage", 4, 4, "1f1b"), auto_mesh(4)
+
+    def mine(s, h):
+        return pipeline_loss(layer, loss_fn, x, s, h, targets, pipeline=pipe, mesh=mesh)
+
+    value, grads = jax.jit(jax.value_and_grad(mine, (0, 1)))(stacked, head)
+    want, want_grads = jax.jit(jax.value_and_grad(
+        lambda s, h: reference(s, h, x, targets), (0, 1)))(stacked, head)
+    assert value.dtype == want.dtype == jnp.float16
+    close(value, want, rtol=1e-2, atol=1e-3)
+    close(grads, want_grads, rtol=5e-2, atol=5e-3)
+
+
 def test_a_loss_stack_unpipelined_is_its_expression():
     state, batch = make(4, 8, 16)
     want = jax.jit(train_step(reference))(state, batch)

@@ -228,9 +228,12 @@ def pipeline_loss(layer_fn: Callable, loss_fn: Callable, carry: Any, stacked_par
     def whole(tree):
         return jax.tree.map(lambda o: o.swapaxes(0, 1).reshape((batch,) + o.shape[2:]), tree)
 
+    # the loop sums the loss in float32; the result has the loss function's own dtype
+    dtype = jax.eval_shape(loss_fn, carry, head, targets).dtype
+
     def value_and_grads(c, w, h, tg):
         loss, gw, gh, dmbs = run(w, h, micro(c), micro(tg))
-        return loss, (whole(dmbs), gw, gh)
+        return loss.astype(dtype), (whole(dmbs), gw, gh)
 
     @jax.custom_vjp
     def value(c, w, h, tg):  # not differentiated: the forward alone, in GPipe's order
