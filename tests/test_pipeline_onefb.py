@@ -211,3 +211,24 @@ def test_the_planner_chooses_1f1b_for_a_loss_stack_over_a_slow_axis():
     assert run.plan(state, batch).pipeline == choice.pipeline
     close(run(state, batch), jax.jit(train_step(reference))(state, batch),
           rtol=1e-4, atol=1e-5)
+
+
+def test_under_overlap_each_schedule_is_compiled_and_the_fastest_kept():
+    """With Cluster(overlap=True) on a mesh with devices, the chosen pipeline and the
+    cheapest of each other schedule over its stage axis are compiled beside the
+    unpipelined plan, and the fastest compiled program (overlapped) is the plan."""
+    state, batch = make(4, 1024, 256)
+    mesh = jax.make_mesh((4, 2), ("stage", "data"))
+    slower = dataclasses.replace(SLOW, axis_bandwidth={**SLOW.axis_bandwidth, "stage": 1e9},
+                                 overlap=True)
+    run = shardc.auto_shard(train_step(stacked_loss), mesh=mesh, cluster=slower)
+    plan = run.plan(state, batch)
+    assert plan.pipeline is not None, plan.solver.get("compiled_ranking")
+    rows = plan.solver["pipeline"]["compiled_ranking"]
+    assert {"gpipe", "1f1b"} <= {r["schedule"] for r in rows} and \
+        rows[-1]["schedule"] is None, rows
+    fastest = min(rows, key=lambda r: r.get("compiled_s", float("inf")))
+    assert fastest["schedule"] == plan.pipeline.schedule, rows
+    assert "compiled, overlapped: " in " ".join(plan.explain(max_rows=1).split())
+    close(run(state, batch), jax.jit(train_step(reference))(state, batch),
+          rtol=1e-4, atol=1e-5)

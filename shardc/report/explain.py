@@ -284,6 +284,10 @@ def _pipeline(plan) -> str:
     split = priced.get("batch_axes")
     split = "over " + " x ".join(split) if split else "over no axis" if split is not None \
         else "as they split the stack's carry"
+    ranked = "; compiled, overlapped: " + ", ".join(
+        f"{r['schedule'] or 'unpipelined'} "
+        + (fmt_time(r["compiled_s"]) if r.get("compiled_s") is not None else "failed")
+        for r in priced["compiled_ranking"]) if priced.get("compiled_ranking") else ""
     return textwrap.fill(
         head + f"; {p.describe(priced['layers'])}; bubble {fmt_time(priced['bubble_s'])}, "
         f"{priced['bubble_s'] / step:.0%} of the step; {priced['permutes']} "
@@ -291,7 +295,7 @@ def _pipeline(plan) -> str:
         f"{priced['reduces']} all-reduces of {fmt_bytes(priced['reduce_bytes'])} over "
         f"{p.axis!r}{loss} per step; unpipelined step {fmt_time(priced['unpipelined_s'])} "
         f"(the tables below lay out the unpipelined program; each stage splits a "
-        f"micro-batch {split})",
+        f"micro-batch {split}){ranked}",
         width=100, subsequent_indent="  ", break_on_hyphens=False)
 
 

@@ -24,7 +24,7 @@ from shardc.solve.reuse import Reuse
 from shardc.solve.search import MemoryBudgetError, SolveOptions, plan_graph
 from shardc.step.calling import Call
 from shardc.step.options import Options, platform_of
-from shardc.step.ranking import compiled_best
+from shardc.step.ranking import compiled_best, compiled_time
 from shardc.step.seeds import view_seeds
 from shardc.step.signature import TracedCall, pins_layouts
 from shardc.tradeoff.views import View, views
@@ -70,7 +70,53 @@ def pipelined(step, call: Call, tr: TracedCall, candidates: list[View],
             base = solve(step, call, keep, candidates[:1], seeds[:1], step.options)
         except MemoryBudgetError:
             return plan
+    if base.cluster.overlap and step.options.rank_compiled and not step.abstract and \
+            choice.reason != "requested":
+        return _compiled_pipeline(step, tr, plan, base, choice, opts)
     return adopt(base, choice, graph, tr.ties, tr.resident)
+
+
+def _compiled_pipeline(step, tr: TracedCall, plan: Plan, base: Plan, choice, opts) -> Plan:
+    """Under overlap on a mesh with devices (``rank_compiled``): the chosen pipeline and the
+    cheapest priced of each other schedule over the same stage axis that fits the budget,
+    each adopted on ``base`` (the plan with the layer state pinned as a stage holds it) and
+    compiled, against the unpipelined ``plan``'s compiled time: the fastest compiled
+    program overlapped wins. The pipeline's price is serial; overlapped, a schedule whose
+    sends do not feed the next tick's compute (1F1B's forward send beside its backward)
+    hides them where GPipe's cannot. ``solver["pipeline"]["compiled_ranking"]`` lists each
+    candidate's price and compiled time (or error)."""
+    from shardc.pipeline.choose import adopt
+
+    graph = tr.traced.graph
+    budget = opts.memory_budget if opts.memory_budget is not None \
+        else base.cluster.device_memory
+    per = {choice.pipeline.schedule: choice.best}
+    for p in sorted(choice.priced, key=lambda p: (p.step_time, p.peak_memory)):
+        if p.mesh == choice.best.mesh and p.pipeline.axis == choice.pipeline.axis and \
+                p.peak_memory <= budget:
+            per.setdefault(p.pipeline.schedule, p)
+    unpipelined = [r["compiled_s"] for r in plan.solver.get("compiled_ranking", ())
+                   if "compiled_s" in r]
+    none_s = min(unpipelined) if unpipelined else compiled_time(step, tr, plan)
+    rows, best, best_s = [], None, none_s
+    for price in per.values():
+        candidate = adopt(base, dataclasses.replace(choice, pipeline=price.pipeline,
+                                                    best=price), graph, tr.ties, tr.resident)
+        row = {"schedule": price.pipeline.schedule, "pipeline": price.summary(),
+               "priced_s": price.step_time}
+        try:
+            row["compiled_s"] = compiled_time(step, tr, candidate)
+        except Exception as exc:  # noqa: BLE001 - a candidate that does not compile is passed over
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        rows.append(row)
+        if "compiled_s" in row and row["compiled_s"] < best_s:
+            best, best_s = candidate, row["compiled_s"]
+    rows.append({"schedule": None, "pipeline": "none", "priced_s": plan.predicted.step_time,
+                 "compiled_s": none_s})
+    if best is None:
+        return plan
+    record = {**best.solver["pipeline"], "compiled_ranking": rows}
+    return dataclasses.replace(best, solver={**best.solver, "pipeline": record})
 
 
 def choice_options(step, tr: TracedCall, views: bool):
