@@ -97,7 +97,13 @@ def _compiled_pipeline(step, tr: TracedCall, plan: Plan, base: Plan, choice, opt
             per.setdefault(p.pipeline.schedule, p)
     unpipelined = [r["compiled_s"] for r in plan.solver.get("compiled_ranking", ())
                    if "compiled_s" in r]
-    none_s = min(unpipelined) if unpipelined else compiled_time(step, tr, plan)
+    if unpipelined:
+        none_s = min(unpipelined)
+    else:
+        try:
+            none_s = compiled_time(step, tr, plan)
+        except Exception:  # noqa: BLE001 - then the pipelines are compared among themselves
+            none_s = math.inf
     rows, best, best_s = [], None, none_s
     for price in per.values():
         candidate = adopt(base, dataclasses.replace(choice, pipeline=price.pipeline,
@@ -112,9 +118,11 @@ def _compiled_pipeline(step, tr: TracedCall, plan: Plan, base: Plan, choice, opt
         if "compiled_s" in row and row["compiled_s"] < best_s:
             best, best_s = candidate, row["compiled_s"]
     rows.append({"schedule": None, "pipeline": "none", "priced_s": plan.predicted.step_time,
-                 "compiled_s": none_s})
-    if best is None:
-        return plan
+                 **({"compiled_s": none_s} if none_s < math.inf else {"error": "not compiled"})})
+    if best is None and none_s < math.inf:
+        return plan  # the unpipelined program compiled fastest
+    if best is None:  # nothing compiled: the serial choice
+        best = adopt(base, choice, graph, tr.ties, tr.resident)
     record = {**best.solver["pipeline"], "compiled_ranking": rows}
     return dataclasses.replace(best, solver={**best.solver, "pipeline": record})
 
