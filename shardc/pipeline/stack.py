@@ -1,5 +1,7 @@
 """The layer stack a pipeline may run: :func:`layers`, a drop-in for
-``jax.lax.scan(layer_fn, carry, stacked_params)`` that ``auto_shard`` can pipeline.
+``jax.lax.scan(layer_fn, carry, stacked_params)`` that ``auto_shard`` can pipeline, and
+:func:`layers_loss`, the stack and the loss it ends in (which a 1F1B pipeline can run:
+:mod:`shardc.pipeline.onefb`), filed and run the same way with the loss inside the calls.
 
 A scan in a traced program is fixed at the batch it was traced for (its reshapes and
 broadcasts name the batch size), so it cannot be re-run on micro-batches; running a stack as
