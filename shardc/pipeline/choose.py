@@ -79,6 +79,10 @@ class ChoiceOptions:
         if self.max_virtual < 1:
             raise ValueError(f"ChoiceOptions(max_virtual={self.max_virtual}): need >= 1")
 
+    def budget(self, cluster: Cluster) -> float:
+        """Bytes per device a stage may hold: ``memory_budget``, else the cluster's."""
+        return self.memory_budget if self.memory_budget is not None else cluster.device_memory
+
 
 @dataclass(frozen=True, slots=True)
 class Choice:
@@ -229,8 +233,7 @@ def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[
             priced += [price(p, whole, stage, view.cluster, _axes(view))
                        for p in candidates(axis, s, layers, options)
                        if _splits_batch(stage_plan, layers, p.microbatches, graph)]
-    budget = options.memory_budget if options.memory_budget is not None \
-        else cluster.device_memory
+    budget = options.budget(cluster)
     fits = [p for p in priced if p.peak_memory <= budget]
     if not fits:
         return none("no pipeline fits the memory budget" if priced else

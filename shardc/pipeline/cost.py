@@ -288,13 +288,18 @@ class PipelinePrice:
     mesh: tuple[tuple[str, int], ...] = ()
     grads: float = 0.0
     grad_bytes: float = 0.0
-    grad_spans: tuple[tuple[str, int], ...] = ()
     rest_comm: float = 0.0
     ticks: int = 0
     batch_spans: tuple[tuple[str, int], ...] = ()
     loss_reduce: float = 0.0
     loss_bytes: float = 0.0
     loss_spans: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def grad_spans(self) -> tuple[tuple[str, int], ...]:
+        """The axes the stages' gradient all-reduce spans: the batch's, where there is
+        one."""
+        return self.batch_spans if self.grads else ()
 
     @property
     def comm(self) -> float:
@@ -368,5 +373,5 @@ def price(pipeline: Pipeline, whole: Parts, stage: Parts, cluster: Cluster,
     return PipelinePrice(pipeline, rest + layers + transfers + gathers + once + loss_reduce,
                          rest, layers, bubble, transfers, gathers, once, permutes,
                          stage.carry / m, reduces, stage.carry, peak, mesh, grads, grad_bytes,
-                         stage.batch_spans if grads else (), whole.rest_comm, ticks,
-                         stage.batch_spans, loss_reduce, loss_bytes, loss_spans)
+                         whole.rest_comm, ticks, stage.batch_spans, loss_reduce, loss_bytes,
+                         loss_spans)

@@ -32,7 +32,7 @@ from shardc.plan.record import Plan
 from shardc.report.explain import mesh_label
 from shardc.step.signature import TracedCall
 
-__all__ = ["UNTILED", "compile_lowered", "compiled_best", "compiled_time"]
+__all__ = ["UNTILED", "compile_lowered", "compiled_best", "compiled_row", "compiled_time"]
 
 UNTILED = "Couldn't find output tile sizes"
 """XLA:GPU's error where its Triton GEMM emitter finds no tiling for a dot it was given
@@ -69,6 +69,17 @@ def compiled_time(step, tr: TracedCall, plan: Plan) -> float:
     return step_time + plan.predicted.feed_time
 
 
+def compiled_row(step, tr: TracedCall, plan: Plan) -> dict:
+    """``{"compiled_s": ..., "compile_s": ...}`` for ``plan`` (:func:`compiled_time`), or
+    ``{"error": ..., "compile_s": ...}`` where it does not compile (a candidate passed over)."""
+    t0 = time.perf_counter()
+    try:
+        row = {"compiled_s": compiled_time(step, tr, plan)}
+    except Exception as exc:  # noqa: BLE001 - a candidate that does not compile is passed over
+        row = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    return {**row, "compile_s": time.perf_counter() - t0}
+
+
 def compiled_best(step, tr: TracedCall, plans: list[Plan], count: int) -> Plan:
     """Of ``plans`` (the search's candidates, the first its choice), the ``count`` best by
     :func:`ranking_time` with distinct layouts compiled, and the one whose compiled program
@@ -85,13 +96,8 @@ def compiled_best(step, tr: TracedCall, plans: list[Plan], count: int) -> Plan:
     rows, best, best_s = [], plans[0], None
     for p in top:
         row = {"mesh": mesh_label(p.mesh_axes),
-               "seed": p.solver.get("seed"), "estimated_s": ranking_time(p)}
-        t0 = time.perf_counter()
-        try:
-            row["compiled_s"] = compiled_time(step, tr, p)
-        except Exception as exc:  # noqa: BLE001 - a candidate that does not compile is passed over
-            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-        row["compile_s"] = time.perf_counter() - t0
+               "seed": p.solver.get("seed"), "estimated_s": ranking_time(p),
+               **compiled_row(step, tr, p)}
         rows.append(row)
         if "compiled_s" in row and (best_s is None or row["compiled_s"] < best_s):
             best, best_s = p, row["compiled_s"]

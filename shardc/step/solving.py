@@ -24,7 +24,7 @@ from shardc.solve.reuse import Reuse
 from shardc.solve.search import MemoryBudgetError, SolveOptions, plan_graph
 from shardc.step.calling import Call
 from shardc.step.options import Options, platform_of
-from shardc.step.ranking import compiled_best, compiled_time
+from shardc.step.ranking import compiled_best, compiled_row
 from shardc.step.seeds import view_seeds
 from shardc.step.signature import TracedCall, pins_layouts
 from shardc.tradeoff.views import View, views
@@ -88,8 +88,7 @@ def _compiled_pipeline(step, tr: TracedCall, plan: Plan, base: Plan, choice, opt
     from shardc.pipeline.choose import adopt
 
     graph = tr.traced.graph
-    budget = opts.memory_budget if opts.memory_budget is not None \
-        else base.cluster.device_memory
+    budget = opts.budget(base.cluster)
     per = {choice.pipeline.schedule: choice.best}
     for p in sorted(choice.priced, key=lambda p: (p.step_time, p.peak_memory)):
         if p.mesh == choice.best.mesh and p.pipeline.axis == choice.pipeline.axis and \
@@ -97,28 +96,20 @@ def _compiled_pipeline(step, tr: TracedCall, plan: Plan, base: Plan, choice, opt
             per.setdefault(p.pipeline.schedule, p)
     unpipelined = [r["compiled_s"] for r in plan.solver.get("compiled_ranking", ())
                    if "compiled_s" in r]
-    if unpipelined:
-        none_s = min(unpipelined)
-    else:
-        try:
-            none_s = compiled_time(step, tr, plan)
-        except Exception:  # noqa: BLE001 - then the pipelines are compared among themselves
-            none_s = math.inf
+    # where the unpipelined plan does not compile, the pipelines are compared among themselves
+    none = {"compiled_s": min(unpipelined)} if unpipelined else compiled_row(step, tr, plan)
+    none_s = none.get("compiled_s", math.inf)
     rows, best, best_s = [], None, none_s
     for price in per.values():
         candidate = adopt(base, dataclasses.replace(choice, pipeline=price.pipeline,
                                                     best=price), graph, tr.ties, tr.resident)
         row = {"schedule": price.pipeline.schedule, "pipeline": price.summary(),
-               "priced_s": price.step_time}
-        try:
-            row["compiled_s"] = compiled_time(step, tr, candidate)
-        except Exception as exc:  # noqa: BLE001 - a candidate that does not compile is passed over
-            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+               "priced_s": price.step_time, **compiled_row(step, tr, candidate)}
         rows.append(row)
         if "compiled_s" in row and row["compiled_s"] < best_s:
             best, best_s = candidate, row["compiled_s"]
     rows.append({"schedule": None, "pipeline": "none", "priced_s": plan.predicted.step_time,
-                 **({"compiled_s": none_s} if none_s < math.inf else {"error": "not compiled"})})
+                 **none})
     if best is None and none_s < math.inf:
         return plan  # the unpipelined program compiled fastest
     if best is None:  # nothing compiled: the serial choice
