@@ -159,16 +159,11 @@ def _loop(layer_fn: Callable, loss_fn: Callable, pipeline: Pipeline,
             lm = jnp.where(mine_loss, lm, 0.0)
             dh = jax.tree.map(lambda g: jnp.where(mine_loss, g, jnp.zeros_like(g)), dh)
             # the last stage runs the backward of the micro-batch it has just finished
-            mine = [jnp.where(last, k, jax.lax.dynamic_index_in_dim(old, bm % slots,
-                                                                     keepdims=False))
-                    for k, old in zip(kept, buf)]
+            mine = [jnp.where(last, k, old) for k, old in zip(kept, at(buf, bm % slots))]
             ct = jax.tree.map(lambda a, c: jnp.where(last, a, c), dy, dcur)
             dw, dx = backward(params, mine, ct)
             dw = jax.tree.map(lambda g: jnp.where(live_b, g, jnp.zeros_like(g)), dw)
-            buf = [jax.lax.dynamic_update_index_in_dim(
-                old, jnp.where(live_f, k, jax.lax.dynamic_index_in_dim(
-                    old, fm % slots, keepdims=False)), fm % slots, 0)
-                for k, old in zip(kept, buf)]
+            buf = put(buf, fm % slots, kept, ~live_f)
             gw = jax.tree.map(jnp.add, gw, dw)
             gh = jax.tree.map(jnp.add, gh, dh)
             dmbs = put(dmbs, bm, dx, ~(live_b & (s == 0)))
