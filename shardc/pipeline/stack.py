@@ -350,11 +350,12 @@ def _filed(layer_fn: Callable, carry: Any, stacked_params: Any, loss=None):
     filed_loss = None
     if loss is not None:
         loss_fn, head, targets = loss
-        out = jax.eval_shape(layer_fn, carry, jax.tree.map(lambda w: w[0], stacked_params))[0]
-        fn, lconsts = jax.closure_convert(loss_fn, out, head, targets)
+        # the stack's result is shaped as its carry (a scan's carry keeps its type): the
+        # loss is traced on the carry, not on a trace of the layer
+        fn, lconsts = jax.closure_convert(loss_fn, carry, head, targets)
         filed_loss = Loss(loss_fn, fn, jax.tree.structure(head), jax.tree.structure(targets),
                           len(lconsts))
-        key += f"|{_origin(loss_fn)}|{jax.make_jaxpr(fn)(out, head, targets, *lconsts)}"
+        key += f"|{_origin(loss_fn)}|{jax.make_jaxpr(fn)(carry, head, targets, *lconsts)}"
         operands += [head, targets, tuple(lconsts)]
     name = f"{PREFIX}{hashlib.sha1(key.encode()).hexdigest()[:16]}"
     _STACKS[name] = Stack(layer_fn, layer, *trees, len(consts), filed_loss)
