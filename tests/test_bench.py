@@ -217,7 +217,7 @@ def test_pricing_rows_compare_each_plan_with_the_best_expert_under_its_pricing()
 
 
 def test_the_scale_page_has_the_pipelines_and_the_weak_scaling_efficiency():
-    from shardc.bench.planning import ScaleCase, scale_markdown
+    from shardc.bench.scale import ScaleCase, scale_markdown
 
     def case(devices, ms, pipeline="", experts=None):
         return ScaleCase(f"node={devices // 8} x gpu=8", devices, 10.0, "refined", ms, 60.0,

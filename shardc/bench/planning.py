@@ -22,12 +22,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["CASES", "FRONTIER_CASES", "LOOP_PRESETS", "SCALE_MESHES", "WEAK_SCALING",
-           "DescentGap", "FrontierCase", "LoopForms", "PlanningCase",
-           "ScaleCase", "descent_gaps", "markdown", "measure", "measure_fresh",
-           "measure_frontier", "measure_frontier_fresh",
-           "measure_loop_forms", "measure_loop_forms_fresh", "measure_scale",
-           "measure_scale_fresh", "scale_markdown", "write", "write_scale"]
+__all__ = ["CASES", "FRONTIER_CASES", "LOOP_PRESETS", "DescentGap", "FrontierCase",
+           "LoopForms", "PlanningCase", "descent_gaps", "fresh", "markdown", "measure",
+           "measure_fresh", "measure_frontier", "measure_frontier_fresh",
+           "measure_loop_forms", "measure_loop_forms_fresh", "write"]
 
 #: (model, layers): the unrolled GPT-2-small and the scanned Llama decoder, each at 12 and 48
 CASES = (("gpt", 12), ("gpt", 48), ("llama", 12), ("llama", 48))
@@ -87,11 +85,11 @@ def measure(name: str, layers: int) -> PlanningCase:
                         plan.solver.get("stages", ""))
 
 
-def _fresh(call: str, what: str, setup: str = "") -> dict:
-    """The dataclass ``call`` (an expression over this module) returns, run in a fresh
-    Python process after ``setup``, as a dict."""
-    code = (f"{setup}import json, dataclasses; from shardc.bench import planning; "
-            f"print(json.dumps(dataclasses.asdict(planning.{call})))")
+def fresh(call: str, what: str, setup: str = "", module: str = "planning") -> dict:
+    """The dataclass ``call`` (an expression over ``shardc.bench.<module>``) returns, run
+    in a fresh Python process after ``setup``, as a dict."""
+    code = (f"{setup}import json, dataclasses; from shardc.bench import {module}; "
+            f"print(json.dumps(dataclasses.asdict({module}.{call})))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=False)
     if done.returncode:
@@ -104,7 +102,7 @@ _EIGHT_DEVICES = "from shardc.cli.common import force_cpu_devices; force_cpu_dev
 
 def measure_fresh(name: str, layers: int) -> PlanningCase:
     """:func:`measure` in a fresh Python process with 8 simulated CPU devices."""
-    return PlanningCase(**_fresh(f"measure({name!r}, {layers})", f"{name} with {layers} layers",
+    return PlanningCase(**fresh(f"measure({name!r}, {layers})", f"{name} with {layers} layers",
                                  _EIGHT_DEVICES))
 
 
@@ -145,7 +143,7 @@ def measure_frontier(name: str, layers: int) -> FrontierCase:
 
 def measure_frontier_fresh(name: str, layers: int) -> FrontierCase:
     """:func:`measure_frontier` in a fresh Python process with 8 simulated CPU devices."""
-    return FrontierCase(**_fresh(f"measure_frontier({name!r}, {layers})",
+    return FrontierCase(**fresh(f"measure_frontier({name!r}, {layers})",
                                  f"the frontier of {name} with {layers} layers", _EIGHT_DEVICES))
 
 
@@ -185,7 +183,7 @@ def measure_loop_forms_fresh(preset: str) -> LoopForms:
     """:func:`measure_loop_forms` in a fresh process with the preset's simulated devices."""
     from shardc.bench.zoo import PRESETS
 
-    return LoopForms(**_fresh(f"measure_loop_forms({preset!r})", f"loop forms on {preset}",
+    return LoopForms(**fresh(f"measure_loop_forms({preset!r})", f"loop forms on {preset}",
                               "from shardc.cli.common import force_cpu_devices; "
                               f"force_cpu_devices({PRESETS[preset].devices}); "))
 
@@ -320,174 +318,4 @@ def write(cases: list[PlanningCase], out: Path, command: str,
                                                 "staged_gap": g.staged_gap} for g in gaps],
                               "loop_forms": [asdict(c) for c in loops],
                               "frontiers": [asdict(c) for c in frontiers]}, indent=1))
-    return [md, js]
-
-
-# ---- planning for clusters larger than this machine ---------------------------------------
-
-#: Llama 3 70B's shapes (Dubey et al. 2024, "The Llama 3 Herd of Models", Table 3): 80
-#: layers, d 8192, 64 heads over 8 kv heads, FFN 28672, vocabulary 128,256; sequences of
-#: 4096 tokens, one per device, bfloat16 parameters and Adam state; the layers and the loss
-#: they end in a :func:`shardc.pipeline.layers_loss` stack, so the planner may pipeline
-#: them, 1F1B included (as a plain :func:`shardc.pipeline.layers` stack every figure of
-#: the page is the same)
-SCALE_MESHES = (((128, 8), ("node", "gpu")), ((8, 16, 8), ("pod", "node", "gpu")))
-#: weak scaling: the same decoder at one sequence per device on nodes of 8 GPUs, from 8 to
-#: 128 nodes (PaddlePaddle's adaptive training reports 91.7% weak-scaling efficiency for
-#: ERNIE 260B; Ao et al. 2021, "End-to-end Adaptive Distributed Training on PaddlePaddle")
-WEAK_SCALING = (64, 128, 256, 512, 1024)
-
-
-@dataclass(frozen=True)
-class ScaleCase:
-    mesh: str
-    devices: int
-    plan_s: float  # wall seconds of step.plan on abstract arguments, tracing included
-    status: str
-    predicted_ms: float
-    peak_gib: float  # predicted per-device peak
-    budget_gib: float  # the cluster's device memory, given as memory_budget
-    experts: dict  # expert name -> (predicted step ms, peak GiB), priced by the same model
-    pipeline: str = ""  # the plan's pipeline ("" none)
-    #: the cheapest pipeline priced (chosen or not): what it is, its step (ms) and peak
-    #: (GiB), and why it was or was not chosen ("" where not asked)
-    best_pipeline: str = ""
-
-
-def _scale_config(devices: int):
-    import jax.numpy as jnp
-
-    from shardc.models import llama
-
-    return llama, llama.LlamaConfig(vocab=128256, seq_len=4096, d_model=8192, n_heads=64,
-                                    n_kv_heads=8, d_ff=28672, n_layers=80, batch=devices,
-                                    learning_rate=3e-4, dtype=jnp.bfloat16,
-                                    stack_layers=True, loss_in_stack=True)
-
-
-def _scale_experts(view) -> list:
-    """HSDP (parameters sharded within the node, the batch over every device) and FSDP x
-    TP (Megatron within the node, parameters sharded and the batch split across nodes)."""
-    from shardc.bench.experts import FSDP, TENSOR, Expert
-
-    outer, inner = view.names[:-1], view.names[-1]
-    outer = outer[0] if len(outer) == 1 else outer
-    tensor = {n: inner for n in TENSOR}
-    return [Expert("hsdp", {n: inner for n in FSDP}, {"batch": view.names}, view),
-            Expert("fsdp-x-tp", {**tensor, "embed": outer}, {**tensor, "batch": outer}, view)]
-
-
-def measure_scale(shape: tuple[int, ...], names: tuple[str, ...],
-                  experts: bool = True) -> ScaleCase:
-    """Plan the 70B-class decoder on an AbstractMesh of ``shape`` (no devices), within the
-    cluster's device memory, pipelines allowed, and (``experts``) price the HSDP and FSDP x
-    TP experts on the same model (their input layouts fixed, the rest completed by the
-    planner)."""
-    import math
-
-    import jax
-
-    import shardc
-    from shardc.bench.experts import batch_specs, state_specs
-    from shardc.tradeoff.views import View
-
-    cluster = (shardc.Cluster.multi_node(*names) if len(shape) == 2
-               else shardc.Cluster.multi_pod(*names))
-    devices = math.prod(shape)
-    module, cfg = _scale_config(devices)
-    mesh = jax.sharding.AbstractMesh(shape, names)
-    args = module.abstract_args(cfg)
-    budget = cluster.device_memory
-    step = shardc.auto_shard(module.build_step(cfg), mesh=mesh, cluster=cluster,
-                             memory_budget=budget)
-    t0 = time.perf_counter()
-    plan = step.plan(*args)
-    plan_s = time.perf_counter() - t0
-    priced = {}
-    for e in _scale_experts(View(shape, names, cluster)) if experts else ():
-        specs = (state_specs(args[0], mesh, e, module.param_axes),
-                 batch_specs(args[1], mesh, e))
-        fixed = shardc.auto_shard(module.build_step(cfg), mesh=mesh, cluster=cluster,
-                                  in_shardings=specs, pipeline=False).plan(*args)
-        priced[e.name] = (fixed.predicted.step_time * 1e3,
-                          fixed.predicted.peak_memory / 2**30)
-    best = ""
-    if experts:
-        choice = step.pipeline_choice(*args)
-        if choice.best is not None:
-            b = choice.best
-            best = (f"{_pipeline_text(b.pipeline)}: {b.step_time * 1e3:.0f} ms at "
-                    f"{b.peak_memory / 2**30:.1f} GiB ({choice.reason})")
-        else:
-            best = choice.reason
-    label = " x ".join(f"{n}={s}" for n, s in zip(names, shape))
-    return ScaleCase(label, devices, plan_s, plan.solver["status"],
-                     plan.predicted.step_time * 1e3, plan.predicted.peak_memory / 2**30,
-                     budget / 2**30, priced, _pipeline_text(plan.pipeline), best)
-
-
-def _pipeline_text(pipe) -> str:
-    if pipe is None:
-        return ""
-    return (f"{pipe.schedule}, {pipe.stages} stages over {pipe.axis}, {pipe.microbatches} "
-            "micro-batches" + (f", {pipe.virtual} virtual" if pipe.virtual > 1 else ""))
-
-
-def measure_scale_fresh(shape: tuple[int, ...], names: tuple[str, ...],
-                        experts: bool = True) -> ScaleCase:
-    """:func:`measure_scale` in a fresh Python process (JAX sees one CPU device)."""
-    return ScaleCase(**_fresh(f"measure_scale({shape!r}, {names!r}, {experts!r})",
-                              f"the 70B decoder on {shape}"))
-
-
-def scale_markdown(cases: list[ScaleCase], command: str) -> str:
-    lines = ["# Planning for clusters larger than this machine", "",
-             f"`{command}` — a Llama-3-70B-shaped decoder (80 scanned, remat'd layers, d 8192, "
-             "GQA 64/8, FFN 28672, vocabulary 128,256, 4096-token sequences, one per device, "
-             "bfloat16 with Adam) planned on an `AbstractMesh` (no such devices here) with "
-             "`memory_budget` = the cluster's device memory; its layers and the loss they end "
-             "in are a `shardc.pipeline.layers_loss` stack, so the planner considers "
-             "pipelines (GPipe, 1F1B, circular); wall seconds of "
-             "`step.plan`, tracing included, each mesh in a fresh process, on this 2-core "
-             "machine. The experts are priced by the same cost model (their input layouts "
-             "fixed, the rest completed by the planner, unpipelined).", ""]
-    full = [c for c in cases if c.experts]
-    if full:
-        lines += ["| mesh | devices | plan (s) | status | pipeline | predicted step (ms) | "
-                  "peak (GiB) | budget (GiB) | HSDP ms / GiB | FSDP x TP ms / GiB |",
-                  "|---|---:|---:|---|---|---:|---:|---:|---:|---:|"]
-        for c in full:
-            ex = [f"{c.experts[k][0]:.0f} / {c.experts[k][1]:.1f}"
-                  for k in ("hsdp", "fsdp-x-tp")]
-            lines.append(f"| {c.mesh} | {c.devices} | {c.plan_s:.1f} | {c.status} | "
-                         f"{c.pipeline or 'none'} | {c.predicted_ms:.0f} | {c.peak_gib:.1f} | "
-                         f"{c.budget_gib:.0f} | {ex[0]} | {ex[1]} |")
-    piped = [c for c in full if c.best_pipeline]
-    if piped:
-        lines += ["", "The cheapest pipeline the planner priced for each (the layers split "
-                  "into stages over one mesh axis, each stage planned by the same search):",
-                  ""] + [f"- {c.mesh}: {c.best_pipeline}" for c in piped]
-    weak = sorted((c for c in cases if c.mesh.startswith("node=")), key=lambda c: c.devices)
-    if len(weak) > 1:
-        base = weak[0]
-        lines += ["", "## Weak scaling", "",
-                  f"The same decoder at one sequence per device, on nodes of 8 GPUs over "
-                  f"InfiniBand: predicted weak-scaling efficiency = step at {base.devices} "
-                  "devices / step at N (1.0: the step time does not grow with the cluster). "
-                  "PaddlePaddle's adaptive training reports 91.7% for ERNIE 260B.", "",
-                  "| devices | mesh | pipeline | predicted step (ms) | peak (GiB) | "
-                  "efficiency | plan (s) |", "|---:|---|---|---:|---:|---:|---:|"]
-        for c in weak:
-            lines.append(f"| {c.devices} | {c.mesh} | {c.pipeline or 'none'} | "
-                         f"{c.predicted_ms:.0f} | {c.peak_gib:.1f} | "
-                         f"{base.predicted_ms / c.predicted_ms:.1%} | {c.plan_s:.1f} |")
-    return "\n".join(lines) + "\n"
-
-
-def write_scale(cases: list[ScaleCase], out: Path, command: str) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    md, js = out / "scale.md", out / "scale.json"
-    md.write_text(scale_markdown(cases, command))
-    js.write_text(json.dumps({"command": command, "cases": [asdict(c) for c in cases]},
-                             indent=1))
     return [md, js]

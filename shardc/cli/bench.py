@@ -38,21 +38,21 @@ def _bench_planning(out) -> None:
 
 
 def _bench_scale(out) -> None:
-    from shardc.bench import planning
+    from shardc.bench import scale
 
-    todo = [(shape, names, True) for shape, names in planning.SCALE_MESHES]
-    todo += [((n // 8, 8), ("node", "gpu"), False) for n in planning.WEAK_SCALING
-             if ((n // 8, 8), ("node", "gpu")) not in planning.SCALE_MESHES]
+    todo = [(shape, names, True) for shape, names in scale.SCALE_MESHES]
+    todo += [((n // 8, 8), ("node", "gpu"), False) for n in scale.WEAK_SCALING
+             if ((n // 8, 8), ("node", "gpu")) not in scale.SCALE_MESHES]
     cases = []
     for shape, names, experts in todo:
         print(f"planning the 70B decoder on {shape} ...", flush=True)
-        cases.append(planning.measure_scale_fresh(shape, names, experts))
+        cases.append(scale.measure_scale_fresh(shape, names, experts))
         print(f"  {cases[-1].plan_s:.1f} s, {cases[-1].status}, "
               f"{cases[-1].predicted_ms:.0f} ms predicted, {cases[-1].peak_gib:.1f} GiB, "
               f"pipeline: {cases[-1].pipeline or 'none'}", flush=True)
     command = ("shardc bench " + " ".join(sys.argv[2:])).strip()
-    paths = planning.write_scale(cases, out, command)
-    print(planning.scale_markdown(cases, command))
+    paths = scale.write_scale(cases, out, command)
+    print(scale.scale_markdown(cases, command))
     print("wrote " + ", ".join(str(p) for p in paths))
 
 
