@@ -293,13 +293,13 @@ def pinned(graph: Graph, choice: Choice, ties: Sequence[tuple[int, int]] = (),
     the layer dim split over the stage axis (stage ``s`` holds layers ``s L / S`` on, the
     runtime's chunks for ``V = 1``), tied results alike; the stacked parameters the layer
     scans read split over the stage axis alone, whole over the others, as the pipelined
-    loop holds them. A value whose stage layout splits the layer dim already is left to the
-    planner. Empty without a chosen pipeline."""
+    loop holds them. Empty without a chosen pipeline."""
     p, stage = choice.pipeline, choice.stage_plan
     layers = find_layers(graph, ties, resident)
     if p is None or stage is None or layers is None:
         return {}, {}
     at = list(stage.axis_names).index(p.axis)
+    sizes = tuple(p.stages if i == at else n for i, n in enumerate(stage.axis_sizes))
     tied = {i: j for j, i in ties}
     ins: dict[int, NdSbp] = {}
     for k, v in enumerate(graph.inputs):
@@ -309,8 +309,15 @@ def pinned(graph: Graph, choice: Choice, ties: Sequence[tuple[int, int]] = (),
         if v.id in layers.params:  # the loop holds a stage's weights whole over the other
             # axes (runtime.pipeline_scan: in_specs P(stage)): stored so, nothing is gathered
             ins[k] = NdSbp(tuple(Split(0) if i == at else B for i in range(len(nd.sbps))))
-        elif not any(isinstance(sbp, Split) and sbp.dim == 0 for sbp in nd.sbps):
-            ins[k] = NdSbp(nd.sbps[:at] + (Split(0),) + nd.sbps[at + 1:])
+        else:  # the layer dim over the stage axis too, where the layers divide so (the
+            # stage plan may split it over another axis: left to the planner, the final plan
+            # split another dim over the stages and converted the moments every step)
+            held = NdSbp(nd.sbps[:at] + (Split(0),) + nd.sbps[at + 1:])
+            if not held.fits(v.shape, sizes):
+                held = NdSbp(tuple(Split(0) if i == at else
+                                   B if isinstance(sbp, Split) and sbp.dim == 0 else sbp
+                                   for i, sbp in enumerate(nd.sbps)))
+            ins[k] = held
     return ins, {tied[k]: nd for k, nd in ins.items()}
 
 
