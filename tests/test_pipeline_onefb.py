@@ -203,11 +203,13 @@ def test_the_planner_chooses_1f1b_for_a_loss_stack_over_a_slow_axis():
     choice = run.pipeline_choice(state, batch)
     assert choice.pipeline is not None and choice.pipeline.schedule == "1f1b", \
         choice.summary()
-    by = {(p.pipeline.microbatches, p.pipeline.schedule): p for p in choice.priced
-          if p.pipeline.axis == "stage"}
-    for (m, schedule), p in by.items():
+    # per stage plan (data or tensor parallelism inside the stages)
+    by = {(id(p.stage_plan), p.pipeline.microbatches, p.pipeline.schedule): p
+          for p in choice.priced if p.pipeline.axis == "stage"}
+    assert len({k[0] for k in by}) == 2
+    for (plan, m, schedule), p in by.items():
         if schedule == "1f1b" and m > 1:
-            assert p.peak_memory < by[(m, "gpipe")].peak_memory, m
+            assert p.peak_memory < by[(plan, m, "gpipe")].peak_memory, m
     assert run.plan(state, batch).pipeline == choice.pipeline
     close(run(state, batch), jax.jit(train_step(reference))(state, batch),
           rtol=1e-4, atol=1e-5)

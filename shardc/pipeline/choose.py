@@ -3,10 +3,12 @@
 For a program with layer scans (:mod:`shardc.pipeline.scans`) on a mesh, every mesh axis
 ``a`` whose size S divides the layer count is a stage axis; with ``views``, so is every
 axis of the other logical views of the devices (:mod:`shardc.tradeoff.views`), each view planned
-unpipelined too. For each, the program is planned once more with ``a`` cut to one device
-(the *stage* plan: the layouts inside a stage, data x FSDP x TP on the other axes, chosen
-by the ordinary search), and every pipeline over ``a`` is priced from it and the unpipelined plan
-(:func:`shardc.pipeline.cost.price`): M among the divisors of the batch whose micro-batch
+unpipelined too. For each, the program is planned again with ``a`` cut to one device (the
+*stage* plans: the layouts inside a stage, chosen by the ordinary search): once with the
+layers' weights whole over the other axes (data parallelism inside a stage), and once per
+other axis with the weights free to split over it and the batch whole there (tensor
+parallelism inside a stage; :func:`_stage_plans`), and every pipeline over ``a`` is priced
+from each stage plan and the unpipelined plan (:func:`shardc.pipeline.cost.price`): M among the divisors of the batch whose micro-batch
 the stage plan's carry layout still divides, each schedule, and for the circular one V
 among the divisors of L / S up to ``max_virtual``. The cheapest pipeline within the memory
 budget wins when its step is below ``1 - min_gain`` of the unpipelined plan's; else there
@@ -38,7 +40,8 @@ from shardc.pipeline.schedule import SCHEDULES, Pipeline
 from shardc.plan.assemble import assemble
 from shardc.plan.record import Plan, Predicted
 from shardc.solve.costgraph import NOTHING_FIXED, Fixed
-from shardc.solve.search import SolveOptions, plan_graph
+from shardc.solve.problem import input_choices
+from shardc.solve.search import MemoryBudgetError, SolveOptions, plan_graph
 from shardc.tradeoff.views import View, views
 
 __all__ = ["Choice", "ChoiceOptions", "adopt", "best_pipeline", "candidates", "pinned",
@@ -171,16 +174,59 @@ def _planned(graph: Graph, sizes: Sequence[int], names: Sequence[str], cluster: 
                     platform=options.combiner.backend)
 
 
-def _whole_weights(graph: Graph, layers: Layers, ties: Sequence[tuple[int, int]],
-                   n_axes: int) -> Fixed:
-    """The stacked parameters the layer scans read (and their tied results) whole on every
-    axis: a stage plan's weights as the pipelined loop holds them (``pipeline_scan``'s
-    ``in_specs`` split them over the stage axis alone), so that its compute, its gradient
-    all-reduce over the batch axes and its memory are the loop's."""
-    whole = NdSbp((B,) * n_axes)
+def _held_weights(graph: Graph, layers: Layers, ties: Sequence[tuple[int, int]],
+                  sizes: Sequence[int], tensor: Collection[int] = ()) -> Fixed:
+    """What a stage plan must keep of the stacked parameters the layer scans read, as the
+    pipelined loop holds them (``pipeline_scan``'s ``in_specs`` split them over the stage
+    axis, its ``shard_map`` manual there and over the axes splitting each micro-batch,
+    Auto over the rest): whole on every axis but the ``tensor`` ones (indices), over which
+    the search may split them on any dim but the layer dim (tensor parallelism inside a
+    stage, laid out by XLA from the weights' layout). Without ``tensor`` axes, whole
+    everywhere (and their tied results too). With, the stack's carry leaves its batch dim
+    whole over them (``unsplit``): those axes split no micro-batch. So the stage plan's
+    compute, its gradient all-reduce over the batch axes and its memory are the loop's."""
+    whole = NdSbp((B,) * len(sizes))
     tied = {i: j for j, i in ties}
-    ins = {k: whole for k, v in enumerate(graph.inputs) if v.id in layers.params}
-    return Fixed(ins, {tied[k]: whole for k in ins if k in tied})
+    ins = [k for k, v in enumerate(graph.inputs) if v.id in layers.params]
+    if not tensor:
+        return Fixed({k: whole for k in ins}, {tied[k]: whole for k in ins if k in tied})
+    among = {k: tuple(nd for nd in input_choices(graph.inputs[k], sizes)
+                      if all(sbp is B or i in tensor and sbp != Split(0)
+                             for i, sbp in enumerate(nd.sbps)))
+             for k in ins}
+    enters = {op.id for op in graph.ops if op.outputs and op.outputs[0].id in layers.carry}
+    return Fixed(among=among, unsplit={i: frozenset(tensor) for i in enters})
+
+
+def _stage_plans(graph: Graph, view: View, k: int, layers: Layers, ties, resident,
+                 solve: SolveOptions, rooms: Sequence[float]) -> list[Plan]:
+    """The stage plans for a pipeline over ``view``'s axis ``k`` (that axis cut to one
+    device): one with every other axis splitting the micro-batches and the weights whole
+    (data parallelism inside a stage), and, per other axis of more than one device, one
+    with that axis splitting the weights instead of the batch (tensor parallelism inside
+    a stage, Megatron's pipeline x tensor x data form), solved within ``S`` times the
+    first of ``rooms`` (bytes per device) it can keep to: a stage holds ``1 / S`` of the
+    stacked state, which is what such a budget binds (the rooms: what a stage has
+    besides the rest of the program's memory, then the whole budget)."""
+    cut = view.shape[:k] + (1,) + view.shape[k + 1:]
+    stages = view.shape[k]
+
+    def planned(tensor: tuple[int, ...], options: SolveOptions) -> Plan:
+        return _planned(graph, cut, view.names, view.cluster, ties, resident, options,
+                        _held_weights(graph, layers, ties, cut, tensor))
+
+    plans = [planned((), solve)]
+    for t, n in enumerate(cut):
+        for room in (r for r in rooms if r > 0):
+            if n < 2:
+                break
+            try:
+                plans.append(planned((t,), dataclasses.replace(
+                    solve, memory_budget=stages * room)))
+                break
+            except MemoryBudgetError:
+                continue
+    return plans
 
 
 def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str],
@@ -212,7 +258,8 @@ def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[
     elif options.views:
         meshes += views(sizes, names, cluster)[1:]
     priced: list[PipelinePrice] = []
-    stage_plans: dict = {}
+    requested: list[PipelinePrice] = []  # the requested pipeline, per stage plan
+    budget = options.budget(cluster)
     for view in meshes:
         whole_plan = base if view.names == names else \
             _planned(graph, view.shape, view.names, view.cluster, ties, resident, solve)
@@ -221,30 +268,40 @@ def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[
             if s < 2 or layers.length % s or \
                     isinstance(request, Pipeline) and request.axis != axis:
                 continue
-            cut = view.shape[:k] + (1,) + view.shape[k + 1:]
-            stage_plan = _planned(graph, cut, view.names, view.cluster, ties, resident, solve,
-                                  _whole_weights(graph, layers, ties, len(cut)))
-            stage_plans[(_axes(view), axis)] = stage_plan
-            stage = parts(stage_plan, graph, layers, ties, resident)
-            if isinstance(request, Pipeline):
-                chosen = price(request, whole, stage, view.cluster, _axes(view))
-                return Choice(request, base.predicted.step_time, chosen, "requested",
-                              (chosen,), time.perf_counter() - t0, layers.length, stage_plan)
-            priced += [price(p, whole, stage, view.cluster, _axes(view))
-                       for p in candidates(axis, s, layers, options)
-                       if _splits_batch(stage_plan, layers, p.microbatches, graph)]
-    budget = options.budget(cluster)
+            rooms = (budget - whole.other_state - whole.working, budget)
+            for stage_plan in _stage_plans(graph, view, k, layers, ties, resident, solve,
+                                           rooms):
+                stage = parts(stage_plan, graph, layers, ties, resident)
+                mine = [price(p, whole, stage, view.cluster, _axes(view), stage_plan)
+                        for p in ([request] if isinstance(request, Pipeline) else
+                                  candidates(axis, s, layers, options))
+                        if isinstance(request, Pipeline) or
+                        _splits_batch(stage_plan, layers, p.microbatches, graph)]
+                priced += mine
+                requested += mine if isinstance(request, Pipeline) else []
+    if isinstance(request, Pipeline):
+        chosen = _cheapest(requested, budget)
+        return Choice(request, base.predicted.step_time, chosen, "requested", (chosen,),
+                      time.perf_counter() - t0, layers.length, chosen.stage_plan)
     fits = [p for p in priced if p.peak_memory <= budget]
     if not fits:
         return none("no pipeline fits the memory budget" if priced else
                     "no mesh axis's size divides the layer count", priced)
-    best = min(fits, key=lambda p: (p.step_time, p.peak_memory))
+    best = _cheapest(fits, budget)
     if best.step_time >= (1 - options.min_gain) * base.predicted.step_time:
         return none(f"no pipeline saves {options.min_gain:.0%} of the unpipelined step",
                     priced, best)
     return Choice(best.pipeline, base.predicted.step_time, best, "cheapest pipeline",
-                  tuple(priced), time.perf_counter() - t0, layers.length,
-                  stage_plans[(best.mesh, best.pipeline.axis)])
+                  tuple(priced), time.perf_counter() - t0, layers.length, best.stage_plan)
+
+
+def _cheapest(priced: Sequence[PipelinePrice], budget: float) -> PipelinePrice:
+    """The fastest of ``priced`` within ``budget`` (of equal steps the leaner, then the
+    first), else the leanest."""
+    fits = [p for p in priced if p.peak_memory <= budget]
+    if not fits:
+        return min(priced, key=lambda p: p.peak_memory)
+    return min(fits, key=lambda p: (p.step_time, p.peak_memory))
 
 
 def _axes(view: View) -> tuple[tuple[str, int], ...]:
@@ -268,7 +325,7 @@ def adopt(plan: Plan, choice: Choice, graph: Graph, ties: Sequence[tuple[int, in
     reshards = pipelined_reshards(plan, graph, layers, choice.pipeline, best)
     comm = sum(r.time for r in reshards)
     stages = best.step_time - best.rest - best.transfers - best.gathers - best.grads - \
-        best.loss_reduce
+        best.loss_reduce - best.sample_comm
     rest = sum(op.compute_time for op in plan.ops if not layers.layer_part(op.id))
     predicted = Predicted(comm, stages + rest, sum(r.wire_bytes for r in reshards),
                           best.peak_memory, old.feed_time)
@@ -278,6 +335,7 @@ def adopt(plan: Plan, choice: Choice, graph: Graph, ties: Sequence[tuple[int, in
               "reduces": best.reduces, "reduce_bytes": best.reduce_bytes,
               "comm_s": best.comm, "grads_s": best.grads, "grad_bytes": best.grad_bytes,
               "batch_axes": [name for name, _ in best.batch_spans],
+              "tensor_axes": [name for name, _ in best.tensor_spans],
               "loss_bytes": best.loss_bytes, "loss_axes": [n for n, _ in best.loss_spans],
               "choice_s": choice.plan_s, "free": sorted(updates(graph, ties, resident))}
     return dataclasses.replace(plan, pipeline=choice.pipeline, predicted=predicted,
@@ -292,8 +350,9 @@ def pinned(graph: Graph, choice: Choice, ties: Sequence[tuple[int, int]] = (),
     it, for the plan that runs ``choice``'s pipeline to keep: the stage plan's layout with
     the layer dim split over the stage axis (stage ``s`` holds layers ``s L / S`` on, the
     runtime's chunks for ``V = 1``), tied results alike; the stacked parameters the layer
-    scans read split over the stage axis alone, whole over the others, as the pipelined
-    loop holds them. Empty without a chosen pipeline."""
+    scans read as the pipelined loop holds them: whole over the axes splitting the
+    micro-batches, over its tensor axes as the stage plan splits them. Empty without a
+    chosen pipeline."""
     p, stage = choice.pipeline, choice.stage_plan
     layers = find_layers(graph, ties, resident)
     if p is None or stage is None or layers is None:
@@ -306,9 +365,10 @@ def pinned(graph: Graph, choice: Choice, ties: Sequence[tuple[int, int]] = (),
         nd = stage.inputs[k]
         if k not in tied or v.id not in layers.stacked:
             continue
-        if v.id in layers.params:  # the loop holds a stage's weights whole over the other
-            # axes (runtime.pipeline_scan: in_specs P(stage)): stored so, nothing is gathered
-            ins[k] = NdSbp(tuple(Split(0) if i == at else B for i in range(len(nd.sbps))))
+        if v.id in layers.params:  # the loop holds a stage's weights whole over the axes
+            # splitting the micro-batches (runtime.pipeline_scan: in_specs P(stage)), split
+            # as the stage plan has them over its tensor axes: stored so, nothing is gathered
+            ins[k] = NdSbp(nd.sbps[:at] + (Split(0),) + nd.sbps[at + 1:])
         else:  # the layer dim over the stage axis too, where the layers divide so (the
             # stage plan may split it over another axis: left to the planner, the final plan
             # split another dim over the stages and converted the moments every step)

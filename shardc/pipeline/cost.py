@@ -45,9 +45,11 @@ the loss's weights' gradient over the stage axis and the batch's, in place of th
 plan's conversions of the loss's values.
 
 Per-stage peak memory, as the runtime holds it: the stacked state (parameters and
-optimizer moments) at 1 / S, the rest of the state as the whole plan holds it, the whole
-plan's working memory besides state and saved activations (the head's logits, the
-gradients being formed), and what the backward reads: autodiff's residuals of ``T = M V + S
+optimizer moments) at 1 / S, its updated copy (a result) alike, the rest of the state as
+the whole plan holds it, the stage's weight gradient as the stage plan lays the weights
+out (at 1 / S), the whole plan's working memory less its own stacked results and weight
+gradient (what remains: the head's logits, the rest's gradients), and what the backward
+reads: autodiff's residuals of ``T = M V + S
 - 1`` steps of ``L / (S V)`` layers on a micro-batch, ``T / (S V M)`` of the stage plan's
 saved activations (GPipe); for 1F1B, those of ``min(M, 2S - 1)`` micro-batches
 (:mod:`shardc.pipeline.onefb`); for the circular schedule,
@@ -55,9 +57,9 @@ whose chunks are recomputed in the backward, ``T`` chunk inputs (``T / M`` carri
 one chunk's residuals instead. Besides, the micro-batched input and the finished
 micro-batches, a carry each (and for the circular schedule the buffer of micro-batches
 coming round, a third). The stage's weights are read where they are held (the layer dim
-split over the stage axis): no gathered copy of the stack, whose gradient the whole plan's
-working memory counts already (``tests/test_pipeline_plan.py`` checks the total against
-``memory_analysis()``).
+split over the stage axis): no gathered copy of the stack (``tests/test_pipeline_plan.py``
+checks the total against ``memory_analysis()``, data and tensor parallelism inside a
+stage).
 
 References:
   Huang et al., "GPipe" (NeurIPS 2019): M + S - 1 ticks per pass, the bubble.
@@ -72,19 +74,19 @@ References:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shardc.cost.cluster import Cluster
 from shardc.cost.comm import Conversion, conversion
 from shardc.cost.units import fmt_bytes, fmt_time
 from shardc.ir.graph import Graph
-from shardc.ir.sbp import shared_dim_splits
+from shardc.ir.sbp import Split, shared_dim_splits
 from shardc.ir.trace import SCAN_EXIT
 from shardc.pipeline.onefb import in_flight
 from shardc.pipeline.onefb import ticks as onefb_ticks
 from shardc.pipeline.scans import Layers
 from shardc.pipeline.schedule import Pipeline
-from shardc.plan.record import Plan
+from shardc.plan.record import Plan, Reshard
 
 __all__ = ["Parts", "PipelinePrice", "head_ops", "parts", "price"]
 
@@ -94,35 +96,39 @@ class Parts:
     """A plan's predicted step and memory, split by what a pipeline does with each part
     (seconds per step, bytes per device).
 
-    ``layers``: the layer part's seconds (the layer scans' ops and the stacked values'
-    updates, with the conversions they read); ``compute``: the layer scans' compute;
-    ``sample``: per conversion of a per-sample value in the layer scans, ``(conversion,
-    bytes, seconds charged)``; ``once``: the rest of the layer part. ``state`` /
-    ``other_state``: the stacked / other state the plan holds; ``saved``: the forward
-    scan's saved activations; ``carry``: the layer carry at the plan's layout;
-    ``passes``: the layer scans' passes over the stages (2 for a training step, forward and
-    backward; 1 for a forward-only program); ``rerun``: the compute of the scans that
-    recompute the forward for the backward (:attr:`Layers.rerun`); ``rest_comm``: the
-    seconds of the conversions outside the layer part (:func:`rest_reshards`); ``update``:
-    the compute of the stacked values' updates; ``batch_spans``: the mesh axes (and sizes)
-    the plan splits the layer carry's batch dim over, where every carry agrees (what a
-    pipeline's stages split each micro-batch over, :mod:`shardc.pipeline.lowering`);
-    ``weights``: the bytes of the stacked parameters the layer scans read, whole;
-    ``cotangent``: the backward scan's carry cotangent (the stack input's) is read (the
-    input is differentiated: one more closing all-reduce); ``head``: the compute of the
-    ops of the stacks' own calls outside their scans (a
+    ``layers``: the layer part's seconds (the layer scans' ops and the stacked values' updates,
+    with the conversions they read); ``compute``: the layer scans' compute; ``sample``: per
+    conversion of a per-sample value in the layer scans, ``(conversion, bytes, the plan's
+    reshard, whether a recomputed forward runs it, whether it spans an axis of
+    ``batch_spans``)`` (a stage plan's tensor parallelism: its all-reduces of activations);
+    ``once``: the rest of the layer part. ``state`` / ``other_state``: the stacked / other state
+    the plan holds; ``saved``: the forward scan's saved activations; ``carry``: the layer carry
+    at the plan's layout; ``passes``: the layer scans' passes over the stages (2 for a training
+    step, forward and backward; 1 for a forward-only program); ``rerun``: the compute of the
+    scans that recompute the forward for the backward (:attr:`Layers.rerun`); ``rest_comm``: the
+    seconds of the conversions outside the layer part (:func:`rest_reshards`); ``update``: the
+    compute of the stacked values' updates; ``batch_spans``: the mesh axes (and sizes) the plan
+    splits the layer carry's batch dim over, where every carry agrees (what a pipeline's stages
+    split each micro-batch over, :mod:`shardc.pipeline.lowering`); ``weights``: the bytes per
+    device of the stacked parameters the layer scans read, at the plan's layout (a stage plan's:
+    whole but over the axes its tensor parallelism splits them over,
+    :func:`shardc.pipeline.choose.best_pipeline`); ``cotangent``: the backward scan's carry
+    cotangent (the stack input's) is read (the input is differentiated: one more closing
+    all-reduce); ``head``: the compute of the ops of the stacks' own calls outside their scans (a
     :func:`~shardc.pipeline.stack.layers_loss` stack's loss, forward and backward; next to
-    nothing for a :func:`~shardc.pipeline.stack.layers` stack) and ``head_weights``: the
-    bytes of the step's inputs they read that are not fed per step (the loss's weights,
-    whole); ``head_comm``: the seconds of the conversions of the values those ops make or
-    read (the loss's gradient summed over the batch's axes: 1F1B sums it inside the
-    pipeline instead)."""
+    nothing for a :func:`~shardc.pipeline.stack.layers` stack) and ``head_weights``: the bytes
+    of the step's inputs they read that are not fed per step (the loss's weights, whole);
+    ``head_comm``: the seconds of the conversions of the values those ops make or read (the
+    loss's gradient summed over the batch's axes: 1F1B sums it inside the pipeline instead);
+    ``tensor_spans``: the mesh axes (and sizes) the plan splits any of those stacked parameters
+    over (in a stage plan, its tensor parallelism); ``results``: the stacked state's updated
+    copy (the results tied to it) as the plan lays it out."""
 
     step: float
     peak: float
     layers: float
     compute: float
-    sample: tuple[tuple[Conversion, float, float], ...]
+    sample: tuple[tuple[Conversion, float, Reshard, bool, bool], ...]
     once: float
     state: float
     other_state: float
@@ -138,16 +144,36 @@ class Parts:
     head: float = 0.0
     head_weights: float = 0.0
     head_comm: float = 0.0
+    tensor_spans: tuple[tuple[str, int], ...] = ()
+    results: float = 0.0
 
-    def sample_seconds(self, microbatches: int) -> float:
-        """The per-sample conversions' seconds when each runs once per micro-batch on
-        ``1 / microbatches`` of its bytes."""
-        total = 0.0
-        for conv, nbytes, charged in self.sample:
-            whole = conv.time(nbytes)
-            total += charged if whole <= 0 else \
-                charged * microbatches * conv.time(nbytes / microbatches) / whole
-        return total
+    @property
+    def working(self) -> float:
+        """The peak's bytes besides the state and the saved activations (gradients being
+        formed, the head's logits, gathered copies)."""
+        return max(0.0, self.peak - self.state - self.other_state - self.saved)
+
+    def sample_runs(self, microbatches: int, rerun: bool = True
+                    ) -> list[tuple[Reshard, float]]:
+        """Per per-sample conversion a pipeline's stage runs (those of a recomputed
+        forward too, with ``rerun``): the plan's reshard and its seconds when it runs once
+        per micro-batch on ``1 / microbatches`` of its bytes. None spans an axis
+        splitting the micro-batches: the stage is manual over those (each device runs the
+        layers on its part of a micro-batch, :mod:`shardc.pipeline.runtime`)."""
+        out = []
+        for conv, nbytes, r, again, batch in self.sample:
+            if again and not rerun or batch:
+                continue
+            # its runs (a layer scan's trips) from its wire bytes, each priced alone: in a
+            # pipeline's loop it joins no combined collective (the plan's may have)
+            wire = conv.wire_bytes(nbytes)
+            out.append((r, r.time if wire <= 0 else
+                        r.wire_bytes / wire * microbatches * conv.time(nbytes / microbatches)))
+        return out
+
+    def sample_seconds(self, microbatches: int, rerun: bool = True) -> float:
+        """The per-sample conversions' seconds (:meth:`sample_runs`)."""
+        return sum(t for _, t in self.sample_runs(microbatches, rerun))
 
 
 def _owner(r, graph: Graph) -> int | None:
@@ -203,6 +229,8 @@ def parts(plan: Plan, graph: Graph, layers: Layers, ties=(), resident=()) -> Par
             rerun += op.compute_time if op.id in reruns else 0.0
         elif op.id in layers.outside:
             outside += op.compute_time
+    spans = _batch_spans(plan, layers)
+    batch = {plan.axis_names.index(name) for name, _ in spans}
     sample, once, rest = [], outside, 0.0
     for r in plan.reshards:
         owner = _owner(r, graph)
@@ -215,7 +243,8 @@ def parts(plan: Plan, graph: Graph, layers: Layers, ties=(), resident=()) -> Par
             continue
         if owner in layers.ops and r.value in layers.per_sample:
             conv = conversion(r.src, r.dst, sizes, plan.axis_names, plan.cluster)
-            sample.append((conv, float(nbytes[r.value]), r.time))
+            sample.append((conv, float(nbytes[r.value]), r, owner in reruns,
+                           any(batch.intersection(c.axes) for c in conv.collectives)))
             scans += r.time
         elif layers.layer_part(owner):
             once += r.time
@@ -239,11 +268,16 @@ def parts(plan: Plan, graph: Graph, layers: Layers, ties=(), resident=()) -> Par
     return Parts(plan.predicted.step_time, plan.predicted.peak_memory,
                  compute + scans + once, compute, tuple(sample), once, state, other, saved,
                  carry, min(len(layers.scans), 2), rerun, rest, outside,
-                 _batch_spans(plan, layers), float(sum(nbytes[i] for i in layers.params)),
+                 spans,
+                 sum(nbytes[i] * plan.values[i].shard_fraction(sizes) for i in layers.params),
                  _cotangent(graph, layers),
                  sum(op.compute_time for op in plan.ops if op.id in head),
                  float(head_weights),
-                 sum(r.time for r in plan.reshards if r.value in made or r.consumer in head))
+                 sum(r.time for r in plan.reshards if r.value in made or r.consumer in head),
+                 tuple((plan.axis_names[k], n) for k, n in enumerate(sizes) if n > 1 and any(
+                     isinstance(plan.values[i].sbps[k], Split) for i in layers.params)),
+                 sum(graph.outputs[j].nbytes * plan.outputs[j].shard_fraction(sizes)
+                     for j, k in ties if graph.inputs[k].id in layers.stacked))
 
 
 def head_ops(graph: Graph, layers: Layers) -> frozenset[int]:
@@ -269,8 +303,12 @@ class PipelinePrice:
     once-per-step part, ``grads`` among it: the all-reduce of a stage's weight gradients
     over ``grad_spans`` (the axes splitting each micro-batch, where the stage holds its
     weights whole), ``grad_bytes`` per device; ``rest_comm``: the communication of
-    ``rest``; ``peak_memory``: a stage's peak; ``mesh``: the view of the devices it runs
-    on (axis names and sizes; the stage axis is one of them)."""
+    ``rest``; ``sample_comm``: the seconds of the stages' conversions of their
+    activations among ``layers`` (tensor parallelism inside a stage, per micro-batch and
+    tick); ``peak_memory``: a stage's peak; ``mesh``: the view of the devices it runs
+    on (axis names and sizes; the stage axis is one of them); ``tensor_spans``: the axes
+    a stage splits its weights over (tensor parallelism inside it); ``stage_plan``: the
+    plan it was priced from (the layouts inside a stage)."""
 
     pipeline: Pipeline
     step_time: float
@@ -294,6 +332,9 @@ class PipelinePrice:
     loss_reduce: float = 0.0
     loss_bytes: float = 0.0
     loss_spans: tuple[tuple[str, int], ...] = ()
+    tensor_spans: tuple[tuple[str, int], ...] = ()
+    sample_comm: float = 0.0
+    stage_plan: Plan | None = field(default=None, repr=False, compare=False)
 
     @property
     def grad_spans(self) -> tuple[tuple[str, int], ...]:
@@ -304,8 +345,10 @@ class PipelinePrice:
     @property
     def comm(self) -> float:
         """Seconds of the step's communication: the sends, the closing all-reduces, the
-        stages' gradient all-reduce and the rest's conversions."""
-        return self.transfers + self.gathers + self.grads + self.rest_comm + self.loss_reduce
+        stages' gradient all-reduce and conversions of activations, and the rest's
+        conversions."""
+        return self.transfers + self.gathers + self.grads + self.rest_comm + \
+            self.loss_reduce + self.sample_comm
 
     def summary(self) -> str:
         """One line: the pipeline, its step, the bubble's share of the step, the sends and
@@ -320,14 +363,17 @@ class PipelinePrice:
 
 
 def price(pipeline: Pipeline, whole: Parts, stage: Parts, cluster: Cluster,
-          mesh: tuple[tuple[str, int], ...] = ()) -> PipelinePrice:
+          mesh: tuple[tuple[str, int], ...] = (), stage_plan: Plan | None = None
+          ) -> PipelinePrice:
     """The step of ``pipeline`` on ``mesh`` (priced by ``cluster``) from the whole plan's
-    :class:`Parts` and the stage plan's (see the module doc)."""
+    :class:`Parts` and the stage plan's (``stage_plan``'s, see the module doc)."""
     s, m, v = pipeline.stages, pipeline.microbatches, pipeline.virtual
     ticks = m * v + s - 1
     onefb = pipeline.schedule == "1f1b" and stage.passes > 1  # forward only: GPipe's
-    # GPipe keeps its forward's residuals (no rerun); circular recomputes each chunk
-    work = (stage.compute - (stage.rerun if v == 1 else 0.0) + stage.sample_seconds(m)) / s
+    # GPipe and 1F1B keep their forward's residuals (no rerun); circular recomputes each
+    # chunk
+    sample = stage.sample_seconds(m, rerun=v > 1) / s
+    work = (stage.compute - (stage.rerun if v == 1 else 0.0)) / s + sample
     layers = work * ticks / (m * v)
     bubble = layers - work
     spans = [(pipeline.axis, s)]
@@ -349,6 +395,7 @@ def price(pipeline: Pipeline, whole: Parts, stage: Parts, cluster: Cluster,
         loss_reduce = cluster.collective_seconds("all-reduce", loss_spans, loss_bytes)
     else:
         reduces = 1 + (stage.passes > 1 and stage.cotangent)
+    sample *= ticks / (m * v)  # the share of the stages' ticks that is their conversions
     permutes = stage.passes * ticks
     transfers = permutes * cluster.send_seconds(spans, stage.carry / m)
     gathers = reduces * cluster.collective_seconds("all-reduce", spans, stage.carry)
@@ -362,7 +409,10 @@ def price(pipeline: Pipeline, whole: Parts, stage: Parts, cluster: Cluster,
         once = stage.update / s + grads
     else:
         once = stage.once / s
-    working = max(0.0, whole.peak - whole.state - whole.other_state - whole.saved)
+    # the whole plan's working memory less its own stacked results and weight gradient,
+    # which the stages hold at their layouts instead
+    working = max(0.0, whole.working - whole.results - whole.weights) + \
+        stage.results / s + (stage.weights / s if stage.passes > 1 else 0.0)
     if v > 1:  # chunk inputs kept, one chunk recomputed at a time; the returning buffer
         held = stage.carry * ticks / m + stage.saved / (s * v * m) + 3 * stage.carry
     elif onefb:  # the residuals of the micro-batches in flight; the input, its cotangent
@@ -374,4 +424,4 @@ def price(pipeline: Pipeline, whole: Parts, stage: Parts, cluster: Cluster,
                          rest, layers, bubble, transfers, gathers, once, permutes,
                          stage.carry / m, reduces, stage.carry, peak, mesh, grads, grad_bytes,
                          whole.rest_comm, ticks, stage.batch_spans, loss_reduce, loss_bytes,
-                         loss_spans)
+                         loss_spans, stage.tensor_spans, sample, stage_plan)

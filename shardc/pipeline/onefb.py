@@ -158,12 +158,16 @@ def _loop(layer_fn: Callable, loss_fn: Callable, pipeline: Pipeline,
             mine_loss = live_f & last
             lm = jnp.where(mine_loss, lm, 0.0)
             dh = jax.tree.map(lambda g: jnp.where(mine_loss, g, jnp.zeros_like(g)), dh)
+            # stored before the backward's slot is read: a live backward's slot is never the
+            # one written (at most ``slots`` micro-batches are in flight; on the last stage
+            # they are the same micro-batch), and the buffer is updated in place (read
+            # first, XLA copied the whole buffer every tick)
+            buf = put(buf, fm % slots, kept, ~live_f)
             # the last stage runs the backward of the micro-batch it has just finished
             mine = [jnp.where(last, k, old) for k, old in zip(kept, at(buf, bm % slots))]
             ct = jax.tree.map(lambda a, c: jnp.where(last, a, c), dy, dcur)
             dw, dx = backward(params, mine, ct)
             dw = jax.tree.map(lambda g: jnp.where(live_b, g, jnp.zeros_like(g)), dw)
-            buf = put(buf, fm % slots, kept, ~live_f)
             gw = jax.tree.map(jnp.add, gw, dw)
             gh = jax.tree.map(jnp.add, gh, dh)
             dmbs = put(dmbs, bm, dx, ~(live_b & (s == 0)))

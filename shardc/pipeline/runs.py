@@ -37,7 +37,7 @@ from shardc.cost.comm import conversion
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Split
 from shardc.ir.trace import SCAN_ENTER, SCAN_EXIT
-from shardc.pipeline.cost import PipelinePrice, head_ops, rest_reshards
+from shardc.pipeline.cost import PipelinePrice, head_ops, parts, rest_reshards
 from shardc.pipeline.scans import Layers
 from shardc.pipeline.schedule import Pipeline
 from shardc.plan.record import Plan, Reshard
@@ -130,12 +130,29 @@ def pipelined_reshards(plan: Plan, graph: Graph, layers: Layers, pipeline: Pipel
             for _ in range(best.reduces)]
     if best.loss_reduce:  # 1F1B: the loss and its weights' gradient, from the last stage
         out.append(one("all-reduce", best.loss_spans, best.loss_bytes, best.loss_reduce))
+    out += _inside(best, layers, graph)
     if best.grads:
         name = "all-reduce@" + "+".join(n for n, _ in best.grad_spans)
         out, group = _joined(out, name)
         out.append(one("all-reduce", best.grad_spans, best.grad_bytes,
                        _marginal(plan, out, name, group, best), group=group))
     return out
+
+
+def _inside(best: PipelinePrice, layers: Layers, graph: Graph) -> list[Reshard]:
+    """The stages' conversions of their activations, from the stage plan's (module doc):
+    each of its reshards run ``T / (M S V)`` as often per step (``T`` ticks of ``K`` of
+    its ``L`` layers, on a micro-batch), seconds as :meth:`Parts.sample_runs` prices them,
+    spread the same way, each on its own (in the loop, XLA combines none of them)."""
+    plan, p = best.stage_plan, best.pipeline
+    if plan is None or not best.sample_comm:
+        return []
+    share = best.ticks / (p.microbatches * p.virtual * p.stages)
+    runs = parts(plan, graph, layers).sample_runs(p.microbatches, rerun=p.virtual > 1)
+    return [dataclasses.replace(r, time=t * share, wire_bytes=r.wire_bytes * share,
+                                collective_bytes=tuple(b * share for b in r.collective_bytes),
+                                combined=(-1,) * len(r.collectives))
+            for r, t in runs]
 
 
 def _marginal(plan: Plan, out: list[Reshard], name: str, group: int,

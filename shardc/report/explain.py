@@ -284,6 +284,10 @@ def _pipeline(plan) -> str:
     split = priced.get("batch_axes")
     split = "over " + " x ".join(split) if split else "over no axis" if split is not None \
         else "as they split the stack's carry"
+    tensor = priced.get("tensor_axes")
+    if tensor:
+        split += " and splits its layers' weights over " + " x ".join(tensor) + \
+            " (tensor parallelism inside the stage)"
     ranked = "; compiled, overlapped: " + ", ".join(
         f"{r['schedule'] or 'unpipelined'} "
         + (fmt_time(r["compiled_s"]) if r.get("compiled_s") is not None else "failed")

@@ -23,6 +23,7 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -82,13 +83,24 @@ class Settle:
 @dataclass(frozen=True)
 class Fixed:
     """Layouts a plan must keep, by graph input and output index: placed arguments the user
-    asked to keep, and results whose type fixes their layout (Explicit mesh axes)."""
+    asked to keep, and results whose type fixes their layout (Explicit mesh axes).
+    ``among``: graph input index -> the layouts it may take (one of them, chosen by the
+    search; a pipeline stage's weights, held whole over the axes splitting each
+    micro-batch); ``unsplit``: op id -> indices of the mesh axes its first result's
+    leading dim may not be split over (a pipeline stage's carry, whose batch dim its
+    tensor-parallel axes leave whole)."""
 
     inputs: Mapping[int, NdSbp] = field(default_factory=dict)
     outputs: Mapping[int, NdSbp] = field(default_factory=dict)
+    among: Mapping[int, tuple[NdSbp, ...]] = field(default_factory=dict)
+    unsplit: Mapping[int, frozenset[int]] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.inputs or self.outputs)
+        return bool(self.inputs or self.outputs or self.among or self.unsplit)
+
+    def pinning(self, inputs: Mapping[int, NdSbp]) -> Fixed:
+        """These restrictions with ``inputs`` pinned as well (this record's pins win)."""
+        return dataclasses.replace(self, inputs={**inputs, **self.inputs})
 
 
 #: the default: nothing pinned

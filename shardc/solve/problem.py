@@ -59,6 +59,14 @@ def feed_time(v: Value, nd: NdSbp, axis_sizes: Sequence[int], cluster: Cluster,
     return v.nbytes * nd.shard_fraction(axis_sizes) / cluster.host_bandwidth
 
 
+def _unsplit(strats: list, axes: Collection[int]) -> list:
+    """The strategies whose first result's leading dim no axis of ``axes`` splits (all of
+    them where none is)."""
+    kept = [s for s in strats if not any(isinstance(s.outs[0].sbps[i], Split)
+                                         and s.outs[0].sbps[i].dim == 0 for i in axes)]
+    return kept or strats
+
+
 def _unreduce(nd: NdSbp) -> NdSbp:
     return NdSbp(tuple(B if isinstance(s, Partial) else s for s in nd.sbps))
 
@@ -115,6 +123,9 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
         cg.producer[v.id] = (len(cg.choices), 0)
         if k in fixed.inputs:
             cg.choices.append([fixed.inputs[k]])
+        elif k in fixed.among:
+            cg.choices.append([nd for nd in fixed.among[k] if nd.fits(v.shape, axis_sizes)]
+                              or input_choices(v, axis_sizes))
         else:
             if v.shape not in layouts:
                 layouts[v.shape] = input_choices(v, axis_sizes)
@@ -180,6 +191,8 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
                                lambda g: _op_strategies(g, axis_sizes, axis_names,
                                                         share.strategies))
     for op, strats in zip(graph.ops, op_strategies):
+        if op.id in fixed.unsplit:
+            strats = _unsplit(strats, fixed.unsplit[op.id])
         node = len(cg.choices)
         cg.choices.append(strats)
         cg.refs.append(op)

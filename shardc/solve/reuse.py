@@ -114,7 +114,7 @@ def pin_inputs(base: CostGraph, layouts: Mapping[int, NdSbp]) -> CostGraph | Non
         memory=[{i: vec[keep.get(i, every)] for i, vec in point.items()}
                 for point in base.memory],
         follows={v: (u, f[keep[u]] if u in keep else f) for v, (u, f) in base.follows.items()},
-        fixed=Fixed({**base.fixed.inputs, **layouts}, base.fixed.outputs),
+        fixed=dataclasses.replace(base.fixed, inputs={**base.fixed.inputs, **layouts}),
         adjacency=())
     check_cost_graph(out)
     return out
@@ -169,7 +169,7 @@ class Reuse:
         cg = pin_inputs(base, extra)
         if cg is None:
             cg = build(graph, axis_sizes, axis_names, cluster, ties,
-                       fixed=Fixed({**extra, **fixed.inputs}, fixed.outputs), resident=resident,
+                       fixed=fixed.pinning(extra), resident=resident,
                        share=self.share(axis_sizes, axis_names, cluster))
             cg.merge_followers()
         return cg

@@ -229,7 +229,7 @@ def layout_plan(graph: Graph, ties: Sequence[tuple[int, int]], sizes: Sequence[i
     what the frontier (:mod:`shardc.tradeoff.frontier`) holds beside its searched plans.
     ``reuse``: the problem's cost graph is built once there for every layout placed on it
     (:meth:`shardc.solve.reuse.Reuse.pinned`: the same graph, cut)."""
-    pinned = Fixed(inputs={**layouts, **fixed.inputs}, outputs=fixed.outputs)
+    pinned = fixed.pinning(layouts)
     if reuse is None:
         cg = build(graph, tuple(sizes), tuple(names), cluster, ties, fixed=pinned,
                    resident=resident)
