@@ -1,24 +1,24 @@
 """The planner's choice of a pipeline: stage axis, stages, micro-batches, schedule.
 
 For a program with layer scans (:mod:`shardc.pipeline.scans`) on a mesh, every mesh axis
-``a`` whose size S divides the layer count is a stage axis; with ``views``, so is every
-axis of the other logical views of the devices (:mod:`shardc.tradeoff.views`), each view planned
+``a`` whose size S divides the layer count is a stage axis; with ``views``, so is every axis
+of the other logical views of the devices (:mod:`shardc.tradeoff.views`), each view planned
 unpipelined too. For each, the program is planned again with ``a`` cut to one device (the
 *stage* plans: the layouts inside a stage, chosen by the ordinary search): once with the
 layers' weights whole over the other axes (data parallelism inside a stage), and once per
 other axis with the weights free to split over it and the batch whole there (tensor
 parallelism inside a stage; :func:`_stage_plans`), and every pipeline over ``a`` is priced
-from each stage plan and the unpipelined plan (:func:`shardc.pipeline.cost.price`): M among the divisors of the batch whose micro-batch
-the stage plan's carry layout still divides, each schedule, and for the circular one V
-among the divisors of L / S up to ``max_virtual``. The cheapest pipeline within the memory
-budget wins when its step is below ``1 - min_gain`` of the unpipelined plan's; else there
-is none. The margin stands for what the price leaves out and a pipeline adds: the loop
-over ticks, the copies that rotate the stage buffers, smaller kernels per micro-batch; it
-is a judgement, not a measured figure (5% by default). The search is deterministic:
-candidates are priced in a fixed order; of equal steps the leaner wins, then the first
-(GPipe before 1F1B, which holds fewer micro-batches' residuals and runs the loss on the
-last stage: it is a candidate only for a stack that ends in its loss,
-:func:`shardc.pipeline.stack.layers_loss`).
+from each stage plan and the unpipelined plan (:func:`shardc.pipeline.cost.price`): M among
+the divisors of the batch whose micro-batch the stage plan's carry layout still divides,
+each schedule, and for the circular one V among the divisors of L / S up to ``max_virtual``.
+The cheapest pipeline within the memory budget wins when its step is below ``1 - min_gain``
+of the unpipelined plan's; else there is none. The margin stands for what the price leaves
+out and a pipeline adds: the loop over ticks, the copies that rotate the stage buffers,
+smaller kernels per micro-batch; it is a judgement, not a measured figure (5% by default).
+The search is deterministic: candidates are priced in a fixed order; of equal steps the
+leaner wins, then the first (GPipe before 1F1B, which holds fewer micro-batches' residuals
+and runs the loss on the last stage: it is a candidate only for a stack that ends in its
+loss, :func:`shardc.pipeline.stack.layers_loss`).
 """
 
 from __future__ import annotations
