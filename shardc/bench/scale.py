@@ -108,8 +108,8 @@ def measure_scale(shape: tuple[int, ...], names: tuple[str, ...],
         choice = step.pipeline_choice(*args)
         if choice.best is not None:
             b = choice.best
-            best = (f"{_pipeline_text(b.pipeline)}: {b.step_time * 1e3:.0f} ms at "
-                    f"{b.peak_memory / 2**30:.1f} GiB ({choice.reason})")
+            best = (f"{_pipeline_text(b.pipeline)}{_inside(b)}: {b.step_time * 1e3:.0f} ms "
+                    f"at {b.peak_memory / 2**30:.1f} GiB ({choice.reason})")
         else:
             best = choice.reason
     label = " x ".join(f"{n}={s}" for n, s in zip(names, shape))
@@ -123,6 +123,14 @@ def _pipeline_text(pipe) -> str:
         return ""
     return (f"{pipe.schedule}, {pipe.stages} stages over {pipe.axis}, {pipe.microbatches} "
             "micro-batches" + (f", {pipe.virtual} virtual" if pipe.virtual > 1 else ""))
+
+
+def _inside(price) -> str:
+    """What a stage splits: its micro-batches and its weights, over which axes."""
+    def axes(spans):
+        return " x ".join(n for n, _ in spans) or "no axis"
+    return (f"; inside each stage the micro-batches split over {axes(price.batch_spans)}, "
+            f"the weights over {axes(price.tensor_spans)}")
 
 
 def measure_scale_fresh(shape: tuple[int, ...], names: tuple[str, ...],
