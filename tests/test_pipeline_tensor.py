@@ -138,3 +138,28 @@ def test_the_stage_plans_keep_the_stored_weights_whole_over_the_batch_axes():
     assert choice.priced
     for p in choice.priced:
         assert not {n for n, _ in p.batch_spans} & {n for n, _ in p.tensor_spans}, p
+
+
+def test_stages_xla_does_not_lay_out_as_priced_are_checked_and_reported():
+    """A Llama's stages with its weights split over the GPU axis (the budget leaves no room
+    for whole ones): XLA does not lay the attention out as the stage plan does (it gathers
+    weights per layer and tick), so the compiled program is checked: the tensor-parallel
+    stages are rejected with the figures; asked for, the pipeline still runs (equal to
+    jax.jit's step)."""
+    from shardc.models import llama
+
+    cfg = llama.LlamaConfig.deep_tiny()
+    step, (state, batch) = llama.make_train_step(cfg)
+    mesh = jax.make_mesh((4, 2), ("node", "gpu"))
+    pipe = Pipeline("node", 4, 4)
+    run = shardc.auto_shard(step, mesh=mesh, cluster=Cluster.ethernet_nodes(),
+                            memory_budget=12 * MIB, pipeline=pipe)
+    plan = run.plan(state, batch)
+    assert plan.pipeline == pipe
+    rejected = plan.solver["pipeline"]["rejected"]
+    assert rejected and all("did not lay the stages out" in why for why in rejected)
+    assert "weights split over gpu" in rejected[0]
+    assert "passed over: " + rejected[0][:40] in " ".join(plan.explain(max_rows=1).split())
+    want = jax.jit(step)(state, batch)
+    for a, b in zip(jax.tree.leaves(run(state, batch)), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-4)

@@ -105,7 +105,7 @@ def measure_scale(shape: tuple[int, ...], names: tuple[str, ...],
                           fixed.predicted.peak_memory / 2**30)
     best = ""
     if experts:
-        choice = step.pipeline_choice(*args)
+        choice = step.pipeline_choice(*args, tensor=True)
         if choice.best is not None:
             b = choice.best
             best = (f"{_pipeline_text(b.pipeline)}{_inside(b)}: {b.step_time * 1e3:.0f} ms "

@@ -60,7 +60,10 @@ class ChoiceOptions:
     (:func:`shardc.tradeoff.views.views`: one more unpipelined plan per view, and one
     stage plan per axis). ``pipeline``: as ``auto_shard``'s
     option: None chooses, False chooses none, a :class:`Pipeline` prices that one.
-    ``combiner``: the combiners of the backend the plans compile for."""
+    ``combiner``: the combiners of the backend the plans compile for. ``tensor``: also
+    price the stage plans with tensor parallelism inside a stage (:func:`_stage_plans`;
+    the runtime leaves a stage's layouts on those axes to XLA, so the planner checks such
+    a choice against its compiled program, :func:`shardc.step.solving.pipelined`)."""
 
     memory_budget: float | None = None
     time_limit: float = 10.0
@@ -70,6 +73,7 @@ class ChoiceOptions:
     views: bool = False
     pipeline: Pipeline | bool | None = None
     combiner: Combiner = XLA_CPU
+    tensor: bool = True
 
     def __post_init__(self):
         if not 0 <= self.min_gain < 1:
@@ -199,7 +203,8 @@ def _held_weights(graph: Graph, layers: Layers, ties: Sequence[tuple[int, int]],
 
 
 def _stage_plans(graph: Graph, view: View, k: int, layers: Layers, ties, resident,
-                 solve: SolveOptions, rooms: Sequence[float]) -> list[Plan]:
+                 solve: SolveOptions, rooms: Sequence[float], tensor: bool = True
+                 ) -> list[Plan]:
     """The stage plans for a pipeline over ``view``'s axis ``k`` (that axis cut to one
     device): one with every other axis splitting the micro-batches and the weights whole
     (data parallelism inside a stage), and, per other axis of more than one device, one
@@ -207,7 +212,8 @@ def _stage_plans(graph: Graph, view: View, k: int, layers: Layers, ties, residen
     a stage, Megatron's pipeline x tensor x data form), solved within ``S`` times the
     first of ``rooms`` (bytes per device) it can keep to: a stage holds ``1 / S`` of the
     stacked state, which is what such a budget binds (the rooms: what a stage has
-    besides the rest of the program's memory, then the whole budget)."""
+    besides the rest of the program's memory, then the whole budget). Without ``tensor``,
+    the first alone."""
     cut = view.shape[:k] + (1,) + view.shape[k + 1:]
     stages = view.shape[k]
 
@@ -216,7 +222,7 @@ def _stage_plans(graph: Graph, view: View, k: int, layers: Layers, ties, residen
                         _held_weights(graph, layers, ties, cut, tensor))
 
     plans = [planned((), solve)]
-    for t, n in enumerate(cut):
+    for t, n in enumerate(cut if tensor else ()):
         for room in (r for r in rooms if r > 0):
             if n < 2:
                 break
@@ -270,7 +276,7 @@ def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[
                 continue
             rooms = (budget - whole.other_state - whole.working, budget)
             for stage_plan in _stage_plans(graph, view, k, layers, ties, resident, solve,
-                                           rooms):
+                                           rooms, options.tensor):
                 stage = parts(stage_plan, graph, layers, ties, resident)
                 mine = [price(p, whole, stage, view.cluster, _axes(view), stage_plan)
                         for p in ([request] if isinstance(request, Pipeline) else

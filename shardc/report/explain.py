@@ -324,6 +324,13 @@ def explain_report(plan, max_rows: int | None = 60, top: int = 10, margins=None,
                       f"{', '.join(map(str, plan.remat))}) instead of keeping them")
     if plan.pipeline is not None:
         blocks.append(_pipeline(plan))
+    rejected = plan.solver.get("pipeline", {}).get("rejected") or \
+        plan.solver.get("pipeline_rejected")
+    if rejected:
+        blocks.append(textwrap.fill(
+            "pipelines checked against their compiled programs and passed over: "
+            + "; ".join(rejected), width=100, subsequent_indent="  ",
+            break_on_hyphens=False))
     tried = plan.solver.get("mesh_search")
     if tried:
         blocks.append("mesh search (predicted step per view of the devices): " + "; ".join(

@@ -124,8 +124,12 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
         if k in fixed.inputs:
             cg.choices.append([fixed.inputs[k]])
         elif k in fixed.among:
-            cg.choices.append([nd for nd in fixed.among[k] if nd.fits(v.shape, axis_sizes)]
-                              or input_choices(v, axis_sizes))
+            allowed = [nd for nd in fixed.among[k] if nd.fits(v.shape, axis_sizes)]
+            if not allowed:
+                raise ValueError(f"Fixed.among[{k}]: none of the layouts given for input {k} "
+                                 f"({v.type_str()}) fits it on a mesh of {axis_sizes}; give "
+                                 "at least one that divides its shape")
+            cg.choices.append(allowed)
         else:
             if v.shape not in layouts:
                 layouts[v.shape] = input_choices(v, axis_sizes)

@@ -331,17 +331,22 @@ class AutoSharded:
         ``step.use_plan(count.plan, *args)`` adopts the whole mesh's."""
         return sweep_devices(self, *args, memory_budget=memory_budget, **kwargs)
 
-    def pipeline_choice(self, *args, **kwargs):
+    def pipeline_choice(self, *args, tensor: bool | None = None, **kwargs):
         """The pipeline the planner chooses for these arguments, priced against this
         plan (a :class:`shardc.pipeline.choose.Choice`; none with ``pipeline=False``); with
-        ``mesh_search``, over the stage axes of every view of the devices."""
+        ``mesh_search``, over the stage axes of every view of the devices. ``tensor``:
+        price the stage plans with tensor parallelism inside a stage (None: where the
+        planner does, on a mesh with devices, which checks such a choice against its
+        compiled program; True on an AbstractMesh prices what its plan leaves out)."""
         from shardc.pipeline.choose import best_pipeline
 
         _, tr, plan = self._plan(self.convention.split(args, kwargs))
         base = plan if plan.pipeline is None else None  # a pipelined plan's step is not one
+        options = dataclasses.replace(
+            choice_options(self, tr, self.options.mesh_search),
+            tensor=not self.abstract if tensor is None else tensor)
         return best_pipeline(tr.traced.graph, plan.axis_sizes, plan.axis_names, plan.cluster,
-                             ties=tr.ties, resident=tr.resident, base=base,
-                             options=choice_options(self, tr, self.options.mesh_search))
+                             ties=tr.ties, resident=tr.resident, base=base, options=options)
 
     def input_shardings(self, *args, **kwargs) -> tuple[tuple, dict]:
         """The shardings the plan gives the dynamic arguments (static ones left out), as

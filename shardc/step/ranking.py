@@ -32,7 +32,8 @@ from shardc.plan.record import Plan
 from shardc.report.explain import mesh_label
 from shardc.step.signature import TracedCall
 
-__all__ = ["UNTILED", "compile_lowered", "compiled_best", "compiled_row", "compiled_time"]
+__all__ = ["UNTILED", "compile_lowered", "compiled_best", "compiled_program", "compiled_row",
+           "compiled_time"]
 
 UNTILED = "Couldn't find output tile sizes"
 """XLA:GPU's error where its Triton GEMM emitter finds no tiling for a dot it was given
@@ -52,10 +53,9 @@ def compile_lowered(lowered):
         return lowered.compile(compiler_options={"xla_gpu_enable_triton_gemm": False})
 
 
-def compiled_time(step, tr: TracedCall, plan: Plan) -> float:
-    """Seconds of ``plan``'s compiled program (of ``tr``'s traced program) on the view of
-    the step's devices the plan names, priced on its cluster: overlapped where the cluster
-    asks for overlap, else serial; the plan's feed added."""
+def compiled_program(step, tr: TracedCall, plan: Plan):
+    """``(compiled, mesh)``: ``plan``'s program (of ``tr``'s traced program) compiled on the
+    view of the step's devices the plan names."""
     mesh = step.mesh_for(plan)
     graph = tr.traced.graph
     n = len(graph.inputs)
@@ -64,7 +64,15 @@ def compiled_time(step, tr: TracedCall, plan: Plan) -> float:
     args = [jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(
         mesh, to_partition_spec(nd, v.ndim, mesh.axis_names)))
         for v, nd in zip(graph.inputs, plan.inputs, strict=True)]
-    cost = price(compile_lowered(jitted.lower(*args)), mesh, plan.cluster)
+    return compile_lowered(jitted.lower(*args)), mesh
+
+
+def compiled_time(step, tr: TracedCall, plan: Plan) -> float:
+    """Seconds of ``plan``'s compiled program (:func:`compiled_program`), priced on its
+    cluster: overlapped where the cluster asks for overlap, else serial; the plan's feed
+    added."""
+    compiled, mesh = compiled_program(step, tr, plan)
+    cost = price(compiled, mesh, plan.cluster)
     step_time = cost.overlapped_time if plan.cluster.overlap else cost.time
     return step_time + plan.predicted.feed_time
 

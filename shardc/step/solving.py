@@ -12,7 +12,7 @@ import math
 import time
 
 from shardc.cost.combine import XLA_CPU, Combiner, combiner_for
-from shardc.cost.units import fmt_bytes
+from shardc.cost.units import fmt_bytes, fmt_time
 from shardc.ir.remat import levels
 from shardc.ir.sbp import NdSbp
 from shardc.plan.assemble import assemble
@@ -24,7 +24,7 @@ from shardc.solve.reuse import Reuse
 from shardc.solve.search import MemoryBudgetError, SolveOptions, plan_graph
 from shardc.step.calling import Call
 from shardc.step.options import Options, platform_of
-from shardc.step.ranking import compiled_best, compiled_row
+from shardc.step.ranking import compiled_best, compiled_program, compiled_row
 from shardc.step.seeds import view_seeds
 from shardc.step.signature import TracedCall, pins_layouts
 from shardc.tradeoff.views import View, views
@@ -45,7 +45,7 @@ def pipelined(step, call: Call, tr: TracedCall, candidates: list[View],
     without a stack, or where no pipeline pays: against the plan on the mesh, and with
     ``mesh_search``, against the best view's (the stages are over an axis of the
     mesh itself)."""
-    from shardc.pipeline.choose import adopt, best_pipeline, pinned
+    from shardc.pipeline.choose import best_pipeline
     from shardc.pipeline.stack import has_stack
 
     plan = solve(step, call, tr, candidates, seeds, step.options)
@@ -55,10 +55,76 @@ def pipelined(step, call: Call, tr: TracedCall, candidates: list[View],
     # and where mesh_search ran another view, the pipeline must beat that one too
     own = plan.axis_names == tuple(step.mesh.axis_names)
     base = plan if own else solve(step, call, tr, candidates[:1], seeds[:1], step.options)
-    graph, opts = tr.traced.graph, choice_options(step, tr, views=False)
-    choice = best_pipeline(graph, base.axis_sizes, base.axis_names, base.cluster,
-                           ties=tr.ties, resident=tr.resident, base=base, options=opts)
-    log.info("shardc: %s", choice.summary())
+    graph, why = tr.traced.graph, []
+    # a stage's layouts on the axes that split no micro-batch are XLA's (the pipelined
+    # loop is Auto there): a choice with such axes is checked against its compiled program,
+    # first with tensor parallelism inside the stages priced, then without, then none. On
+    # an AbstractMesh nothing compiles: tensor parallelism inside is not chosen there
+    for tensor in (True, False) if not step.abstract else (False,):
+        opts = dataclasses.replace(choice_options(step, tr, views=False), tensor=tensor)
+        choice = best_pipeline(graph, base.axis_sizes, base.axis_names, base.cluster,
+                               ties=tr.ties, resident=tr.resident, base=base, options=opts)
+        log.info("shardc: %s", choice.summary())
+        chosen = _pipelined(step, call, tr, plan, base, own, choice, candidates, seeds, opts)
+        if chosen is plan:
+            break
+        # (under overlap the compiled ranking has compared its compiled program already)
+        slack = None if step.abstract or "compiled_ranking" in chosen.solver["pipeline"] \
+            else _auto_slack(step, tr, chosen)
+        last = not tensor or not chosen.solver["pipeline"]["tensor_axes"]
+        if slack is not None:
+            log.info("shardc: %s", slack)
+            why.append(slack)
+        # a pipeline asked for runs, as it compiles, where none passes the check
+        if slack is None or last and choice.reason == "requested":
+            record = {**chosen.solver["pipeline"], **({"rejected": why} if why else {})}
+            return dataclasses.replace(chosen, solver={**chosen.solver, "pipeline": record})
+        if last:
+            break  # without tensor parallelism inside, the same choice again
+    return dataclasses.replace(plan, solver={**plan.solver, "pipeline_rejected": why}) \
+        if why else plan
+
+
+#: a pipelined plan whose stages leave axes to XLA (the loop's Auto axes: tensor
+#: parallelism inside a stage, or any layout the stage plan gives them) is kept where its
+#: compiled communication is at most this share above the predicted: where XLA does not
+#: follow the stage plan it gathers weights per layer and tick (a Llama on 8 CPU devices:
+#: seven to ten times the communication priced)
+AUTO_SLACK = 1.25
+
+
+def _auto_slack(step, tr: TracedCall, plan: Plan) -> str | None:
+    """None where ``plan``'s stages split every micro-batch over every axis but the stage
+    axis (the loop is manual over all of them), or its compiled communication is within
+    :data:`AUTO_SLACK` of the predicted (or it does not compile: its error surfaces where
+    it runs); else why not."""
+    record = plan.solver["pipeline"]
+    auto = [n for n, k in plan.mesh_axes
+            if k > 1 and n != plan.pipeline.axis and n not in record["batch_axes"]]
+    if not auto:
+        return None
+    try:
+        compiled, mesh = compiled_program(step, tr, plan)
+    except Exception:  # noqa: BLE001 - the plan's own compile reports it
+        return None
+    check = plan.verify(compiled, mesh)
+    if check.compiled_comm_time <= AUTO_SLACK * check.predicted_comm_time:
+        return None
+    inside = f"weights split over {', '.join(record['tensor_axes'])}" \
+        if record["tensor_axes"] else "micro-batches split over no axis but"
+    return (f"{plan.pipeline} with {inside} {'x'.join(auto)} left to XLA inside the stages "
+            f"compiled to {fmt_time(check.compiled_comm_time)} of communication against "
+            f"{fmt_time(check.predicted_comm_time)} priced (XLA did not lay the stages out "
+            "as the stage plan does)")
+
+
+def _pipelined(step, call: Call, tr: TracedCall, plan: Plan, base: Plan, own: bool, choice,
+               candidates: list[View], seeds, opts) -> Plan:
+    """``plan`` running ``choice``'s pipeline (``base``: the unpipelined plan on the mesh
+    itself), or ``plan`` where it chose none or it does not pay against ``plan``."""
+    from shardc.pipeline.choose import adopt, pinned
+
+    graph = tr.traced.graph
     if choice.pipeline is None or not own and choice.reason != "requested" and \
             choice.best.step_time >= (1 - opts.min_gain) * plan.predicted.step_time:
         return plan
