@@ -71,7 +71,7 @@ def pipelined(step, call: Call, tr: TracedCall, candidates: list[View],
         # (under overlap the compiled ranking has compared its compiled program already)
         slack = None if step.abstract or "compiled_ranking" in chosen.solver["pipeline"] \
             else _auto_slack(step, tr, chosen)
-        last = not tensor or not chosen.solver["pipeline"]["tensor_axes"]
+        last = not tensor
         if slack is not None:
             log.info("shardc: %s", slack)
             why.append(slack)
@@ -79,8 +79,6 @@ def pipelined(step, call: Call, tr: TracedCall, candidates: list[View],
         if slack is None or last and choice.reason == "requested":
             record = {**chosen.solver["pipeline"], **({"rejected": why} if why else {})}
             return dataclasses.replace(chosen, solver={**chosen.solver, "pipeline": record})
-        if last:
-            break  # without tensor parallelism inside, the same choice again
     return dataclasses.replace(plan, solver={**plan.solver, "pipeline_rejected": why}) \
         if why else plan
 
@@ -110,12 +108,11 @@ def _auto_slack(step, tr: TracedCall, plan: Plan) -> str | None:
     check = plan.verify(compiled, mesh)
     if check.compiled_comm_time <= AUTO_SLACK * check.predicted_comm_time:
         return None
-    inside = f"weights split over {', '.join(record['tensor_axes'])}" \
-        if record["tensor_axes"] else "micro-batches split over no axis but"
-    return (f"{plan.pipeline} with {inside} {'x'.join(auto)} left to XLA inside the stages "
-            f"compiled to {fmt_time(check.compiled_comm_time)} of communication against "
-            f"{fmt_time(check.predicted_comm_time)} priced (XLA did not lay the stages out "
-            "as the stage plan does)")
+    what = "weights split" if record["tensor_axes"] else "micro-batches whole"
+    return (f"{plan.pipeline}, its stages' {what} over {' x '.join(auto)} (the loop leaves "
+            f"those axes to XLA), compiled to {fmt_time(check.compiled_comm_time)} of "
+            f"communication against {fmt_time(check.predicted_comm_time)} priced: XLA did "
+            "not lay the stages out as the stage plan does")
 
 
 def _pipelined(step, call: Call, tr: TracedCall, plan: Plan, base: Plan, own: bool, choice,
