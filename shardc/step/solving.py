@@ -66,8 +66,11 @@ def pipelined(step, call: Call, tr: TracedCall, candidates: list[View],
                                ties=tr.ties, resident=tr.resident, base=base, options=opts)
         log.info("shardc: %s", choice.summary())
         chosen = _pipelined(step, call, tr, plan, base, own, choice, candidates, seeds, opts)
-        if chosen is plan:
-            break
+        if chosen is plan:  # none pays; or under overlap, none compiled faster than the
+            # plan: with tensor parallelism inside priced, the pipelines without it may
+            if choice.pipeline is None or not tensor or step.abstract:
+                break
+            continue
         # (under overlap the compiled ranking has compared its compiled program already)
         slack = None if step.abstract or "compiled_ranking" in chosen.solver["pipeline"] \
             else _auto_slack(step, tr, chosen)
