@@ -195,15 +195,11 @@ def test_the_choice_keeps_to_the_memory_budget():
     tight = best_pipeline(graph, *mesh, eth, ties=ties,
                           options=ChoiceOptions(memory_budget=1.0, min_gain=0.0))
     assert tight.pipeline is None and tight.reason == "no pipeline fits the memory budget"
-    # with no room left besides the rest of the program, only the stage plans with the
-    # weights whole (no budget binds them): the unbudgeted choice's prices of those, in the
-    # same order (the search is deterministic); it has its tensor-parallel stage plans'
-    # besides, solved within the budget
-    tight_times = [p.step_time for p in tight.priced]
-    free_times = iter(p.step_time for p in free.priced)
-    assert all(t in free_times for t in tight_times)  # a subsequence
-    assert {p.tensor_spans for p in tight.priced} == {()}
-    assert len(free.priced) > len(tight.priced)
+    # the same prices, in the same order: the search is deterministic (with no room left,
+    # no stage plan with tensor parallelism inside is solved either: within a budget of
+    # S bytes none fits)
+    assert [p.step_time for p in tight.priced] == [p.step_time for p in free.priced]
+    assert {p.tensor_spans for p in free.priced} == {()}
     again = best_pipeline(graph, *mesh, eth, ties=ties, options=ChoiceOptions(min_gain=0.0))
     assert [p.step_time for p in again.priced] == [p.step_time for p in free.priced]
 

@@ -203,10 +203,9 @@ def test_the_planner_chooses_1f1b_for_a_loss_stack_over_a_slow_axis():
     choice = run.pipeline_choice(state, batch)
     assert choice.pipeline is not None and choice.pipeline.schedule == "1f1b", \
         choice.summary()
-    # per stage plan (data or tensor parallelism inside the stages)
+    # per stage plan
     by = {(id(p.stage_plan), p.pipeline.microbatches, p.pipeline.schedule): p
           for p in choice.priced if p.pipeline.axis == "stage"}
-    assert len({k[0] for k in by}) == 2
     for (plan, m, schedule), p in by.items():
         if schedule == "1f1b" and m > 1:
             assert p.peak_memory < by[(plan, m, "gpipe")].peak_memory, m

@@ -5,20 +5,21 @@ For a program with layer scans (:mod:`shardc.pipeline.scans`) on a mesh, every m
 of the other logical views of the devices (:mod:`shardc.tradeoff.views`), each view planned
 unpipelined too. For each, the program is planned again with ``a`` cut to one device (the
 *stage* plans: the layouts inside a stage, chosen by the ordinary search): once with the
-layers' weights whole over the other axes (data parallelism inside a stage), and once per
-other axis with the weights free to split over it and the batch whole there (tensor
-parallelism inside a stage; :func:`_stage_plans`), and every pipeline over ``a`` is priced
-from each stage plan and the unpipelined plan (:func:`shardc.pipeline.cost.price`): M among
-the divisors of the batch whose micro-batch the stage plan's carry layout still divides,
-each schedule, and for the circular one V among the divisors of L / S up to ``max_virtual``.
-The cheapest pipeline within the memory budget wins when its step is below ``1 - min_gain``
-of the unpipelined plan's; else there is none. The margin stands for what the price leaves
-out and a pipeline adds: the loop over ticks, the copies that rotate the stage buffers,
-smaller kernels per micro-batch; it is a judgement, not a measured figure (5% by default).
-The search is deterministic: candidates are priced in a fixed order; of equal steps the
-leaner wins, then the first (GPipe before 1F1B, which holds fewer micro-batches' residuals
-and runs the loss on the last stage: it is a candidate only for a stack that ends in its
-loss, :func:`shardc.pipeline.stack.layers_loss`).
+layers' weights whole over the other axes (data parallelism inside a stage), and where no
+pipeline priced so fits the memory budget, once per other axis with the weights free to
+split over it and the batch whole there (tensor parallelism inside a stage;
+:func:`_stage_plans`), and every pipeline over ``a`` is priced from each stage plan and the
+unpipelined plan (:func:`shardc.pipeline.cost.price`): M among the divisors of the batch
+whose micro-batch the stage plan's carry layout still divides, each schedule, and for the
+circular one V among the divisors of L / S up to ``max_virtual``. The cheapest pipeline
+within the memory budget wins when its step is below ``1 - min_gain`` of the unpipelined
+plan's; else there is none. The margin stands for what the price leaves out and a pipeline
+adds: the loop over ticks, the copies that rotate the stage buffers, smaller kernels per
+micro-batch; it is a judgement, not a measured figure (5% by default). The search is
+deterministic: candidates are priced in a fixed order; of equal steps the leaner wins, then
+the first (GPipe before 1F1B, which holds fewer micro-batches' residuals and runs the loss
+on the last stage: it is a candidate only for a stack that ends in its loss,
+:func:`shardc.pipeline.stack.layers_loss`).
 """
 
 from __future__ import annotations
@@ -60,10 +61,11 @@ class ChoiceOptions:
     (:func:`shardc.tradeoff.views.views`: one more unpipelined plan per view, and one
     stage plan per axis). ``pipeline``: as ``auto_shard``'s
     option: None chooses, False chooses none, a :class:`Pipeline` prices that one.
-    ``combiner``: the combiners of the backend the plans compile for. ``tensor``: also
-    price the stage plans with tensor parallelism inside a stage (:func:`_stage_plans`;
-    the runtime leaves a stage's layouts on those axes to XLA, so the planner checks such
-    a choice against its compiled program, :func:`shardc.step.solving.pipelined`)."""
+    ``combiner``: the combiners of the backend the plans compile for. ``tensor``: where no
+    pipeline with data parallelism inside its stages fits the budget, price the stage
+    plans with tensor parallelism inside (:func:`_stage_plans`; the runtime leaves a
+    stage's layouts on those axes to XLA, so the planner checks such a choice against its
+    compiled program, :func:`shardc.step.solving.pipelined`)."""
 
     memory_budget: float | None = None
     time_limit: float = 10.0
@@ -203,26 +205,27 @@ def _held_weights(graph: Graph, layers: Layers, ties: Sequence[tuple[int, int]],
 
 
 def _stage_plans(graph: Graph, view: View, k: int, layers: Layers, ties, resident,
-                 solve: SolveOptions, rooms: Sequence[float], tensor: bool = True
+                 solve: SolveOptions, rooms: Sequence[float], tensor: bool = False
                  ) -> list[Plan]:
     """The stage plans for a pipeline over ``view``'s axis ``k`` (that axis cut to one
-    device): one with every other axis splitting the micro-batches and the weights whole
-    (data parallelism inside a stage), and, per other axis of more than one device, one
-    with that axis splitting the weights instead of the batch (tensor parallelism inside
-    a stage, Megatron's pipeline x tensor x data form), solved within ``S`` times the
-    first of ``rooms`` (bytes per device) it can keep to: a stage holds ``1 / S`` of the
-    stacked state, which is what such a budget binds (the rooms: what a stage has
-    besides the rest of the program's memory, then the whole budget). Without ``tensor``,
-    the first alone."""
+    device): the one with every other axis splitting the micro-batches and the weights
+    whole (data parallelism inside a stage); with ``tensor``, instead one per other axis
+    of more than one device, with that axis splitting the weights and not the batch
+    (tensor parallelism inside a stage, Megatron's pipeline x tensor x data form), solved
+    within ``S`` times the first of ``rooms`` (bytes per device) it can keep to: a stage
+    holds ``1 / S`` of the stacked state, which is what such a budget binds (the rooms:
+    what a stage has besides the rest of the program's memory, then the whole budget)."""
     cut = view.shape[:k] + (1,) + view.shape[k + 1:]
     stages = view.shape[k]
 
-    def planned(tensor: tuple[int, ...], options: SolveOptions) -> Plan:
+    def planned(axes: tuple[int, ...], options: SolveOptions) -> Plan:
         return _planned(graph, cut, view.names, view.cluster, ties, resident, options,
-                        _held_weights(graph, layers, ties, cut, tensor))
+                        _held_weights(graph, layers, ties, cut, axes))
 
-    plans = [planned((), solve)]
-    for t, n in enumerate(cut if tensor else ()):
+    if not tensor:
+        return [planned((), solve)]
+    plans = []
+    for t, n in enumerate(cut):
         for room in (r for r in rooms if r > 0):
             if n < 2:
                 break
@@ -266,17 +269,23 @@ def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[
     priced: list[PipelinePrice] = []
     requested: list[PipelinePrice] = []  # the requested pipeline, per stage plan
     budget = options.budget(cluster)
+    axes = []  # (view, its whole plan's parts, stage axis index)
     for view in meshes:
         whole_plan = base if view.names == names else \
             _planned(graph, view.shape, view.names, view.cluster, ties, resident, solve)
         whole = parts(whole_plan, graph, layers, ties, resident)
-        for k, (axis, s) in enumerate(zip(view.names, view.shape)):
-            if s < 2 or layers.length % s or \
-                    isinstance(request, Pipeline) and request.axis != axis:
-                continue
+        axes += [(view, whole, k) for k, (axis, s) in enumerate(zip(view.names, view.shape))
+                 if s > 1 and not layers.length % s and
+                 not (isinstance(request, Pipeline) and request.axis != axis)]
+    # tensor parallelism inside the stages, where data parallelism inside fits no budget
+    for tensor in (False, True) if options.tensor else (False,):
+        if tensor and any(p.peak_memory <= budget for p in requested or priced):
+            break
+        for view, whole, k in axes:
+            axis, s = view.names[k], view.shape[k]
             rooms = (budget - whole.other_state - whole.working, budget)
             for stage_plan in _stage_plans(graph, view, k, layers, ties, resident, solve,
-                                           rooms, options.tensor):
+                                           rooms, tensor):
                 stage = parts(stage_plan, graph, layers, ties, resident)
                 mine = [price(p, whole, stage, view.cluster, _axes(view), stage_plan)
                         for p in ([request] if isinstance(request, Pipeline) else
