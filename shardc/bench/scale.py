@@ -165,7 +165,12 @@ def scale_markdown(cases: list[ScaleCase], command: str) -> str:
     piped = [c for c in full if c.best_pipeline]
     if piped:
         lines += ["", "The cheapest pipeline the planner priced for each (the layers split "
-                  "into stages over one mesh axis, each stage planned by the same search):",
+                  "into stages over one mesh axis, each stage planned by the same search; "
+                  "with tensor parallelism inside the stages where data parallelism inside "
+                  "fits no budget, `step.pipeline_choice(..., tensor=True)`: on an "
+                  "AbstractMesh the planner prices it but does not choose it, since on "
+                  "devices such a choice is kept only where its compiled program "
+                  "communicates as priced):",
                   ""] + [f"- {c.mesh}: {c.best_pipeline}" for c in piped]
     weak = sorted((c for c in cases if c.mesh.startswith("node=")), key=lambda c: c.devices)
     if len(weak) > 1:

@@ -110,6 +110,9 @@ class Choice:
     layers: int = 0
     #: the stage plan the chosen pipeline was priced from (its layouts inside a stage)
     stage_plan: Plan | None = field(default=None, repr=False, compare=False)
+    #: stage plans with tensor parallelism inside were priced (no pipeline with data
+    #: parallelism inside fitted the budget, :attr:`ChoiceOptions.tensor`)
+    tensor: bool = False
 
     def summary(self) -> str:
         """What was chosen and why, against the unpipelined step."""
@@ -252,9 +255,12 @@ def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[
         base = _planned(graph, sizes, names, cluster, ties, resident, solve)
     layers = find_layers(graph, ties, resident)
 
+    tensor_ran = False
+
     def none(reason: str, priced=(), best=None) -> Choice:
         return Choice(None, base.predicted.step_time, best, reason, tuple(priced),
-                      time.perf_counter() - t0, layers.length if layers else 0)
+                      time.perf_counter() - t0, layers.length if layers else 0,
+                      tensor=tensor_ran)
 
     request = options.pipeline
     if request is False:
@@ -281,6 +287,7 @@ def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[
     for tensor in (False, True) if options.tensor else (False,):
         if tensor and any(p.peak_memory <= budget for p in requested or priced):
             break
+        tensor_ran = tensor
         for view, whole, k in axes:
             axis, s = view.names[k], view.shape[k]
             rooms = (budget - whole.other_state - whole.working, budget)
@@ -297,7 +304,7 @@ def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[
     if isinstance(request, Pipeline):
         chosen = _cheapest(requested, budget)
         return Choice(request, base.predicted.step_time, chosen, "requested", (chosen,),
-                      time.perf_counter() - t0, layers.length, chosen.stage_plan)
+                      time.perf_counter() - t0, layers.length, chosen.stage_plan, tensor_ran)
     fits = [p for p in priced if p.peak_memory <= budget]
     if not fits:
         return none("no pipeline fits the memory budget" if priced else
@@ -307,7 +314,8 @@ def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[
         return none(f"no pipeline saves {options.min_gain:.0%} of the unpipelined step",
                     priced, best)
     return Choice(best.pipeline, base.predicted.step_time, best, "cheapest pipeline",
-                  tuple(priced), time.perf_counter() - t0, layers.length, best.stage_plan)
+                  tuple(priced), time.perf_counter() - t0, layers.length, best.stage_plan,
+                  tensor_ran)
 
 
 def _cheapest(priced: Sequence[PipelinePrice], budget: float) -> PipelinePrice:

@@ -68,13 +68,13 @@ def pipelined(step, call: Call, tr: TracedCall, candidates: list[View],
         chosen = _pipelined(step, call, tr, plan, base, own, choice, candidates, seeds, opts)
         if chosen is plan:  # none pays; or under overlap, none compiled faster than the
             # plan: with tensor parallelism inside priced, the pipelines without it may
-            if choice.pipeline is None or not tensor or step.abstract:
+            if choice.pipeline is None or not choice.tensor:
                 break
             continue
         # (under overlap the compiled ranking has compared its compiled program already)
         slack = None if step.abstract or "compiled_ranking" in chosen.solver["pipeline"] \
             else _auto_slack(step, tr, chosen)
-        last = not tensor
+        last = not choice.tensor
         if slack is not None:
             log.info("shardc: %s", slack)
             why.append(slack)
@@ -82,6 +82,8 @@ def pipelined(step, call: Call, tr: TracedCall, candidates: list[View],
         if slack is None or last and choice.reason == "requested":
             record = {**chosen.solver["pipeline"], **({"rejected": why} if why else {})}
             return dataclasses.replace(chosen, solver={**chosen.solver, "pipeline": record})
+        if last:
+            break  # without tensor parallelism inside priced, the same choice again
     return dataclasses.replace(plan, solver={**plan.solver, "pipeline_rejected": why}) \
         if why else plan
 
