@@ -184,6 +184,8 @@ def test_candidates_cover_micro_batches_schedules_and_virtual_stages():
     assert len(got) == len(set(got))
     assert {p.microbatches for p in got} == {1, 2, 4, 8}
     assert {p.virtual for p in got if p.schedule == "circular"} == {2, 4}
+    # the circular schedule runs only where the micro-batches are at least the stages
+    assert {p.microbatches for p in got if p.schedule == "circular"} == {4, 8}
 
 
 def test_the_choice_keeps_to_the_memory_budget():

@@ -11,14 +11,14 @@ split over it and the batch whole there (tensor parallelism inside a stage;
 :func:`_stage_plans`), and every pipeline over ``a`` is priced from each stage plan and the
 unpipelined plan (:func:`shardc.pipeline.cost.price`): M among the divisors of the batch
 whose micro-batch the stage plan's carry layout still divides, each schedule, and for the
-circular one V among the divisors of L / S up to ``max_virtual``. The cheapest pipeline
-within the memory budget wins when its step is below ``1 - min_gain`` of the unpipelined
-plan's; else there is none. The margin stands for what the price leaves out and a pipeline
-adds: the loop over ticks, the copies that rotate the stage buffers, smaller kernels per
-micro-batch; it is a judgement, not a measured figure (5% by default). The search is
-deterministic: candidates are priced in a fixed order; of equal steps the leaner wins, then
-the first (GPipe before 1F1B, which holds fewer micro-batches' residuals and runs the loss
-on the last stage: it is a candidate only for a stack that ends in its loss,
+circular one (where M >= S) V among the divisors of L / S up to ``max_virtual``. The
+cheapest pipeline within the memory budget wins when its step is below ``1 - min_gain`` of
+the unpipelined plan's; else there is none. The margin stands for what the price leaves out
+and a pipeline adds: the loop over ticks, the copies that rotate the stage buffers, smaller
+kernels per micro-batch; it is a judgement, not a measured figure (5% by default). The
+search is deterministic: candidates are priced in a fixed order; of equal steps the leaner
+wins, then the first (GPipe before 1F1B, which holds fewer micro-batches' residuals and runs
+the loss on the last stage: it is a candidate only for a stack that ends in its loss,
 :func:`shardc.pipeline.stack.layers_loss`).
 """
 
@@ -138,7 +138,9 @@ def candidates(axis: str, stages: int, layers: Layers, options: ChoiceOptions
                 out.append(Pipeline(axis, stages, m, schedule))
                 continue
             for v in _divisors(layers.length // stages):
-                if 2 <= v <= options.max_virtual:
+                # a micro-batch must be back at stage 0 before its next pass is due
+                # (runtime.check_pipeline): M >= S
+                if 2 <= v <= options.max_virtual and m >= stages:
                     out.append(Pipeline(axis, stages, m, schedule, v))
     return out
 
