@@ -44,7 +44,10 @@ def pipelined(step, call: Call, tr: TracedCall, candidates: list[View],
     (:func:`~shardc.pipeline.choose.adopt`). Unpipelined with ``pipeline=False``,
     without a stack, or where no pipeline pays: against the plan on the mesh, and with
     ``mesh_search``, against the best view's (the stages are over an axis of the
-    mesh itself)."""
+    mesh itself). On a mesh with devices, a choice whose stages leave an axis to XLA is
+    kept only where its compiled program communicates as priced (:func:`_auto_slack`);
+    the choices passed over are listed in ``solver["pipeline"]["rejected"]`` (or
+    ``solver["pipeline_rejected"]`` where none is kept)."""
     from shardc.pipeline.choose import best_pipeline
     from shardc.pipeline.stack import has_stack
 
