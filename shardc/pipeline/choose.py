@@ -274,8 +274,7 @@ def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[
         _check_request(request, sizes, names, layers, options.schedules)
     elif options.views:
         meshes += views(sizes, names, cluster)[1:]
-    priced: list[PipelinePrice] = []
-    requested: list[PipelinePrice] = []  # the requested pipeline, per stage plan
+    priced: list[PipelinePrice] = []  # with a request, the requested one per stage plan
     budget = options.budget(cluster)
     axes = []  # (view, its whole plan's parts, stage axis index)
     for view in meshes:
@@ -287,7 +286,7 @@ def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[
                  not (isinstance(request, Pipeline) and request.axis != axis)]
     # tensor parallelism inside the stages, where data parallelism inside fits no budget
     for tensor in (False, True) if options.tensor else (False,):
-        if tensor and any(p.peak_memory <= budget for p in requested or priced):
+        if tensor and any(p.peak_memory <= budget for p in priced):
             break
         tensor_ran = tensor
         for view, whole, k in axes:
@@ -302,16 +301,15 @@ def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[
                         if isinstance(request, Pipeline) or
                         _splits_batch(stage_plan, layers, p.microbatches, graph)]
                 priced += mine
-                requested += mine if isinstance(request, Pipeline) else []
     if isinstance(request, Pipeline):
-        chosen = _cheapest(requested, budget)
+        chosen = _cheapest(priced, budget)
         return Choice(request, base.predicted.step_time, chosen, "requested", (chosen,),
                       time.perf_counter() - t0, layers.length, chosen.stage_plan, tensor_ran)
     fits = [p for p in priced if p.peak_memory <= budget]
     if not fits:
         return none("no pipeline fits the memory budget" if priced else
                     "no mesh axis's size divides the layer count", priced)
-    best = _cheapest(fits, budget)
+    best = _cheapest(priced, budget)
     if best.step_time >= (1 - options.min_gain) * base.predicted.step_time:
         return none(f"no pipeline saves {options.min_gain:.0%} of the unpipelined step",
                     priced, best)

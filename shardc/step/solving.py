@@ -149,7 +149,7 @@ def _pipelined(step, call: Call, tr: TracedCall, plan: Plan, base: Plan, own: bo
 
 def _compiled_pipeline(step, tr: TracedCall, plan: Plan, base: Plan, choice, opts) -> Plan:
     """Under overlap on a mesh with devices (``rank_compiled``): the chosen pipeline and the
-    cheapest priced of each other schedule over the same stage axis that fits the budget,
+    cheapest priced of each other schedule from the same stage plan that fits the budget,
     each adopted on ``base`` (the plan with the layer state pinned as a stage holds it) and
     compiled, against the unpipelined ``plan``'s compiled time: the fastest compiled
     program overlapped wins. The pipeline's price is serial; overlapped, a schedule whose
@@ -162,8 +162,9 @@ def _compiled_pipeline(step, tr: TracedCall, plan: Plan, base: Plan, choice, opt
     budget = opts.budget(base.cluster)
     per = {choice.pipeline.schedule: choice.best}
     for p in sorted(choice.priced, key=lambda p: (p.step_time, p.peak_memory)):
-        if p.mesh == choice.best.mesh and p.pipeline.axis == choice.pipeline.axis and \
-                p.peak_memory <= budget:
+        # priced from the same stage plan (its mesh and stage axis): ``base`` holds the
+        # layer state as that plan's stages do
+        if p.stage_plan is choice.stage_plan and p.peak_memory <= budget:
             per.setdefault(p.pipeline.schedule, p)
     unpipelined = [r["compiled_s"] for r in plan.solver.get("compiled_ranking", ())
                    if "compiled_s" in r]
