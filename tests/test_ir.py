@@ -93,6 +93,41 @@ def test_partition_spec_round_trip():
         parse_sbp("X(1)")
 
 
+def test_device_pieces_agree_with_jax_on_every_view_of_the_devices():
+    """Two split layouts, on one view of the 8 devices or on two, hold the same piece on
+    every device (JAX's ``devices_indices_map``) exactly when ``device_pieces`` says so;
+    partial layouts differ by which devices' summands are added."""
+    import itertools
+
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+
+    from shardc.ir.sbp import device_pieces
+
+    devices = np.asarray(jax.devices()[:8])
+    views = [(8,), (2, 4), (4, 2), (2, 2, 2)]
+    shape = (8, 8)
+    layouts = []
+    for view in views:
+        names = tuple(f"a{k}" for k in range(len(view)))
+        mesh = Mesh(devices.reshape(view), names)
+        for sbps in itertools.product((B, S(0), S(1)), repeat=len(view)):
+            nd = NdSbp(sbps)
+            held = NamedSharding(mesh, to_partition_spec(nd, 2, names)).devices_indices_map(
+                shape)
+            key = tuple(tuple((s.start, s.stop) for s in held[d]) for d in devices)
+            layouts.append((device_pieces(nd, view), key))
+    pairs = 0
+    for (mine_a, jax_a), (mine_b, jax_b) in itertools.combinations(layouts, 2):
+        assert (mine_a == mine_b) == (jax_a == jax_b)
+        pairs += mine_a == mine_b
+    assert pairs > 20  # views share layouts: data parallelism on each, among others
+    assert device_pieces(NdSbp((S(0), S(0))), (2, 4)) == device_pieces(NdSbp((S(0),)), (8,))
+    assert device_pieces(NdSbp((P, B)), (2, 4)) != device_pieces(NdSbp((B, P)), (2, 4))
+    assert device_pieces(NdSbp((P, P)), (2, 4)) == device_pieces(NdSbp((P,)), (8,))
+    assert device_pieces(NdSbp((P,)), (8,)) != device_pieces(NdSbp((B,)), (8,))
+
+
 def test_fits_checks_divisibility():
     assert NdSbp((S(0), S(0))).fits((8, 3), (2, 4))
     assert not NdSbp((S(0), S(0))).fits((4, 3), (2, 4))

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["BINARY", "CALLS", "DEFAULT", "facts", "FIXED", "LINEAR_UNARY", "PASSES_PARTIAL",
-           "passes_partial", "PER_DEVICE", "Prim", "PRIMS", "SPLITS_FROM_OPERANDS", "TAIL",
-           "UNARY"]
+__all__ = ["BINARY", "CALLS", "DEFAULT", "facts", "FIXED", "KERNEL", "LINEAR_UNARY",
+           "PASSES_PARTIAL", "passes_partial", "PER_DEVICE", "Prim", "PRIMS",
+           "SPLITS_FROM_OPERANDS", "TAIL", "UNARY"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +51,10 @@ class Prim:
     #: transforms it whole and slices): the lowering runs it per device (``shard_map``) on
     #: its planned layouts
     per_device: bool = False
+    #: runs as a library kernel of its own (a GEMM or a convolution), never fused: XLA:GPU's
+    #: latency-hiding scheduler places a few such kernels under each asynchronous collective
+    #: (``plan/overlap.py``)
+    kernel: bool = False
 
 
 DEFAULT = Prim()
@@ -86,16 +90,17 @@ CALLS = {
 FIXED = ("sharding_constraint", "shard_map")
 SPLITS_FROM_OPERANDS = "dot_general reduce_sum reduce_max reduce_min argmax argmin".split()
 PER_DEVICE = ("fft",)
+KERNEL = ("dot_general", "conv_general_dilated")
 
 
 def _table() -> dict[str, Prim]:
     names = {*UNARY, *BINARY, *TAIL, *PASSES_PARTIAL, *CALLS, *FIXED, *SPLITS_FROM_OPERANDS,
-             *PER_DEVICE}
+             *PER_DEVICE, *KERNEL}
     return {n: Prim(call=CALLS.get(n), elementwise=n in UNARY or n in BINARY,
                     linear=n in LINEAR_UNARY, passes_partial=n in PASSES_PARTIAL,
                     tail=n in TAIL, fixed=n in FIXED,
                     splits_from_operands=n in SPLITS_FROM_OPERANDS,
-                    per_device=n in PER_DEVICE)
+                    per_device=n in PER_DEVICE, kernel=n in KERNEL)
             for n in sorted(names)}
 
 

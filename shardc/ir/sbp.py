@@ -20,10 +20,12 @@ from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Union
 
+import numpy as np
 from jax.sharding import PartitionSpec
 
-__all__ = ["B", "Broadcast", "from_partition_spec", "NdSbp", "P", "parse_sbp", "Partial",
-           "replicated", "S", "Sbp", "shared_dim_splits", "Split", "to_partition_spec", "WHOLE"]
+__all__ = ["B", "Broadcast", "device_pieces", "from_partition_spec", "NdSbp", "P", "parse_sbp",
+           "Partial", "replicated", "S", "Sbp", "shared_dim_splits", "Split", "to_partition_spec",
+           "WHOLE"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +166,26 @@ def shared_dim_splits(layouts: Iterable[NdSbp], among: Container[int], dim: int 
                    if k in among and isinstance(sbp, Split) and sbp.dim == dim)
              for nd in layouts}
     return found.pop() if len(found) == 1 else ()
+
+
+@functools.lru_cache(maxsize=4096)
+def device_pieces(nd: NdSbp, shape: tuple[int, ...]) -> tuple:
+    """Which piece of a value laid out ``nd`` on a mesh of ``shape`` each device holds, the
+    devices in row-major order (how every view of a mesh's devices orders them,
+    :class:`shardc.tradeoff.views.View`): per split dim its slice's index, per partial
+    reduction its summand's, each a tuple over the devices. Two layouts, on the same view
+    or on two views of the same devices, are equal here exactly when every device holds
+    the same piece: batch-split data parallelism on ``gpu=8`` and on ``gpu2=2 x gpu4=4``
+    (split over both, the first axis major as in a PartitionSpec) compare equal."""
+    coords = np.indices(shape).reshape(len(shape), -1)
+    pieces: dict[tuple, np.ndarray] = {}
+    for axis, (s, n) in enumerate(zip(nd.sbps, shape, strict=True)):
+        if isinstance(s, Broadcast) or n == 1:
+            continue
+        key = ("S", s.dim) if isinstance(s, Split) else ("P", s.op)
+        major = pieces.get(key)
+        pieces[key] = coords[axis] if major is None else major * n + coords[axis]
+    return tuple(sorted((k, tuple(v.tolist())) for k, v in pieces.items()))
 
 
 def parse_sbp(text: str) -> Sbp:

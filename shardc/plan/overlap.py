@@ -9,12 +9,20 @@ them):
   bodies already weighted by their trip counts), in the order XLA's scheduler gives them
   (:func:`_in_order`), not program order. The scheduler lists the program bottom-up, so an
   op runs as late as its uses allow: what reads the state alone (a weight's reshape) first,
-  then the rest by its longest path to the step's end, longest first. A weight gradient,
-  which only the update reads, then comes after the rest of the backward pass, and so
-  does its reduction, while FSDP's weight all-gathers run from the start. XLA:GPU starts a
-  data-parallel plan's combined gradient all-reduces earlier, back to back from about the
-  middle of the backward pass, so the estimate hides less of them than the compiled step
-  does (the design notes, "Where the overlap estimate misses", give the figures).
+  then the rest by its longest path to the step's end, longest first; FSDP's weight
+  all-gathers then run from the start, and a weight gradient, which only the update
+  reads, after the rest of the backward pass, its reduction with it.
+- **chained** (``chained=True``, the second of the two estimates the compiled ranking
+  takes candidates from, :mod:`shardc.step.ranking`): as XLA:GPU orders a step's gradient
+  reductions. Ops that only make gradients run as soon as their operands exist
+  (:func:`_gradients_early`), a layer's weight gradient before the next layer's
+  activation gradient; XLA:GPU keeps one collective in flight and places about
+  :data:`KERNELS_UNDER_COLLECTIVE` kernels (dots, convolutions) under each, so the
+  conversions only the step's tail waits for (the gradient reductions the update reads,
+  settlings, outputs') are issued one after another, the chain ending at the step's last
+  kernel: the ``j``-th of ``n`` no earlier than the ``5 (n - j)``-th kernel from the end
+  (:func:`_issued`). GPT-2's data-parallel step on one node issues its 13 gradient
+  all-reduces so, from half-way through the backward pass; the wide ResNet's its 5.
 - **communication**: one stream; each conversion (:class:`shardc.plan.record.Reshard`, all its
   collectives one block) can start when the op producing its value ends (a program input
   at 0; a conversion from another conversion's result, as a value's settling followed by
@@ -27,13 +35,16 @@ them):
   is the layout it reads that value in (a conversion shared by several readers is recorded
   for the first one only, its other readers wait for it too).
 
-Measured against the compiled programs (GPT-2 small, XLA:GPU for H100s, each priced by
-:mod:`shardc.inspect.schedule`): on node-8 the four candidates the search keeps on the
-8-GPU mesh rank in the compiled order, each predicted 0.6-0.9 ms (12-22%) above its
-compiled step; in program order the replay ranked the solver's plan first (4.11 ms) where
-it compiles to 5.13 ms, behind FSDP's 4.56 and the Megatron seed's 4.19. On 2 nodes x 8
-the plan it ranks first (the FSDP seed with a vocabulary-split table; 6.55 ms) compiles to
-5.40 ms, against the fastest expert's 6.06.
+Measured against the compiled programs (XLA:GPU for H100s, each priced by
+:mod:`shardc.inspect.schedule`; the overlap search's seeds on the bench's node-8): GPT-2's
+data-parallel, FSDP, ZeRO-1 and Megatron plans are estimated at 6.186, 5.677, 5.677 and
+5.634 ms and compile to 5.152, 5.252, 5.270 and 4.933; chained, at 5.605, 5.213, 5.213 and
+4.889. The wide ResNet's data-parallel, HSDP-2, ZeRO-1-within-4 and ZeRO-1 plans compile to
+2.250, 2.585, 2.703 and 2.795 ms; the first is estimated at 2.668 (ranked last of these),
+chained 2.193, 2.325, 2.602 and 2.609 (ranked as compiled). Neither estimate ranks every
+program as compiled: on two nodes the chained one puts first plans whose combined
+reduce-scatter XLA:GPU issues first and whose other gradients it computes after it, at the
+step's end (the wide ResNet's HSDP-2 within the node: 2.754 ms chained, 3.327 compiled).
 
 Conversions for the program's outputs are awaited by the end of the step. The result's
 ``time`` excludes the host feed (``Predicted.feed_time``), which runs before the step;
@@ -46,18 +57,29 @@ conversion inside a body overlaps the whole loop's other ops).
 
 References:
   XLA ``latency_hiding_scheduler.cc`` (collectives overlapped with independent compute);
+  XLA ``gpu_latency_hiding_scheduler.cc`` (``GpuLatencyEstimator``: five library kernels
+    under a collective), ``gpu_hlo_schedule.cc`` (one all-reduce in flight);
   NCCL user guide, "CUDA stream semantics" (a stream's operations run in issue order).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 
 from shardc.inspect.schedule import Overlap, next_collective
 from shardc.ir.prims import facts
 from shardc.plan.record import OpPlan, Plan
 
-__all__ = ["plan_overlap", "ranking_time"]
+__all__ = ["chained_time", "KERNELS_UNDER_COLLECTIVE", "plan_overlap", "ranking_time"]
+
+#: kernels XLA:GPU's latency-hiding scheduler places under each asynchronous collective: it
+#: prices a collective's start-to-done at 5000 units and a GEMM or convolution library call
+#: (or a loop fusion) at 1000, "so the LHS will try to schedule approximately 5 of these in
+#: between each start/end pair" (XLA ``gpu_latency_hiding_scheduler.cc``,
+#: ``GpuLatencyEstimator``), and keeps one collective in flight (``gpu_hlo_schedule.cc``:
+#: ``all_reduce_overlap_limit = 1``, one asynchronous stream)
+KERNELS_UNDER_COLLECTIVE = 5
 
 
 def _waiters(plan: Plan, ops: Sequence[OpPlan]) -> tuple[dict[int, list[int]], dict[int, int]]:
@@ -89,28 +111,20 @@ def _waiters(plan: Plan, ops: Sequence[OpPlan]) -> tuple[dict[int, list[int]], d
     return waits, after
 
 
-def _in_order(plan: Plan, blocks: list[list[int]]) -> list[OpPlan]:
+def _in_order(plan: Plan, blocks: list[list[int]], chained: bool) -> list[OpPlan]:
     """The plan's ops in the order XLA's scheduler runs them (:mod:`shardc.plan.overlap`
     docstring): first what reads the state as held (an input the step's tail reads,
     :func:`shardc.ir.flow.tail_values`, as the optimizer update reads the parameters,
     and what is computed from such inputs alone: a weight's reshape), which nothing else
     holds back; then the rest as late as its longest path to the step's end allows, longest
-    first, ties in program order. A collective combined from several conversions
+    first, ties in program order; ``chained``, ops that only make gradients as soon as they
+    can (:func:`_gradients_early`). A collective combined from several conversions
     (``blocks``) waits for each member's value and holds back each member's reader, so the
     producer of one member runs before the readers of all (XLA combines the token ids'
     gather for the embedding with the one for its gradient, and computes both first)."""
     ops = plan.ops
     pos = {op.id: i for i, op in enumerate(ops)}
-    readers: dict[int, list[int]] = {}
-    for i, op in enumerate(ops):
-        for v in op.reads:
-            readers.setdefault(v, []).append(i)
-    tail_value: set[int] = set()
-    is_tail = [False] * len(ops)
-    for i in reversed(range(len(ops))):
-        tail_value.update(v for v in ops[i].writes
-                          if all(is_tail[u] for u in readers.get(v, ())))
-        is_tail[i] = facts(ops[i].prim).tail and all(v in tail_value for v in ops[i].writes)
+    readers, is_tail = _tail(ops)
     users = [[u for v in op.writes for u in readers.get(v, ())] for op in ops]
     producer = {v: i for i, op in enumerate(ops) for v in op.writes}
     for members in (m for m in blocks if len(m) > 1):
@@ -140,7 +154,82 @@ def _in_order(plan: Plan, blocks: list[list[int]]) -> list[OpPlan]:
             first.add(op.id)
     rest = sorted((i for i, op in enumerate(ops) if op.id not in first),
                   key=lambda i: (-height[i], i))
-    return [op for op in ops if op.id in first] + [ops[i] for i in rest]
+    order = [i for i, op in enumerate(ops) if op.id in first] + rest
+    if not chained:
+        return [ops[i] for i in order]
+    tail_ids = {op.id for op, t in zip(ops, is_tail) if t}
+    late = {plan.reshards[k].value for k in _tail_read(plan, tail_ids)}
+    return _gradients_early(ops, order, readers, users, is_tail, late)
+
+
+def _tail(ops: Sequence[OpPlan]) -> tuple[dict[int, list[int]], list[bool]]:
+    """(value -> the positions in ``ops`` of its readers, per op whether it belongs to the
+    step's tail: an op doing no cross-element work whose results only such ops read, as the
+    optimizer update and what follows it)."""
+    readers: dict[int, list[int]] = {}
+    for i, op in enumerate(ops):
+        for v in op.reads:
+            readers.setdefault(v, []).append(i)
+    tail_value: set[int] = set()
+    is_tail = [False] * len(ops)
+    for i in reversed(range(len(ops))):
+        tail_value.update(v for v in ops[i].writes
+                          if all(is_tail[u] for u in readers.get(v, ())))
+        is_tail[i] = facts(ops[i].prim).tail and all(v in tail_value for v in ops[i].writes)
+    return readers, is_tail
+
+
+def _tail_read(plan: Plan, tail_ids: set[int]) -> list[int]:
+    """The conversions only the step's tail (the ops ``tail_ids``) waits for: a value's
+    settling, an output's conversion, a tail op's (the gradient reductions the optimizer
+    update reads)."""
+    return [k for k, r in enumerate(plan.reshards)
+            if r.consumer is None or r.consumer < 0 or r.consumer in tail_ids]
+
+
+def _gradients_early(ops: Sequence[OpPlan], order: list[int], readers: dict[int, list[int]],
+                     users: list[list[int]], is_tail: Sequence[bool], late: set[int]
+                     ) -> list[OpPlan]:
+    """``order`` (positions in ``ops``) with each op that only makes gradients run as soon
+    as its operands exist: an op whose results only tail ops read and one of which is
+    converted for the tail (``late``: a weight gradient's reshape before its reduction),
+    or whose results only such ops read (the weight gradient's dot, the backward pass
+    that leads to it). Of the ops ready to run, such ops go first, the one nearest the
+    step's end first (a layer's weight gradient before the next layer's activation
+    gradient); then the rest in ``order``. XLA:GPU computes a layer's weight gradients
+    where their reduction is issued, during the backward pass (GPT-2's data-parallel step:
+    its 13 gradient all-reduces start from half-way through the backward pass). ``users``
+    (per op, the ops that run after it) adds to the dataflow the edges of combined
+    collectives; those against ``order`` are left out, as :func:`_heights` leaves them."""
+    rank = {i: r for r, i in enumerate(order)}
+    early = [False] * len(ops)
+    for i in reversed(order):
+        read = [u for v in ops[i].writes for u in readers.get(v, ())]
+        if any(v in late for v in ops[i].writes):
+            early[i] = all(is_tail[u] or early[u] for u in read)
+        else:
+            early[i] = bool(read) and all(early[u] for u in read)
+    after = [[u for u in set(us) if rank[u] > rank[i]] for i, us in enumerate(users)]
+    waiting = [0] * len(ops)
+    for us in after:
+        for u in us:
+            waiting[u] += 1
+
+    def key(i: int) -> tuple[int, int]:
+        return (0, -rank[i]) if early[i] else (1, rank[i])
+
+    ready = [key(i) for i in order if not waiting[i]]
+    heapq.heapify(ready)
+    by_key = {key(i): i for i in order}
+    out = []
+    while ready:
+        i = by_key[heapq.heappop(ready)]
+        out.append(ops[i])
+        for u in after[i]:
+            waiting[u] -= 1
+            if not waiting[u]:
+                heapq.heappush(ready, key(u))
+    return out
 
 
 def _heights(users: list[list[int]]) -> list[int]:
@@ -190,13 +279,40 @@ def _blocks(plan: Plan) -> list[list[int]]:
     return list(out.values())
 
 
-def plan_overlap(plan: Plan) -> Overlap:
+def _issued(plan: Plan, ops: Sequence[OpPlan], blocks: list[list[int]]
+            ) -> dict[int, list[int]]:
+    """Per position in ``ops`` (the order they run in), the blocks of conversions XLA:GPU
+    issues no earlier than that op: its gradient chain (module docstring). The blocks only
+    the step's tail waits for, each made by the plan's ops and moving bytes, in the order
+    their values are made, are issued one after another, the chain ending at the step's
+    last kernel (a dot or a convolution, :attr:`shardc.ir.prims.Prim.kernel`) with
+    :data:`KERNELS_UNDER_COLLECTIVE` kernels under each; a block whose share of the chain
+    would start before the first kernel is issued when its values are made."""
+    _, is_tail = _tail(plan.ops)
+    tail_read = set(_tail_read(plan, {op.id for op, t in zip(plan.ops, is_tail) if t}))
+    made = {v: i for i, op in enumerate(ops) for v in op.writes}
+    chain = [b for b, members in enumerate(blocks)
+             if all(k in tail_read and plan.reshards[k].value in made for k in members)
+             and any(not c.startswith("local@")
+                     for k in members for c in plan.reshards[k].collectives)]
+    chain.sort(key=lambda b: (max(made[plan.reshards[k].value] for k in blocks[b]), b))
+    kernels = [i for i, op in enumerate(ops) if facts(op.prim).kernel]
+    issued: dict[int, list[int]] = {}
+    for j, b in enumerate(chain):
+        under = KERNELS_UNDER_COLLECTIVE * (len(chain) - j)
+        if under <= len(kernels):
+            issued.setdefault(kernels[-under], []).append(b)
+    return issued
+
+
+def plan_overlap(plan: Plan, chained: bool = False) -> Overlap:
     """``plan``'s predicted step (less the feed) with each conversion run beside the ops
-    that do not wait for it (module docstring). Conversions XLA combines into one collective
-    (:func:`_blocks`) run as one: it starts once every member can, and every member's
-    reader waits for all of it."""
+    that do not wait for it (module docstring); ``chained``, its gradients made and reduced
+    as XLA:GPU chains them. Conversions XLA combines into one collective (:func:`_blocks`)
+    run as one: it starts once every member can, and every member's reader waits for all
+    of it."""
     blocks = _blocks(plan)
-    ops = _in_order(plan, blocks)
+    ops = _in_order(plan, blocks, chained)
     waits, after = _waiters(plan, ops)
     deadline = {k: len(ops) for k in range(len(plan.reshards))}
     for i in sorted(waits, reverse=True):
@@ -213,6 +329,9 @@ def plan_overlap(plan: Plan) -> Overlap:
             of_value.setdefault(r.value, []).append(k)
     block_of = {k: b for b, members in enumerate(blocks) for k in members}
     waiting = [len(members) for members in blocks]  # members not yet startable
+    issued = _issued(plan, ops, blocks) if chained else {}  # the gradient chain's places
+    for b in (b for bs in issued.values() for b in bs):
+        waiting[b] += 1
     start = [0.0] * len(blocks)
     ready: dict[int, tuple[float, float]] = {}  # startable block -> (start, deadline)
     done: dict[int, float] = {}  # conversion -> when it ends
@@ -220,11 +339,13 @@ def plan_overlap(plan: Plan) -> Overlap:
 
     def startable(ks, t: float) -> None:
         for k in ks:
-            b = block_of[k]
-            waiting[b] -= 1
-            start[b] = max(start[b], t)
-            if not waiting[b]:
-                ready[b] = (start[b], min(deadline[j] for j in blocks[b]))
+            release(block_of[k], t)
+
+    def release(b: int, t: float) -> None:
+        waiting[b] -= 1
+        start[b] = max(start[b], t)
+        if not waiting[b]:
+            ready[b] = (start[b], min(deadline[j] for j in blocks[b]))
 
     def run(until: list[int] | None) -> None:
         nonlocal comm
@@ -241,7 +362,10 @@ def plan_overlap(plan: Plan) -> Overlap:
     for i, op in enumerate(ops):
         need = waits.get(i, [])
         run(need)
-        compute = max([compute, *(done.get(k, 0.0) for k in need)]) + op.compute_time
+        began = max([compute, *(done.get(k, 0.0) for k in need)])
+        compute = began + op.compute_time
+        for b in issued.get(i, ()):
+            release(b, began)
         for v in op.writes:
             startable(of_value.pop(v, ()), compute)
     run(None)
@@ -258,3 +382,10 @@ def ranking_time(plan: Plan) -> float:
     if plan.cluster.overlap:
         return plan_overlap(plan).time + plan.predicted.feed_time
     return plan.predicted.step_time
+
+
+def chained_time(plan: Plan) -> float:
+    """``plan``'s overlapped step with its gradients reduced as XLA:GPU chains them
+    (:func:`plan_overlap`, ``chained``), plus the feed: the compiled ranking's second
+    estimate (:func:`shardc.step.ranking.compiled_best`)."""
+    return plan_overlap(plan, chained=True).time + plan.predicted.feed_time

@@ -338,9 +338,11 @@ def explain_report(plan, max_rows: int | None = 60, top: int = 10, margins=None,
                                else "over the memory budget") for t in tried))
     ranked = plan.solver.get("compiled_ranking")
     if ranked:
-        blocks.append("ranked on their compiled programs (estimated -> compiled, overlapped): "
+        blocks.append("ranked on their compiled programs (estimated, gradients reduced late / "
+                      "chained -> compiled, overlapped): "
                       + "; ".join(f"{r['mesh']}" + (f" ({r['seed']})" if r["seed"] else "")
-                                  + f" {fmt_time(r['estimated_s'])} -> "
+                                  + f" {fmt_time(r['estimated_s'])} / "
+                                  + f"{fmt_time(r['chained_s'])} -> "
                                   + (fmt_time(r["compiled_s"]) if "compiled_s" in r
                                      else "did not compile") for r in ranked))
     seeds = plan.solver.get("seeds")
