@@ -163,3 +163,33 @@ def test_stages_xla_does_not_lay_out_as_priced_are_checked_and_reported():
     want = jax.jit(step)(state, batch)
     for a, b in zip(jax.tree.leaves(run(state, batch)), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-4)
+
+
+def test_a_circular_pipeline_prices_laying_its_chunks_out_and_is_checked_against_its_peak():
+    """The circular schedule runs chunk v S + s on stage s while the stored stack is split
+    over the stages in blocks: each step lays the stacked weights out again over the stage
+    axis and their gradients back, one all-to-all per weight each way, priced as compiled
+    (count and bytes). Its stages' weights split over an axis XLA lays out, the compiled
+    program is checked: here its peak is over the budget, so the choice is passed over with
+    the figures, and the pipeline asked for still runs, equal to jax.jit's step."""
+    state, batch = make()
+    mesh = jax.make_mesh((2, 2, 2), ("stage", "data", "model"))
+    pipe = Pipeline("stage", 2, 4, "circular", 2)
+    run = shardc.auto_shard(train_step(stacked), mesh=mesh, cluster=PODS,
+                            memory_budget=14 * MIB, pipeline=pipe)
+    plan = run.plan(state, batch)
+    priced = plan.solver["pipeline"]
+    assert plan.pipeline == pipe and priced["tensor_axes"], priced
+    rejected = priced["rejected"]
+    assert rejected and "over the budget of 14.00 MiB" in rejected[0], rejected
+    compiled = run.lower(state, batch).compile()
+    assert compiled_peak_memory(compiled) > 14 * MIB
+    check = plan.verify(compiled, mesh)
+    rows = {r.kind: r for r in check.rows}
+    swap = rows["all-to-all"]
+    assert swap.planned_count == swap.compiled_count == 4, check.report()
+    assert swap.planned_bytes == pytest.approx(swap.compiled_bytes, rel=0.02), check.report()
+    assert abs(check.time_error) < 0.25, check.report()
+    want = jax.jit(train_step(scanned))(state, batch)
+    for a, b in zip(jax.tree.leaves(run(state, batch)), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)

@@ -122,7 +122,9 @@ class Parts:
     loss's gradient summed over the batch's axes: 1F1B sums it inside the pipeline instead);
     ``tensor_spans``: the mesh axes (and sizes) the plan splits any of those stacked parameters
     over (in a stage plan, its tensor parallelism); ``results``: the stacked state's updated
-    copy (the results tied to it) as the plan lays it out."""
+    copy (the results tied to it) as the plan lays it out; ``param_bytes``: per stacked
+    parameter the layer scans read, its bytes per device at the plan's layout (``weights``
+    is their sum)."""
 
     step: float
     peak: float
@@ -146,6 +148,7 @@ class Parts:
     head_comm: float = 0.0
     tensor_spans: tuple[tuple[str, int], ...] = ()
     results: float = 0.0
+    param_bytes: tuple[float, ...] = ()
 
     @property
     def working(self) -> float:
@@ -277,7 +280,9 @@ def parts(plan: Plan, graph: Graph, layers: Layers, ties=(), resident=()) -> Par
                  tuple((plan.axis_names[k], n) for k, n in enumerate(sizes) if n > 1 and any(
                      isinstance(plan.values[i].sbps[k], Split) for i in layers.params)),
                  sum(graph.outputs[j].nbytes * plan.outputs[j].shard_fraction(sizes)
-                     for j, k in ties if graph.inputs[k].id in layers.stacked))
+                     for j, k in ties if graph.inputs[k].id in layers.stacked),
+                 tuple(nbytes[i] * plan.values[i].shard_fraction(sizes)
+                       for i in sorted(layers.params)))
 
 
 def head_ops(graph: Graph, layers: Layers) -> frozenset[int]:
@@ -308,7 +313,10 @@ class PipelinePrice:
     tick); ``peak_memory``: a stage's peak; ``mesh``: the view of the devices it runs
     on (axis names and sizes; the stage axis is one of them); ``tensor_spans``: the axes
     a stage splits its weights over (tensor parallelism inside it); ``stage_plan``: the
-    plan it was priced from (the layouts inside a stage)."""
+    plan it was priced from (the layouts inside a stage); ``relayout``: the circular
+    schedule's all-to-alls over the stage axis laying the stacked parameters out as its
+    chunks run (and their gradients back), one per parameter each way, ``relayout_bytes``
+    per device each."""
 
     pipeline: Pipeline
     step_time: float
@@ -335,6 +343,8 @@ class PipelinePrice:
     tensor_spans: tuple[tuple[str, int], ...] = ()
     sample_comm: float = 0.0
     stage_plan: Plan | None = field(default=None, repr=False, compare=False)
+    relayout: float = 0.0
+    relayout_bytes: tuple[float, ...] = ()
 
     @property
     def grad_spans(self) -> tuple[tuple[str, int], ...]:
@@ -348,7 +358,7 @@ class PipelinePrice:
         stages' gradient all-reduce and conversions of activations, and the rest's
         conversions."""
         return self.transfers + self.gathers + self.grads + self.rest_comm + \
-            self.loss_reduce + self.sample_comm
+            self.loss_reduce + self.sample_comm + self.relayout
 
     def summary(self) -> str:
         """One line: the pipeline, its step, the bubble's share of the step, the sends and
@@ -419,9 +429,18 @@ def price(pipeline: Pipeline, whole: Parts, stage: Parts, cluster: Cluster,
         held = stage.saved * in_flight(pipeline) / (s * m) + 2 * stage.carry
     else:
         held = stage.saved * ticks / (s * m) + 2 * stage.carry
+    relayout, relaid = 0.0, ()
+    if v > 1:
+        # the stored stack's layer dim is split over the stages in blocks, and the circular
+        # schedule runs chunk v S + s on stage s: each step lays every stacked parameter out
+        # again over the stage axis, and its gradient back (one all-to-all each way)
+        relaid = tuple(b / s for b in stage.param_bytes) * stage.passes
+        relayout = sum(cluster.collective_seconds("all-to-all", spans, b) for b in relaid)
     peak = stage.state / s + whole.other_state + working + held
-    return PipelinePrice(pipeline, rest + layers + transfers + gathers + once + loss_reduce,
+    return PipelinePrice(pipeline, rest + layers + transfers + gathers + once + loss_reduce +
+                         relayout,
                          rest, layers, bubble, transfers, gathers, once, permutes,
                          stage.carry / m, reduces, stage.carry, peak, mesh, grads, grad_bytes,
                          whole.rest_comm, ticks, stage.batch_spans, loss_reduce, loss_bytes,
-                         loss_spans, stage.tensor_spans, sample, stage_plan)
+                         loss_spans, stage.tensor_spans, sample, stage_plan, relayout,
+                         relaid)

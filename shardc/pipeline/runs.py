@@ -17,7 +17,9 @@ converts:
   not run: the backward pipeline keeps its forward's residuals;
 * the pipeline's own: the sends each way (one collective-permute per pass, run every
   tick), the closing all-reduces over the stage axis (for 1F1B, also the loss's and its
-  weights' gradient, over the stage axis and the batch's), and the stages' gradient
+  weights' gradient, over the stage axis and the batch's), the circular schedule's
+  all-to-alls laying the stacked parameters out by chunk (and their gradients back), and
+  the stages' gradient
   all-reduce over the axes splitting each micro-batch, which XLA's all-reduce combiner
   joins with the rest's over the same axes where there is one (the same tuple
   collective: charged what it adds to it), charged to the forward scan's first carry.
@@ -130,6 +132,8 @@ def pipelined_reshards(plan: Plan, graph: Graph, layers: Layers, pipeline: Pipel
             for _ in range(best.reduces)]
     if best.loss_reduce:  # 1F1B: the loss and its weights' gradient, from the last stage
         out.append(one("all-reduce", best.loss_spans, best.loss_bytes, best.loss_reduce))
+    out += [one("all-to-all", stage, b, plan.cluster.collective_seconds("all-to-all", stage, b))
+            for b in best.relayout_bytes]
     out += _inside(best, layers, graph)
     if best.grads:
         name = "all-reduce@" + "+".join(n for n, _ in best.grad_spans)

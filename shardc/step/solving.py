@@ -13,6 +13,7 @@ import time
 
 from shardc.cost.combine import XLA_CPU, Combiner, combiner_for
 from shardc.cost.units import fmt_bytes, fmt_time
+from shardc.inspect.hlo import compiled_peak_memory
 from shardc.ir.remat import levels
 from shardc.ir.sbp import NdSbp
 from shardc.plan.assemble import assemble
@@ -45,9 +46,11 @@ def pipelined(step, call: Call, tr: TracedCall, candidates: list[View],
     without a stack, or where no pipeline pays: against the plan on the mesh, and with
     ``mesh_search``, against the best view's (the stages are over an axis of the
     mesh itself). On a mesh with devices, a choice whose stages leave an axis to XLA is
-    kept only where its compiled program communicates as priced (:func:`_auto_slack`);
-    the choices passed over are listed in ``solver["pipeline"]["rejected"]`` (or
-    ``solver["pipeline_rejected"]`` where none is kept)."""
+    kept only where its compiled program communicates as priced and fits the budget
+    (:func:`_auto_slack`); of a pipeline asked for, where no choice passes, the last
+    that compiled runs. The choices passed over are listed in
+    ``solver["pipeline"]["rejected"]`` (or ``solver["pipeline_rejected"]`` where none is
+    kept)."""
     from shardc.pipeline.choose import best_pipeline
     from shardc.pipeline.stack import has_stack
 
@@ -58,7 +61,7 @@ def pipelined(step, call: Call, tr: TracedCall, candidates: list[View],
     # and where mesh_search ran another view, the pipeline must beat that one too
     own = plan.axis_names == tuple(step.mesh.axis_names)
     base = plan if own else solve(step, call, tr, candidates[:1], seeds[:1], step.options)
-    graph, why = tr.traced.graph, []
+    graph, why, asked = tr.traced.graph, [], None
     # a stage's layouts on the axes that split no micro-batch are XLA's (the pipelined
     # loop is Auto there): a choice with such axes is checked against its compiled program,
     # first with tensor parallelism inside the stages priced, then without, then none. On
@@ -76,19 +79,27 @@ def pipelined(step, call: Call, tr: TracedCall, candidates: list[View],
             continue
         # (under overlap the compiled ranking has compared its compiled program already)
         slack = None if step.abstract or "compiled_ranking" in chosen.solver["pipeline"] \
-            else _auto_slack(step, tr, chosen)
+            else _auto_slack(step, tr, chosen, opts.budget(chosen.cluster))
         last = not choice.tensor
         if slack is not None:
             log.info("shardc: %s", slack)
             why.append(slack)
-        # a pipeline asked for runs, as it compiles, where none passes the check
-        if slack is None or last and choice.reason == "requested":
-            record = {**chosen.solver["pipeline"], **({"rejected": why} if why else {})}
-            return dataclasses.replace(chosen, solver={**chosen.solver, "pipeline": record})
+        if slack is None:
+            return _noting(chosen, why)
+        if choice.reason == "requested":
+            asked = chosen  # the last asked for, of those compiled
         if last:
             break  # without tensor parallelism inside priced, the same choice again
+    if asked is not None:  # a pipeline asked for runs, as it compiles, where none passes
+        return _noting(asked, why)
     return dataclasses.replace(plan, solver={**plan.solver, "pipeline_rejected": why}) \
         if why else plan
+
+
+def _noting(chosen: Plan, why: list[str]) -> Plan:
+    """``chosen`` with the choices passed over before it (``why``) in its record."""
+    record = {**chosen.solver["pipeline"], **({"rejected": why} if why else {})}
+    return dataclasses.replace(chosen, solver={**chosen.solver, "pipeline": record})
 
 
 #: a pipelined plan whose stages leave axes to XLA (the loop's Auto axes: tensor
@@ -99,11 +110,11 @@ def pipelined(step, call: Call, tr: TracedCall, candidates: list[View],
 AUTO_SLACK = 1.25
 
 
-def _auto_slack(step, tr: TracedCall, plan: Plan) -> str | None:
+def _auto_slack(step, tr: TracedCall, plan: Plan, budget: float) -> str | None:
     """None where ``plan``'s stages split every micro-batch over every axis but the stage
     axis (the loop is manual over all of them), or its compiled communication is within
-    :data:`AUTO_SLACK` of the predicted (or it does not compile: its error surfaces where
-    it runs); else why not."""
+    :data:`AUTO_SLACK` of the predicted and its compiled peak within ``budget`` (or it
+    does not compile: its error surfaces where it runs); else why not."""
     record = plan.solver["pipeline"]
     auto = [n for n, k in plan.mesh_axes
             if k > 1 and n != plan.pipeline.axis and n not in record["batch_axes"]]
@@ -114,13 +125,19 @@ def _auto_slack(step, tr: TracedCall, plan: Plan) -> str | None:
     except Exception:  # noqa: BLE001 - the plan's own compile reports it
         return None
     check = plan.verify(compiled, mesh)
-    if check.compiled_comm_time <= AUTO_SLACK * check.predicted_comm_time:
-        return None
+    peak = compiled_peak_memory(compiled)
     what = "weights split" if record["tensor_axes"] else "micro-batches whole"
-    return (f"{plan.pipeline}, its stages' {what} over {' x '.join(auto)} (the loop leaves "
-            f"those axes to XLA), compiled to {fmt_time(check.compiled_comm_time)} of "
-            f"communication against {fmt_time(check.predicted_comm_time)} priced: XLA did "
-            "not lay the stages out as the stage plan does")
+    head = (f"{plan.pipeline}, its stages' {what} over {' x '.join(auto)} (the loop leaves "
+            "those axes to XLA), compiled to ")
+    if check.compiled_comm_time > AUTO_SLACK * check.predicted_comm_time:
+        return (head + f"{fmt_time(check.compiled_comm_time)} of communication against "
+                f"{fmt_time(check.predicted_comm_time)} priced: XLA did not lay the stages "
+                "out as the stage plan does")
+    if peak is not None and peak > budget:
+        return (head + f"a peak of {fmt_bytes(peak)} per device (predicted "
+                f"{fmt_bytes(plan.predicted.peak_memory)}), over the budget of "
+                f"{fmt_bytes(budget)}")
+    return None
 
 
 def _pipelined(step, call: Call, tr: TracedCall, plan: Plan, base: Plan, own: bool, choice,
