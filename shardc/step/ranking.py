@@ -8,10 +8,11 @@ all-reduces mid-backward, one after another, where the estimate starts them at t
 the compute (the wide ResNet on 8 H100s: data parallelism estimated at 2.668 ms, compiled
 and replayed 2.246; the plan ranked first estimated lower and compiled to 2.709). The
 compiled program says where each collective's operands are ready and where its result is
-first read, so the best few candidates (every view's plan and every seed's, one per
-layout) are compiled for the step's mesh and the fastest compiled program is chosen: each
-priced as the bench prices it (:func:`shardc.inspect.hlo.price`, overlapped: one compute
-stream in program order, one communication stream) plus the plan's feed. A candidate that
+first read, so the best few candidates by each of two estimates (:func:`to_compile`:
+every view's plan and every seed's, one per program) are compiled for the step's mesh and
+the fastest compiled program is chosen: each priced as the bench prices it
+(:func:`shardc.inspect.hlo.price`, overlapped: one compute stream in program order, one
+communication stream) plus the plan's feed. A candidate that
 does not compile is passed over (its error is kept in ``plan.solver``); nothing compiles
 on an AbstractMesh, where the estimate alone ranks.
 """
@@ -111,8 +112,8 @@ def to_compile(plans: list[Plan], count: int) -> list[Plan]:
     first's first: :func:`ranking_time` (gradient reductions after the backward pass) and
     :func:`chained_time` (issued during it, as XLA:GPU chains them). Neither ranks every
     program as it compiles: on the wide ResNet over 8 GPUs the first puts data parallelism
-    sixth of the distinct programs (2.668 ms estimated, 2.246 compiled, the fastest), the
-    second first; on two nodes the second puts first an HSDP plan that compiles 12% slower
+    seventh of the distinct programs (2.658 ms estimated, 2.246 compiled), the
+    second first; on two nodes the second puts first an HSDP plan that compiles 7% slower
     than the first's first. Ties keep the search's order (its choice first)."""
     keys = [layout_key(p) for p in plans]
     chosen: dict[tuple, int] = {}  # program -> the candidate compiled for it
