@@ -201,6 +201,8 @@ def test_auto_shard_refuses_what_it_cannot_pipeline():
     plain = shardc.auto_shard(train_step(jax.lax.scan), mesh=mesh,
                               pipeline=Pipeline("stage", 2, 2))
     with pytest.raises(NoStackError, match="shardc.pipeline.layers"):
+        plain.plan(p, x, y)  # planned, not only when run: no plan claims a pipeline
+    with pytest.raises(NoStackError, match="shardc.pipeline.layers"):
         plain(p, x, y)
 
     def closes_over(p, x, scale):

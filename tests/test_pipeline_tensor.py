@@ -124,6 +124,7 @@ def test_without_a_binding_budget_the_stage_keeps_its_weights_whole():
     assert priced["tensor_axes"] == [] and priced["batch_axes"] == ["data", "model"], priced
     choice = run.pipeline_choice(state, batch)
     assert choice.best.tensor_spans == ()
+    assert str(choice) == choice.summary()
 
 
 def test_the_stage_plans_keep_the_stored_weights_whole_over_the_batch_axes():
@@ -156,10 +157,12 @@ def test_stages_xla_does_not_lay_out_as_priced_are_checked_and_reported():
                             memory_budget=12 * MIB, pipeline=pipe)
     plan = run.plan(state, batch)
     assert plan.pipeline == pipe
-    rejected = plan.solver["pipeline"]["rejected"]
-    assert rejected and all("did not lay the stages out" in why for why in rejected)
-    assert "weights split over gpu" in rejected[0]
-    assert "passed over: " + rejected[0][:40] in " ".join(plan.explain(max_rows=1).split())
+    rejected, kept = plan.solver["pipeline"]["rejected"], plan.solver["pipeline"]["kept_asked"]
+    assert all("did not lay the stages out" in why for why in [*rejected, kept])
+    assert "weights split over gpu" in rejected[0] and "micro-batches whole" in kept
+    text = " ".join(plan.explain(max_rows=1).split())
+    assert "passed over: " + rejected[0][:40] in text
+    assert "WARNING: the pipeline asked for runs although" in text and kept[:40] in text
     want = jax.jit(step)(state, batch)
     for a, b in zip(jax.tree.leaves(run(state, batch)), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-4)
@@ -170,8 +173,8 @@ def test_a_circular_pipeline_prices_laying_its_chunks_out_and_is_checked_against
     over the stages in blocks: each step lays the stacked weights out again over the stage
     axis and their gradients back, one all-to-all per weight each way, priced as compiled
     (count and bytes). Its stages' weights split over an axis XLA lays out, the compiled
-    program is checked: here its peak is over the budget, so the choice is passed over with
-    the figures, and the pipeline asked for still runs, equal to jax.jit's step."""
+    program is checked: here its peak is over the budget; the pipeline asked for still runs,
+    equal to jax.jit's step, with the figures and a warning in its record and explain()."""
     state, batch = make()
     mesh = jax.make_mesh((2, 2, 2), ("stage", "data", "model"))
     pipe = Pipeline("stage", 2, 4, "circular", 2)
@@ -180,8 +183,8 @@ def test_a_circular_pipeline_prices_laying_its_chunks_out_and_is_checked_against
     plan = run.plan(state, batch)
     priced = plan.solver["pipeline"]
     assert plan.pipeline == pipe and priced["tensor_axes"], priced
-    rejected = priced["rejected"]
-    assert rejected and "over the budget of 14.00 MiB" in rejected[0], rejected
+    assert "over the budget of 14.00 MiB" in priced["kept_asked"], priced
+    assert "WARNING: the pipeline asked for runs" in plan.explain(max_rows=1)
     compiled = run.lower(state, batch).compile()
     assert compiled_peak_memory(compiled) > 14 * MIB
     check = plan.verify(compiled, mesh)

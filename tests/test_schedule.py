@@ -535,6 +535,7 @@ def test_an_overlap_plan_is_the_fastest_compiled_of_the_best_candidates():
     estimates = [r["estimated_s"] for r in rows]
     assert estimates[0] == min(estimates)
     got = min(r["compiled_s"] for r in rows)
+    assert [r["compiled_s"] for r in rows if r["kept"]] == [got]
     compiled = price(step.lower(ws, x).compile(), step.mesh_for(plan), plan.cluster)
     assert compiled.overlapped_time + plan.predicted.feed_time == pytest.approx(got, rel=1e-9)
     assert ranking_time(plan) in estimates

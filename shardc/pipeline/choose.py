@@ -114,6 +114,9 @@ class Choice:
     #: parallelism inside fitted the budget, :attr:`ChoiceOptions.tensor`)
     tensor: bool = False
 
+    def __str__(self) -> str:
+        return self.summary()
+
     def summary(self) -> str:
         """What was chosen and why, against the unpipelined step."""
         base = f"unpipelined {fmt_time(self.base_time)}"
@@ -160,8 +163,11 @@ def _check_request(p: Pipeline, sizes: Sequence[int], names: Sequence[str],
     if p.stages != size:
         raise ValueError(f"{p}: axis {p.axis!r} has {size} devices; stages={size}")
     if layers.length % (p.stages * p.virtual):
+        per = (f" (here virtual dividing {layers.length // p.stages})"
+               if layers.length % p.stages == 0 else "")
         raise ValueError(f"{p}: {layers.length} layers do not split into {p.stages} stages "
-                         f"x {p.virtual} virtual stages; pick a divisor of {layers.length}")
+                         f"x {p.virtual} virtual stages of equal size; pick stages x virtual "
+                         f"dividing {layers.length}{per}")
     if layers.batch % p.microbatches:
         raise ValueError(f"{p}: the batch of {layers.batch} does not split into "
                          f"{p.microbatches} micro-batches; pick a divisor of {layers.batch}")

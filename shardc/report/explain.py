@@ -331,6 +331,12 @@ def explain_report(plan, max_rows: int | None = 60, top: int = 10, margins=None,
             "pipelines checked against their compiled programs and passed over: "
             + "; ".join(rejected), width=100, subsequent_indent="  ",
             break_on_hyphens=False))
+    kept = plan.solver.get("pipeline", {}).get("kept_asked")
+    if kept:
+        blocks.append(textwrap.fill(
+            "WARNING: the pipeline asked for runs although its compiled program fails the "
+            "check the planner holds its own choices to: " + kept, width=100,
+            subsequent_indent="  ", break_on_hyphens=False))
     tried = plan.solver.get("mesh_search")
     if tried:
         blocks.append("mesh search (predicted step per view of the devices): " + "; ".join(
@@ -339,12 +345,13 @@ def explain_report(plan, max_rows: int | None = 60, top: int = 10, margins=None,
     ranked = plan.solver.get("compiled_ranking")
     if ranked:
         blocks.append("ranked on their compiled programs (estimated, gradients reduced late / "
-                      "chained -> compiled, overlapped): "
+                      "chained -> the compiled HLO priced, overlapped): "
                       + "; ".join(f"{r['mesh']}" + (f" ({r['seed']})" if r["seed"] else "")
                                   + f" {fmt_time(r['estimated_s'])} / "
                                   + f"{fmt_time(r['chained_s'])} -> "
                                   + (fmt_time(r["compiled_s"]) if "compiled_s" in r
-                                     else "did not compile") for r in ranked))
+                                     else "did not compile")
+                                  + (" (kept)" if r.get("kept") else "") for r in ranked))
     seeds = plan.solver.get("seeds")
     if seeds:
         blocks.append("seeds (hand-written plans, predicted): " + ", ".join(

@@ -37,9 +37,10 @@ from shardc.cost.cluster import DEFAULT_CLUSTER, Cluster
 from shardc.ir.sbp import to_partition_spec
 from shardc.ir.trace import DEFAULT_WHILE_TRIPS, Traced, rematerialized, trace
 from shardc.lower.emit import explicit_axes, jit_plan
+from shardc.pipeline.lowering import NoStackError
 from shardc.pipeline.runtime import check_axis
 from shardc.pipeline.schedule import Pipeline
-from shardc.pipeline.stack import scans_as_layers
+from shardc.pipeline.stack import has_stack, scans_as_layers
 from shardc.plan.record import Plan, fingerprint
 from shardc.rules.fixed import on_mesh
 from shardc.runtime.multihost import agree
@@ -171,8 +172,10 @@ class AutoSharded:
         key, tr = self._traced(call)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._compatible(key, tr.fixed) or self._cached_or_solved(tr, call)
             pipe = self.options.pipeline  # asked for: the plan runs it
+            if isinstance(pipe, Pipeline) and not has_stack(tr.traced.jaxpr):
+                raise NoStackError(pipe)  # when planned, not when first run
+            plan = self._compatible(key, tr.fixed) or self._cached_or_solved(tr, call)
             if isinstance(pipe, Pipeline) and plan.pipeline != pipe:
                 plan = dataclasses.replace(plan, pipeline=pipe)
             # under jax.distributed: every process runs the same plan (process 0's)

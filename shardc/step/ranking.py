@@ -132,13 +132,16 @@ def compiled_best(step, tr: TracedCall, plans: list[Plan], count: int) -> Plan:
     """Of ``plans`` (the search's candidates, the first its choice), those
     :func:`to_compile` names compiled, and the one whose compiled program is fastest
     (:func:`compiled_time`); ``plan.solver["compiled_ranking"]`` lists each candidate's
-    estimates and compiled time (or error), in the order compiled."""
+    estimates and compiled time (or error), in the order compiled, the one kept marked."""
+    compiled = to_compile(plans, count)
     rows, best, best_s = [], plans[0], None
-    for p in to_compile(plans, count):
+    for p in compiled:
         row = {"mesh": mesh_label(p.mesh_axes),
                "seed": p.solver.get("seed"), "estimated_s": ranking_time(p),
                "chained_s": chained_time(p), **compiled_row(step, tr, p)}
         rows.append(row)
         if "compiled_s" in row and (best_s is None or row["compiled_s"] < best_s):
             best, best_s = p, row["compiled_s"]
+    for row, p in zip(rows, compiled, strict=True):
+        row["kept"] = p is best
     return dataclasses.replace(best, solver={**best.solver, "compiled_ranking": rows})

@@ -91,7 +91,8 @@ def pipelined(step, call: Call, tr: TracedCall, candidates: list[View],
         if last:
             break  # without tensor parallelism inside priced, the same choice again
     if asked is not None:  # a pipeline asked for runs, as it compiles, where none passes
-        return _noting(asked, why)
+        record = {**asked.solver["pipeline"], "rejected": why[:-1], "kept_asked": why[-1]}
+        return dataclasses.replace(asked, solver={**asked.solver, "pipeline": record})
     return dataclasses.replace(plan, solver={**plan.solver, "pipeline_rejected": why}) \
         if why else plan
 
