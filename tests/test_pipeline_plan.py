@@ -86,6 +86,8 @@ def test_the_planner_pipelines_a_stack_over_a_slow_axis_and_runs_what_it_priced(
     assert "pipeline: 4 stages over mesh axis 'stage'" in text
     assert "stage 0: layers 0-1; stage 1: 2-3; stage 2: 4-5; stage 3: 6-7" in text
     assert "of the step" in text
+    # the stack's loops named by the user's lines inside them, not shardc's own
+    assert "loop at " + __file__ in text and "pipeline/stack.py" not in text, text
 
 
 @pytest.mark.parametrize("pipe", [Pipeline("stage", 4, 4), Pipeline("stage", 4, 8),

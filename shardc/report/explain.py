@@ -42,10 +42,16 @@ _FRAMES = {"scan_enter": "loop", "scan_exit": "loop", "cond_enter": "cond",
            "cond_exit": "cond"}
 
 
+#: where shardc's own code makes a loop (a :func:`shardc.pipeline.layers` stack's scan runs
+#: in an inner ``jit`` whose traceback holds no line of the user's)
+_OWN = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
 def _control_flow(ops) -> list[str]:
-    """A line naming each loop (``scan``, ``while``) and cond by its source line, with the
-    share of the step's compute that runs inside it: its body's ops, by their trip count (a
-    cond: its costlier branch, the one its cost counts)."""
+    """A line naming each loop (``scan``, ``while``) and cond by its source line (a loop
+    shardc's own code runs, as a layer stack's scan, by the first line of the user's inside
+    it), with the share of the step's compute that runs inside it: its body's ops, by their
+    trip count (a cond: its costlier branch, the one its cost counts)."""
     frames: dict[tuple, tuple[str, str]] = {}
     for o in ops:
         kind = _FRAMES.get(o.prim)
@@ -57,6 +63,9 @@ def _control_flow(ops) -> list[str]:
     parts = []
     for where, (kind, source) in frames.items():
         inside = [o for o in ops if len(o.where) > len(where) and o.where[:len(where)] == where]
+        if source.startswith(_OWN):
+            source = next((o.source for o in inside if o.source and
+                           not o.source.startswith(_OWN)), source)
         spent = sum(o.compute_time for o in inside)
         parts.append(f"{kind} at {source or where} ({len(inside)} ops, "
                      f"{100 * spent / total:.1f}% of compute)")
