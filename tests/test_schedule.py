@@ -520,6 +520,7 @@ def test_an_overlap_plan_is_the_fastest_compiled_of_the_best_candidates():
     estimate's best first); it runs as jax.jit does. Serial plans, and plans on an
     AbstractMesh, compile nothing."""
     import shardc
+    from shardc.cost.units import fmt_time
     from shardc.inspect.hlo import price
     from shardc.plan.overlap import ranking_time
 
@@ -539,7 +540,11 @@ def test_an_overlap_plan_is_the_fastest_compiled_of_the_best_candidates():
     compiled = price(step.lower(ws, x).compile(), step.mesh_for(plan), plan.cluster)
     assert compiled.overlapped_time + plan.predicted.feed_time == pytest.approx(got, rel=1e-9)
     assert ranking_time(plan) in estimates
-    assert "ranked on their compiled programs" in plan.explain()
+    text = plan.explain()
+    assert "ranked on their compiled programs" in text and "(kept)" in text
+    assert f"with communication overlapped (Cluster(overlap=True), what the plan was chosen " \
+        f"by): {fmt_time(ranking_time(plan))} estimated, its compiled HLO priced " \
+        f"{fmt_time(got)}" in text
     want = jax.jit(_train(_forward))(ws, x)
     for a, b in zip(jax.tree.leaves(step(ws, x)), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
