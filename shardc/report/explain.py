@@ -316,13 +316,11 @@ def _overlapped(plan) -> str:
     """The step the plan was chosen by under ``Cluster(overlap=True)``: its communication run
     beside its compute (estimated), and where it was ranked on compiled programs, its
     compiled program priced so."""
-    from shardc.plan.overlap import ranking_time
-
     kept = [r for r in plan.solver.get("compiled_ranking", ()) if r.get("kept")]
     compiled = f", its compiled HLO priced {fmt_time(kept[0]['compiled_s'])}" \
         if kept and "compiled_s" in kept[0] else ""
     return (f"with communication overlapped (Cluster(overlap=True), what the plan was chosen "
-            f"by): {fmt_time(ranking_time(plan))} estimated{compiled}")
+            f"by): {fmt_time(plan.solver['overlapped_s'])} estimated{compiled}")
 
 
 def explain_report(plan, max_rows: int | None = 60, top: int = 10, margins=None,
@@ -340,7 +338,7 @@ def explain_report(plan, max_rows: int | None = 60, top: int = 10, margins=None,
         f"comm {fmt_time(p.comm_time)} ({fmt_bytes(p.comm_bytes)} on the wire per device) + "
         f"input feed {fmt_time(p.feed_time)}; peak memory {fmt_bytes(p.peak_memory)} per device",
     ]
-    if plan.cluster.overlap:
+    if plan.cluster.overlap and "overlapped_s" in plan.solver:
         blocks.append(_overlapped(plan))
     if plan.remat:
         blocks.append(f"remat: recomputes the activations of {len(plan.remat)} of "

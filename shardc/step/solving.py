@@ -358,6 +358,8 @@ def solve_views(step, tr: TracedCall, candidates: list[View],
     if best.cluster.overlap and opts.rank_compiled and not step.abstract:
         best = compiled_best(step, tr, [best] + pool, opts.rank_compiled)
     solver = {**best.solver, "plan_s": time.perf_counter() - t0}
+    if best.cluster.overlap:  # the step it was ranked by (explain() shows it)
+        solver["overlapped_s"] = ranking_time(best)
     if priced:
         solver["seeds"] = priced  # every view's seeds: the plan costs no more than any
     if opts.mesh_search:
