@@ -80,26 +80,25 @@ def pipelined(step, call: Call, tr: TracedCall, candidates: list[View],
         # (under overlap the compiled ranking has compared its compiled program already)
         slack = None if step.abstract or "compiled_ranking" in chosen.solver["pipeline"] \
             else _auto_slack(step, tr, chosen, opts.budget(chosen.cluster))
-        last = not choice.tensor
-        if slack is not None:
-            log.info("shardc: %s", slack)
-            why.append(slack)
         if slack is None:
             return _noting(chosen, why)
+        log.info("shardc: %s", slack)
+        why.append(slack)
         if choice.reason == "requested":
-            asked = chosen  # the last asked for, of those compiled
-        if last:
+            asked = chosen  # the last asked for, of those compiled: why[-1] is its reason
+        if not choice.tensor:
             break  # without tensor parallelism inside priced, the same choice again
     if asked is not None:  # a pipeline asked for runs, as it compiles, where none passes
-        record = {**asked.solver["pipeline"], "rejected": why[:-1], "kept_asked": why[-1]}
-        return dataclasses.replace(asked, solver={**asked.solver, "pipeline": record})
+        return _noting(asked, why[:-1], kept_asked=why[-1])
     return dataclasses.replace(plan, solver={**plan.solver, "pipeline_rejected": why}) \
         if why else plan
 
 
-def _noting(chosen: Plan, why: list[str]) -> Plan:
-    """``chosen`` with the choices passed over before it (``why``) in its record."""
-    record = {**chosen.solver["pipeline"], **({"rejected": why} if why else {})}
+def _noting(chosen: Plan, why: list[str], kept_asked: str | None = None) -> Plan:
+    """``chosen`` with the choices passed over before it (``why``) in its record, and
+    where it failed the compiled check but was asked for, why (``kept_asked``)."""
+    record = {**chosen.solver["pipeline"], **({"rejected": why} if why else {}),
+              **({"kept_asked": kept_asked} if kept_asked else {})}
     return dataclasses.replace(chosen, solver={**chosen.solver, "pipeline": record})
 
 
