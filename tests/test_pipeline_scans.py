@@ -1,8 +1,12 @@
-"""Plain ``jax.lax.scan`` layer stacks pipelined when asked (``auto_shard(pipeline=
-Pipeline(...))`` traces the function with its scans over layers as
-:func:`shardc.pipeline.layers`): the pipelined step equals ``jax.jit``'s, the compiled
-program runs the stages' collective-permutes, and a scan that is not a layer stack runs as
-it is."""
+"""Plain ``jax.lax.scan`` layer stacks (``auto_shard`` traces the function with its scans
+over layers as :func:`shardc.pipeline.layers` unless ``pipeline=False``) pipelined when
+asked: the pipelined step equals ``jax.jit``'s, the compiled program runs the stages'
+collective-permutes, and a scan that is not a layer stack runs as it is, among them a
+scan whose layer mixes the batch's examples (:func:`shardc.pipeline.stack.mixes_examples`),
+which micro-batches would compute otherwise."""
+
+import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -10,9 +14,10 @@ import numpy as np
 import pytest
 
 import shardc
+from shardc.cost.cluster import Cluster
 from shardc.pipeline import Pipeline
 from shardc.pipeline.lowering import NoStackError
-from shardc.pipeline.stack import scans_as_layers
+from shardc.pipeline.stack import mixes_examples, scans_as_layers
 
 WIDTH, LAYERS, BATCH = 64, 8, 32
 
@@ -127,3 +132,86 @@ def test_a_flax_nn_scan_over_blocks_runs_as_the_pipeline_asked_for():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
     assert run.plan(p, x).pipeline == Pipeline("stage", 2, 4)
     assert "collective-permute" in run.lower(p, x).compile().as_text()
+
+
+def batch_norm(c, w):  # statistics over the batch: each row reads every other
+    return layer((c - c.mean(0)) / (c.std(0) + 1e-5), w)
+
+
+def position(c, w):  # a row's own index in the batch: a micro-batch's rows count from 0
+    return layer(c + jnp.arange(c.shape[0], dtype=c.dtype)[:, None], w)
+
+
+def dropout(c, w):  # a mask of the batch's shape, drawn again at a micro-batch's
+    return layer(c * jax.random.bernoulli(jax.random.key(0), 0.9, c.shape), w)
+
+
+def row_norm(c, w):  # each row normalised by itself
+    return layer(c / jnp.linalg.norm(c, axis=1, keepdims=True), w)
+
+
+def weight_bias(c, w):  # a row of the weights added to every example (broadcast over them)
+    return layer(c + w[0] + jnp.zeros_like(c), w)
+
+
+def inner_loop(c, w):  # a loop inside the layer, over steps, not examples
+    return jax.lax.fori_loop(0, 2, lambda _, h: layer(h, w)[0], c), None
+
+
+@pytest.mark.parametrize("body, mixes", [(batch_norm, "reduce_sum"), (position, "add"),
+                                         (dropout, "mul"), (row_norm, None),
+                                         (weight_bias, None), (inner_loop, None), (layer, None)])
+def test_a_layer_that_mixes_the_batchs_examples_is_not_a_stack(body, mixes):
+    """A layer that computes an example's row from other rows, or from its place in the
+    batch, is named by its op at the user's line; a plain scan of it is not a stack, a
+    layer that treats its examples apart is one."""
+    w, x = args()
+    one = lambda c, wl: body(c, wl)[0]  # noqa: E731
+    found = mixes_examples(one, x, w[0])
+    if mixes is None:
+        assert found is None
+    else:
+        assert found.startswith(mixes) and __file__ in found, found
+    with scans_as_layers():
+        text = str(jax.make_jaxpr(lambda w, x: jax.lax.scan(body, x, w)[0])(w, x))
+    assert ("shardc_layers_" in text) == (mixes is None), body.__name__
+
+
+@pytest.mark.parametrize("body", [batch_norm, dropout, layer])
+@pytest.mark.parametrize("write", ["scan", "layers"])
+def test_a_stack_whose_layer_mixes_examples_never_runs_as_a_pipeline(body, write, caplog):
+    """Written as a plain scan or with shardc.pipeline.layers: a pipeline asked for fails
+    with a warning naming the op; left to the planner over a slow stage axis (where the
+    same stack of a layer that treats its examples apart pipelines), the stack runs as its
+    scan, equal to jax.jit's, with a note in the log, not a warning."""
+    w, x = args()
+    mixing = body is not layer
+
+    def loss(w, x):  # the scan looked up when it runs, as user code writes it
+        stack = jax.lax.scan if write == "scan" else shardc.pipeline.layers
+        return jnp.mean(stack(body, x, w)[0] ** 2)
+
+    def step(w, x):
+        value, g = jax.value_and_grad(loss)(w, x)
+        return w - 0.1 * g, value
+
+    m = jax.make_mesh((2, 4), ("stage", "data"))
+    if mixing:
+        with caplog.at_level(logging.INFO, logger="shardc"), \
+                pytest.raises(NoStackError, match="treats the batch's examples"):
+            shardc.auto_shard(step, mesh=m, pipeline=Pipeline("stage", 2, 4)).plan(w, x)
+        warned = [r for r in caplog.records if "mixes the batch's examples" in r.getMessage()]
+        assert warned and warned[0].levelno == logging.WARNING, caplog.text
+        caplog.clear()
+    # the stage axis at 10 MB/s, devices of 1 GFLOP/s: a pipeline pays (priced 2.86 ms
+    # against 3.31 unpipelined)
+    slow = dataclasses.replace(Cluster.ethernet_nodes("stage", "data"), device_flops=1e9,
+                               axis_bandwidth={"stage": 1e7, "data": 4.5e11})
+    with caplog.at_level(logging.INFO, logger="shardc"):
+        run = shardc.auto_shard(step, mesh=m, cluster=slow)
+        got = run(w, x)
+    assert (run.plan(w, x).pipeline is None) == mixing
+    noted = [r for r in caplog.records if "mixes the batch's examples" in r.getMessage()]
+    assert bool(noted) == mixing and all(r.levelno == logging.INFO for r in noted), caplog.text
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(jax.jit(step)(w, x)), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)

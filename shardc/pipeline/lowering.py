@@ -46,7 +46,9 @@ class NoStackError(ValueError):
             f"auto_shard(pipeline={pipeline}): the function has no layer stack to pipeline; "
             "write the stack as shardc.pipeline.layers(layer_fn, carry, stacked_params), a "
             "drop-in for jax.lax.scan(layer_fn, carry, stacked_params), or leave "
-            "pipeline=None")
+            "pipeline=None (a jax.lax.scan is run as one where its layer returns no "
+            "per-layer output, closes over no traced array and treats the batch's examples "
+            "apart; a warning names the op of a layer that does not)")
 
 
 def batch_axes(region: Region, by_op: dict, names: tuple[str, ...], axis: str

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import hashlib
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -39,8 +40,10 @@ from jax.extend.core import jaxprs_in_params
 
 from shardc.pipeline.runtime import carry_of
 
-__all__ = ["PREFIX", "Loss", "Stack", "has_stack", "layers", "layers_loss", "running",
-           "scans_as_layers", "stack_named"]
+log = logging.getLogger("shardc")
+
+__all__ = ["PREFIX", "Loss", "Stack", "has_stack", "layers", "layers_loss", "mixes_examples",
+           "running", "scans_as_layers", "stack_named"]
 
 #: the name prefix of the inner ``jit`` calls of a layer stack
 PREFIX = "shardc_layers_"
@@ -77,6 +80,9 @@ class Stack:
     params: Any  # treedef
     consts: int
     loss: Loss | None = None
+    #: where the layer computes an example's row from other rows (:func:`mixes_examples`),
+    #: in words: such a stack is not run as a pipeline
+    mixes: str | None = None
 
     @property
     def operands(self) -> int:
@@ -127,25 +133,28 @@ _STACKS: dict[str, Stack] = {}
 
 def stack_named(name: str) -> tuple[Stack, str] | None:
     """The filed stack an inner ``jit`` call of this name runs, and whether it is the
-    stack's ``"fwd"`` or ``"bwd"``; None for any other name."""
+    stack's ``"fwd"`` or ``"bwd"``; None for any other name, and for a stack whose layer
+    mixes the batch's examples (:attr:`Stack.mixes`: it runs as its scan, never as a
+    pipeline)."""
     if not name.startswith(PREFIX):
         return None
     base, _, kind = name.rpartition("_")
     stack = _STACKS.get(base)
-    if stack is None or kind not in ("fwd", "bwd"):
+    if stack is None or stack.mixes is not None or kind not in ("fwd", "bwd"):
         return None
     return stack, kind
 
 
 def has_stack(jaxpr, loss: bool = False) -> bool:
-    """Whether ``jaxpr`` (open or closed; None: no program) calls a filed layer stack (with
-    ``loss``, one of :func:`layers_loss`), at any depth."""
+    """Whether ``jaxpr`` (open or closed; None: no program) calls a filed layer stack that
+    can run as a pipeline (with ``loss``, one of :func:`layers_loss`), at any depth."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     if jaxpr is None:
         return False
     for eqn in jaxpr.eqns:
         found = stack_named(str(eqn.params.get("name", "")))
-        if found is not None and (not loss or found[0].loss is not None):
+        if found is not None and found[0].mixes is None and \
+                (not loss or found[0].loss is not None):
             return True
         for sub in jaxprs_in_params(eqn.params):
             if has_stack(sub, loss):
@@ -232,28 +241,31 @@ def _holding(var: contextvars.ContextVar, value) -> Iterator[None]:
 
 
 #: whether ``jax.lax.scan`` calls made here are routed to :func:`layers`
-#: (:func:`scans_as_layers`; off while a stack's own layer is traced)
-_ROUTING: contextvars.ContextVar[bool] = contextvars.ContextVar("shardc_scans_as_layers",
-                                                                default=False)
+#: (:func:`scans_as_layers`: "asked" or "offered"; None: not, as while a stack's own layer
+#: is traced)
+_ROUTING: contextvars.ContextVar[str | None] = contextvars.ContextVar("shardc_scans_as_layers",
+                                                                      default=None)
 
 
 @contextlib.contextmanager
-def scans_as_layers() -> Iterator[None]:
+def scans_as_layers(asked: bool = True) -> Iterator[None]:
     """Within the block, a ``jax.lax.scan`` call that is a layer stack runs as
-    :func:`layers` (``auto_shard`` traces a function asked to pipeline so: ``pipeline=
-    Pipeline(...)`` pipelines its plain scans over layers too). A stack is a scan forward
+    :func:`layers` (``auto_shard`` traces its function so unless ``pipeline=False``: the
+    planner may pipeline plain scans over layers too, and ``pipeline=Pipeline(...)``
+    pipelines them; ``asked``: a scan that is not a stack only for its layer mixing the
+    batch's examples is a warning, else a note in the log). A stack is a scan forward
     (not ``reverse``) over stacked parameters (every ``xs`` leaf of one leading size) whose
-    carry's leaves share a leading batch dim and whose body returns no per-layer outputs
-    and closes over no traced value (a pipeline traces it again on micro-batches); any
-    other scan runs as it is. The layers must treat a batch's examples apart, as for
-    :func:`layers`. Only calls that look ``jax.lax.scan`` up when they run
+    carry's leaves share a leading batch dim and whose body returns no per-layer outputs,
+    closes over no traced value (a pipeline traces it again on micro-batches) and treats
+    the batch's examples apart (:func:`mixes_examples`); any other scan runs as it is.
+    Only calls that look ``jax.lax.scan`` up when they run
     (``jax.lax.scan(...)``, ``lax.scan(...)``) are seen: not a name imported before
     (``from jax.lax import scan``), nor a scan inside a ``jax.jit`` function traced
     before."""
     before = jax.lax.scan  # a block within a block keeps the routing when it ends
     jax.lax.scan = _routed
     try:
-        with _holding(_ROUTING, True):
+        with _holding(_ROUTING, "asked" if asked else "offered"):
             yield
     finally:
         jax.lax.scan = before
@@ -261,12 +273,12 @@ def scans_as_layers() -> Iterator[None]:
 
 def _not_routing():
     """A block in which ``jax.lax.scan`` calls run as they are."""
-    return _holding(_ROUTING, False)
+    return _holding(_ROUTING, None)
 
 
 def _routed(f, init, xs=None, length=None, reverse=False, unroll=1, _split_transpose=False):
     """``jax.lax.scan`` within :func:`scans_as_layers`."""
-    if _ROUTING.get() and not reverse and not _split_transpose:
+    if _ROUTING.get() is not None and not reverse and not _split_transpose:
         ys = _stack_ys(f, init, xs, length)
         if ys is not _NOT_A_STACK:  # the body's outputs, a tree of no arrays, as it gives them
             return layers(f, init, xs)[0], ys
@@ -282,7 +294,8 @@ def _stack_ys(f: Callable, init: Any, xs: Any, length: int | None) -> Any:
     """Where ``jax.lax.scan(f, init, xs, length)`` is a layer stack (:func:`scans_as_layers`),
     the per-layer outputs its body returns, a tree holding no array; else
     :data:`_NOT_A_STACK`. The body is traced abstractly, to see that it returns no
-    per-layer outputs and closes over no traced value."""
+    per-layer outputs, closes over no traced value and treats the batch's examples apart
+    (:func:`mixes_examples`)."""
     def leading(tree) -> set:
         return {getattr(x, "shape", ())[:1] for x in jax.tree.leaves(tree)}
     lx, lc = leading(xs), leading(init)
@@ -297,8 +310,56 @@ def _stack_ys(f: Callable, init: Any, xs: Any, length: int | None) -> Any:
         # a body closing over traced values is not one a pipeline can trace again on
         # micro-batches; nor is a gradient-accumulation loop over micro-batches, whose
         # carry (the gradients) would otherwise pass for a batch
-        _, consts = jax.closure_convert(lambda c, w: f(c, w)[0], init, one)
-    return _NOT_A_STACK if consts else ys
+        layer, consts = jax.closure_convert(lambda c, w: f(c, w)[0], init, one)
+        if consts:
+            return _NOT_A_STACK
+        mixed = mixes_examples(layer, init, one)
+    if mixed is not None:  # (the routing read outside the block, which unsets it)
+        _refuse(_ROUTING.get(), "a jax.lax.scan", next(iter(lx))[0], mixed)
+        return _NOT_A_STACK
+    return ys
+
+
+def _refuse(routing: str | None, what: str, n_layers: int, mixed: str) -> None:
+    """Log that a stack is not run as a pipeline, its layer mixing the batch's examples: a
+    warning where a pipeline was asked for (``routing``, :data:`_ROUTING`), a note where the
+    planner might have chosen one, nothing outside ``auto_shard``."""
+    if routing is not None:
+        log.log(logging.WARNING if routing == "asked" else logging.INFO,
+                "shardc: %s over %d layers is not run as a pipeline: its layer mixes the "
+                "batch's examples (%s), so micro-batches would compute otherwise",
+                what, n_layers, mixed)
+
+
+def mixes_examples(layer: Callable, carry: Any, params: Any, consts: Any = ()) -> str | None:
+    """Where ``layer(carry, params, *consts) -> carry`` computes an example's row of its
+    result from other examples' rows (a batch norm, a sum over the batch), or from its
+    position in the batch (an ``iota`` over it, random bits of its shape), the op that
+    does, in words; None where it treats the examples apart, so that micro-batches (a
+    slice of the batch, the layer traced at its size) compute the rows the whole batch
+    does. Each carry leaf is split over its leading (batch) dim and the params and consts
+    whole, pushed through the layer's ops by their own rules
+    (:func:`shardc.rules.propagate.stuck_at`): each op must compute its pieces from the
+    pieces of its operands, no partial sum, no slice of a replicated value along a dim it
+    varies on; and the result must come out split so."""
+    from shardc.ir.sbp import B, Split
+    from shardc.ir.trace import graph_from_jaxpr
+    from shardc.rules.propagate import propagate, stuck_at
+
+    size = jax.tree.leaves(carry)[0].shape[0]
+    if size < 2:
+        return "a batch of one example"
+    carry, params, consts = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                         (carry, params, tuple(consts)))
+    graph = graph_from_jaxpr(jax.make_jaxpr(layer)(carry, params, *consts))
+    sbps = [Split(0)] * len(jax.tree.leaves(carry)) + \
+        [B] * (len(jax.tree.leaves(params)) + len(consts))
+    flow = propagate(graph, sbps, size, uniform_slices=True)
+    if flow is None:
+        return stuck_at(graph, sbps, size, uniform_slices=True)
+    if any(s != Split(0) for s in flow.outs):
+        return "its result is not laid out as its carry, split over the batch"
+    return None
 
 
 def layers(layer_fn: Callable, carry: Any, stacked_params: Any) -> tuple[Any, None]:
@@ -312,8 +373,9 @@ def layers(layer_fn: Callable, carry: Any, stacked_params: Any) -> tuple[Any, No
     run = _RUNNER.get()
     if run is not None:
         return run(layer_fn, carry, stacked_params), None
+    routing = _ROUTING.get()
     with _not_routing():  # a scan inside the layer is the layer's own
-        return _filed(layer_fn, carry, stacked_params), None
+        return _filed(layer_fn, carry, stacked_params, routing=routing), None
 
 
 def layers_loss(layer_fn: Callable, loss_fn: Callable, carry: Any, stacked_params: Any,
@@ -333,13 +395,16 @@ def layers_loss(layer_fn: Callable, loss_fn: Callable, carry: Any, stacked_param
         return whole(layer_fn, loss_fn, carry, stacked_params, head, targets)
     if run is not None:
         return loss_fn(run(layer_fn, carry, stacked_params), head, targets)
+    routing = _ROUTING.get()
     with _not_routing():
-        return _filed(layer_fn, carry, stacked_params, (loss_fn, head, targets))
+        return _filed(layer_fn, carry, stacked_params, (loss_fn, head, targets), routing)
 
 
-def _filed(layer_fn: Callable, carry: Any, stacked_params: Any, loss=None):
+def _filed(layer_fn: Callable, carry: Any, stacked_params: Any, loss=None,
+           routing: str | None = None):
     """:func:`layers` (and, with ``loss`` = (loss_fn, head, targets), :func:`layers_loss`)
-    outside a hand-written pipeline: the stack filed and run."""
+    outside a hand-written pipeline: the stack filed and run (``routing``: the block it was
+    called in, :data:`_ROUTING`)."""
     one = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape[1:], w.dtype), stacked_params)
     who = "shardc.pipeline.layers" if loss is None else "shardc.pipeline.layers_loss"
     layer, consts = jax.closure_convert(carry_of(layer_fn, who), carry, one)
@@ -358,5 +423,8 @@ def _filed(layer_fn: Callable, carry: Any, stacked_params: Any, loss=None):
         key += f"|{_origin(loss_fn)}|{jax.make_jaxpr(fn)(carry, head, targets, *lconsts)}"
         operands += [head, targets, tuple(lconsts)]
     name = f"{PREFIX}{hashlib.sha1(key.encode()).hexdigest()[:16]}"
-    _STACKS[name] = Stack(layer_fn, layer, *trees, len(consts), filed_loss)
+    mixes = mixes_examples(layer, carry, one, consts)
+    if mixes is not None:
+        _refuse(routing, who, jax.tree.leaves(stacked_params)[0].shape[0], mixes)
+    _STACKS[name] = Stack(layer_fn, layer, *trees, len(consts), filed_loss, mixes)
     return _run(name, *operands)

@@ -27,16 +27,17 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from shardc.ir.flops import op_flops
 from shardc.ir.graph import Graph, Op, Value
+from shardc.ir.prims import facts
 from shardc.ir.sbp import B, Partial, Sbp, Split
 from shardc.rules.registry import Signature, signatures
 
 __all__ = ["MAX_REPLICATED_SHARE", "Flow", "has_split", "promote", "propagate", "seed",
-           "split_seeds"]
+           "split_seeds", "stuck_at"]
 
 #: a split signature is offered only when the ops the body runs replicated (on every device,
 #: whole) cost at most this share of its FLOPs: ``Strategy.flops`` divides the whole op's
@@ -48,18 +49,55 @@ def _fits(v: Value, s: Sbp, size: int) -> bool:
     return not isinstance(s, Split) or (s.dim < v.ndim and v.shape[s.dim] == size)
 
 
-def _match(op: Op, cur: Sequence[Sbp], size: int) -> Signature | None:
+def _match(op: Op, cur: Sequence[Sbp], size: int,
+           sliceable: Callable[[Value, int], bool]) -> Signature | None:
     """The first signature of ``op`` taking the split inputs as they are and the replicated
-    ones whole or sliced, with no partial and every split of size ``size``."""
+    ones whole or sliced (where ``sliceable`` allows), with no partial and every split of
+    size ``size``."""
     for sig in signatures(op):
         if any(isinstance(s, Partial) for s in (*sig.ins, *sig.outs)):
             continue
         if any(c != B and s != c for c, s in zip(cur, sig.ins)):
             continue
+        if any(c == B and isinstance(s, Split) and not sliceable(v, s.dim)
+               for v, c, s in zip(op.inputs, cur, sig.ins)):
+            continue
         if all(_fits(v, s, size) for v, s in zip((*op.inputs, *op.outputs),
                                                   (*sig.ins, *sig.outs))):
             return sig
     return None
+
+
+def _uniform(op: Op, uniform: Callable[[Value], frozenset[int]]) -> frozenset[int]:
+    """The dims along which ``op``'s (first) output is the same at every index: its size-1
+    dims, a broadcast's new ones, what an elementwise op keeps of its operands' (a scalar
+    operand is uniform along every dim) and a transpose or a reshape moves (a reshape that
+    only adds or drops size-1 dims, or of a value uniform along all of its); none else."""
+    out = op.outputs[0]
+    ones = frozenset(j for j in range(out.ndim) if out.shape[j] == 1)
+    src = op.inputs[0] if op.inputs else None
+    if op.name == "broadcast_in_dim":
+        dims = tuple(op.params["broadcast_dimensions"])
+        return ones | frozenset(j for j in range(out.ndim) if j not in dims or
+                                dims.index(j) in uniform(src))
+    if op.name == "transpose":
+        perm = tuple(op.params["permutation"])
+        return ones | frozenset(j for j in range(out.ndim) if perm[j] in uniform(src))
+    if op.name in ("reshape", "squeeze", "expand_dims"):
+        if uniform(src) >= frozenset(range(src.ndim)):
+            return frozenset(range(out.ndim))
+        big_in = [d for d in range(src.ndim) if src.shape[d] != 1]
+        big_out = [j for j in range(out.ndim) if out.shape[j] != 1]
+        if [src.shape[d] for d in big_in] != [out.shape[j] for j in big_out]:
+            return ones
+        return ones | frozenset(j for d, j in zip(big_in, big_out) if d in uniform(src))
+    if facts(op.name).elementwise:
+        kept = frozenset(range(out.ndim))
+        for v in op.inputs:
+            if v.ndim:
+                kept &= uniform(v) if v.shape == out.shape else frozenset()
+        return ones | kept
+    return ones
 
 
 @dataclass
@@ -79,16 +117,36 @@ class Flow:
         return self.replicated <= MAX_REPLICATED_SHARE * self.total
 
 
-def propagate(graph: Graph, in_sbps: Sequence[Sbp], size: int) -> Flow | None:
+def propagate(graph: Graph, in_sbps: Sequence[Sbp], size: int,
+              uniform_slices: bool = False) -> Flow | None:
     """Push ``in_sbps`` (each ``B`` or ``S(d)`` with ``shape[d] == size``) through ``graph``;
     None when some op has no exact signature for what flows into it (see the module
-    docstring)."""
+    docstring; :func:`stuck_at` names the op). With ``uniform_slices`` a replicated value
+    is sliced only along a dim it is the same at every index of (:func:`_uniform`: a
+    broadcast's): a slice of any other replicated value (an ``iota`` over the batch, random
+    bits of the batch's shape, a weight) reads something a run on a part of the batch,
+    traced at the part's size, would not read."""
+    flow = _push(graph, in_sbps, size, uniform_slices)
+    return flow if isinstance(flow, Flow) else None
+
+
+def stuck_at(graph: Graph, in_sbps: Sequence[Sbp], size: int,
+             uniform_slices: bool = False) -> str | None:
+    """Where :func:`propagate` stops, in words (the op, and the user's line that made it);
+    None where it goes through."""
+    flow = _push(graph, in_sbps, size, uniform_slices)
+    return None if isinstance(flow, Flow) else flow
+
+
+def _push(graph: Graph, in_sbps: Sequence[Sbp], size: int,
+          uniform_slices: bool) -> Flow | str:
     state: dict[int, Sbp] = {}
     index: dict[int, int] = {}
     constant: set[int] = set()  # ids of values computed from constants only
+    same: dict[int, frozenset[int]] = {}  # replicated values' uniform dims (_uniform)
     for k, (v, s) in enumerate(zip(graph.inputs, in_sbps, strict=True)):
         if not _fits(v, s, size):
-            return None
+            return f"input {k} (shape {v.shape}) has no dim {s} of size {size}"
         state[v.id], index[v.id] = s, k
     uses: list[set[Sbp]] = [set() for _ in graph.inputs]
     replicated = total = 0.0
@@ -98,6 +156,12 @@ def propagate(graph: Graph, in_sbps: Sequence[Sbp], size: int) -> Flow | None:
 
     def is_constant(v: Value) -> bool:
         return v.is_const or v.id in constant
+
+    def uniform(v: Value) -> frozenset[int]:
+        return same.get(v.id, frozenset(d for d in range(v.ndim) if v.shape[d] == 1))
+
+    def sliceable(v: Value, d: int) -> bool:
+        return not uniform_slices or d in uniform(v)
 
     def use(v: Value, s: Sbp) -> None:
         if v.id in index:
@@ -115,10 +179,12 @@ def propagate(graph: Graph, in_sbps: Sequence[Sbp], size: int) -> Flow | None:
             for v in op.inputs:
                 use(v, B)
             outs: tuple[Sbp, ...] = (B,) * len(op.outputs)
+            if uniform_slices and op.outputs:
+                same[op.outputs[0].id] = _uniform(op, uniform)
         else:
-            sig = _match(op, cur, size)
+            sig = _match(op, cur, size, sliceable)
             if sig is None:
-                return None
+                return op.name + (f" at {op.source}" if op.source else "")
             for v, s in zip(op.inputs, sig.ins):
                 use(v, s)
             outs = sig.outs

@@ -142,9 +142,11 @@ class AutoSharded:
         hit = self._traces.get(key)
         if hit is None:
             t0 = time.perf_counter()
-            # asked to pipeline: the function's plain scans over layers are stacks too
-            routing = scans_as_layers() if isinstance(self.options.pipeline, Pipeline) \
-                else contextlib.nullcontext()
+            # unless pipelines are forbidden, the function's plain scans over layers are
+            # stacks too (a pipeline asked for runs them; else the planner may)
+            pipe = self.options.pipeline
+            routing = contextlib.nullcontext() if pipe is False else \
+                scans_as_layers(asked=isinstance(pipe, Pipeline))
             with gc_paused(), routing:
                 traced = self._own(trace(call.function(self.fn),
                                          *map(abstract_leaf, call.leaves),
