@@ -7,6 +7,7 @@ and the values it counts no buffer for."""
 import jax
 import jax.numpy as jnp
 import pytest
+import test_pipeline_tensor as tensor  # its MLP stack on 8 devices
 from jax.sharding import AxisType
 
 import shardc
@@ -158,3 +159,24 @@ def test_a_budget_between_the_lean_and_the_free_plan_beats_every_generic_layout_
     assert fitting  # FSDP
     for b in fitting:
         assert plan.predicted.step_time <= b.predicted.step_time, b.name
+
+
+def test_a_budget_too_small_names_the_peak_a_plan_reaches():
+    """Under a budget it cannot meet the search stops at its lean start (an MLP stack with
+    Adam-free SGD on 8 devices: 8.0 MiB), while under one it can it finds leaner plans
+    (5.2 MiB under 6): the error names the peak of the plan made at the budget found, where
+    planning at that peak succeeds too, and that budget plans."""
+    state, batch = tensor.make()
+    mesh = jax.make_mesh((2, 2, 2), ("stage", "data", "model"))
+
+    def planned(budget):
+        return shardc.auto_shard(tensor.train_step(tensor.stacked), mesh=mesh,
+                                 cluster=tensor.PODS, memory_budget=budget,
+                                 pipeline=False).plan(state, batch)
+
+    leaner = planned(6 * tensor.MIB).predicted.peak_memory
+    with pytest.raises(shardc.MemoryBudgetError) as info:
+        planned(5 * tensor.MIB)
+    needed = info.value.needed
+    assert needed <= 1.01 * leaner, (needed, leaner)
+    assert planned(needed).predicted.peak_memory <= needed
