@@ -1,6 +1,8 @@
 """XLA's combiner run on a plan (shardc/cost/combiner.py): the predicted collectives are the
 compiled ones, count for count."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType
@@ -255,7 +257,8 @@ def test_overlap_planning_on_xla_gpu_searches_under_both_objectives():
     """Under overlap the search's serial objective only proposes plans; on XLA:GPU it runs
     once with the gathers' latencies shared (XLA:GPU's combiners) and once charging each
     (XLA:CPU's), and the overlap replay ranks both searches' plans. Serially, or on a
-    backend whose combiners are XLA:CPU's, one search."""
+    backend whose combiners are XLA:CPU's, one search; two serially under a collective
+    model other than NCCL's."""
     import numpy as np
 
     from shardc.cost.combine import XLA_GPU
@@ -267,6 +270,17 @@ def test_overlap_planning_on_xla_gpu_searches_under_both_objectives():
     gpu_mesh = type("Mesh", (), {"devices": np.array([_Gpu()] * 8, dtype=object)})()
     cpu_mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
     serial, overlap = Cluster(), Cluster(overlap=True)
-    assert objectives(gpu_mesh, serial) == (XLA_GPU,)
-    assert objectives(gpu_mesh, overlap) == (XLA_GPU, XLA_CPU)
-    assert objectives(cpu_mesh, overlap) == (XLA_CPU,)
+
+    def searched(mesh, cluster):
+        return [(o.combiner, o.cluster) for o in objectives(mesh, cluster)]
+
+    assert searched(gpu_mesh, serial) == [(XLA_GPU, serial)]
+    assert searched(gpu_mesh, overlap) == [(XLA_GPU, overlap), (XLA_CPU, overlap)]
+    assert searched(cpu_mesh, overlap) == [(XLA_CPU, overlap)]
+    # serially under another collective model, also a search under NCCL's (its plans
+    # priced by the cluster's own model); one cluster object per cluster
+    ring = Cluster(collective_model="ring")
+    found = searched(gpu_mesh, ring)
+    assert found[0] == (XLA_GPU, ring) and found[1][0] == XLA_GPU
+    assert found[1][1] == dataclasses.replace(ring, collective_model="nccl")
+    assert objectives(gpu_mesh, ring)[1].cluster is found[1][1]

@@ -7,10 +7,13 @@ for its mesh, options and traced programs."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
+from dataclasses import dataclass
 
+from shardc.cost.cluster import Cluster
 from shardc.cost.combine import XLA_CPU, Combiner, combiner_for
 from shardc.cost.units import fmt_bytes, fmt_time
 from shardc.inspect.hlo import compiled_peak_memory
@@ -20,7 +23,7 @@ from shardc.plan.assemble import assemble
 from shardc.plan.overlap import ranking_time
 from shardc.plan.record import Plan
 from shardc.rules.registry import has_rule, warn_missing
-from shardc.solve.costgraph import NOTHING_FIXED, Fixed
+from shardc.solve.costgraph import NOTHING_FIXED, CostGraph, Fixed
 from shardc.solve.reuse import Reuse
 from shardc.solve.search import MemoryBudgetError, SolveOptions, plan_graph
 from shardc.step.calling import Call
@@ -32,8 +35,8 @@ from shardc.tradeoff.views import View, views
 
 log = logging.getLogger("shardc")
 
-__all__ = ["SEED_RECHECK", "choice_options", "fastest", "leanest", "mesh_views", "objectives",
-           "pipelined", "problem", "solve", "solve_views"]
+__all__ = ["Objective", "SEED_RECHECK", "choice_options", "fastest", "leanest", "mesh_views",
+           "objectives", "pipelined", "problem", "solve", "solve_views"]
 
 
 def pipelined(step, call: Call, tr: TracedCall, candidates: list[View],
@@ -334,17 +337,21 @@ def solve_views(step, tr: TracedCall, candidates: list[View],
         is_physical = view.names == names
         plan = None
         try:
-            for k, combiner in enumerate(objectives(step.mesh, view.cluster)):
+            own = None  # the view's own cost graph (the first search's)
+            for k, search in enumerate(objectives(step.mesh, view.cluster)):
                 sopts = SolveOptions(opts.memory_budget, opts.time_limit, seeds=seeds_here,
-                                     combiner=combiner)
+                                     combiner=search.combiner)
+                other = None if search.cluster is view.cluster else search.cluster
                 try:
-                    mine, costs, assembled = _view_plan(step, tr, view, sopts, is_physical,
-                                                        reuse)
+                    mine, costs, assembled, cg = _view_plan(
+                        step, tr, view, sopts, is_physical, reuse, other,
+                        None if other is None else own)
                 except MemoryBudgetError:
                     if k == 0:
                         raise
                     continue  # the backend's own search found a plan within the budget
                 if k == 0:
+                    own = cg
                     for name, cost in costs.items():
                         priced[name if is_physical else f"{name} on {view.label}"] = cost
                 pool += assembled
@@ -379,29 +386,68 @@ def solve_views(step, tr: TracedCall, candidates: list[View],
     return dataclasses.replace(best, solver=solver)
 
 
-def objectives(mesh, cluster) -> tuple[Combiner, ...]:
-    """The combiners whose shared latencies the search's objective prices, one search each:
-    the backend's; under overlap also XLA:CPU's where the backend's differs. The objective
-    prices communication serially, and on XLA:GPU, whose all-gathers combine, it leads to
-    ZeRO-like plans whose gathers run at the step's start beside nothing: GPT-2 on one node
-    compiled to 4.774 ms overlapped, where the search charging each gather its latency led
-    to Megatron's seed at 4.190 (the overlap replay ranks them so: 5.549 and 4.820 ms). The
-    overlap replay (:func:`ranking_time`) picks among both searches' plans."""
+@dataclass(frozen=True)
+class Objective:
+    """One search of a view: the combiners whose shared latencies its objective prices, and
+    the cluster whose collective model prices its objective (the view's own, or NCCL's:
+    :func:`objectives`). Its plans are priced on the view's own cluster."""
+
+    combiner: Combiner
+    cluster: Cluster
+
+
+def objectives(mesh, cluster: Cluster) -> tuple[Objective, ...]:
+    """The searches of a view, each an :class:`Objective`: first the backend's combiners
+    under ``cluster``; under overlap also XLA:CPU's where the backend's differs. The
+    objective prices communication serially, and on XLA:GPU, whose all-gathers combine, it
+    leads to ZeRO-like plans whose gathers run at the step's start beside nothing: GPT-2 on
+    one node compiled to 4.774 ms overlapped, where the search charging each gather its
+    latency led to Megatron's seed at 4.190 (the overlap replay ranks them so: 5.549 and
+    4.820 ms). The overlap replay (:func:`ranking_time`) picks among both searches' plans.
+    Serially under another collective model than NCCL's, also the search under NCCL's,
+    its plans priced by ``cluster``'s: the objective charges every collective its own
+    latencies, which the prediction shares among those XLA combines, and where each step
+    pays one (ring) it drove GPT-2 on two nodes to a ZeRO-1 completion of 49 all-to-alls,
+    7.386 ms compiled and priced with ring steps, where the plan made under NCCL's model
+    prices 6.882 there."""
     own = combiner_for(platform_of(mesh))
-    return (own, XLA_CPU) if cluster.overlap and own != XLA_CPU else (own,)
+    if cluster.overlap:
+        return tuple(Objective(c, cluster) for c in ((own, XLA_CPU) if own != XLA_CPU
+                                                     else (own,)))
+    if cluster.collective_model != "nccl":
+        return Objective(own, cluster), Objective(own, _under_nccl(cluster))
+    return (Objective(own, cluster),)
+
+
+@functools.lru_cache(maxsize=64)
+def _under_nccl(cluster: Cluster) -> Cluster:
+    """``cluster`` pricing collectives with NCCL's model (one object per cluster: the cost
+    graphs built for it are reused, :mod:`shardc.solve.reuse`)."""
+    return dataclasses.replace(cluster, collective_model="nccl")
 
 
 def _view_plan(step, tr: TracedCall, view: View, sopts: SolveOptions, is_physical: bool,
-               reuse: Reuse | None) -> tuple[Plan, dict[str, float], list[Plan]]:
+               reuse: Reuse | None, objective: Cluster | None = None,
+               priced: CostGraph | None = None
+               ) -> tuple[Plan, dict[str, float], list[Plan], CostGraph]:
     """The best plan on one view from one search (the search's, or a seed's that ranks
-    better), the seeds' objectives, and every plan assembled (the search's first)."""
+    better), the seeds' objectives, every plan assembled (the search's first), and the
+    cost graph searched. ``objective``: the cluster the search's objective prices by (None:
+    the view's); ``priced``: the view's own cost graph, on which the plans are assembled
+    where the objective's is another (the same choices: the rules' strategies do not
+    depend on the cluster)."""
     graph = tr.traced.graph
-    cg, sol = plan_graph(graph, view.shape, view.names, view.cluster, sopts,
+    cg, sol = plan_graph(graph, view.shape, view.names, objective or view.cluster, sopts,
                          ties=tr.ties, fixed=tr.fixed if is_physical else NOTHING_FIXED,
                          resident=tr.resident, reuse=reuse)
+    on = cg if priced is None else priced
+    if [len(c) for c in on.choices] != [len(c) for c in cg.choices]:
+        raise AssertionError("the objective's cost graph and the view's differ in choices")
     costs = sol.stats.pop("seeds", {})
     solver = {"status": sol.status.value, "objective": sol.objective, **sol.stats}
-    plan = assemble(graph, cg, sol.choice, tr.ties, solver, tr.traced.remat,
+    if objective is not None:
+        solver["objective_model"] = objective.collective_model
+    plan = assemble(graph, on, sol.choice, tr.ties, solver, tr.traced.remat,
                     len(tr.traced.segments), platform_of(step.mesh))
     assembled = [plan]
     for name, choice in sol.seed_choices.items():
@@ -412,13 +458,13 @@ def _view_plan(step, tr: TracedCall, view: View, sopts: SolveOptions, is_physica
         # charges them for)
         if view.cluster.overlap or costs.get(name, math.inf) <= (
                 sol.objective * SEED_RECHECK):
-            other = assemble(graph, cg, choice, tr.ties, {**solver, "seed": name},
+            other = assemble(graph, on, choice, tr.ties, {**solver, "seed": name},
                              tr.traced.remat, len(tr.traced.segments),
                              platform_of(step.mesh))
             assembled.append(other)
             if ranking_time(other) < ranking_time(plan):
                 plan = other
-    return plan, costs, assembled
+    return plan, costs, assembled, cg
 
 
 #: a seed whose objective is within this factor of the plan's is assembled and compared on
