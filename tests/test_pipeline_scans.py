@@ -215,3 +215,26 @@ def test_a_stack_whose_layer_mixes_examples_never_runs_as_a_pipeline(body, write
     assert bool(noted) == mixing and all(r.levelno == logging.INFO for r in noted), caplog.text
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(jax.jit(step)(w, x)), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+
+
+def test_a_check_that_cannot_run_refuses_the_pipeline_and_fails_nothing(monkeypatch):
+    """Where the examples check itself fails, the stack is not run as a pipeline, and the
+    program runs as jax.jit's: the check never breaks a trace of shardc.pipeline.layers."""
+    import shardc.ir.trace
+
+    def broken(*_, **__):
+        raise RuntimeError("no graph today")
+
+    monkeypatch.setattr(shardc.ir.trace, "graph_from_jaxpr", broken)
+    w, x = args()
+    found = mixes_examples(lambda c, wl: layer(c, wl)[0], x, w[0])
+    assert "could not run" in found and "no graph today" in found
+
+    def step(w, x):
+        return jnp.mean(shardc.pipeline.layers(layer, x, w)[0] ** 2)
+
+    np.testing.assert_allclose(np.asarray(jax.jit(step)(w, x)),
+                               np.asarray(jax.jit(loss)(w, x)), rtol=1e-6)
+    m = jax.make_mesh((2, 4), ("stage", "data"))
+    with pytest.raises(NoStackError):
+        shardc.auto_shard(step, mesh=m, pipeline=Pipeline("stage", 2, 4)).plan(w, x)

@@ -351,12 +351,15 @@ def mixes_examples(layer: Callable, carry: Any, params: Any, consts: Any = ()) -
         return "a batch of one example"
     carry, params, consts = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                          (carry, params, tuple(consts)))
-    graph = graph_from_jaxpr(jax.make_jaxpr(layer)(carry, params, *consts))
     sbps = [Split(0)] * len(jax.tree.leaves(carry)) + \
         [B] * (len(jax.tree.leaves(params)) + len(consts))
-    flow = propagate(graph, sbps, size, uniform_slices=True)
-    if flow is None:
-        return stuck_at(graph, sbps, size, uniform_slices=True)
+    try:  # a check that cannot run refuses the pipeline; it never fails the user's trace
+        graph = graph_from_jaxpr(jax.make_jaxpr(layer)(carry, params, *consts))
+        flow = propagate(graph, sbps, size, uniform_slices=True)
+        if flow is None:
+            return stuck_at(graph, sbps, size, uniform_slices=True)
+    except Exception as exc:  # noqa: BLE001 (any error of the check, named)
+        return f"the check could not run: {type(exc).__name__}: {exc}"
     if any(s != Split(0) for s in flow.outs):
         return "its result is not laid out as its carry, split over the batch"
     return None
