@@ -2,7 +2,7 @@
 over layers as :func:`shardc.pipeline.layers` unless ``pipeline=False``) pipelined when
 asked: the pipelined step equals ``jax.jit``'s, the compiled program runs the stages'
 collective-permutes, and a scan that is not a layer stack runs as it is, among them a
-scan whose layer mixes the batch's examples (:func:`shardc.pipeline.stack.mixes_examples`),
+scan whose layer mixes the batch's examples (:func:`shardc.pipeline.fit.mixes_examples`),
 which micro-batches would compute otherwise."""
 
 import dataclasses
@@ -16,8 +16,9 @@ import pytest
 import shardc
 from shardc.cost.cluster import Cluster
 from shardc.pipeline import Pipeline
+from shardc.pipeline.fit import mixes_examples
 from shardc.pipeline.lowering import NoStackError
-from shardc.pipeline.stack import mixes_examples, scans_as_layers
+from shardc.pipeline.stack import scans_as_layers
 
 WIDTH, LAYERS, BATCH = 64, 8, 32
 
@@ -158,32 +159,46 @@ def inner_loop(c, w):  # a loop inside the layer, over steps, not examples
     return jax.lax.fori_loop(0, 2, lambda _, h: layer(h, w)[0], c), None
 
 
-@pytest.mark.parametrize("body, mixes", [(batch_norm, "reduce_sum"), (position, "add"),
-                                         (dropout, "mul"), (row_norm, None),
-                                         (weight_bias, None), (inner_loop, None), (layer, None)])
+def batch_size(c, w):  # the batch size read as a number: another at a micro-batch's
+    return layer(c * (8.0 / c.shape[0]), w)
+
+
+def fixed_size(c, w):  # the batch size written in: no micro-batch fits
+    return layer(c.reshape(BATCH, 8, WIDTH // 8).reshape(BATCH, WIDTH), w)
+
+
+@pytest.mark.parametrize("body, mixes", [
+    (batch_norm, "mixes the batch's examples (reduce_sum"),
+    (position, "mixes the batch's examples (add"),
+    (dropout, "draws random bits (random_bits"), (row_norm, None), (weight_bias, None),
+    (inner_loop, None), (layer, None)])
 def test_a_layer_that_mixes_the_batchs_examples_is_not_a_stack(body, mixes):
-    """A layer that computes an example's row from other rows, or from its place in the
-    batch, is named by its op at the user's line; a plain scan of it is not a stack, a
-    layer that treats its examples apart is one."""
+    """A layer that computes an example's row from other rows, from its place in the batch,
+    or draws random bits is named by its op at the user's line; a plain scan of it is not
+    a stack, a layer that treats its examples apart is one."""
     w, x = args()
     one = lambda c, wl: body(c, wl)[0]  # noqa: E731
     found = mixes_examples(one, x, w[0])
     if mixes is None:
         assert found is None
     else:
-        assert found.startswith(mixes) and __file__ in found, found
+        # (the op at the user's line where the trace has it: jax.random's draws are
+        # inside its own jitted functions)
+        assert mixes in found and (__file__ in found or body is dropout), found
     with scans_as_layers():
         text = str(jax.make_jaxpr(lambda w, x: jax.lax.scan(body, x, w)[0])(w, x))
     assert ("shardc_layers_" in text) == (mixes is None), body.__name__
 
 
-@pytest.mark.parametrize("body", [batch_norm, dropout, layer])
+@pytest.mark.parametrize("body", [batch_norm, dropout, batch_size, fixed_size, layer])
 @pytest.mark.parametrize("write", ["scan", "layers"])
 def test_a_stack_whose_layer_mixes_examples_never_runs_as_a_pipeline(body, write, caplog):
-    """Written as a plain scan or with shardc.pipeline.layers: a pipeline asked for fails
-    with a warning naming the op; left to the planner over a slow stage axis (where the
-    same stack of a layer that treats its examples apart pipelines), the stack runs as its
-    scan, equal to jax.jit's, with a note in the log, not a warning."""
+    """A layer that mixes examples, draws random bits, reads the batch size as a number
+    (traced again at a micro-batch's size it would compute otherwise) or writes it (it
+    would not trace), written as a plain scan or with shardc.pipeline.layers: a pipeline
+    asked for fails with a warning saying why; left to the planner over a slow stage axis
+    (where the same stack of a layer that treats its examples apart pipelines), the stack
+    runs as its scan, equal to jax.jit's, with a note in the log, not a warning."""
     w, x = args()
     mixing = body is not layer
 
@@ -200,7 +215,7 @@ def test_a_stack_whose_layer_mixes_examples_never_runs_as_a_pipeline(body, write
         with caplog.at_level(logging.INFO, logger="shardc"), \
                 pytest.raises(NoStackError, match="treats the batch's examples"):
             shardc.auto_shard(step, mesh=m, pipeline=Pipeline("stage", 2, 4)).plan(w, x)
-        warned = [r for r in caplog.records if "mixes the batch's examples" in r.getMessage()]
+        warned = [r for r in caplog.records if "not run as a pipeline" in r.getMessage()]
         assert warned and warned[0].levelno == logging.WARNING, caplog.text
         caplog.clear()
     # the stage axis at 10 MB/s, devices of 1 GFLOP/s: a pipeline pays (priced 2.86 ms
@@ -211,7 +226,7 @@ def test_a_stack_whose_layer_mixes_examples_never_runs_as_a_pipeline(body, write
         run = shardc.auto_shard(step, mesh=m, cluster=slow)
         got = run(w, x)
     assert (run.plan(w, x).pipeline is None) == mixing
-    noted = [r for r in caplog.records if "mixes the batch's examples" in r.getMessage()]
+    noted = [r for r in caplog.records if "not run as a pipeline" in r.getMessage()]
     assert bool(noted) == mixing and all(r.levelno == logging.INFO for r in noted), caplog.text
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(jax.jit(step)(w, x)), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
@@ -238,3 +253,38 @@ def test_a_check_that_cannot_run_refuses_the_pipeline_and_fails_nothing(monkeypa
     m = jax.make_mesh((2, 4), ("stage", "data"))
     with pytest.raises(NoStackError):
         shardc.auto_shard(step, mesh=m, pipeline=Pipeline("stage", 2, 4)).plan(w, x)
+
+
+def test_a_flax_scan_drawing_dropout_masks_draws_what_jax_jit_draws():
+    """Flax's ``make_rng`` counts in Python state each time the scan's body is traced: a
+    scan is traced once, as ``jax.lax.scan`` traces it, so its masks are jax.jit's (they
+    were not when the routing traced the body to inspect it), and a layer that draws is
+    not a stack (a pipeline would trace it again per micro-batch)."""
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            h = nn.Dropout(0.1, deterministic=False)(x)
+            return x + jnp.tanh(nn.Dense(WIDTH)(h)), None
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            blocks = nn.scan(Block, variable_axes={"params": 0},
+                             split_rngs={"params": True, "dropout": True}, length=LAYERS)
+            return blocks()(x, None)[0]
+
+    net, x = Net(), args()[1]
+    p = net.init({"params": jax.random.key(1), "dropout": jax.random.key(2)}, x)
+
+    def forward(p, x, key):
+        return net.apply(p, x, rngs={"dropout": key})
+
+    call = (p, x, jax.random.key(9))
+    slow = dataclasses.replace(Cluster.ethernet_nodes("stage", "data"), device_flops=1e9,
+                               axis_bandwidth={"stage": 1e7, "data": 4.5e11})
+    run = shardc.auto_shard(forward, mesh=jax.make_mesh((2, 4), ("stage", "data")),
+                            cluster=slow)
+    np.testing.assert_array_equal(np.asarray(run(*call)), np.asarray(jax.jit(forward)(*call)))
+    assert run.plan(*call).pipeline is None

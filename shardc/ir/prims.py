@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["BINARY", "CALLS", "DEFAULT", "facts", "FIXED", "KERNEL", "LINEAR_UNARY",
+__all__ = ["BINARY", "CALLS", "DEFAULT", "DRAWS", "facts", "FIXED", "KERNEL", "LINEAR_UNARY",
            "PASSES_PARTIAL", "passes_partial", "PER_DEVICE", "Prim", "PRIMS",
            "SPLITS_FROM_OPERANDS", "TAIL", "UNARY"]
 
@@ -51,6 +51,10 @@ class Prim:
     #: transforms it whole and slices): the lowering runs it per device (``shard_map``) on
     #: its planned layouts
     per_device: bool = False
+    #: draws random bits: a layer stack that does is not run as a pipeline, which traces its
+    #: layer again per micro-batch (a key from Python state, Flax's ``make_rng``, differs
+    #: between traces: ``shardc.pipeline.fit.mixes_examples``)
+    draws: bool = False
     #: runs as a library kernel of its own (a GEMM or a convolution), never fused: XLA:GPU's
     #: latency-hiding scheduler places a few such kernels under each asynchronous collective
     #: (``plan/overlap.py``)
@@ -90,17 +94,19 @@ CALLS = {
 FIXED = ("sharding_constraint", "shard_map")
 SPLITS_FROM_OPERANDS = "dot_general reduce_sum reduce_max reduce_min argmax argmin".split()
 PER_DEVICE = ("fft",)
+#: primitives that draw random bits (see :attr:`Prim.draws`)
+DRAWS = "random_bits threefry2x32 rng_bit_generator rng_uniform".split()
 KERNEL = ("dot_general", "conv_general_dilated")
 
 
 def _table() -> dict[str, Prim]:
     names = {*UNARY, *BINARY, *TAIL, *PASSES_PARTIAL, *CALLS, *FIXED, *SPLITS_FROM_OPERANDS,
-             *PER_DEVICE, *KERNEL}
+             *PER_DEVICE, *KERNEL, *DRAWS}
     return {n: Prim(call=CALLS.get(n), elementwise=n in UNARY or n in BINARY,
                     linear=n in LINEAR_UNARY, passes_partial=n in PASSES_PARTIAL,
                     tail=n in TAIL, fixed=n in FIXED,
                     splits_from_operands=n in SPLITS_FROM_OPERANDS,
-                    per_device=n in PER_DEVICE, kernel=n in KERNEL)
+                    per_device=n in PER_DEVICE, kernel=n in KERNEL, draws=n in DRAWS)
             for n in sorted(names)}
 
 

@@ -47,8 +47,9 @@ class NoStackError(ValueError):
             "write the stack as shardc.pipeline.layers(layer_fn, carry, stacked_params), a "
             "drop-in for jax.lax.scan(layer_fn, carry, stacked_params), or leave "
             "pipeline=None (a jax.lax.scan is run as one where its layer returns no "
-            "per-layer output, closes over no traced array and treats the batch's examples "
-            "apart; a warning names the op of a layer that does not)")
+            "per-layer output, closes over no traced array, treats the batch's examples "
+            "apart, draws no random bits and reads no batch size as a number; a warning "
+            "says which a scan's layer does not)")
 
 
 def batch_axes(region: Region, by_op: dict, names: tuple[str, ...], axis: str

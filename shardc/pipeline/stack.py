@@ -38,12 +38,13 @@ from typing import Any
 import jax
 from jax.extend.core import jaxprs_in_params
 
+from shardc.pipeline.fit import refusal
 from shardc.pipeline.runtime import carry_of
 
 log = logging.getLogger("shardc")
 
-__all__ = ["PREFIX", "Loss", "Stack", "has_stack", "layers", "layers_loss", "mixes_examples",
-           "running", "scans_as_layers", "stack_named"]
+__all__ = ["PREFIX", "Loss", "Stack", "has_stack", "layers", "layers_loss", "running",
+           "scans_as_layers", "stack_named"]
 
 #: the name prefix of the inner ``jit`` calls of a layer stack
 PREFIX = "shardc_layers_"
@@ -71,8 +72,9 @@ class Stack:
     """A filed layer stack: the user's ``layer_fn``, its closure-converted form
     ``layer(carry, layer_params, *consts) -> carry`` (closed-over traced arrays as
     operands), the trees of its flat operands (carry, stacked parameters, ``consts``
-    closed-over arrays) and, for :func:`layers_loss`, the loss it ends in (then the head,
-    the targets and the loss's closed-over arrays follow those operands)."""
+    closed-over arrays), for :func:`layers_loss` the loss it ends in (then the head, the
+    targets and the loss's closed-over arrays follow those operands), and why it cannot
+    run as a pipeline, if it cannot."""
 
     fn: Callable
     layer: Callable
@@ -80,9 +82,8 @@ class Stack:
     params: Any  # treedef
     consts: int
     loss: Loss | None = None
-    #: where the layer computes an example's row from other rows (:func:`mixes_examples`),
-    #: in words: such a stack is not run as a pipeline
-    mixes: str | None = None
+    #: why the stack cannot run as a pipeline (:func:`refusal`), in words; None: it can
+    refused: str | None = None
 
     @property
     def operands(self) -> int:
@@ -134,13 +135,13 @@ _STACKS: dict[str, Stack] = {}
 def stack_named(name: str) -> tuple[Stack, str] | None:
     """The filed stack an inner ``jit`` call of this name runs, and whether it is the
     stack's ``"fwd"`` or ``"bwd"``; None for any other name, and for a stack whose layer
-    mixes the batch's examples (:attr:`Stack.mixes`: it runs as its scan, never as a
+    cannot run as a pipeline (:attr:`Stack.refused`: it runs as its scan, never as a
     pipeline)."""
     if not name.startswith(PREFIX):
         return None
     base, _, kind = name.rpartition("_")
     stack = _STACKS.get(base)
-    if stack is None or stack.mixes is not None or kind not in ("fwd", "bwd"):
+    if stack is None or stack.refused is not None or kind not in ("fwd", "bwd"):
         return None
     return stack, kind
 
@@ -153,8 +154,7 @@ def has_stack(jaxpr, loss: bool = False) -> bool:
         return False
     for eqn in jaxpr.eqns:
         found = stack_named(str(eqn.params.get("name", "")))
-        if found is not None and found[0].mixes is None and \
-                (not loss or found[0].loss is not None):
+        if found is not None and (not loss or found[0].loss is not None):
             return True
         for sub in jaxprs_in_params(eqn.params):
             if has_stack(sub, loss):
@@ -252,12 +252,12 @@ def scans_as_layers(asked: bool = True) -> Iterator[None]:
     """Within the block, a ``jax.lax.scan`` call that is a layer stack runs as
     :func:`layers` (``auto_shard`` traces its function so unless ``pipeline=False``: the
     planner may pipeline plain scans over layers too, and ``pipeline=Pipeline(...)``
-    pipelines them; ``asked``: a scan that is not a stack only for its layer mixing the
-    batch's examples is a warning, else a note in the log). A stack is a scan forward
-    (not ``reverse``) over stacked parameters (every ``xs`` leaf of one leading size) whose
-    carry's leaves share a leading batch dim and whose body returns no per-layer outputs,
-    closes over no traced value (a pipeline traces it again on micro-batches) and treats
-    the batch's examples apart (:func:`mixes_examples`); any other scan runs as it is.
+    pipelines them; ``asked``: a scan that is not a stack only for what its layer does is
+    a warning, else a note in the log). A stack is a scan forward (not ``reverse``) over
+    stacked parameters (every ``xs`` leaf of one leading size) whose carry's leaves share a
+    leading batch dim and whose body returns no per-layer outputs, closes over no traced
+    value (a pipeline traces it again on micro-batches) and can run on micro-batches
+    (:func:`shardc.pipeline.fit.refusal`); any other scan runs as it is.
     Only calls that look ``jax.lax.scan`` up when they run
     (``jax.lax.scan(...)``, ``lax.scan(...)``) are seen: not a name imported before
     (``from jax.lax import scan``), nor a scan inside a ``jax.jit`` function traced
@@ -277,92 +277,77 @@ def _not_routing():
 
 
 def _routed(f, init, xs=None, length=None, reverse=False, unroll=1, _split_transpose=False):
-    """``jax.lax.scan`` within :func:`scans_as_layers`."""
-    if _ROUTING.get() is not None and not reverse and not _split_transpose:
-        ys = _stack_ys(f, init, xs, length)
-        if ys is not _NOT_A_STACK:  # the body's outputs, a tree of no arrays, as it gives them
-            return layers(f, init, xs)[0], ys
-    return _SCAN(f, init, xs, length=length, reverse=reverse, unroll=unroll,
-                 _split_transpose=_split_transpose)
-
-
-#: what :func:`_stack_ys` says of a scan that is not a layer stack
-_NOT_A_STACK = object()
-
-
-def _stack_ys(f: Callable, init: Any, xs: Any, length: int | None) -> Any:
-    """Where ``jax.lax.scan(f, init, xs, length)`` is a layer stack (:func:`scans_as_layers`),
-    the per-layer outputs its body returns, a tree holding no array; else
-    :data:`_NOT_A_STACK`. The body is traced abstractly, to see that it returns no
-    per-layer outputs, closes over no traced value and treats the batch's examples apart
-    (:func:`mixes_examples`)."""
-    def leading(tree) -> set:
-        return {getattr(x, "shape", ())[:1] for x in jax.tree.leaves(tree)}
-    lx, lc = leading(xs), leading(init)
-    if len(lx) != 1 or len(lc) != 1 or () in lx or () in lc or \
-            (length is not None and lx != {(length,)}):
-        return _NOT_A_STACK
+    """``jax.lax.scan`` within :func:`scans_as_layers`. The body is traced once, as
+    ``jax.lax.scan`` traces it (a body with Python side effects, Flax's ``make_rng``
+    counters, then draws what it would under ``jax.jit``): a scan that is not a stack runs
+    that trace, a stack runs it unpipelined (its layer traced again only to check it, and
+    by a pipeline on micro-batches)."""
+    routing = _ROUTING.get()
+    if routing is None or reverse or _split_transpose or not _stack_shaped(init, xs, length):
+        return _SCAN(f, init, xs, length=length, reverse=reverse, unroll=unroll,
+                     _split_transpose=_split_transpose)
     one = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape[1:], w.dtype), xs)
     with _not_routing():
-        _, ys = jax.eval_shape(f, init, one)
-        if jax.tree.leaves(ys):
-            return _NOT_A_STACK
+        body, consts = jax.closure_convert(f, init, one)
+        _, ys = jax.eval_shape(body, init, one, *consts)
         # a body closing over traced values is not one a pipeline can trace again on
         # micro-batches; nor is a gradient-accumulation loop over micro-batches, whose
         # carry (the gradients) would otherwise pass for a batch
-        layer, consts = jax.closure_convert(lambda c, w: f(c, w)[0], init, one)
-        if consts:
-            return _NOT_A_STACK
-        mixed = mixes_examples(layer, init, one)
-    if mixed is not None:  # (the routing read outside the block, which unsets it)
-        _refuse(_ROUTING.get(), "a jax.lax.scan", next(iter(lx))[0], mixed)
-        return _NOT_A_STACK
-    return ys
+        stack = not jax.tree.leaves(ys) and not consts
+        if stack:
+            layer = partial(_carry_only, body)
+            why = refusal(carry_of(f, "jax.lax.scan"), layer, init, one)
+    if stack and why is None:  # ys: a tree of no arrays, as the body gives it
+        run = _RUNNER.get()
+        if run is not None:
+            return run(f, init, xs), ys
+        with _not_routing():
+            return _filed(f, init, xs, routing=routing, traced=(layer, ())), ys
+    if stack:  # (the routing read outside the block, which unsets it)
+        _refuse(routing, "a jax.lax.scan", next(iter(_leading(xs)))[0], why)
+    if _holds_scan(jax.make_jaxpr(body)(init, one, *consts).jaxpr):
+        # traced again, routed: a scan inside (the layer scan of a gradient accumulation
+        # loop over micro-batches) may be a stack
+        return _SCAN(f, init, xs, length=length, unroll=unroll)
+    return _SCAN(partial(_closed, body, consts), init, xs, length=length, unroll=unroll)
 
 
-def _refuse(routing: str | None, what: str, n_layers: int, mixed: str) -> None:
-    """Log that a stack is not run as a pipeline, its layer mixing the batch's examples: a
-    warning where a pipeline was asked for (``routing``, :data:`_ROUTING`), a note where the
+def _holds_scan(jaxpr) -> bool:
+    """Whether ``jaxpr`` runs a ``scan``, at any depth."""
+    return any(eqn.primitive.name == "scan" or
+               any(_holds_scan(getattr(sub, "jaxpr", sub))
+                   for sub in jaxprs_in_params(eqn.params))
+               for eqn in jaxpr.eqns)
+
+
+def _closed(body: Callable, consts: tuple, c, w):
+    return body(c, w, *consts)
+
+
+def _carry_only(body: Callable, c, w, *consts):
+    return body(c, w, *consts)[0]
+
+
+def _leading(tree) -> set:
+    return {getattr(x, "shape", ())[:1] for x in jax.tree.leaves(tree)}
+
+
+def _stack_shaped(init: Any, xs: Any, length: int | None) -> bool:
+    """Whether ``jax.lax.scan(f, init, xs, length)`` is shaped as a layer stack: every
+    ``xs`` leaf of one leading size (the layers), every carry leaf of one leading size
+    (the batch)."""
+    lx, lc = _leading(xs), _leading(init)
+    return len(lx) == 1 and len(lc) == 1 and () not in lx and () not in lc and \
+        (length is None or lx == {(length,)})
+
+
+def _refuse(routing: str | None, what: str, n_layers: int, why: str) -> None:
+    """Log that a stack is not run as a pipeline, and ``why`` (:func:`refusal`): a warning
+    where a pipeline was asked for (``routing``, :data:`_ROUTING`), a note where the
     planner might have chosen one, nothing outside ``auto_shard``."""
     if routing is not None:
         log.log(logging.WARNING if routing == "asked" else logging.INFO,
-                "shardc: %s over %d layers is not run as a pipeline: its layer mixes the "
-                "batch's examples (%s), so micro-batches would compute otherwise",
-                what, n_layers, mixed)
-
-
-def mixes_examples(layer: Callable, carry: Any, params: Any, consts: Any = ()) -> str | None:
-    """Where ``layer(carry, params, *consts) -> carry`` computes an example's row of its
-    result from other examples' rows (a batch norm, a sum over the batch), or from its
-    position in the batch (an ``iota`` over it, random bits of its shape), the op that
-    does, in words; None where it treats the examples apart, so that micro-batches (a
-    slice of the batch, the layer traced at its size) compute the rows the whole batch
-    does. Each carry leaf is split over its leading (batch) dim and the params and consts
-    whole, pushed through the layer's ops by their own rules
-    (:func:`shardc.rules.propagate.stuck_at`): each op must compute its pieces from the
-    pieces of its operands, no partial sum, no slice of a replicated value along a dim it
-    varies on; and the result must come out split so."""
-    from shardc.ir.sbp import B, Split
-    from shardc.ir.trace import graph_from_jaxpr
-    from shardc.rules.propagate import propagate, stuck_at
-
-    size = jax.tree.leaves(carry)[0].shape[0]
-    if size < 2:
-        return "a batch of one example"
-    carry, params, consts = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                         (carry, params, tuple(consts)))
-    sbps = [Split(0)] * len(jax.tree.leaves(carry)) + \
-        [B] * (len(jax.tree.leaves(params)) + len(consts))
-    try:  # a check that cannot run refuses the pipeline; it never fails the user's trace
-        graph = graph_from_jaxpr(jax.make_jaxpr(layer)(carry, params, *consts))
-        flow = propagate(graph, sbps, size, uniform_slices=True)
-        if flow is None:
-            return stuck_at(graph, sbps, size, uniform_slices=True)
-    except Exception as exc:  # noqa: BLE001 (any error of the check, named)
-        return f"the check could not run: {type(exc).__name__}: {exc}"
-    if any(s != Split(0) for s in flow.outs):
-        return "its result is not laid out as its carry, split over the batch"
-    return None
+                "shardc: %s over %d layers is not run as a pipeline: %s", what, n_layers, why)
 
 
 def layers(layer_fn: Callable, carry: Any, stacked_params: Any) -> tuple[Any, None]:
@@ -404,13 +389,14 @@ def layers_loss(layer_fn: Callable, loss_fn: Callable, carry: Any, stacked_param
 
 
 def _filed(layer_fn: Callable, carry: Any, stacked_params: Any, loss=None,
-           routing: str | None = None):
+           routing: str | None = None, traced: tuple[Callable, tuple] | None = None):
     """:func:`layers` (and, with ``loss`` = (loss_fn, head, targets), :func:`layers_loss`)
     outside a hand-written pipeline: the stack filed and run (``routing``: the block it was
     called in, :data:`_ROUTING`)."""
     one = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape[1:], w.dtype), stacked_params)
     who = "shardc.pipeline.layers" if loss is None else "shardc.pipeline.layers_loss"
-    layer, consts = jax.closure_convert(carry_of(layer_fn, who), carry, one)
+    carried = carry_of(layer_fn, who)
+    layer, consts = traced or jax.closure_convert(carried, carry, one)
     text = str(jax.make_jaxpr(layer)(carry, one, *consts))
     trees = (jax.tree.structure(carry), jax.tree.structure(stacked_params))
     key = f"{_origin(layer_fn)}|{text}|{trees}"
@@ -426,8 +412,9 @@ def _filed(layer_fn: Callable, carry: Any, stacked_params: Any, loss=None,
         key += f"|{_origin(loss_fn)}|{jax.make_jaxpr(fn)(carry, head, targets, *lconsts)}"
         operands += [head, targets, tuple(lconsts)]
     name = f"{PREFIX}{hashlib.sha1(key.encode()).hexdigest()[:16]}"
-    mixes = mixes_examples(layer, carry, one, consts)
-    if mixes is not None:
-        _refuse(routing, who, jax.tree.leaves(stacked_params)[0].shape[0], mixes)
-    _STACKS[name] = Stack(layer_fn, layer, *trees, len(consts), filed_loss, mixes)
+    # a routed scan comes checked (traced: its layer, traced once, passed)
+    why = None if traced else refusal(carried, layer, carry, one, consts)
+    if why is not None:
+        _refuse(routing, who, jax.tree.leaves(stacked_params)[0].shape[0], why)
+    _STACKS[name] = Stack(layer_fn, layer, *trees, len(consts), filed_loss, why)
     return _run(name, *operands)
