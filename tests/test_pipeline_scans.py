@@ -288,3 +288,35 @@ def test_a_flax_scan_drawing_dropout_masks_draws_what_jax_jit_draws():
                             cluster=slow)
     np.testing.assert_array_equal(np.asarray(run(*call)), np.asarray(jax.jit(forward)(*call)))
     assert run.plan(*call).pipeline is None
+
+
+def test_a_pipeline_asked_for_under_a_budget_none_fits_runs_priced_with_a_warning(caplog):
+    """Where no pipelined plan fits the budget, a pipeline asked for runs as a priced
+    pipeline (not the unpipelined plan with the pipeline attached unpriced, as it did), the
+    leanest that compiled kept with the reason in its record and a warning in the log."""
+    k = jax.random.split(jax.random.key(0))
+    w = jax.random.normal(k[0], (LAYERS, 128, 128)) / 128
+    x = jax.random.normal(k[1], (64, 128))
+
+    def step(w, x):
+        value, g = jax.value_and_grad(
+            lambda w: jnp.mean(jax.lax.scan(layer, x, w)[0] ** 2))(w)
+        return w - 0.1 * g, value
+
+    slow = dataclasses.replace(Cluster.ethernet_nodes("stage", "data"), device_flops=1e9,
+                               axis_bandwidth={"stage": 1e7, "data": 4.5e11})
+    pipe = Pipeline("stage", 2, 4)
+    with caplog.at_level(logging.INFO, logger="shardc"):
+        run = shardc.auto_shard(step, mesh=jax.make_mesh((2, 4), ("stage", "data")),
+                                cluster=slow, memory_budget=258_056, pipeline=pipe)
+        plan = run.plan(w, x)
+    assert plan.pipeline == pipe and "kept_asked" in plan.solver["pipeline"], plan.solver
+    assert "not priced" not in plan.explain(max_rows=1)
+    # the pipeline's own price: its step and its peak, over the budget
+    assert plan.solver["pipeline"]["step_s"] > 0 and plan.predicted.peak_memory > 258_056
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and
+              "the pipeline asked for runs" in r.getMessage()]
+    assert warned and "over the budget" in warned[0].getMessage()
+    for a, b in zip(jax.tree.leaves(run(w, x)), jax.tree.leaves(jax.jit(step)(w, x)),
+                    strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)

@@ -145,8 +145,8 @@ def test_stages_xla_does_not_lay_out_as_priced_are_checked_and_reported():
     """A Llama's stages with its weights split over the GPU axis (the budget leaves no room
     for whole ones): XLA does not lay the attention out as the stage plan does (it gathers
     weights per layer and tick), so the compiled program is checked: the tensor-parallel
-    stages are rejected with the figures; asked for, the pipeline still runs (equal to
-    jax.jit's step)."""
+    stages are checked with the figures; asked for, the pipeline still runs (equal to
+    jax.jit's step), the choice kept the leanest predicted."""
     from shardc.models import llama
 
     cfg = llama.LlamaConfig.deep_tiny()
@@ -159,7 +159,8 @@ def test_stages_xla_does_not_lay_out_as_priced_are_checked_and_reported():
     assert plan.pipeline == pipe
     rejected, kept = plan.solver["pipeline"]["rejected"], plan.solver["pipeline"]["kept_asked"]
     assert all("did not lay the stages out" in why for why in [*rejected, kept])
-    assert "weights split over gpu" in rejected[0] and "micro-batches whole" in kept
+    assert len(rejected) == 1 and {"micro-batches whole" in kept,
+                                   "micro-batches whole" in rejected[0]} == {True, False}
     text = " ".join(plan.explain(max_rows=1).split())
     assert "passed over: " + rejected[0][:40] in text
     assert "WARNING: the pipeline asked for runs although" in text and kept[:40] in text

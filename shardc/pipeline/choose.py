@@ -274,7 +274,10 @@ def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[
     if request is False:
         return none("pipelines are forbidden (pipeline=False)")
     if layers is None:
-        return none("no scan over layers whose carry leads with the batch")
+        return none("no scan over at least two layers whose carry leads with the batch, the "
+                    "leading dim every input fed each step shares (a train step's state, "
+                    "passed in and returned, is not fed; a forward-only step feeds its "
+                    "weights, and a learning rate or per-layer keys passed in are fed too)")
     meshes = [View(sizes, names, cluster)]
     if isinstance(request, Pipeline):
         _check_request(request, sizes, names, layers, options.schedules)

@@ -81,7 +81,9 @@ def _fed_batch(graph: Graph, ties: Sequence[tuple[int, int]], resident: Collecti
 def find_layers(graph: Graph, ties: Sequence[tuple[int, int]] = (),
                 resident: Collection[int] = ()) -> Layers | None:
     """The program's layer scans and stacked values; None when it has no scan over at
-    least two layers whose carry leads with the batch."""
+    least two layers whose carry leads with the batch: the leading dim every input fed
+    each step shares (:func:`_fed_batch`; the inputs tied to outputs, a train step's
+    state, and the resident ones are not fed)."""
     batch = _fed_batch(graph, ties, resident)
     regions = _scan_regions(graph)
     if batch is None or not regions:

@@ -50,10 +50,11 @@ def pipelined(step, call: Call, tr: TracedCall, candidates: list[View],
     ``mesh_search``, against the best view's (the stages are over an axis of the
     mesh itself). On a mesh with devices, a choice whose stages leave an axis to XLA is
     kept only where its compiled program communicates as priced and fits the budget
-    (:func:`_auto_slack`); of a pipeline asked for, where no choice passes, the last
-    that compiled runs. The choices passed over are listed in
-    ``solver["pipeline"]["rejected"]`` (or ``solver["pipeline_rejected"]`` where none is
-    kept)."""
+    (:func:`_auto_slack`) and, asked for, predicts a peak within the budget; of a pipeline
+    asked for, where no choice passes, the leanest predicted of those that compiled runs
+    (priced: where its pinned plan fits no budget, planned with none), with a warning.
+    The choices passed over are listed in ``solver["pipeline"]["rejected"]`` (or
+    ``solver["pipeline_rejected"]`` where none is kept)."""
     from shardc.pipeline.choose import best_pipeline
     from shardc.pipeline.stack import has_stack
 
@@ -81,18 +82,26 @@ def pipelined(step, call: Call, tr: TracedCall, candidates: list[View],
                 break
             continue
         # (under overlap the compiled ranking has compared its compiled program already)
+        budget = opts.budget(chosen.cluster)
         slack = None if step.abstract or "compiled_ranking" in chosen.solver["pipeline"] \
-            else _auto_slack(step, tr, chosen, opts.budget(chosen.cluster))
+            else _auto_slack(step, tr, chosen, budget)
+        if slack is None and chosen.predicted.peak_memory > budget:  # only one asked for
+            slack = (f"{choice.pipeline} predicts a peak of "
+                     f"{fmt_bytes(chosen.predicted.peak_memory)} per device, over the "
+                     f"budget of {fmt_bytes(budget)}")
         if slack is None:
             return _noting(chosen, why)
         log.info("shardc: %s", slack)
         why.append(slack)
-        if choice.reason == "requested":
-            asked = chosen  # the last asked for, of those compiled: why[-1] is its reason
+        if choice.reason == "requested" and (
+                asked is None or
+                chosen.predicted.peak_memory < asked[0].predicted.peak_memory):
+            asked = (chosen, slack)  # of those asked for that compiled, the leanest
         if not choice.tensor:
             break  # without tensor parallelism inside priced, the same choice again
     if asked is not None:  # a pipeline asked for runs, as it compiles, where none passes
-        return _noting(asked, why[:-1], kept_asked=why[-1])
+        log.warning("shardc: the pipeline asked for runs although %s", asked[1])
+        return _noting(asked[0], [w for w in why if w is not asked[1]], kept_asked=asked[1])
     return dataclasses.replace(plan, solver={**plan.solver, "pipeline_rejected": why}) \
         if why else plan
 
@@ -160,7 +169,12 @@ def _pipelined(step, call: Call, tr: TracedCall, plan: Plan, base: Plan, own: bo
         try:  # on the mesh itself: the stage axis is one of its axes
             base = solve(step, call, keep, candidates[:1], seeds[:1], step.options)
         except MemoryBudgetError:
-            return plan
+            if choice.reason != "requested":
+                return plan
+            # a pipeline asked for runs as priced: its state pinned, planned with no budget
+            # (the pipeline's own peak, not this unpipelined one's, is checked against it)
+            base = solve(step, call, keep, candidates[:1], seeds[:1],
+                         dataclasses.replace(step.options, memory_budget=None))
     if base.cluster.overlap and step.options.rank_compiled and not step.abstract and \
             choice.reason != "requested":
         return _compiled_pipeline(step, tr, plan, base, choice, opts)
