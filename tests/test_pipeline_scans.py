@@ -190,8 +190,9 @@ def test_a_layer_that_mixes_the_batchs_examples_is_not_a_stack(body, mixes):
     assert ("shardc_layers_" in text) == (mixes is None), body.__name__
 
 
-@pytest.mark.parametrize("body", [batch_norm, dropout, batch_size, fixed_size, layer])
-@pytest.mark.parametrize("write", ["scan", "layers"])
+@pytest.mark.parametrize("body, write", [
+    (batch_norm, "scan"), (batch_norm, "layers"), (dropout, "scan"), (batch_size, "scan"),
+    (fixed_size, "layers"), (layer, "scan"), (layer, "layers")])
 def test_a_stack_whose_layer_mixes_examples_never_runs_as_a_pipeline(body, write, caplog):
     """A layer that mixes examples, draws random bits, reads the batch size as a number
     (traced again at a micro-batch's size it would compute otherwise) or writes it (it

@@ -166,15 +166,16 @@ def _pipelined(step, call: Call, tr: TracedCall, plan: Plan, base: Plan, own: bo
     if ins:
         keep = dataclasses.replace(tr, fixed=Fixed({**ins, **tr.fixed.inputs},
                                                    {**outs, **tr.fixed.outputs}))
-        try:  # on the mesh itself: the stage axis is one of its axes
-            base = solve(step, call, keep, candidates[:1], seeds[:1], step.options)
+        try:  # on the mesh itself: the stage axis is one of its axes (no error to word:
+            # fastest, not solve, which would plan again for the smallest budget)
+            base = fastest(step, call, keep, candidates[:1], seeds[:1], step.options)
         except MemoryBudgetError:
             if choice.reason != "requested":
                 return plan
             # a pipeline asked for runs as priced: its state pinned, planned with no budget
             # (the pipeline's own peak, not this unpipelined one's, is checked against it)
-            base = solve(step, call, keep, candidates[:1], seeds[:1],
-                         dataclasses.replace(step.options, memory_budget=None))
+            base = fastest(step, call, keep, candidates[:1], seeds[:1],
+                           dataclasses.replace(step.options, memory_budget=None))
     if base.cluster.overlap and step.options.rank_compiled and not step.abstract and \
             choice.reason != "requested":
         return _compiled_pipeline(step, tr, plan, base, choice, opts)
