@@ -321,3 +321,16 @@ def test_a_pipeline_asked_for_under_a_budget_none_fits_runs_priced_with_a_warnin
     for a, b in zip(jax.tree.leaves(run(w, x)), jax.tree.leaves(jax.jit(step)(w, x)),
                     strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+
+
+def test_a_routed_scan_is_named_by_the_users_line():
+    """Every scan of a traced function passes through shardc's routing: its ops are named
+    by the user's line that called ``jax.lax.scan``, not by shardc's own file."""
+    w, x = args()
+
+    def step(w, x):
+        return jnp.mean(jax.lax.scan(batch_norm, x, w)[0] ** 2)  # a scan, not a stack
+
+    plan = shardc.auto_shard(step, mesh=jax.make_mesh((2, 4), ("stage", "data"))).plan(w, x)
+    named = {o.source for o in plan.ops if o.prim in ("scan_enter", "scan_exit")}
+    assert named and all(s.startswith(__file__ + ":") for s in named), named

@@ -43,8 +43,8 @@ from shardc.ir.trips import DEFAULT_WHILE_TRIPS, while_trips
 
 __all__ = ["call_body", "COND_ENTER", "COND_EXIT", "eliminate_dead_ops", "Fork",
            "graph_from_jaxpr", "Inlined", "Loop", "lowering_platforms", "platform_branch",
-           "Region", "rematerialized", "SCAN_ENTER", "SCAN_EXIT", "source_line", "trace",
-           "Traced"]
+           "PACKAGE_DIR", "Region", "rematerialized", "SCAN_ENTER", "SCAN_EXIT", "source_line",
+           "trace", "Traced"]
 
 try:  # the frames of an equation's traceback; jax.extend exports only ``summarize``
     from jax._src.source_info_util import is_user_filename, raw_frame_to_frame
@@ -53,11 +53,16 @@ except ImportError:  # pragma: no cover - a jax without them: the summary's firs
 
 _LIBRARIES = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
 
+#: shardc's own package directory (with a trailing separator): a frame in it is shardc's
+#: (its layer stack's scan, a routed ``jax.lax.scan``), not the user's line
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
 
 def source_line(eqn) -> str:
     """``path:line`` of the user's code that made ``eqn``: the innermost frame of its
     traceback outside JAX and the standard library (``source_info_util``'s user frame) and
-    outside installed libraries (optax, flax: the line that called them), else the
+    outside installed libraries (optax, flax: the line that called them) and shardc itself
+    (:data:`PACKAGE_DIR`: the line that called ``layers`` or ``jax.lax.scan``), else the
     innermost user frame; "" when the equation has no traceback."""
     tb = eqn.source_info.traceback
     if tb is None:
@@ -69,7 +74,8 @@ def source_line(eqn) -> str:
     user = [k for k, c in enumerate(code) if is_user_filename(c.co_filename)]
     if not user:
         return ""
-    mine = [k for k in user if not any(lib in code[k].co_filename for lib in _LIBRARIES)]
+    mine = [k for k in user if not any(lib in code[k].co_filename for lib in _LIBRARIES)
+            and not os.path.abspath(code[k].co_filename).startswith(PACKAGE_DIR)]
     k = (mine or user)[0]
     frame = raw_frame_to_frame(code[k], lasti[k])
     return f"{frame.file_name}:{frame.start_line}"

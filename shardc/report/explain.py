@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import Iterable
 
 from shardc.cost.units import fmt_bytes, fmt_time
+from shardc.ir.trace import PACKAGE_DIR
 from shardc.report.tables import Report, Table
 
 __all__ = ["argument_table", "explain_plan", "explain_report", "fold_repeats", "merge_names",
@@ -44,7 +45,6 @@ _FRAMES = {"scan_enter": "loop", "scan_exit": "loop", "cond_enter": "cond",
 
 #: where shardc's own code makes a loop (a :func:`shardc.pipeline.layers` stack's scan runs
 #: in an inner ``jit`` whose traceback holds no line of the user's)
-_OWN = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def _control_flow(ops) -> list[str]:
@@ -63,9 +63,9 @@ def _control_flow(ops) -> list[str]:
     parts = []
     for where, (kind, source) in frames.items():
         inside = [o for o in ops if len(o.where) > len(where) and o.where[:len(where)] == where]
-        if source.startswith(_OWN):
+        if source.startswith(PACKAGE_DIR):
             source = next((o.source for o in inside if o.source and
-                           not o.source.startswith(_OWN)), source)
+                           not o.source.startswith(PACKAGE_DIR)), source)
         spent = sum(o.compute_time for o in inside)
         parts.append(f"{kind} at {source or where} ({len(inside)} ops, "
                      f"{100 * spent / total:.1f}% of compute)")

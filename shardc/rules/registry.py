@@ -24,6 +24,7 @@ from shardc.ir.flops import FLOPS, FlopsFn, op_flops
 from shardc.ir.graph import Op
 from shardc.ir.prims import passes_partial
 from shardc.ir.sbp import B, Broadcast, NdSbp, Partial, Sbp
+from shardc.ir.trace import PACKAGE_DIR
 
 __all__ = ["FixedFn", "has_rule", "is_pinned", "LayoutError", "NoRuleWarning", "register",
            "register_fixed", "registered", "replicated_signature", "RuleFn", "Signature",
@@ -147,10 +148,9 @@ def warn_missing(ops: Sequence[Op]) -> None:
 
 def _caller() -> tuple[str, int]:
     """File and line of the innermost frame outside shardc (the user's call)."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     frame = sys._getframe(1)
     while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(
-            here + os.sep):
+            PACKAGE_DIR):
         frame = frame.f_back
     return frame.f_code.co_filename, frame.f_lineno
 
