@@ -6,6 +6,7 @@ stage's compiled peak within 15% of the predicted one), equals the unpipelined s
 is not pipelined with pipeline=False or where no pipeline pays."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -95,6 +96,9 @@ def test_the_planner_pipelines_a_stack_over_a_slow_axis_and_runs_what_it_priced(
     assert "of the step" in text
     # the stack's loops named by the user's lines inside them, not shardc's own
     assert "loop at " + __file__ in text and "pipeline/stack.py" not in text, text
+    # the pipeline's sends among the top resharding edges, named as the pipeline's
+    edges = plan.explain(max_rows=1, top=3).split("resharding edges:")[1]
+    assert re.search(r"pipeline\s+its stages\s+-\s+-\s+collective-permute@stage", edges), edges
 
 
 @pytest.mark.parametrize("pipe", [Pipeline("stage", 4, 4), Pipeline("stage", 4, 8),

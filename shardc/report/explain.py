@@ -395,13 +395,22 @@ def explain_report(plan, max_rows: int | None = 60, top: int = 10, margins=None,
         blocks.append(Table(
             f"top {min(top, len(plan.reshards))} resharding edges:",
             ("value", "read by", "from", "to", "collectives", "time", "wire bytes"),
-            tuple((names.value(r.value), names.consumer(r.consumer), str(r.src), str(r.dst),
-                   "+".join(r.collectives), fmt_time(r.time), fmt_bytes(r.wire_bytes))
+            tuple((*_edge(plan, names, r), "+".join(r.collectives), fmt_time(r.time),
+                   fmt_bytes(r.wire_bytes))
                   for r in sorted(plan.reshards, key=lambda r: -r.time)[:top]),
             align="<<<<<>>", header=False, indent=2))
     if verification is not None:
         blocks.append(verification.table())
     return Report(tuple(blocks))
+
+
+def _edge(plan, names, r) -> tuple[str, str, str, str]:
+    """A resharding edge's value, reader and layouts; a pipeline's own collectives (its
+    sends, sums and relayouts, :mod:`shardc.pipeline.runs`: the carry's layout on both
+    sides) as the pipeline's."""
+    if plan.pipeline is not None and r.consumer is None and r.src == r.dst:
+        return "pipeline", "its stages", "-", "-"
+    return names.value(r.value), names.consumer(r.consumer), str(r.src), str(r.dst)
 
 
 def explain_plan(plan, max_rows: int | None = 60, top: int = 10, margins=None) -> str:
