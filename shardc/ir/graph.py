@@ -100,6 +100,11 @@ class Op:
     def name(self) -> str:
         return self.prim.name
 
+    @property
+    def named(self) -> str:
+        """The primitive and, where known, the user's line: ``"reduce_sum at f.py:12"``."""
+        return self.name + (f" at {self.source}" if self.source else "")
+
     def replace(self, **kw) -> Op:
         fields = {k: getattr(self, k) for k in self.__slots__}
         fields.update(kw)

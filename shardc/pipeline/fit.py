@@ -56,7 +56,7 @@ def mixes_examples(layer: Callable, carry: Any, params: Any, consts: Any = ()) -
         graph = graph_from_jaxpr(jax.make_jaxpr(layer)(carry, params, *consts))
         draws = next((op for op in graph.ops if facts(op.name).draws), None)
         if draws is not None:
-            return (f"its layer draws random bits ({_at(draws)}): a pipeline traces it "
+            return (f"its layer draws random bits ({draws.named}): a pipeline traces it "
                     "again per micro-batch")
         flow = propagate(graph, sbps, size, uniform_slices=True)
         if flow is None:
@@ -68,10 +68,6 @@ def mixes_examples(layer: Callable, carry: Any, params: Any, consts: Any = ()) -
     if any(s != Split(0) for s in flow.outs):
         return "its layer's result is not laid out as its carry, split over the batch"
     return None
-
-
-def _at(op) -> str:
-    return op.name + (f" at {op.source}" if op.source else "")
 
 
 def fixed_batch(fn: Callable, carry: Any, params: Any) -> str | None:

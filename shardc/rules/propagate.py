@@ -184,7 +184,7 @@ def _push(graph: Graph, in_sbps: Sequence[Sbp], size: int,
         else:
             sig = _match(op, cur, size, sliceable)
             if sig is None:
-                return op.name + (f" at {op.source}" if op.source else "")
+                return op.named
             for v, s in zip(op.inputs, sig.ins):
                 use(v, s)
             outs = sig.outs
