@@ -227,6 +227,9 @@ def test_a_stack_whose_layer_mixes_examples_never_runs_as_a_pipeline(body, write
         run = shardc.auto_shard(step, mesh=m, cluster=slow)
         got = run(w, x)
     assert (run.plan(w, x).pipeline is None) == mixing
+    if mixing:  # and the choice it shows says so (it priced the refused stack's pipelines)
+        choice = run.pipeline_choice(w, x)
+        assert choice.pipeline is None and "can run as a pipeline" in choice.reason
     noted = [r for r in caplog.records if "not run as a pipeline" in r.getMessage()]
     assert bool(noted) == mixing and all(r.levelno == logging.INFO for r in noted), caplog.text
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(jax.jit(step)(w, x)), strict=True):

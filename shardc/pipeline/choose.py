@@ -65,7 +65,9 @@ class ChoiceOptions:
     pipeline with data parallelism inside its stages fits the budget, price the stage
     plans with tensor parallelism inside (:func:`_stage_plans`; the runtime leaves a
     stage's layouts on those axes to XLA, so the planner checks such a choice against its
-    compiled program, :func:`shardc.step.solving.pipelined`)."""
+    compiled program, :func:`shardc.step.solving.pipelined`). ``stack``: the program has a
+    layer stack that can run as a pipeline (:func:`shardc.pipeline.stack.has_stack`; a
+    scan whose layer cannot is priced as none, as the planner plans it)."""
 
     memory_budget: float | None = None
     time_limit: float = 10.0
@@ -76,6 +78,7 @@ class ChoiceOptions:
     pipeline: Pipeline | bool | None = None
     combiner: Combiner = XLA_CPU
     tensor: bool = True
+    stack: bool = True
 
     def __post_init__(self):
         if not 0 <= self.min_gain < 1:
@@ -273,6 +276,10 @@ def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[
     request = options.pipeline
     if request is False:
         return none("pipelines are forbidden (pipeline=False)")
+    if not options.stack:
+        return none("no layer stack that can run as a pipeline (a scan whose layer mixes "
+                    "the batch's examples, draws random bits or reads the batch size is "
+                    "not one: the log says why)")
     if layers is None:
         return none("no scan over at least two layers whose carry leads with the batch, the "
                     "leading dim every input fed each step shares (a train step's state, "

@@ -236,7 +236,8 @@ def choice_options(step, tr: TracedCall, views: bool):
     schedules = SCHEDULES if has_stack(tr.traced.jaxpr, loss=True) else \
         tuple(s for s in SCHEDULES if s != "1f1b")
     return ChoiceOptions(opts.memory_budget, opts.time_limit, schedules, views=views,
-                         pipeline=opts.pipeline, combiner=combiner_for(platform_of(step.mesh)))
+                         pipeline=opts.pipeline, combiner=combiner_for(platform_of(step.mesh)),
+                         stack=has_stack(tr.traced.jaxpr))
 
 
 def problem(step, call: Call, tr: TracedCall
