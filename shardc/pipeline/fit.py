@@ -37,13 +37,13 @@ def mixes_examples(layer: Callable, carry: Any, params: Any, consts: Any = ()) -
     treats the examples apart, so that micro-batches (slices of the batch) compute the
     rows the whole batch does. Each carry leaf is split over its leading (batch) dim and
     the params and consts whole, pushed through the layer's ops by their own rules
-    (:func:`shardc.rules.propagate.stuck_at`): each op must compute its pieces from the
+    (:func:`shardc.rules.propagate.push`): each op must compute its pieces from the
     pieces of its operands, no partial sum, no slice of a replicated value along a dim it
     varies on; and the result must come out split so."""
     from shardc.ir.prims import facts
     from shardc.ir.sbp import B, Split
     from shardc.ir.trace import graph_from_jaxpr
-    from shardc.rules.propagate import propagate, stuck_at
+    from shardc.rules.propagate import push
 
     size = jax.tree.leaves(carry)[0].shape[0]
     if size < 2:
@@ -58,11 +58,10 @@ def mixes_examples(layer: Callable, carry: Any, params: Any, consts: Any = ()) -
         if draws is not None:
             return (f"its layer draws random bits ({draws.named}): a pipeline traces it "
                     "again per micro-batch")
-        flow = propagate(graph, sbps, size, uniform_slices=True)
-        if flow is None:
-            return (f"its layer mixes the batch's examples "
-                    f"({stuck_at(graph, sbps, size, uniform_slices=True)}): micro-batches "
-                    "would compute otherwise")
+        flow = push(graph, sbps, size, uniform_slices=True)
+        if isinstance(flow, str):
+            return (f"its layer mixes the batch's examples ({flow}): micro-batches would "
+                    "compute otherwise")
     except Exception as exc:  # noqa: BLE001 (any error of the check, named)
         return f"the check of its layer could not run ({type(exc).__name__}: {exc})"
     if any(s != Split(0) for s in flow.outs):

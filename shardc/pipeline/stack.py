@@ -289,7 +289,7 @@ def _routed(f, init, xs=None, length=None, reverse=False, unroll=1, _split_trans
     one = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape[1:], w.dtype), xs)
     with _not_routing():
         body, consts = jax.closure_convert(f, init, one)
-        _, ys = jax.eval_shape(body, init, one, *consts)
+        traced, (_, ys) = jax.make_jaxpr(body, return_shape=True)(init, one, *consts)
         # a body closing over traced values is not one a pipeline can trace again on
         # micro-batches; nor is a gradient-accumulation loop over micro-batches, whose
         # carry (the gradients) would otherwise pass for a batch
@@ -305,7 +305,7 @@ def _routed(f, init, xs=None, length=None, reverse=False, unroll=1, _split_trans
             return _filed(f, init, xs, routing=routing, traced=(layer, ())), ys
     if stack:  # (the routing read outside the block, which unsets it)
         _refuse(routing, "a jax.lax.scan", next(iter(_leading(xs)))[0], why)
-    if _holds_scan(jax.make_jaxpr(body)(init, one, *consts).jaxpr):
+    if _holds_scan(traced.jaxpr):
         # traced again, routed: a scan inside (the layer scan of a gradient accumulation
         # loop over micro-batches) may be a stack
         return _SCAN(f, init, xs, length=length, unroll=unroll)

@@ -43,15 +43,12 @@ _FRAMES = {"scan_enter": "loop", "scan_exit": "loop", "cond_enter": "cond",
            "cond_exit": "cond"}
 
 
-#: where shardc's own code makes a loop (a :func:`shardc.pipeline.layers` stack's scan runs
-#: in an inner ``jit`` whose traceback holds no line of the user's)
-
-
 def _control_flow(ops) -> list[str]:
     """A line naming each loop (``scan``, ``while``) and cond by its source line (a loop
-    shardc's own code runs, as a layer stack's scan, by the first line of the user's inside
-    it), with the share of the step's compute that runs inside it: its body's ops, by their
-    trip count (a cond: its costlier branch, the one its cost counts)."""
+    shardc's own code runs, as a layer stack's scan in an inner ``jit`` whose traceback
+    holds no line of the user's, by the first line of the user's inside it), with the share
+    of the step's compute that runs inside it: its body's ops, by their trip count (a cond:
+    its costlier branch, the one its cost counts)."""
     frames: dict[tuple, tuple[str, str]] = {}
     for o in ops:
         kind = _FRAMES.get(o.prim)

@@ -36,8 +36,8 @@ from shardc.ir.prims import facts
 from shardc.ir.sbp import B, Partial, Sbp, Split
 from shardc.rules.registry import Signature, signatures
 
-__all__ = ["MAX_REPLICATED_SHARE", "Flow", "has_split", "promote", "propagate", "seed",
-           "split_seeds", "stuck_at"]
+__all__ = ["MAX_REPLICATED_SHARE", "Flow", "has_split", "promote", "propagate", "push",
+           "seed", "split_seeds"]
 
 #: a split signature is offered only when the ops the body runs replicated (on every device,
 #: whole) cost at most this share of its FLOPs: ``Strategy.flops`` divides the whole op's
@@ -121,25 +121,19 @@ def propagate(graph: Graph, in_sbps: Sequence[Sbp], size: int,
               uniform_slices: bool = False) -> Flow | None:
     """Push ``in_sbps`` (each ``B`` or ``S(d)`` with ``shape[d] == size``) through ``graph``;
     None when some op has no exact signature for what flows into it (see the module
-    docstring; :func:`stuck_at` names the op). With ``uniform_slices`` a replicated value
-    is sliced only along a dim it is the same at every index of (:func:`_uniform`: a
-    broadcast's): a slice of any other replicated value (an ``iota`` over the batch, random
-    bits of the batch's shape, a weight) reads something a run on a part of the batch,
-    traced at the part's size, would not read."""
-    flow = _push(graph, in_sbps, size, uniform_slices)
+    docstring; :func:`push` says which)."""
+    flow = push(graph, in_sbps, size, uniform_slices)
     return flow if isinstance(flow, Flow) else None
 
 
-def stuck_at(graph: Graph, in_sbps: Sequence[Sbp], size: int,
-             uniform_slices: bool = False) -> str | None:
-    """Where :func:`propagate` stops, in words (the op, and the user's line that made it);
-    None where it goes through."""
-    flow = _push(graph, in_sbps, size, uniform_slices)
-    return None if isinstance(flow, Flow) else flow
-
-
-def _push(graph: Graph, in_sbps: Sequence[Sbp], size: int,
-          uniform_slices: bool) -> Flow | str:
+def push(graph: Graph, in_sbps: Sequence[Sbp], size: int,
+         uniform_slices: bool = False) -> Flow | str:
+    """:func:`propagate`'s :class:`Flow`, or where it stops, in words (the op and the user's
+    line that made it). With ``uniform_slices`` a replicated value is sliced only along a
+    dim it is the same at every index of (:func:`_uniform`: a broadcast's): a slice of any
+    other replicated value (an ``iota`` over the batch, random bits of the batch's shape, a
+    weight) reads something a run on a part of the batch, traced at the part's size, would
+    not read."""
     state: dict[int, Sbp] = {}
     index: dict[int, int] = {}
     constant: set[int] = set()  # ids of values computed from constants only

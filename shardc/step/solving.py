@@ -357,11 +357,9 @@ def solve_views(step, tr: TracedCall, candidates: list[View],
             for k, search in enumerate(objectives(step.mesh, view.cluster)):
                 sopts = SolveOptions(opts.memory_budget, opts.time_limit, seeds=seeds_here,
                                      combiner=search.combiner)
-                other = None if search.cluster is view.cluster else search.cluster
                 try:
-                    mine, costs, assembled, cg = _view_plan(
-                        step, tr, view, sopts, is_physical, reuse, other,
-                        None if other is None else own)
+                    mine, costs, assembled, cg = _view_plan(step, tr, view, sopts,
+                                                            is_physical, reuse, search, own)
                 except MemoryBudgetError:
                     if k == 0:
                         raise
@@ -443,25 +441,26 @@ def _under_nccl(cluster: Cluster) -> Cluster:
 
 
 def _view_plan(step, tr: TracedCall, view: View, sopts: SolveOptions, is_physical: bool,
-               reuse: Reuse | None, objective: Cluster | None = None,
-               priced: CostGraph | None = None
+               reuse: Reuse | None, search: Objective | None = None,
+               own: CostGraph | None = None
                ) -> tuple[Plan, dict[str, float], list[Plan], CostGraph]:
     """The best plan on one view from one search (the search's, or a seed's that ranks
     better), the seeds' objectives, every plan assembled (the search's first), and the
-    cost graph searched. ``objective``: the cluster the search's objective prices by (None:
-    the view's); ``priced``: the view's own cost graph, on which the plans are assembled
-    where the objective's is another (the same choices: the rules' strategies do not
-    depend on the cluster)."""
+    cost graph searched. ``search``: its objective (None: the view's own cluster's); where
+    it prices by another cluster than the view's, the plans are assembled on ``own``, the
+    view's own cost graph (the same choices: the rules' strategies do not depend on the
+    cluster)."""
     graph = tr.traced.graph
-    cg, sol = plan_graph(graph, view.shape, view.names, objective or view.cluster, sopts,
+    objective = view.cluster if search is None else search.cluster
+    cg, sol = plan_graph(graph, view.shape, view.names, objective, sopts,
                          ties=tr.ties, fixed=tr.fixed if is_physical else NOTHING_FIXED,
                          resident=tr.resident, reuse=reuse)
-    on = cg if priced is None else priced
+    on = cg if objective is view.cluster else own
     if [len(c) for c in on.choices] != [len(c) for c in cg.choices]:
         raise AssertionError("the objective's cost graph and the view's differ in choices")
     costs = sol.stats.pop("seeds", {})
     solver = {"status": sol.status.value, "objective": sol.objective, **sol.stats}
-    if objective is not None:
+    if on is not cg:
         solver["objective_model"] = objective.collective_model
     plan = assemble(graph, on, sol.choice, tr.ties, solver, tr.traced.remat,
                     len(tr.traced.segments), platform_of(step.mesh))
