@@ -65,7 +65,7 @@ class ChoiceOptions:
     pipeline with data parallelism inside its stages fits the budget, price the stage
     plans with tensor parallelism inside (:func:`_stage_plans`; the runtime leaves a
     stage's layouts on those axes to XLA, so the planner checks such a choice against its
-    compiled program, :func:`shardc.step.solving.pipelined`). ``stack``: the program has a
+    compiled program, :func:`shardc.step.pipelining.pipelined`). ``stack``: the program has a
     layer stack that can run as a pipeline (:func:`shardc.pipeline.stack.has_stack`; a
     scan whose layer cannot is priced as none, as the planner plans it)."""
 

@@ -63,6 +63,7 @@ from shardc.step.margins import compare
 from shardc.step.names import input_names, output_names
 from shardc.step.options import NeedsDevicesError, Options, auto_mesh, platform_of
 from shardc.step.pareto import frontier
+from shardc.step.pipelining import choice_options, pipelined
 from shardc.step.seeds import check_specs, named_seeds
 from shardc.step.signature import (
     TracedCall,
@@ -71,7 +72,7 @@ from shardc.step.signature import (
     resident_inputs,
     tie_outputs,
 )
-from shardc.step.solving import choice_options, pipelined, problem
+from shardc.step.solving import problem
 from shardc.tradeoff.frontier import BUDGETS, Frontier
 from shardc.tradeoff.sweep import DeviceSweep
 from shardc.tradeoff.sweep import device_sweep as sweep_devices
