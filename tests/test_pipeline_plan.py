@@ -197,3 +197,45 @@ def test_the_optimizer_moments_are_held_split_over_the_stages():
     assert held and all(nd.sbps[at] == Split(0) for nd in held), held
     compiled = run.lower(state, data).compile()
     assert not [c for c in collectives(compiled, m) if c.kind == "all-to-all"]
+
+
+def test_inputs_fed_beside_the_batch_are_not_the_batch():
+    """The batch is the carry's leading dim where a fed input it is made from leads with
+    it: a learning rate of shape (1,), per-layer keys or a forward-only step's weights fed
+    beside it do not hide it (they did: the batch was the leading dim every fed input
+    shared, and those steps were never pipelined)."""
+    from shardc.ir.trace import trace
+    from shardc.pipeline.scans import find_layers
+
+    w, x = args(width=64, batch=32)
+
+    def sgd_lr(w, x, lr):
+        value, g = jax.value_and_grad(lambda w: jnp.mean(scan(layer, x, w)[0] ** 2))(w)
+        return w - lr[0] * g, value
+
+    def forward(w, x):
+        return jnp.mean(scan(layer, x, w)[0] ** 2)
+
+    def same_size(w, x):  # a batch of 8 examples beside 8 layers: the weights are not it
+        return jnp.mean(scan(layer, x, w)[0] ** 2)
+
+    for fn, a, ties in [(sgd_lr, (w, x, jnp.array([0.1])), [(0, 0)]), (forward, (w, x), []),
+                        (same_size, (w, x[:8]), [])]:
+        graph = trace(fn, *a).graph
+        found = find_layers(graph, ties)
+        assert found is not None, fn.__name__
+        assert found.batch == (8 if fn is same_size else 32), fn.__name__
+        assert {v.id for v in graph.inputs[:1]} <= found.params, fn.__name__
+        assert not {v.id for v in graph.inputs[:1]} & found.per_sample, fn.__name__
+    # a loop over the batch's examples is not a layer scan whose carry leads with the batch
+    rnn = trace(lambda w, x: scan(lambda c, r: (c + r @ w[0], None), x[0], x)[0].sum(), w, x)
+    assert find_layers(rnn.graph) is None
+
+    # end to end: the planner pipelines the step fed a learning rate, as without it
+    w, x = args()
+    m = mesh()
+    slower = dataclasses.replace(SLOW, axis_bandwidth={**SLOW.axis_bandwidth, "stage": 1e9})
+    lr = jnp.array([0.1])
+    step = shardc.auto_shard(sgd_lr, mesh=m, cluster=slower)
+    assert step.plan(w, x, lr).pipeline is not None, step.pipeline_choice(w, x, lr)
+    close(step(w, x, lr), jax.jit(sgd_lr)(w, x, lr))

@@ -281,10 +281,9 @@ def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[
                     "the batch's examples, draws random bits or reads the batch size is "
                     "not one: the log says why)")
     if layers is None:
-        return none("no scan over at least two layers whose carry leads with the batch, the "
-                    "leading dim every input fed each step shares (a train step's state, "
-                    "passed in and returned, is not fed; a forward-only step feeds its "
-                    "weights, and a learning rate or per-layer keys passed in are fed too)")
+        return none("no scan over at least two layers whose carry leads with the batch: a "
+                    "leading dim its leaves share with an input fed each step (not a train "
+                    "step's state, passed in and returned) that the carry is made from")
     meshes = [View(sizes, names, cluster)]
     if isinstance(request, Pipeline):
         _check_request(request, sizes, names, layers, options.schedules)

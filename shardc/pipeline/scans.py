@@ -9,10 +9,12 @@ length. The *stacked* values are the layers' parameters, their gradients and opt
 state: whatever has the leading layer axis and is computed from stacked values alone (the
 optimizer's update of a stacked parameter). A pipeline holds 1/S of each per stage.
 
-The *batch* is the leading dimension of the inputs fed each step (not carried from step to
-step, not resident); the layer carry (the activation passed from layer to layer, and from
-stage to stage) leads with it. Values computed from the batch that are not shaped like a
-layer's parameter are *per-sample*: their bytes shrink with the micro-batch.
+The *batch* is the leading dimension of the layer carry (the activation passed from layer
+to layer, and from stage to stage) where the carry is made from inputs fed each step (not
+carried from step to step, not resident) that lead with it; the other inputs fed (a
+learning rate, per-layer keys, a forward-only step's weights) are not the batch. Values
+computed from the batch that are not shaped like a layer's parameter are *per-sample*:
+their bytes shrink with the micro-batch.
 """
 
 from __future__ import annotations
@@ -69,24 +71,41 @@ def _scan_regions(graph: Graph) -> dict[tuple[int, ...], int]:
     return out
 
 
-def _fed_batch(graph: Graph, ties: Sequence[tuple[int, int]], resident: Collection[int]
-              ) -> int | None:
-    """The leading dimension every input fed each step shares, or None when they have none
-    in common (or there are none)."""
+def _ancestors(graph: Graph, ids: Collection[int]) -> set[int]:
+    out = set(ids)
+    for op in reversed(graph.ops):
+        if any(v.id in out for v in op.outputs):
+            out.update(v.id for v in op.inputs)
+    return out
+
+
+def _batch_inputs(graph: Graph, ties: Sequence[tuple[int, int]], resident: Collection[int],
+                  forward: Sequence[Op], batch: int) -> set[int]:
+    """Ids of the batch: the inputs fed each step (not tied to an output, a train step's
+    state; not resident) that lead with ``batch``, the layer carry's leading dim, when one
+    of them is read by the carry's first value; those read only by the layers' parameters
+    are not. A learning rate, per-layer keys or, in a forward-only step, the weights are
+    fed too; they are not the batch. Empty when no fed input makes the carry."""
     carried = {i for _, i in ties} | set(resident)
-    lead = {v.shape[0] for k, v in enumerate(graph.inputs) if k not in carried and v.ndim}
-    return lead.pop() if len(lead) == 1 else None
+    lead = {v.id for k, v in enumerate(graph.inputs)
+            if k not in carried and v.ndim and v.shape[0] == batch}
+    def feeding(kind: str) -> set[int]:
+        return _ancestors(graph, {v.id for op in forward if op.params["kind"] == kind
+                                  for v in op.inputs})
+    carry = feeding("carry")
+    if not lead & carry:
+        return set()
+    return lead - (feeding("xs") - carry)
 
 
 def find_layers(graph: Graph, ties: Sequence[tuple[int, int]] = (),
                 resident: Collection[int] = ()) -> Layers | None:
     """The program's layer scans and stacked values; None when it has no scan over at
-    least two layers whose carry leads with the batch: the leading dim every input fed
-    each step shares (:func:`_fed_batch`; the inputs tied to outputs, a train step's
-    state, and the resident ones are not fed)."""
-    batch = _fed_batch(graph, ties, resident)
+    least two layers whose carry leads with the batch: a leading dim shared by the
+    carry's leaves and an input fed each step that their first value is computed from
+    (:func:`_batch_inputs`)."""
     regions = _scan_regions(graph)
-    if batch is None or not regions:
+    if not regions:
         return None
     work = {w: sum(op_flops(op) * op.weight for op in graph.ops
                    if op.where[:len(w)] == w and len(op.where) > len(w)) for w in regions}
@@ -96,14 +115,16 @@ def find_layers(graph: Graph, ties: Sequence[tuple[int, int]] = (),
         return None
     ops = frozenset(op.id for op in graph.ops if any(_inside(op, w) for w in scans))
     forward = scans[0]
-    carry = tuple(op.outputs[0].id for op in graph.ops if op.prim is SCAN_ENTER
-                  and op.where == forward and op.params["kind"] == "carry")
+    enters = [op for op in graph.ops if op.prim is SCAN_ENTER and op.where == forward]
+    carry = tuple(op.outputs[0].id for op in enters if op.params["kind"] == "carry")
     values = {v.id: v for v in graph.values()}
-    if not carry or any(values[c].ndim == 0 or values[c].shape[0] != batch for c in carry):
+    leads = {values[c].shape[0] if values[c].ndim else None for c in carry}
+    if len(leads) != 1 or None in leads:
         return None
-    fed = {v.id for k, v in enumerate(graph.inputs)
-           if k not in {i for _, i in ties} | set(resident)}
-    from_batch = set(fed)
+    batch = leads.pop()
+    from_batch = _batch_inputs(graph, ties, resident, enters, batch)
+    if not from_batch:
+        return None
     for op in graph.ops:
         if any(v.id in from_batch for v in op.inputs):
             from_batch.update(v.id for v in op.outputs)
