@@ -284,3 +284,39 @@ def test_overlap_planning_on_xla_gpu_searches_under_both_objectives():
     assert found[0] == (XLA_GPU, ring) and found[1][0] == XLA_GPU
     assert found[1][1] == dataclasses.replace(ring, collective_model="nccl")
     assert objectives(gpu_mesh, ring)[1].cluster is found[1][1]
+
+
+def test_xla_gpu_reduces_an_add_of_two_partial_summands_once():
+    """``(x @ w1 + x @ w2) @ w3`` with the contracted dim split: each of the first dots is
+    partial and the add (not the step's last, so it reads no partial value) reads both
+    reduced (here reduce-scattered). XLA:GPU reassociates (``add(reduce-scatter(a),
+    reduce-scatter(b))`` -> ``reduce-scatter(add(a, b))``, each read by the add alone), so
+    the plan made for it predicts one reduction of one summand's bytes; for XLA:CPU, two
+    (which its combiner may join, as one collective of both)."""
+    from shardc.ir.sbp import B, NdSbp, Split
+    from shardc.plan.assemble import assemble
+    from shardc.solve.costgraph import Fixed
+    from shardc.solve.search import SolveOptions, plan_graph
+
+    def f(x, w1, w2, w3):
+        return (x @ w1 + x @ w2) @ w3
+
+    graph = trace(f, jnp.ones((64, 256)), jnp.ones((256, 128)), jnp.ones((256, 128)),
+                  jnp.ones((128, 16))).graph
+    fixed = Fixed(inputs={0: NdSbp((Split(1),)), 1: NdSbp((Split(0),)), 2: NdSbp((Split(0),)),
+                          3: NdSbp((B,))}, outputs={0: NdSbp((B,))})
+    cg, sol = plan_graph(graph, (8,), ("gpu",), Cluster.nvlink_node(("gpu",)),
+                         SolveOptions(None, 0.0), fixed=fixed)
+    reduced = {}
+    for platform in ("gpu", "cpu"):
+        plan = assemble(graph, cg, sol.choice, (), {}, platform=platform)
+        kinds = [(name, b) for r in plan.reshards
+                 for name, b in zip(r.collectives, r.collective_bytes, strict=True)]
+        reduced[platform] = kinds
+    def reductions(platform):
+        return [(k, b) for k, b in reduced[platform] if k.split("@")[0] in
+                ("all-reduce", "reduce-scatter")]
+
+    cpu, gpu = reductions("cpu"), reductions("gpu")
+    assert len(cpu) == 2 and cpu[0] == cpu[1], reduced  # each summand reduced
+    assert gpu == cpu[:1], reduced  # their sum reduced once, one summand's bytes

@@ -102,3 +102,34 @@ def test_saved_plan_compiles_for_gpus():
     assert "all-reduce-start" in compiled.as_text()
     rows = plan.verify(compiled, gpu).rows
     assert rows and all(r.compiled_count == r.planned_count for r in rows)
+
+
+@needs_plugin
+def test_xla_gpu_reduces_an_add_of_two_reduced_summands_once():
+    """What :attr:`shardc.cost.combine.Combiner.reassociates` says of XLA:GPU: two partial
+    dots, each reduce-scattered into an add that alone reads them, compile to one
+    reduce-scatter of the sum there (on XLA:CPU, the two reductions combined)."""
+    from shardc.cost.combine import XLA_CPU, XLA_GPU
+
+    def f(x, w1, w2):
+        split = NamedSharding(mesh, P("gpu", None))
+        a = jax.lax.with_sharding_constraint(x @ w1, split)
+        b = jax.lax.with_sharding_constraint(x @ w2, split)
+        return a + b
+
+    counts = {}
+    for name, devices in (("gpu", deviceless.gpu_devices()), ("cpu", jax.devices())):
+        mesh = _mesh(devices)
+        shard = [NamedSharding(mesh, s) for s in (P(None, "gpu"), P("gpu", None),
+                                                  P("gpu", None))]
+        args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=sh) for s, sh in
+                zip(((64, 256), (256, 128), (256, 128)), shard, strict=True)]
+        text = jax.jit(f).lower(*args).compile().as_text()
+        counts[name] = [(c.kind, c.result_bytes) for c in collectives(text, mesh)
+                        if c.kind in ("reduce-scatter", "all-reduce")]
+    # one reduce-scatter of the sum on XLA:GPU; on XLA:CPU the two summands' reductions
+    # combined into one collective of both (twice the bytes)
+    (gpu_kind, gpu_bytes), = counts["gpu"]
+    (cpu_kind, cpu_bytes), = counts["cpu"]
+    assert gpu_kind == cpu_kind == "reduce-scatter" and 2 * gpu_bytes == cpu_bytes, counts
+    assert XLA_GPU.reassociates and not XLA_CPU.reassociates

@@ -95,7 +95,12 @@ class Combiner:
     combines with all-reduces of its group), :data:`XLA_GPU` XLA:GPU's defaults (all-reduce,
     all-gather and reduce-scatter combiners, each to 30 MiB). ``scatter_as_all_reduce``:
     the backend runs a reduce-scatter as an all-reduce of the whole buffer and a slice
-    (XLA:CPU), so the whole buffer is held while it runs.
+    (XLA:CPU), so the whole buffer is held while it runs. ``reassociates``: the kinds whose
+    two like reductions feeding one add the backend rewrites into one reduction of the sum
+    (``add(reduce-scatter(x), reduce-scatter(y))`` -> ``reduce-scatter(add(x, y))``, each
+    operand's collective read by the add alone): XLA:GPU's; a Llama's backward loop on
+    (4, 2) H100s sums the gate and up projections' input gradients, each reduce-scattered
+    over the second axis, and compiles to one reduce-scatter per layer, not two.
 
     References:
       XLA ``cpu_compiler.cc`` (``AllReduceCombiner`` with ``kCombineBytes`` = int64 max,
@@ -104,6 +109,9 @@ class Combiner:
       dimensions combine there (a ViT's gradients scattered over dims 0, 1 and 2 compile to
       one reduce-scatter, each transposed to scatter its leading dim), and all-gathers of
       different element types (XLA ``all_gather_combiner.cc``: its key holds no type).
+      XLA ``gpu_compiler.cc``: its collective optimizations run ``AllReduceReassociate``
+      and ``ReduceScatterReassociate`` (``all_reduce_reassociate.h``: an all-reduce read by
+      one user only).
     """
 
     backend: str
@@ -111,6 +119,7 @@ class Combiner:
     threshold_bytes: float
     threshold_count: int
     scatter_as_all_reduce: bool = False
+    reassociates: frozenset[str] = frozenset()
 
     def family(self, kind: str) -> str | None:
         return dict(self.families).get(kind)
@@ -125,7 +134,8 @@ class Combiner:
 XLA_CPU = Combiner("cpu", (("all-reduce", "all-reduce"), ("reduce-scatter", "all-reduce")),
                    float(2**63 - 1), 256, scatter_as_all_reduce=True)
 XLA_GPU = Combiner("gpu", (("all-reduce", "all-reduce"), ("all-gather", "all-gather"),
-                           ("reduce-scatter", "reduce-scatter")), 30 * 2**20, 256)
+                           ("reduce-scatter", "reduce-scatter")), 30 * 2**20, 256,
+                   reassociates=frozenset({"all-reduce", "reduce-scatter"}))
 COMBINERS = {"cpu": XLA_CPU, "gpu": XLA_GPU, "cuda": XLA_GPU, "rocm": XLA_GPU}
 
 

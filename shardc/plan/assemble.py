@@ -83,6 +83,21 @@ def _joined(graph: Graph, uses: list, via: dict, pending: list, combiner, reshar
     return combined
 
 
+def reassociated_adds(graph: Graph) -> frozenset[int]:
+    """Ids of the adds of two values that nothing else reads: where both summands are
+    reduced alike, a backend that reassociates (:attr:`shardc.cost.combine.Combiner.
+    reassociates`) runs one reduction of their sum, which :func:`assemble` prices."""
+    uses: dict[int, int] = {}
+    for op in graph.ops:
+        for v in op.inputs:
+            uses[v.id] = uses.get(v.id, 0) + 1
+    for v in graph.outputs:
+        uses[v.id] = uses.get(v.id, 0) + 1
+    return frozenset(op.id for op in graph.ops if op.name in ("add", "add_any")
+                     and len(op.inputs) == 2 and op.inputs[0].id != op.inputs[1].id
+                     and all(not v.is_const and uses[v.id] == 1 for v in op.inputs))
+
+
 def _op_facts(graph: Graph) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
     """Per op, what its :class:`OpPlan` records of the program alone: its types
     (``"f32[8,16],f32[16,32]->f32[8,32]"``), its inputs' ids (-1 a constant) and its
@@ -111,6 +126,8 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
     comm = wire = compute = 0.0
 
     done: dict[tuple, int] = {}  # (value, src, dst) -> its reshard
+    summands = graph.memo("reassociated_adds", reassociated_adds)
+    summed: dict[tuple, int] = {}  # (add, src, dst) -> the reshard its summands share
     folded = graph.constants()  # read partial, one is made so (as in the cost graph)
     combiner = combiner_for(platform)
     uses: list[Use] = []  # per reshard, where it sits (for XLA's combiner)
@@ -133,6 +150,13 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
         if (value.id, src, dst) in done:
             via.setdefault((consumer, value.id), done[(value.id, src, dst)])
             return 0.0
+        if consumer in summands and src.has_partial and all(
+                c.kind in combiner.reassociates for c in conv.collectives):
+            # the add's other summand reduced alike: XLA reduces the sum once
+            if (consumer, src, dst) in summed:
+                via[(consumer, value.id)] = summed[(consumer, src, dst)]
+                return 0.0
+            summed[(consumer, src, dst)] = len(reshards)
         done[(value.id, src, dst)] = via[(consumer, value.id)] = len(reshards)
         uses.append(Use(value.id, consumer, reduced and any(
             isinstance(d, Partial) and s != d for s, d in zip(src.sbps, dst.sbps))))
