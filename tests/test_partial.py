@@ -18,6 +18,7 @@ from shardc.lower.partial import (
     stacked_sharding,
     unstack,
     vmapped,
+    widen,
 )
 
 SIZES = (2, 4)  # mesh (node, gpu)
@@ -50,6 +51,22 @@ def test_stack_keeps_the_value_on_the_first_device_only():
     np.testing.assert_array_equal(held[0, 0], x)
     assert float(jnp.abs(held).sum() - jnp.abs(x).sum()) == 0.0
     np.testing.assert_array_equal(unstack(Stacked(held, (0, 1))), x)
+
+
+def test_widening_a_stacked_sum_keeps_its_summands_and_adds_zeros():
+    """A sum held stacked over the gpu axis, read partial over both axes (replicated along
+    node): each node's summands are the gpu summands on node 0 and zeros on node 1; the
+    value is the same, and nothing was summed."""
+    held = Stacked(jnp.asarray(RNG.normal(size=(4, 5)), jnp.float32), (1,))
+    wide = widen(held, (0, 1), SIZES)
+    assert wide.axes == (0, 1) and wide.x.shape == (2, 4, 5)
+    np.testing.assert_array_equal(wide.x[0], held.x)
+    np.testing.assert_array_equal(wide.x[1], jnp.zeros((4, 5)))
+    np.testing.assert_allclose(unstack(wide), unstack(held), rtol=1e-6)
+    node = widen(Stacked(held.x[:2], (0,)), (0, 1), SIZES)  # the new axis after the held one
+    assert node.x.shape == (2, 4, 5)
+    np.testing.assert_array_equal(node.x[:, 0], held.x[:2])
+    assert float(jnp.abs(node.x[:, 1:]).sum()) == 0.0
 
 
 def test_summands_of_a_dot_over_the_split_dim_add_up_to_the_dot():

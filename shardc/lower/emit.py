@@ -37,7 +37,7 @@ from shardc.cost.comm import conversion
 from shardc.ir.flow import carry_exit, loop_ties, reads, unrolled_sums
 from shardc.ir.prims import facts
 from shardc.ir.remat import is_gate
-from shardc.ir.sbp import B, NdSbp, Split, to_partition_spec
+from shardc.ir.sbp import B, NdSbp, P, Split, to_partition_spec
 from shardc.ir.trace import Fork, Inlined, Loop, Region, Traced
 from shardc.lower.control import ControlFlow, bind_eqn
 from shardc.lower.partial import (
@@ -45,6 +45,7 @@ from shardc.lower.partial import (
     stack,
     sum_axes,
     unstack,
+    widen,
 )
 from shardc.lower.stacking import StackedSums, own_ops
 from shardc.pipeline.lowering import Stacks, made_by
@@ -160,6 +161,11 @@ class _Lowering(ControlFlow, StackedSums):
         the same axes, it stays so (its other axes converted); otherwise it is summed, then
         converted, then stacked again."""
         want = sum_axes(dst)
+        if isinstance(x, Stacked) and src is not None and set(x.axes) < set(want) and all(
+                src.sbps[a] == B for a in want if a not in x.axes):
+            # read partial over more axes, replicated along them: stacked wider, not summed
+            x = widen(x, want, self.plan.axis_sizes)
+            src = NdSbp(tuple(P if a in want else s for a, s in enumerate(src.sbps)))
         if isinstance(x, Stacked) and x.axes == want:
             arr = x.x
             for nd in conversion_steps(self.plan, src, dst):

@@ -35,7 +35,7 @@ from shardc.ir.prims import facts
 from shardc.ir.sbp import B, NdSbp, P, Partial, Split, to_partition_spec
 
 __all__ = ["lift", "stack", "stackable", "Stacked", "stacked_sharding", "sum_axes", "unstack",
-           "vmapped"]
+           "vmapped", "widen"]
 
 
 class Stacked:
@@ -106,6 +106,25 @@ def stack(x, axes: tuple[int, ...], sizes: Sequence[int]):
     first = first.reshape(shape + (1,) * jnp.ndim(x))
     x = jnp.asarray(x)
     return jnp.where(first, x[(None,) * len(shape)], jnp.zeros((), x.dtype))
+
+
+def widen(x: Stacked, axes: tuple[int, ...], sizes: Sequence[int]) -> Stacked:
+    """``x`` held stacked over ``axes`` (which hold ``x.axes``), its value replicated along
+    the others (``B -> P`` there): on each new axis the summand is itself on the first
+    device and zeros on the others (:func:`stack`'s convention), and nothing is summed (a
+    ys the plan reduces after its loop, partial over one axis where it is made and read
+    partial over two, was summed over the first inside the loop: one all-reduce per
+    iteration)."""
+    arr = x.x
+    have = set(x.axes)
+    for pos, a in enumerate(axes):  # ascending: the axes before ``a`` are in place
+        if a in have:
+            continue
+        arr = jnp.expand_dims(arr, pos)
+        first = jax.lax.broadcasted_iota(jnp.int32, (sizes[a],) + (1,) * (arr.ndim - 1 - pos),
+                                         0) == 0
+        arr = jnp.where(first, arr, jnp.zeros((), arr.dtype))
+    return Stacked(arr, axes)
 
 
 def lift(x, lead: tuple[int, ...], want: NdSbp, axes: tuple[int, ...], sizes: Sequence[int]

@@ -300,13 +300,19 @@ def _pipeline(plan) -> str:
         for r in priced["compiled_ranking"]) if priced.get("compiled_ranking") else ""
     return textwrap.fill(
         head + f"; {p.describe(priced['layers'])}; bubble {fmt_time(priced['bubble_s'])}, "
-        f"{priced['bubble_s'] / step:.0%} of the step; {priced['permutes']} "
-        f"collective-permutes of {fmt_bytes(priced['permute_bytes'])} and "
-        f"{priced['reduces']} all-reduces of {fmt_bytes(priced['reduce_bytes'])} over "
+        f"{priced['bubble_s'] / step:.0%} of the step; "
+        f"{_counted(priced['permutes'], 'collective-permute')} of "
+        f"{fmt_bytes(priced['permute_bytes'])} and "
+        f"{_counted(priced['reduces'], 'all-reduce')} of {fmt_bytes(priced['reduce_bytes'])} over "
         f"{p.axis!r}{loss} per step; unpipelined step {fmt_time(priced['unpipelined_s'])} "
         f"(the tables below lay out the unpipelined program; each stage splits a "
         f"micro-batch {split}){ranked}",
         width=100, subsequent_indent="  ", break_on_hyphens=False)
+
+
+def _counted(n: int, what: str) -> str:
+    """``3 all-reduces``, ``1 all-reduce``."""
+    return f"{n} {what}" + ("" if n == 1 else "s")
 
 
 def _overlapped(plan) -> str:
