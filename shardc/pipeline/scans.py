@@ -89,6 +89,7 @@ def _batch_inputs(graph: Graph, ties: Sequence[tuple[int, int]], resident: Colle
     carried = {i for _, i in ties} | set(resident)
     lead = {v.id for k, v in enumerate(graph.inputs)
             if k not in carried and v.ndim and v.shape[0] == batch}
+
     def feeding(kind: str) -> set[int]:
         return _ancestors(graph, {v.id for op in forward if op.params["kind"] == kind
                                   for v in op.inputs})

@@ -267,15 +267,14 @@ def from_inputs(cg: CostGraph, layouts: Mapping[int, NdSbp]) -> dict[int, int] |
     writes, which is tied to the state it reads (so a replicated state's gradients are
     all-reduced once, not reduce-scattered and re-gathered); every other node greedy in
     program order; then coordinate descent, with the fixed inputs kept and free. The greedy
-    pass runs twice, each op taking its
-    cheapest choice, and keeping the layouts of the batch and its activations where a
-    choice can (:func:`batch_nodes`: the state's values are converted instead, as XLA
-    all-gathers an FSDP weight for a batch-split dot where the cheapest choice alone moves
-    the activation: GPT-2 small's FSDP seed on 8 H100s, predicted 6.34 against 8.72 ms,
-    compiles to 18 collectives against 234, where XLA compiles the expert to 20); the
-    cheapest end point is the seed's plan (:func:`completions`). Inputs whose layout is not
-    one of their choices (uneven) are left to the greedy passes; None when no input could
-    be fixed."""
+    pass runs twice, each op taking its cheapest choice, and keeping the layouts of the
+    batch and its activations where a choice can (:func:`batch_nodes`: the state's values
+    are converted instead, as XLA all-gathers an FSDP weight for a batch-split dot where
+    the cheapest choice alone moves the activation: GPT-2 small's FSDP seed on 8 H100s,
+    predicted 6.34 against 8.72 ms, compiles to 18 collectives against 234, where XLA
+    compiles the expert to 20); the cheapest end point is the seed's plan
+    (:func:`completions`). Inputs whose layout is not one of their choices (uneven) are
+    left to the greedy passes; None when no input could be fixed."""
     inputs = fixed_inputs(cg, layouts)
     if not inputs:
         return None
