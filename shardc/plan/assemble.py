@@ -87,15 +87,12 @@ def reassociated_adds(graph: Graph) -> frozenset[int]:
     """Ids of the adds of two values that nothing else reads: where both summands are
     reduced alike, a backend that reassociates (:attr:`shardc.cost.combine.Combiner.
     reassociates`) runs one reduction of their sum, which :func:`assemble` prices."""
-    uses: dict[int, int] = {}
-    for op in graph.ops:
-        for v in op.inputs:
-            uses[v.id] = uses.get(v.id, 0) + 1
-    for v in graph.outputs:
-        uses[v.id] = uses.get(v.id, 0) + 1
+    users = graph.consumers()
+    returned = {v.id for v in graph.outputs}
     return frozenset(op.id for op in graph.ops if op.name in ("add", "add_any")
-                     and len(op.inputs) == 2 and op.inputs[0].id != op.inputs[1].id
-                     and all(not v.is_const and uses[v.id] == 1 for v in op.inputs))
+                     and len(op.inputs) == 2 and all(
+                         not v.is_const and v.id not in returned
+                         and len(users.get(v.id, ())) == 1 for v in op.inputs))
 
 
 def _op_facts(graph: Graph) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
