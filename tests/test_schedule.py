@@ -532,7 +532,7 @@ def test_an_overlap_plan_is_the_fastest_compiled_of_the_best_candidates():
                              mesh_search=True, rank_compiled=3, seeds=seeds)
     plan = step.plan(ws, x)
     rows = plan.solver["compiled_ranking"]
-    assert 1 < len(rows) <= 7 and all("compiled_s" in r for r in rows), rows
+    assert 1 < len(rows) <= 8 and all("compiled_s" in r for r in rows), rows
     estimates = [r["estimated_s"] for r in rows]
     assert estimates[0] == min(estimates)
     got = min(r["compiled_s"] for r in rows)
@@ -561,17 +561,23 @@ def test_the_compiled_ranking_compiles_each_program_once_the_best_by_either_esti
     """``to_compile``: the ``count`` best distinct programs by the estimate with the
     gradient reductions late, then those by the chained one not already taken, then of the
     rest the best by the two ranks' sum (``p2``, third by each: the wide ResNet's data
-    parallelism under ring steps, fourth by each, compiled fastest). A candidate on another
-    view whose devices hold the same pieces (``x=8`` split against ``a=2 x b=4`` split over
-    both) is the same program: compiled once, as the first estimate's first."""
+    parallelism under ring steps, fourth by each, compiled fastest), then of the rest the
+    one with the fewest collectives (``p3``, last by the first estimate and fifth by the
+    second: the wide ResNet's data parallelism on two nodes, compiled fastest). A
+    candidate on another view whose devices hold the same pieces (``x=8`` split against
+    ``a=2 x b=4`` split over both) is the same program: compiled once, as the first
+    estimate's first."""
     import shardc.step.ranking as ranking
     from shardc.ir.sbp import B, NdSbp, S
+    from shardc.plan.record import Reshard
 
     split, whole = NdSbp((S(0),)), NdSbp((B,))
-    p0 = _plan([], [], {0: split, 1: whole})
+    p0 = _plan([], [Reshard(0, None, split, whole, 0.0, 0.0, ("all-gather@x",), (0.0,))],
+               {0: split, 1: whole})
     again = dataclasses.replace(p0, mesh_axes=(("a", 2), ("b", 4)),
                                 values={0: NdSbp((S(0), S(0))), 1: NdSbp((B, B))})
-    p1, p2, p3, p4 = (dataclasses.replace(p0, values={0: whole, 1: NdSbp((S(k),))})
+    p1, p2, p3, p4 = (dataclasses.replace(p0, values={0: whole, 1: NdSbp((S(k),))},
+                                          reshards=p0.reshards if k != 2 else ())
                       for k in range(4))
     late = {id(again): 1.0, id(p0): 1.5, id(p1): 2.0, id(p2): 3.0, id(p3): 9.0, id(p4): 8.0}
     chained = {id(p4): 1.0, id(p0): 1.5, id(p2): 2.0, id(again): 2.5, id(p1): 3.0,
@@ -581,11 +587,18 @@ def test_the_compiled_ranking_compiles_each_program_once_the_best_by_either_esti
     plans = [p0, again, p1, p2, p3, p4]
     assert ranking.layout_key(p0) == ranking.layout_key(again) != ranking.layout_key(p1)
     assert [id(p) for p in ranking.to_compile(plans, 2)] == [id(again), id(p1), id(p4),
-                                                               id(p2)]
+                                                               id(p2), id(p3)]
     assert [id(p) for p in ranking.to_compile(plans, 3)] == [id(again), id(p1), id(p2),
                                                                id(p4), id(p3)]
-    # p1 and p2 tie on the ranks' sum (4): the search's order keeps p1
-    assert [id(p) for p in ranking.to_compile(plans, 1)] == [id(again), id(p4), id(p1)]
+    # p1 and p2 tie on the ranks' sum (4): the search's order keeps p1; of p2 and p3, p3
+    # has the fewest collectives (none)
+    assert [id(p) for p in ranking.to_compile(plans, 1)] == [id(again), id(p4), id(p1),
+                                                               id(p3)]
+    # with as many collectives as the others, p2's better estimates keep it
+    p3b = dataclasses.replace(p3, reshards=p0.reshards)
+    late[id(p3b)], chained[id(p3b)] = late[id(p3)], chained[id(p3)]
+    plans = [p0, again, p1, p2, p3b, p4]
+    assert [id(p) for p in ranking.to_compile(plans, 1)][-1] == id(p2)
 
 
 def test_rank_compiled_is_a_whole_number():

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from jax.sharding import Mesh
 
-__all__ = ["KindRow", "KINDS", "Verification", "verify"]
+__all__ = ["KindRow", "KINDS", "Verification", "planned", "verify"]
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -83,6 +83,28 @@ class Verification:
         return "\n".join(self.table().text())
 
 
+def planned(plan) -> tuple[dict[str, int], dict[str, float]]:
+    """The collectives ``plan`` expects in its compiled program: ``(count, wire bytes per
+    device)`` by kind, the members of one combined collective (``Reshard.combined``)
+    counted once."""
+    count: dict[str, int] = defaultdict(int)
+    nbytes: dict[str, float] = defaultdict(float)
+    groups: dict[str, set[int]] = defaultdict(set)
+    for r in plan.reshards:
+        joins = r.combined or (-1,) * len(r.collectives)
+        for name, b, g in zip(r.collectives, r.collective_bytes, joins, strict=True):
+            kind = name.split("@")[0]
+            if kind in KINDS:
+                if g < 0:
+                    count[kind] += 1
+                else:
+                    groups[kind].add(g)
+                nbytes[kind] += b
+    for kind, ids in groups.items():
+        count[kind] += len(ids)
+    return count, nbytes
+
+
 def verify(plan, compiled, mesh: Mesh | None = None) -> Verification:
     from shardc.inspect.hlo import price
 
@@ -90,21 +112,7 @@ def verify(plan, compiled, mesh: Mesh | None = None) -> Verification:
         raise ValueError("verify needs the mesh the program was compiled for: "
                          "plan.verify(compiled, mesh)")
     cost = price(compiled, mesh, plan.cluster)
-    planned_n: dict[str, int] = defaultdict(int)
-    planned_b: dict[str, float] = defaultdict(float)
-    groups: dict[str, set[int]] = defaultdict(set)
-    for r in plan.reshards:
-        joins = r.combined or (-1,) * len(r.collectives)
-        for name, nbytes, g in zip(r.collectives, r.collective_bytes, joins, strict=True):
-            kind = name.split("@")[0]
-            if kind in KINDS:
-                if g < 0:
-                    planned_n[kind] += 1
-                else:
-                    groups[kind].add(g)
-                planned_b[kind] += nbytes
-    for kind, ids in groups.items():
-        planned_n[kind] += len(ids)
+    planned_n, planned_b = planned(plan)
     comp_n: dict[str, int] = defaultdict(int)
     comp_b: dict[str, float] = defaultdict(float)
     comp_t: dict[str, float] = defaultdict(float)
