@@ -438,6 +438,7 @@ def test_a_seed_completion_keeps_the_seed_inputs_where_free_descent_strands_them
                                                                         kept)))
                for kept in (frozenset(), descent.batch_nodes(cg)))
     ends = descent.completions(cg, inputs)
+    assert len({tuple(sorted(end.items())) for end in ends}) == len(ends)  # each once
     assert any(all(end[n] == c for n, c in inputs.items()) for end in ends)
     assert sol.stats["seeds"]["zero1"] == descent.objective(cg, ends[0])
     assert sol.stats["seeds"]["zero1"] < free * (1 - 1e-3), (sol.stats["seeds"], free)

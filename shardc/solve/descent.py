@@ -286,8 +286,8 @@ def completions(cg: CostGraph, inputs: Mapping[int, int]) -> list[dict[int, int]
     """The end points :func:`from_inputs` chooses between, for graph-input nodes fixed
     to the choices ``inputs``: each greedy pass descended with those inputs kept (what
     XLA's propagation does from pinned inputs) and free (an input moves where its uses pay
-    for it), cheapest first (a search under a memory budget keeps each, as the leaner may
-    be the one that fits). Descent is path-dependent: from a wide ResNet's ZeRO-1 seed on
+    for it), each distinct one once, cheapest first (a search under a memory budget keeps
+    each, as the leaner may be the one that fits). Descent is path-dependent: from a wide ResNet's ZeRO-1 seed on
     (2, 4) H100s the free descent moved the replicated parameters to HSDP's split and
     stopped there (0.002568 s by the objective); kept, the optimizer's update stays
     sharded and its small parameters' gathers join the large ones' (0.002547 s, 5 all-
@@ -295,8 +295,12 @@ def completions(cg: CostGraph, inputs: Mapping[int, int]) -> list[dict[int, int]
     tail = tail_nodes(cg)
     starts = [greedy(cg, dict(inputs), tail, kept)
               for kept in (frozenset(), batch_nodes(cg))]
-    ends = [descend(cg, x, kept=held) for x in starts for held in (inputs, ())]
-    return sorted(ends, key=lambda x: objective(cg, x))
+    ends: dict[tuple, dict[int, int]] = {}  # distinct end points, first kept
+    for x in starts:
+        for held in (inputs, ()):
+            end = descend(cg, x, kept=held)
+            ends.setdefault(tuple(sorted(end.items())), end)
+    return sorted(ends.values(), key=lambda x: objective(cg, x))
 
 
 def fixed_inputs(cg: CostGraph, layouts: Mapping[int, NdSbp]) -> dict[int, int]:
