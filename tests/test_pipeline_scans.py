@@ -135,6 +135,48 @@ def test_a_flax_nn_scan_over_blocks_runs_as_the_pipeline_asked_for():
     assert "collective-permute" in run.lower(p, x).compile().as_text()
 
 
+@pytest.mark.parametrize("pipe", [Pipeline("stage", 2, 4), Pipeline("stage", 4, 4),
+                                  Pipeline("stage", 2, 4, "circular", 2)])
+def test_a_flax_nnx_scan_over_blocks_runs_as_the_pipeline_asked_for(pipe):
+    """Flax NNX's ``nnx.scan`` hands each block's state back as a per-layer output (its
+    ``xs`` passed through) and its body traces only inside nnx's own context: the stack's
+    layer is traced then at every micro-batch size and the pipeline runs those traces.
+    The step (gradient and update of the blocks' parameters) equals ``jax.jit``'s; the
+    compiled program sends the micro-batches between the stages."""
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+
+        def __call__(self, x):
+            return x + jnp.tanh(self.lin(x) + jnp.zeros_like(x))  # a broadcast of the batch
+
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make(key):
+        return Block(nnx.Rngs(key))
+
+    graphdef, params = nnx.split(make(jax.random.split(jax.random.key(0), LAYERS)))
+
+    def step(params, x):
+        def loss(params):
+            @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+            def run(block, h):
+                return block(h)
+            return jnp.mean(run(nnx.merge(graphdef, params), x) ** 2)
+        value, g = jax.value_and_grad(loss)(params)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, params, g), value
+
+    x = args()[1]
+    m = jax.make_mesh((pipe.stages, 8 // pipe.stages), ("stage", "data"))
+    run = shardc.auto_shard(step, mesh=m, pipeline=pipe)
+    for a, b in zip(jax.tree.leaves(run(params, x)), jax.tree.leaves(jax.jit(step)(params, x)),
+                    strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+    assert run.plan(params, x).pipeline == pipe
+    assert "collective-permute" in run.lower(params, x).compile().as_text()
+
+
 def batch_norm(c, w):  # statistics over the batch: each row reads every other
     return layer((c - c.mean(0)) / (c.std(0) + 1e-5), w)
 

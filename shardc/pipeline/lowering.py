@@ -140,7 +140,7 @@ class Stacks:
                 return pipeline_loss(stack.fn, stack.loss.fn, carry, params, head, targets,
                                      pipeline=p, mesh=mesh, batch_axes=axes)
             out = pipeline_scan(stack.fn, carry, params, pipeline=p, mesh=mesh,
-                                batch_axes=axes)[0]
+                                batch_axes=axes, check_vma=not stack.replayed)[0]
             return out if stack.loss is None else stack.loss.fn(out, head, targets)
         return fn
 

@@ -218,8 +218,8 @@ def _stages(layer_fn: Callable, pipeline: Pipeline, steps: int, batch_axes: tupl
 
 
 def pipeline_scan(layer_fn: Callable, carry: Any, stacked_params: Any, *,
-                  pipeline: Pipeline, mesh: Mesh, batch_axes: tuple[str, ...] = ()
-                  ) -> tuple[Any, None]:
+                  pipeline: Pipeline, mesh: Mesh, batch_axes: tuple[str, ...] = (),
+                  check_vma: bool = True) -> tuple[Any, None]:
     """``jax.lax.scan(layer_fn, carry, stacked_params)`` run as ``pipeline`` on ``mesh``:
     ``carry``'s leaves share a leading batch dim (cut into ``pipeline.microbatches``),
     ``stacked_params``' leaves a leading layer dim (cut into ``stages * virtual`` chunks,
@@ -234,7 +234,9 @@ def pipeline_scan(layer_fn: Callable, carry: Any, stacked_params: Any, *,
     dim inside the pipeline: data parallelism within each stage, the ``shard_map`` manual
     over them too (so ``layer_fn`` must not constrain its values over them); the weight
     gradients are summed over them once, after the backward loop. Without, the other
-    axes stay Auto and XLA lays the micro-batches out as it likes."""
+    axes stay Auto and XLA lays the micro-batches out as it likes. ``check_vma``: the
+    ``shard_map``'s own (False for a layer run from traces made outside it, whose ops
+    carry no manual-axis types: the same program, its replication unchecked)."""
     p = pipeline
     if p.schedule == "1f1b":
         raise ValueError(f"pipeline_scan({p}): 1F1B runs each micro-batch's backward right "
@@ -259,6 +261,7 @@ def pipeline_scan(layer_fn: Callable, carry: Any, stacked_params: Any, *,
     split = PartitionSpec(None, batch_axes or None)
     run = jax.shard_map(_stages(layer_fn, p, m_n * v_n + s_n - 1, tuple(batch_axes)),
                         mesh=mesh, in_specs=(weights, split),
-                        out_specs=split, axis_names={p.axis, *batch_axes})
+                        out_specs=split, axis_names={p.axis, *batch_axes},
+                        check_vma=check_vma)
     out = run(params, mbs)
     return jax.tree.map(lambda o: o.swapaxes(0, 1).reshape((batch,) + o.shape[2:]), out), None

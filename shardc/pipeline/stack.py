@@ -84,6 +84,10 @@ class Stack:
     loss: Loss | None = None
     #: why the stack cannot run as a pipeline (:func:`refusal`), in words; None: it can
     refused: str | None = None
+    #: ``fn`` runs from traces made while the scan was traced, one per micro-batch size
+    #: (Flax NNX's scan body, which traces only inside nnx's context): their ops carry
+    #: no manual-axis types, so a pipeline's ``shard_map`` runs them unchecked
+    replayed: bool = False
 
     @property
     def operands(self) -> int:
@@ -165,6 +169,8 @@ def has_stack(jaxpr, loss: bool = False) -> bool:
 def _origin(fn: Callable) -> str:
     """Where ``fn``'s code is (the wrapped function's, for a ``functools.partial``): two
     layer functions of one jaxpr at the full batch may differ on micro-batches."""
+    if isinstance(fn, partial) and fn.func is _replay:
+        fn = fn.args[0]
     fn = getattr(fn, "func", fn)
     code = getattr(fn, "__code__", None)
     if code is None:
@@ -293,16 +299,27 @@ def _routed(f, init, xs=None, length=None, reverse=False, unroll=1, _split_trans
         # a body closing over traced values is not one a pipeline can trace again on
         # micro-batches; nor is a gradient-accumulation loop over micro-batches, whose
         # carry (the gradients) would otherwise pass for a batch
-        stack = not jax.tree.leaves(ys) and not consts
+        passed = _passed_through(traced.jaxpr, init, one)
+        stack = not consts and (not jax.tree.leaves(ys) or passed is not None)
         if stack:
             layer = partial(_carry_only, body)
-            why = refusal(carry_of(f, "jax.lax.scan"), layer, init, one)
-    if stack and why is None:  # ys: a tree of no arrays, as the body gives it
+            live = f if passed is None else partial(_no_ys, f)
+            why = refusal(carry_of(live, "jax.lax.scan"), layer, init, one)
+    if stack and why is None:  # ys: a tree of no arrays, or the xs passed through
         run = _RUNNER.get()
+        if passed is not None:
+            ys = jax.tree.unflatten(jax.tree.structure(ys),
+                                    [jax.tree.leaves(xs)[k] for k in passed])
+            if run is None:
+                # Flax NNX's scan: its body runs only inside nnx's own context, which is
+                # gone by the time a pipeline runs the layer on micro-batches
+                with _not_routing():
+                    live = _traced_at_each_size(f, init, one)
         if run is not None:
-            return run(f, init, xs), ys
+            return run(live, init, xs), ys
         with _not_routing():
-            return _filed(f, init, xs, routing=routing, traced=(layer, ())), ys
+            return _filed(live, init, xs, routing=routing, traced=(layer, ()),
+                          replayed=passed is not None), ys
     if stack:  # (the routing read outside the block, which unsets it)
         _refuse(routing, "a jax.lax.scan", next(iter(_leading(xs)))[0], why)
     if _holds_scan(traced.jaxpr):
@@ -310,6 +327,57 @@ def _routed(f, init, xs=None, length=None, reverse=False, unroll=1, _split_trans
         # loop over micro-batches) may be a stack
         return _SCAN(f, init, xs, length=length, unroll=unroll)
     return _SCAN(partial(_closed, body, consts), init, xs, length=length, unroll=unroll)
+
+
+def _passed_through(jaxpr, init: Any, one: Any) -> tuple[int, ...] | None:
+    """Where a scan body's per-layer outputs (the jaxpr's results after the carry's) are
+    each one of its per-layer inputs (``one``'s leaves, after the carry's) passed through
+    unchanged, the index of that input per output (Flax NNX's ``nnx.scan`` hands each
+    layer's state back so); None where there are none or one is computed."""
+    n_carry, n_xs = len(jax.tree.leaves(init)), len(jax.tree.leaves(one))
+    xs_in = jaxpr.invars[n_carry:n_carry + n_xs]
+    ys_out = jaxpr.outvars[n_carry:]
+    if not ys_out:
+        return None
+    picked = []
+    for v in ys_out:
+        k = next((k for k, x in enumerate(xs_in) if v is x), None)
+        if k is None:
+            return None
+        picked.append(k)
+    return tuple(picked)
+
+
+def _no_ys(f: Callable, c, w):
+    """``f(c, w)`` as a stack's layer: its carry and no per-layer outputs."""
+    return f(c, w)[0], None
+
+
+def _traced_at_each_size(f: Callable, carry: Any, one: Any) -> Callable:
+    """A stack's layer ``(carry, layer_params) -> (carry, None)``: ``f``'s carry, ``f``
+    traced now at every batch size a micro-batch can have (the divisors of the batch: a
+    stage's part of a micro-batch too) and run later from those traces, for a body that
+    traces only within a context it is called in."""
+    batch = jax.tree.leaves(carry)[0].shape[0]
+    at = {}
+    for n in (d for d in range(1, batch + 1) if batch % d == 0):
+        c = jax.tree.map(lambda x, n=n: jax.ShapeDtypeStruct((n, *x.shape[1:]), x.dtype),
+                         carry)
+        at[n] = jax.make_jaxpr(lambda c, w: f(c, w)[0], return_shape=True)(c, one)
+    return partial(_replay, f, at)
+
+
+def _replay(_f: Callable, at: dict, c, w):
+    """A layer run from the traces ``at`` of ``f`` (batch size -> (closed jaxpr, result
+    shape)): :func:`_traced_at_each_size`; ``f`` names it (:func:`_origin`)."""
+    n = jax.tree.leaves(c)[0].shape[0]
+    if n not in at:
+        raise ValueError(f"a layer traced at batch sizes {sorted(at)} (its context is gone) "
+                         f"was run on {n} examples")
+    closed, shape = at[n]
+    out = jax.core.eval_jaxpr(closed.jaxpr, closed.consts,
+                              *jax.tree.leaves(c), *jax.tree.leaves(w))
+    return jax.tree.unflatten(jax.tree.structure(shape), out), None
 
 
 def _holds_scan(jaxpr) -> bool:
@@ -389,10 +457,12 @@ def layers_loss(layer_fn: Callable, loss_fn: Callable, carry: Any, stacked_param
 
 
 def _filed(layer_fn: Callable, carry: Any, stacked_params: Any, loss=None,
-           routing: str | None = None, traced: tuple[Callable, tuple] | None = None):
+           routing: str | None = None, traced: tuple[Callable, tuple] | None = None,
+           replayed: bool = False):
     """:func:`layers` (and, with ``loss`` = (loss_fn, head, targets), :func:`layers_loss`)
     outside a hand-written pipeline: the stack filed and run (``routing``: the block it was
-    called in, :data:`_ROUTING`)."""
+    called in, :data:`_ROUTING`; ``replayed``: ``layer_fn`` runs from its traces,
+    :attr:`Stack.replayed`)."""
     one = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape[1:], w.dtype), stacked_params)
     who = "shardc.pipeline.layers" if loss is None else "shardc.pipeline.layers_loss"
     carried = carry_of(layer_fn, who)
@@ -416,5 +486,5 @@ def _filed(layer_fn: Callable, carry: Any, stacked_params: Any, loss=None,
     why = None if traced else refusal(carried, layer, carry, one, consts)
     if why is not None:
         _refuse(routing, who, jax.tree.leaves(stacked_params)[0].shape[0], why)
-    _STACKS[name] = Stack(layer_fn, layer, *trees, len(consts), filed_loss, why)
+    _STACKS[name] = Stack(layer_fn, layer, *trees, len(consts), filed_loss, why, replayed)
     return _run(name, *operands)

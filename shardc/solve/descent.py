@@ -287,11 +287,11 @@ def completions(cg: CostGraph, inputs: Mapping[int, int]) -> list[dict[int, int]
     to the choices ``inputs``: each greedy pass descended with those inputs kept (what
     XLA's propagation does from pinned inputs) and free (an input moves where its uses pay
     for it), each distinct one once, cheapest first (a search under a memory budget keeps
-    each, as the leaner may be the one that fits). Descent is path-dependent: from a wide ResNet's ZeRO-1 seed on
-    (2, 4) H100s the free descent moved the replicated parameters to HSDP's split and
-    stopped there (0.002568 s by the objective); kept, the optimizer's update stays
-    sharded and its small parameters' gathers join the large ones' (0.002547 s, 5 all-
-    gathers against 6, as XLA compiles the expert)."""
+    each, as the leaner may be the one that fits). Descent is path-dependent: from a wide
+    ResNet's ZeRO-1 seed on (2, 4) H100s the free descent moved the replicated parameters
+    to HSDP's split and stopped there (0.002568 s by the objective); kept, the
+    optimizer's update stays sharded and its small parameters' gathers join the large
+    ones' (0.002547 s, 5 all-gathers against 6, as XLA compiles the expert)."""
     tail = tail_nodes(cg)
     starts = [greedy(cg, dict(inputs), tail, kept)
               for kept in (frozenset(), batch_nodes(cg))]
