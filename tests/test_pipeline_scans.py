@@ -142,7 +142,8 @@ def test_a_flax_nnx_scan_over_blocks_runs_as_the_pipeline_asked_for(pipe):
     ``xs`` passed through) and its body traces only inside nnx's own context: the stack's
     layer is traced then at every micro-batch size and the pipeline runs those traces.
     The step (gradient and update of the blocks' parameters) equals ``jax.jit``'s; the
-    compiled program sends the micro-batches between the stages."""
+    compiled program's collectives are the plan's, kind by kind (the stages' sends, the
+    closing all-reduces: none more in the backward)."""
     from flax import nnx
 
     class Block(nnx.Module):
@@ -173,8 +174,11 @@ def test_a_flax_nnx_scan_over_blocks_runs_as_the_pipeline_asked_for(pipe):
     for a, b in zip(jax.tree.leaves(run(params, x)), jax.tree.leaves(jax.jit(step)(params, x)),
                     strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
-    assert run.plan(params, x).pipeline == pipe
-    assert "collective-permute" in run.lower(params, x).compile().as_text()
+    plan = run.plan(params, x)
+    assert plan.pipeline == pipe
+    check = plan.verify(run.lower(params, x).compile(), run.mesh_for(plan))
+    assert check.counts_match and "collective-permute" in {r.kind for r in check.rows}, \
+        check.report()
 
 
 def batch_norm(c, w):  # statistics over the batch: each row reads every other

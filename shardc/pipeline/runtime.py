@@ -156,7 +156,34 @@ def _where(c, a, b):
     return jax.tree.map(lambda x, y: jnp.where(c, x, y), a, b)
 
 
-def _stages(layer_fn: Callable, pipeline: Pipeline, steps: int, batch_axes: tuple[str, ...]):
+def _handed_over(axis: str, stages: int, check_vma: bool) -> Callable:
+    """The last stage's finished micro-batches on every stage: one ``psum`` over ``axis``
+    of them (zeros elsewhere). Its transpose under a ``shard_map`` that checks
+    replication is a no-op; under one that does not, a ``psum`` is its own transpose, so
+    the backward would sum the cotangent over the stages once more: there it is the
+    cotangent handed to the last stage, which the ``shard_map``'s transpose passed divided
+    by the stages (an output unsplit over them)."""
+    def over(o):
+        last = jax.lax.axis_index(axis) == stages - 1
+        return jax.lax.psum(jnp.where(last, o, jnp.zeros_like(o)), axis)
+
+    if check_vma:
+        return over
+
+    @jax.custom_vjp
+    def handed(o):
+        return over(o)
+
+    def back(_, ct):
+        last = jax.lax.axis_index(axis) == stages - 1
+        return (jnp.where(last, ct * stages, jnp.zeros_like(ct)),)
+
+    handed.defvjp(lambda o: (over(o), None), back)
+    return handed
+
+
+def _stages(layer_fn: Callable, pipeline: Pipeline, steps: int, batch_axes: tuple[str, ...],
+            check_vma: bool = True):
     """The per-device loop (the body of the ``shard_map``): ``params`` leaves
     ``[V, 1, K, ...]`` (this device's chunks; ``[K, ...]`` where V = 1), ``mbs`` leaves
     ``[M, b, ...]`` (this device's part of every micro-batch over ``batch_axes``)."""
@@ -211,8 +238,7 @@ def _stages(layer_fn: Callable, pipeline: Pipeline, steps: int, batch_axes: tupl
             return (nxt, circ, outs), None
 
         (_, _, outs), _ = jax.lax.scan(step, (first, circ, outs), jnp.arange(steps))
-        return jax.tree.map(
-            lambda o: jax.lax.psum(jnp.where(s == s_n - 1, o, jnp.zeros_like(o)), axis), outs)
+        return jax.tree.map(_handed_over(axis, s_n, check_vma), outs)
 
     return run
 
@@ -259,7 +285,8 @@ def pipeline_scan(layer_fn: Callable, carry: Any, stacked_params: Any, *,
     mbs = jax.tree.map(
         lambda x: x.reshape((batch // m_n, m_n) + x.shape[1:]).swapaxes(0, 1), carry)
     split = PartitionSpec(None, batch_axes or None)
-    run = jax.shard_map(_stages(layer_fn, p, m_n * v_n + s_n - 1, tuple(batch_axes)),
+    run = jax.shard_map(_stages(layer_fn, p, m_n * v_n + s_n - 1, tuple(batch_axes),
+                                check_vma),
                         mesh=mesh, in_specs=(weights, split),
                         out_specs=split, axis_names={p.axis, *batch_axes},
                         check_vma=check_vma)
