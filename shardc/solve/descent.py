@@ -381,19 +381,25 @@ LEAN_WEIGHT = 1.0
 TIE_WEIGHT = 1e-3
 
 
-def lean(cg: CostGraph) -> dict[int, int]:
+def lean(cg: CostGraph, fixed: Mapping[int, int] | None = None) -> dict[int, int]:
     """The leanest plan descent finds: every input split as far as it goes, the rest
     greedy (tail first), then descent on bytes at the sampled memory points; ties there go
     to the choice whose results hold fewer bytes (:data:`TIE_WEIGHT`), time breaking the
     rest. (With time alone breaking them, an optimizer update whose buffers the sampled
     points miss stayed replicated where NCCL's latency made that the faster step.)
-    Deterministic, so the budget it meets holds when asked for again."""
+    ``fixed``: graph-input node -> choice kept throughout (a hand-written plan's layouts,
+    :func:`fixed_inputs`), the other inputs split as far as they go: the seed's leanest
+    completion, where :func:`completions` gives its fastest. Deterministic, so the budget
+    it meets holds when asked for again."""
     reach = _reach(cg)
-    inputs = {i: _split_most(cg, i, reach) for i in cg.live if isinstance(cg.refs[i], Value)}
+    fixed = dict(fixed or {})
+    inputs = {i: fixed[i] if i in fixed else _split_most(cg, i, reach)
+              for i in cg.live if isinstance(cg.refs[i], Value)}
     mem = _node_memory(cg)
     for i, held in _held_bytes(cg).items():  # ties at the sampled points go to the smaller
         mem[i] = mem[i] + TIE_WEIGHT * held if i in mem else TIE_WEIGHT * held
-    return descend(cg, greedy(cg, inputs, tail_nodes(cg)), LEAN_WEIGHT, mem=mem)
+    return descend(cg, greedy(cg, inputs, tail_nodes(cg)), LEAN_WEIGHT, mem=mem,
+                   kept=fixed)
 
 
 def _held_bytes(cg: CostGraph) -> dict[int, np.ndarray]:

@@ -34,8 +34,9 @@ __all__ = ["Reuse", "Starts", "exact_peak", "pin_inputs"]
 
 class Starts:
     """Plans and facts of one merged cost graph that no memory cut changes: each seed's
-    plan (:func:`descent.from_inputs`), the lean plan (:func:`descent.lean`, which reads
-    the sampled memory points: asked for before any cut) and the repeated-layer classes
+    plans (:func:`descent.completions`, and its leanest, :meth:`seed_lean`), the lean plan
+    (:func:`descent.lean`; it and a seed's leanest read the sampled memory points: asked
+    for before any cut) and the repeated-layer classes
     (:func:`shardc.solve.fold.colour_classes`, from costs and edges only)."""
 
     def __init__(self, cg: CostGraph):
@@ -48,9 +49,13 @@ class Starts:
         return self._kept[key]
 
     def _made_here(self, x: dict[int, int]) -> bool:
-        return any(x is y for k, y in self._kept.items() if k == "lean") or any(
-            x is y for k, ends in self._kept.items() if k != "lean" and k[0] == "seed"
-            for y in ends)
+        """Whether ``x`` is a plan kept here (the lean plan, a seed's completions or its
+        leanest)."""
+        for key, kept in self._kept.items():
+            plans = kept if isinstance(key, tuple) and key[0] == "seed" else (kept,)
+            if any(x is y for y in plans):
+                return True
+        return False
 
     def peak(self, x: dict[int, int]) -> float:
         """The exact per-device peak of the plan ``x`` (every program point: no memory cut
@@ -75,6 +80,14 @@ class Starts:
 
     def lean(self) -> dict[int, int]:
         return self._get("lean", lambda: descent.lean(self.cg))
+
+    def seed_lean(self, layouts: Mapping[int, NdSbp]) -> dict[int, int] | None:
+        """A hand-written plan's leanest completion (:func:`descent.lean` with its input
+        layouts kept); None where no input keeps its layout."""
+        def made() -> dict[int, int] | None:
+            inputs = descent.fixed_inputs(self.cg, layouts)
+            return descent.lean(self.cg, inputs) if inputs else None
+        return self._get(("seed-lean", frozenset(layouts.items())), made)
 
     def classes(self) -> dict[int, int]:
         return self._get("classes", lambda: colour_classes(self.cg))
