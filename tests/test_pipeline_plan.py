@@ -96,6 +96,8 @@ def test_the_planner_pipelines_a_stack_over_a_slow_axis_and_runs_what_it_priced(
     assert "of the step" in text
     # the stack's loops named by the user's lines inside them, not shardc's own
     assert "loop at " + __file__ in text and "pipeline/stack.py" not in text, text
+    # the stack's loop markers too (its scan, made in shardc, named by the layer's line)
+    assert "stack.py" not in plan.explain(max_rows=100)
     # the pipeline's sends among the top resharding edges, named as the pipeline's
     edges = plan.explain(max_rows=1, top=3).split("resharding edges:")[1]
     assert re.search(r"pipeline\s+its stages\s+-\s+-\s+collective-permute@stage", edges), edges

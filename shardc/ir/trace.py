@@ -81,6 +81,17 @@ def source_line(eqn) -> str:
     return f"{frame.file_name}:{frame.start_line}"
 
 
+def _loop_line(eqn, body) -> str:
+    """``source_line`` of a loop ``eqn``; for one shardc made (a layer stack's scan, its
+    line in shardc's own package), the first line of the user's code in its ``body``
+    (the layer function's)."""
+    line = source_line(eqn)
+    if line and not os.path.abspath(line).startswith(PACKAGE_DIR):
+        return line
+    return next((inner for e in body.eqns if (inner := source_line(e))
+                 and not os.path.abspath(inner).startswith(PACKAGE_DIR)), line)
+
+
 class Region:
     """One jaxpr as the trace walked it: ``steps[i]`` is what ``jaxpr.eqns[i]`` became, the
     planner's :class:`Op`, the Region of a call's body the planner saw inlined, or a
@@ -295,7 +306,7 @@ class _Builder:
         p = eqn.params
         closed, nc, nk, length = p["jaxpr"], p["num_consts"], p["num_carry"], p["length"]
         kinds = ["const"] * nc + ["carry"] * nk + ["xs"] * (len(ins) - nc - nk)
-        source = source_line(eqn)
+        source = _loop_line(eqn, closed.jaxpr)
         enters = [self.op(SCAN_ENTER, {"kind": kind, "length": length}, [outer],
                           [var.aval], weight, source=source, where=where)
                   for kind, outer, var in zip(kinds, ins, closed.jaxpr.invars)]
