@@ -63,6 +63,10 @@ def test_gpt_explain_names_parameters_and_folds_layers(gpt12):
     assert "state.params.blocks[0..11].attn." in op_rows
     assert "v" + str(plan.reshards[0].value) + " ->" not in text  # values named, not ids
     assert max(len(line) for line in text.splitlines()) < 200
+    # the resharding edges' table names its columns
+    edges = text.split("resharding edges:")[1].splitlines()
+    assert edges[1].split() == ["value", "read", "by", "from", "to", "collectives", "time",
+                                "wire", "bytes"], edges[:3]
 
 
 def test_plans_saved_without_names_still_load_and_explain(gpt12):

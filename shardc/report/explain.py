@@ -401,7 +401,7 @@ def explain_report(plan, max_rows: int | None = 60, top: int = 10, margins=None,
             tuple((*_edge(plan, names, r), "+".join(r.collectives), fmt_time(r.time),
                    fmt_bytes(r.wire_bytes))
                   for r in sorted(plan.reshards, key=lambda r: -r.time)[:top]),
-            align="<<<<<>>", header=False, indent=2))
+            align="<<<<<>>", indent=2))
     if verification is not None:
         blocks.append(verification.table())
     return Report(tuple(blocks))
