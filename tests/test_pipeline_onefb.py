@@ -101,6 +101,24 @@ def test_pipeline_loss_equals_the_scan_and_its_gradient(stages, micro, data):
     close(jax.jit(mine)(stacked, head, x), jax.jit(want)(stacked, head, x))
 
 
+def test_a_bfloat16_1f1b_pipeline_compiles_and_equals_the_scan():
+    """On CPU devices the loop's sums run in float32 (XLA:CPU aborts compiling a bfloat16
+    all-reduce made inside a shard_map); the values are bfloat16's, to its rounding."""
+    (stacked, head), (x, targets) = jax.tree.map(lambda a: a.astype(jnp.bfloat16),
+                                                 make(8, 8, 32))
+    mesh, pipe = auto_mesh(4), Pipeline("stage", 4, 4, "1f1b")
+
+    def mine(s, h):
+        return pipeline_loss(layer, loss_fn, x, s, h, targets, pipeline=pipe, mesh=mesh,
+                             batch_axes=("data",))
+
+    got = jax.jit(jax.value_and_grad(mine, (0, 1)))(stacked, head)
+    want = jax.jit(jax.value_and_grad(lambda s, h: reference(s, h, x, targets), (0, 1)))(
+        stacked, head)
+    close(jax.tree.map(lambda a: a.astype(jnp.float32), got),
+          jax.tree.map(lambda a: a.astype(jnp.float32), want), rtol=3e-2, atol=3e-2)
+
+
 def test_the_loss_keeps_its_dtype():
     """The loop sums the loss in float32; the result has the loss function's dtype, as
     the unpipelined expression's (a custom_vjp's forward must match its primal)."""

@@ -149,6 +149,22 @@ def test_auto_shard_pipelined_step_equals_jit(stages, micro, schedule, virtual, 
     assert len(loop_permutes(step.lower(p, x, y).compile(), mesh)) == 2
 
 
+@pytest.mark.parametrize("pipe", [Pipeline("stage", 4, 4), Pipeline("stage", 2, 4, "circular", 2)])
+def test_a_bfloat16_pipeline_compiles_and_equals_jit(pipe):
+    """XLA:CPU aborts compiling a bfloat16 all-reduce made inside a shard_map: on CPU
+    devices the pipeline's sums (the closing ones, the cotangents' over the stages and the
+    batch axes) run in float32. A bfloat16 step equals jax.jit's (to bfloat16's rounding)
+    through auto_shard, its micro-batches split over the data axis."""
+    mesh = jax.make_mesh((pipe.stages, 8 // pipe.stages), ("stage", "data"))
+    p, (x, y) = jax.tree.map(lambda a: a.astype(jnp.bfloat16), (params(8), batch(16)))
+    step = shardc.auto_shard(train_step(layers), mesh=mesh, pipeline=pipe)
+    got, want = step(p, x, y), jax.jit(train_step(jax.lax.scan))(p, x, y)
+    assert step.plan(p, x, y).pipeline == pipe
+    assert all(a.dtype == jnp.bfloat16 for a in jax.tree.leaves(got))
+    close(jax.tree.map(lambda a: a.astype(jnp.float32), got),
+          jax.tree.map(lambda a: a.astype(jnp.float32), want), rtol=3e-2, atol=3e-2)
+
+
 def test_layers_without_pipeline_is_the_scan():
     """shardc.pipeline.layers under jax.jit and under auto_shard without a pipeline: the
     scan's values and gradients, and no collective-permute."""

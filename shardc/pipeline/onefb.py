@@ -65,7 +65,9 @@ from shardc.pipeline.runtime import (
     check_pipeline,
     leading,
     pipeline_scan,
+    psum,
     put,
+    sums_wide,
 )
 from shardc.pipeline.schedule import Pipeline
 
@@ -90,7 +92,7 @@ def _varying(a, axes: tuple[str, ...]):
 
 
 def _loop(layer_fn: Callable, loss_fn: Callable, pipeline: Pipeline,
-          batch_axes: tuple[str, ...]):
+          batch_axes: tuple[str, ...], wide: bool = False):
     """The per-device loop (the body of the ``shard_map``): ``params`` leaves ``[K, ...]``
     (this stage's layers), ``head`` whole, ``mbs`` / ``tgs`` leaves ``[M, b, ...]`` (this
     device's part of every micro-batch over ``batch_axes``). Returns the loss, the
@@ -181,10 +183,10 @@ def _loop(layer_fn: Callable, loss_fn: Callable, pipeline: Pipeline,
                  jax.tree.map(jnp.zeros_like, mbs), jnp.zeros((), jnp.float32))
         start = jax.tree.map(lambda a: _varying(a, every), start)
         (_, _, _, gw, gh, dmbs, loss), _ = jax.lax.scan(tick, start, jnp.arange(n_ticks))
-        loss, gh = jax.lax.psum((loss, gh), every)
-        dmbs = jax.lax.psum(dmbs, axis)
+        loss, gh = psum((loss, gh), every, wide)
+        dmbs = psum(dmbs, axis, wide)
         if batch_axes:
-            gw = jax.lax.psum(gw, batch_axes)
+            gw = psum(gw, batch_axes, wide)
         return loss, gw, gh, dmbs
 
     return run
@@ -214,7 +216,8 @@ def pipeline_loss(layer_fn: Callable, loss_fn: Callable, carry: Any, stacked_par
     check_batch_axes(p, mesh, batch_axes, batch)
     m_n = p.microbatches
     split = PartitionSpec(None, batch_axes or None)
-    run = jax.shard_map(_loop(layer_fn, loss_fn, p, tuple(batch_axes)), mesh=mesh,
+    run = jax.shard_map(_loop(layer_fn, loss_fn, p, tuple(batch_axes), sums_wide(mesh)),
+                        mesh=mesh,
                         in_specs=(PartitionSpec(p.axis), PartitionSpec(), split, split),
                         out_specs=(PartitionSpec(), PartitionSpec(p.axis), PartitionSpec(),
                                    split),

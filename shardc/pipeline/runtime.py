@@ -70,7 +70,37 @@ from jax.sharding import Mesh, PartitionSpec
 from shardc.pipeline.schedule import Pipeline
 
 __all__ = ["at", "carry_of", "check_axis", "check_batch_axes", "check_pipeline", "leading",
-           "pipeline_scan", "put"]
+           "pipeline_scan", "psum", "put", "sums_wide", "varying"]
+
+
+def sums_wide(mesh) -> bool:
+    """Whether a pipeline's sums over ``mesh``'s axes run a float narrower than 32 bits in
+    float32: on XLA:CPU, whose compiler aborts the process on a bfloat16 all-reduce made
+    inside a ``shard_map`` ("Invalid binary instruction opcode copy", jaxlib 0.10.2; its
+    own partitioner's bfloat16 all-reduces compile). NCCL and TPUs sum them as they are."""
+    devices = getattr(mesh, "devices", None)
+    return devices is not None and devices.size > 0 and devices.flat[0].platform == "cpu"
+
+
+def _narrow(x) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32
+
+
+def psum(tree, axes, wide: bool):
+    """``jax.lax.psum(tree, axes)``; with ``wide`` (:func:`sums_wide`) a narrow float
+    leaf is summed in float32 and returned in its own dtype."""
+    if not wide:
+        return jax.lax.psum(tree, axes)
+    return jax.tree.map(lambda x: jax.lax.psum(x.astype(jnp.float32), axes).astype(x.dtype)
+                        if _narrow(x) else jax.lax.psum(x, axes), tree)
+
+
+def varying(x, axes, wide: bool):
+    """``x`` made varying over ``axes`` (its cotangent summed over them in the backward);
+    with ``wide`` a narrow float's cotangent is summed in float32 (:func:`sums_wide`)."""
+    if wide and _narrow(x):
+        return jax.lax.pcast(x.astype(jnp.float32), axes, to="varying").astype(x.dtype)
+    return jax.lax.pcast(x, axes, to="varying")
 
 
 def leading(tree, what: str) -> int:
@@ -156,7 +186,7 @@ def _where(c, a, b):
     return jax.tree.map(lambda x, y: jnp.where(c, x, y), a, b)
 
 
-def _handed_over(axis: str, stages: int, check_vma: bool) -> Callable:
+def _handed_over(axis: str, stages: int, check_vma: bool, wide: bool) -> Callable:
     """The last stage's finished micro-batches on every stage: one ``psum`` over ``axis``
     of them (zeros elsewhere). Its transpose under a ``shard_map`` that checks
     replication is a no-op; under one that does not, a ``psum`` is its own transpose, so
@@ -165,7 +195,7 @@ def _handed_over(axis: str, stages: int, check_vma: bool) -> Callable:
     by the stages (an output unsplit over them)."""
     def over(o):
         last = jax.lax.axis_index(axis) == stages - 1
-        return jax.lax.psum(jnp.where(last, o, jnp.zeros_like(o)), axis)
+        return psum(jnp.where(last, o, jnp.zeros_like(o)), axis, wide)
 
     if check_vma:
         return over
@@ -183,10 +213,12 @@ def _handed_over(axis: str, stages: int, check_vma: bool) -> Callable:
 
 
 def _stages(layer_fn: Callable, pipeline: Pipeline, steps: int, batch_axes: tuple[str, ...],
-            check_vma: bool = True):
+            check_vma: bool = True, wide: bool = False, dtypes=None):
     """The per-device loop (the body of the ``shard_map``): ``params`` leaves
     ``[V, 1, K, ...]`` (this device's chunks; ``[K, ...]`` where V = 1), ``mbs`` leaves
-    ``[M, b, ...]`` (this device's part of every micro-batch over ``batch_axes``)."""
+    ``[M, b, ...]`` (this device's part of every micro-batch over ``batch_axes``); sums in
+    float32 with ``wide`` (:func:`sums_wide`), where ``dtypes`` (the operands' own, for
+    an unchecked ``shard_map`` whose operands came in float32) are cast back to."""
     p = pipeline
     s_n, m_n, v_n, axis = p.stages, p.microbatches, p.virtual, p.axis
     ring = [(i, (i + 1) % s_n) for i in range(s_n)] if v_n > 1 else \
@@ -208,12 +240,13 @@ def _stages(layer_fn: Callable, pipeline: Pipeline, steps: int, batch_axes: tupl
         # made varying once, before the loop: the cotangents' sums over the axes (the
         # input's over the stages, the weights' over the batch axes: data parallelism's
         # gradient all-reduce) run once after the backward loop, not once per step
-        mbs = jax.tree.map(lambda x: jax.lax.pcast(x, axis, to="varying"), mbs)
+        if dtypes is not None:
+            params, mbs = jax.tree.map(lambda x, d: x.astype(d), (params, mbs), dtypes)
+        mbs = jax.tree.map(lambda x: varying(x, axis, wide), mbs)
         if v_n > 1:  # [V, 1, K, ...] -> [V, K, ...]; V = 1 comes as this stage's [K, ...]
             params = jax.tree.map(lambda w: w[:, 0], params)
         if batch_axes:
-            params = jax.tree.map(lambda w: jax.lax.pcast(w, batch_axes, to="varying"),
-                                  params)
+            params = jax.tree.map(lambda w: varying(w, batch_axes, wide), params)
         only = params  # V = 1: the stage's one chunk, outside the loop
         s = jax.lax.axis_index(axis)
         first = at(mbs, 0)  # a stand-in for the bubble steps
@@ -238,7 +271,7 @@ def _stages(layer_fn: Callable, pipeline: Pipeline, steps: int, batch_axes: tupl
             return (nxt, circ, outs), None
 
         (_, _, outs), _ = jax.lax.scan(step, (first, circ, outs), jnp.arange(steps))
-        return jax.tree.map(_handed_over(axis, s_n, check_vma), outs)
+        return jax.tree.map(_handed_over(axis, s_n, check_vma, wide), outs)
 
     return run
 
@@ -285,8 +318,15 @@ def pipeline_scan(layer_fn: Callable, carry: Any, stacked_params: Any, *,
     mbs = jax.tree.map(
         lambda x: x.reshape((batch // m_n, m_n) + x.shape[1:]).swapaxes(0, 1), carry)
     split = PartitionSpec(None, batch_axes or None)
+    wide, dtypes = sums_wide(mesh), None
+    if wide and not check_vma:
+        # unchecked, the shard_map's own transpose sums its operands' cotangents: in
+        # float32, the operands cast there and back inside
+        dtypes = jax.tree.map(lambda x: x.dtype, (params, mbs))
+        params, mbs = jax.tree.map(lambda x: x.astype(jnp.float32) if _narrow(x) else x,
+                                   (params, mbs))
     run = jax.shard_map(_stages(layer_fn, p, m_n * v_n + s_n - 1, tuple(batch_axes),
-                                check_vma),
+                                check_vma, wide, dtypes),
                         mesh=mesh, in_specs=(weights, split),
                         out_specs=split, axis_names={p.axis, *batch_axes},
                         check_vma=check_vma)
