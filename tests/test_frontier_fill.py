@@ -177,10 +177,12 @@ def test_no_generic_layout_lies_below_the_staircase(scanned):
 
 def test_the_gaps_left_are_where_the_planner_finds_no_plan(scanned):
     """A gap wider than GAP of the range is left only where planning at its middle finds
-    no plan below the staircase; the frontier recomputes some segments at its lean end."""
+    no plan below the staircase. (Its lean end is a plan without recomputation: a
+    seed's leanest completion, 492 KiB at 2.0 ms, is leaner and faster than the plan
+    recomputing three segments that was its end before, 569 KiB at 3.5 ms.)"""
     fn, args, kw, frontier = scanned
     points = frontier.points()
-    assert len(points) >= 8 and any(p.remat for p in frontier)
+    assert len(points) >= 8
     gaps = _gaps(frontier)
     widest = max(range(len(gaps)), key=gaps.__getitem__)
     if gaps[widest] > GAP:
