@@ -119,11 +119,12 @@ def solve(cg: CostGraph, options: SolveOptions = SolveOptions(), kept: Starts | 
     seed_plans, starts = {}, []
     for name, layouts in options.seeds.items():
         ends = kept.seed(layouts)  # cheapest first; under a budget the leaner may fit
-        if memory_budget is not None and ends:
+        lean = kept.seed_lean(layouts) if memory_budget is not None else None
+        if lean is not None:
             # and its leanest completion: the cheapest ones spend bytes for time (the
             # scanned Llama's FSDP x TP seed on (2, 4): 8.0 and 15.4 MiB, its lean
             # completion 4.8, the lean start from every input split 5.9)
-            ends = [*ends, kept.seed_lean(layouts)]
+            ends = [*ends, lean]
         fit = [y for y in ends if memory_budget is None or kept.peak(y) <= memory_budget]
         if ends:
             seed_plans[name] = (fit or ends)[0]
