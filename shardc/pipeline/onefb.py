@@ -68,6 +68,7 @@ from shardc.pipeline.runtime import (
     psum,
     put,
     sums_wide,
+    varying,
 )
 from shardc.pipeline.schedule import Pipeline
 
@@ -82,13 +83,6 @@ def ticks(pipeline: Pipeline) -> int:
 def in_flight(pipeline: Pipeline) -> int:
     """The most micro-batches whose residuals a stage keeps, ``min(M, 2 S - 1)``."""
     return min(pipeline.microbatches, 2 * pipeline.stages - 1)
-
-
-def _varying(a, axes: tuple[str, ...]):
-    """``a`` varying over every one of ``axes`` inside a ``shard_map``."""
-    have = jax.typeof(a).manual_axis_type.varying
-    missing = tuple(n for n in axes if n not in have)
-    return jax.lax.pcast(a, missing, to="varying") if missing else a
 
 
 def _loop(layer_fn: Callable, loss_fn: Callable, pipeline: Pipeline,
@@ -113,7 +107,7 @@ def _loop(layer_fn: Callable, loss_fn: Callable, pipeline: Pipeline,
         scale = 1.0 / (m_n * ways)  # the loss is the mean over micro-batches and devices
         # made varying once, before the loop: the sums of the cotangents over the axes
         # run once after it, as pipeline_scan's
-        mbs, tgs, head, params = jax.tree.map(lambda x: _varying(x, every),
+        mbs, tgs, head, params = jax.tree.map(lambda x: varying(x, every),
                                               (mbs, tgs, head, params))
         s = jax.lax.axis_index(axis)
         last = s == s_n - 1
@@ -181,7 +175,7 @@ def _loop(layer_fn: Callable, loss_fn: Callable, pipeline: Pipeline,
                  [jnp.zeros((slots,) + k.shape, k.dtype) for k in kept0],
                  jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.zeros_like, head),
                  jax.tree.map(jnp.zeros_like, mbs), jnp.zeros((), jnp.float32))
-        start = jax.tree.map(lambda a: _varying(a, every), start)
+        start = jax.tree.map(lambda a: varying(a, every), start)
         (_, _, _, gw, gh, dmbs, loss), _ = jax.lax.scan(tick, start, jnp.arange(n_ticks))
         loss, gh = psum((loss, gh), every, wide)
         dmbs = psum(dmbs, axis, wide)

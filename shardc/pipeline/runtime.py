@@ -95,12 +95,17 @@ def psum(tree, axes, wide: bool):
                         if _narrow(x) else jax.lax.psum(x, axes), tree)
 
 
-def varying(x, axes, wide: bool):
-    """``x`` made varying over ``axes`` (its cotangent summed over them in the backward);
-    with ``wide`` a narrow float's cotangent is summed in float32 (:func:`sums_wide`)."""
+def varying(x, axes, wide: bool = False):
+    """``x`` made varying over those of ``axes`` it does not vary over yet, inside a
+    ``shard_map`` (its cotangent summed over them in the backward); with ``wide`` a narrow
+    float's cotangent is summed in float32 (:func:`sums_wide`)."""
+    have = jax.typeof(x).manual_axis_type.varying
+    missing = tuple(n for n in axes if n not in have)
+    if not missing:
+        return x
     if wide and _narrow(x):
-        return jax.lax.pcast(x.astype(jnp.float32), axes, to="varying").astype(x.dtype)
-    return jax.lax.pcast(x, axes, to="varying")
+        return jax.lax.pcast(x.astype(jnp.float32), missing, to="varying").astype(x.dtype)
+    return jax.lax.pcast(x, missing, to="varying")
 
 
 def leading(tree, what: str) -> int:
@@ -242,7 +247,7 @@ def _stages(layer_fn: Callable, pipeline: Pipeline, steps: int, batch_axes: tupl
         # gradient all-reduce) run once after the backward loop, not once per step
         if dtypes is not None:
             params, mbs = jax.tree.map(lambda x, d: x.astype(d), (params, mbs), dtypes)
-        mbs = jax.tree.map(lambda x: varying(x, axis, wide), mbs)
+        mbs = jax.tree.map(lambda x: varying(x, (axis,), wide), mbs)
         if v_n > 1:  # [V, 1, K, ...] -> [V, K, ...]; V = 1 comes as this stage's [K, ...]
             params = jax.tree.map(lambda w: w[:, 0], params)
         if batch_axes:
