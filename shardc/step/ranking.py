@@ -125,11 +125,12 @@ def to_compile(plans: list[Plan], count: int) -> list[Plan]:
     ms compiled, the three each put first 2.994 to 3.319). Ties keep the search's order
     (its choice first)."""
     keys = [layout_key(p) for p in plans]
+    times = [(ranking_time(p), chained_time(p)) for p in plans]  # each estimate once
     chosen: dict[tuple, int] = {}  # program -> the candidate compiled for it
     ranks: dict[tuple, list[int]] = {}  # program -> its rank by each estimate
-    for estimate in (ranking_time, chained_time):
+    for e in range(2):
         ranked: dict[tuple, int] = {}
-        for i in sorted(range(len(plans)), key=lambda i: estimate(plans[i])):
+        for i in sorted(range(len(plans)), key=lambda i: times[i][e]):
             if keys[i] not in ranked:
                 ranked[keys[i]] = len(ranked)
                 if ranked[keys[i]] < count:
@@ -146,8 +147,7 @@ def to_compile(plans: list[Plan], count: int) -> list[Plan]:
     fewest = {}  # program -> (its collectives, the better of its two estimates)
     for i, key in enumerate(keys):
         if key not in chosen:
-            score = (sum(planned(plans[i])[0].values()),
-                     min(ranking_time(plans[i]), chained_time(plans[i])), first[key])
+            score = (sum(planned(plans[i])[0].values()), min(times[i]), first[key])
             fewest[key] = min(fewest.get(key, score), score)
     if fewest:
         simple = min(fewest, key=fewest.get)
