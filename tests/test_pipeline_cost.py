@@ -43,7 +43,9 @@ def test_bubble_formulas():
 
 @pytest.mark.parametrize("pipe", [Pipeline("node", 4, 8), Pipeline("node", 4, 8, "circular", 2)])
 def test_price_matches_hand_computation(pipe):
-    whole, stage = _parts(), _parts(step=40.0, layers=32.0, compute=32.0, once=0.8)
+    whole = _parts(own=3e8)
+    stage = _parts(step=40.0, layers=32.0, compute=32.0, once=0.8, weights=1.6e9,
+                   layer=1e8, results=4e9)
     p = price(pipe, whole, stage, CLUSTER)
     s, m, v = 4, 8, pipe.virtual
     ticks = m * v + s - 1
@@ -61,10 +63,16 @@ def test_price_matches_hand_computation(pipe):
     assert p.summary().startswith(f"4 stages over node{' x 2 virtual' if v > 1 else ''}, "
                                   f"8 micro-batches, {pipe.schedule}: ")
     assert f"bubble {p.bubble:.3f} s, {p.bubble / p.step_time:.0%}" in p.summary()
-    working = 5e9 - 4e9 - 1e8 - 2e8
+    # what the rest holds, the updated copy; the weights at work: the gradient's buffer at
+    # 1 / S and, GPipe, a layer's weights sliced out; circular, the weights laid out in its
+    # order, a chunk's (two layers) and its gradient, a layer's; those beyond the
+    # parameters' part of the updated copy (the moments') live in its buffers
+    at_work = 1.6e9 / s + (2 * 1.6e9 / (s * v) + 1e8 if v > 1 else 1e8)
+    beyond = max(0.0, at_work - (4e9 - 1.6e9) / s)
+    assert beyond == pytest.approx(3e8 if v > 1 else 0.0)
     held = 1e6 * ticks / m + 2e8 / (s * v * m) + 3e6 if v > 1 else \
         2e8 * ticks / (s * m) + 2e6
-    assert p.peak_memory == pytest.approx(4e9 / s + 1e8 + working + held)
+    assert p.peak_memory == pytest.approx(4e9 / s + 1e8 + 3e8 + 4e9 / s + beyond + held)
 
 
 def test_a_forward_only_program_sends_one_way():

@@ -46,20 +46,27 @@ plan's conversions of the loss's values.
 
 Per-stage peak memory, as the runtime holds it: the stacked state (parameters and
 optimizer moments) at 1 / S, its updated copy (a result) alike, the rest of the state as
-the whole plan holds it, the stage's weight gradient as the stage plan lays the weights
-out (at 1 / S), the whole plan's working memory less its own stacked results and weight
-gradient (what remains: the head's logits, the rest's gradients), and what the backward
-reads: autodiff's residuals of ``T = M V + S
-- 1`` steps of ``L / (S V)`` layers on a micro-batch, ``T / (S V M)`` of the stage plan's
-saved activations (GPipe); for 1F1B, those of ``min(M, 2S - 1)`` micro-batches
-(:mod:`shardc.pipeline.onefb`); for the circular schedule,
-whose chunks are recomputed in the backward, ``T`` chunk inputs (``T / M`` carries) and
-one chunk's residuals instead. Besides, the micro-batched input and the finished
-micro-batches, a carry each (and for the circular schedule the buffer of micro-batches
-coming round, a third). The stage's weights are read where they are held (the layer dim
-split over the stage axis): no gathered copy of the stack (``tests/test_pipeline_plan.py``
-checks the total against ``memory_analysis()``, data and tensor parallelism inside a
-stage).
+the whole plan holds it, what the ops outside the layer part hold at the whole plan's
+layouts (their results, and the peak of the values they make and read among themselves:
+the head's logits, the rest's gradients; :func:`own_bytes`), the stage's weights at work,
+and what the backward reads. The weights at work, as XLA:CPU's buffer assignment holds
+them (``memory_analysis()`` and its buffer dump of each schedule, data and tensor
+parallelism inside the stages): in a training step one buffer of the stage's weights'
+bytes (1 / S of the stack at the stage plan's layout: the gradient summed over the loop;
+for the circular schedule the weights laid out again in its order, the summed gradient
+then landing in the updated copy's buffer), and the weights the loop slices out of the
+stack with their gradient: one layer's for GPipe and 1F1B; for the circular schedule a
+chunk's (``L / (S V)`` layers) and its gradient, and a layer's besides where a chunk holds
+several. What the backward reads: autodiff's residuals of ``T = M V + S - 1`` steps of ``L
+/ (S V)`` layers on a micro-batch, ``T / (S V M)`` of the stage plan's saved activations
+(GPipe); for 1F1B, those of ``min(M, 2S - 1)`` micro-batches (:mod:`shardc.pipeline.onefb`);
+for the circular schedule, whose chunks are recomputed in the backward, ``T`` chunk inputs
+(``T / M`` carries) and one chunk's residuals instead. Besides, the micro-batched input and
+the finished micro-batches, a carry each (and for the circular schedule the buffer of
+micro-batches coming round, a third). The stored stack is read where it is held (the layer
+dim split over the stage axis): no gathered copy of it (``tests/test_pipeline_plan.py``,
+``tests/test_pipeline_tensor.py`` and ``tests/test_pipeline_onefb.py`` check the total
+against ``memory_analysis()``).
 
 References:
   Huang et al., "GPipe" (NeurIPS 2019): M + S - 1 ticks per pass, the bubble.
@@ -87,8 +94,10 @@ from shardc.pipeline.onefb import ticks as onefb_ticks
 from shardc.pipeline.scans import Layers
 from shardc.pipeline.schedule import Pipeline
 from shardc.plan.record import Plan, Reshard
+from shardc.solve.lifetimes import fused_values
+from shardc.solve.memory import host
 
-__all__ = ["Parts", "PipelinePrice", "head_ops", "parts", "price"]
+__all__ = ["Parts", "PipelinePrice", "head_ops", "own_bytes", "parts", "price"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +133,9 @@ class Parts:
     over (in a stage plan, its tensor parallelism); ``results``: the stacked state's updated
     copy (the results tied to it) as the plan lays it out; ``param_bytes``: per stacked
     parameter the layer scans read, its bytes per device at the plan's layout (``weights``
-    is their sum)."""
+    is their sum); ``own``: the peak of what the ops outside the layer part hold beside
+    it (:func:`own_bytes`); ``layer``: one layer's stacked parameters, bytes per device at
+    the plan's layout (``weights`` / the layer count)."""
 
     step: float
     peak: float
@@ -149,6 +160,8 @@ class Parts:
     tensor_spans: tuple[tuple[str, int], ...] = ()
     results: float = 0.0
     param_bytes: tuple[float, ...] = ()
+    own: float = 0.0
+    layer: float = 0.0
 
     @property
     def working(self) -> float:
@@ -282,7 +295,52 @@ def parts(plan: Plan, graph: Graph, layers: Layers, ties=(), resident=()) -> Par
                  sum(graph.outputs[j].nbytes * plan.outputs[j].shard_fraction(sizes)
                      for j, k in ties if graph.inputs[k].id in layers.stacked),
                  tuple(nbytes[i] * plan.values[i].shard_fraction(sizes)
-                       for i in sorted(layers.params)))
+                       for i in sorted(layers.params)),
+                 own_bytes(plan, graph, layers, ties),
+                 sum(nbytes[i] * plan.values[i].shard_fraction(sizes)
+                     for i in layers.params) / layers.length)
+
+
+def own_bytes(plan: Plan, graph: Graph, layers: Layers, ties=()) -> float:
+    """Bytes per device the ops outside the layer part hold at ``plan``'s layouts beside the
+    pipeline: the results they make and are not the stacked state's updated copy (held for
+    the whole step), and the peak of the values they make and read, each from its op to its
+    last reader outside the layer part (a value only the layer scans read is the stack's
+    input, a carry the stages hold). Values XLA fuses into their readers hold no buffer
+    (:func:`shardc.solve.lifetimes.fused_values`)."""
+    sizes = plan.axis_sizes
+    fused = fused_values(graph)
+    tied = {j for j, k in ties if graph.inputs[k].id in layers.stacked}
+    results = {v.id for j, v in enumerate(graph.outputs) if j not in tied}
+    at = {v.id: t for t, op in enumerate(graph.ops) for v in op.outputs}
+    written = [(graph.outputs[j].nbytes * plan.outputs[j].shard_fraction(sizes), at[v.id])
+               for j, v in enumerate(graph.outputs)
+               if j not in tied and v.id in at
+               and not layers.layer_part(graph.producers()[v.id].id)]
+    born, last, size = {}, {}, {}
+    for t, op in enumerate(graph.ops):
+        if layers.layer_part(op.id):
+            continue
+        for v in op.inputs:
+            if v.id in born:
+                last[v.id] = t
+        for v in op.outputs:
+            if v.id not in fused and v.id not in results:
+                born[v.id], last[v.id] = t, t
+                size[v.id] = v.nbytes * plan.values[v.id].shard_fraction(sizes)
+    # read by another op outside the layer part; those that die before a result is
+    # written live in its buffer
+    temps = host([(t, last[i], size[i]) for i, t in born.items() if last[i] > t], written)
+    held = sum(b for b, _ in written)
+    delta = [0.0] * (len(graph.ops) + 1)
+    for first, end, b in temps:
+        delta[first] += b
+        delta[end + 1] -= b
+    peak = live = 0.0
+    for d in delta:
+        live += d
+        peak = max(peak, live)
+    return held + peak
 
 
 def head_ops(graph: Graph, layers: Layers) -> frozenset[int]:
@@ -419,10 +477,24 @@ def price(pipeline: Pipeline, whole: Parts, stage: Parts, cluster: Cluster,
         once = stage.update / s + grads
     else:
         once = stage.once / s
-    # the whole plan's working memory less its own stacked results and weight gradient,
-    # which the stages hold at their layouts instead
-    working = max(0.0, whole.working - whole.results - whole.weights) + \
-        stage.results / s + (stage.weights / s if stage.passes > 1 else 0.0)
+    # what the rest holds, the stacked state's updated copy, and the stage's weights at
+    # work: in a training step a buffer of the stage's weights' bytes (the gradient summed
+    # over the loop; for the circular schedule the weights laid out in its order, the
+    # summed gradient landing in the updated copy's buffer), and the layer's weights the
+    # loop slices out, with its gradient; the circular schedule slices out a chunk's
+    # weights, and forms their gradient, before a layer's (XLA:CPU's buffer assignment)
+    training = stage.passes > 1
+    if v > 1:
+        chunk = stage.weights / (s * v)
+        at_work = stage.weights / s + chunk * (1 + training) + \
+            (stage.layer if chunk > stage.layer else 0.0)
+    else:
+        at_work = stage.weights / s * training + stage.layer
+    # the buffers of the stacked state's updated copy beyond the parameters' (the optimizer
+    # moments': the gradient summed over the loop lands in the parameters') hold those
+    # weights at work, which die before the update writes them
+    working = whole.own + stage.results / s + \
+        max(0.0, at_work - max(0.0, stage.results - stage.weights) / s)
     if v > 1:  # chunk inputs kept, one chunk recomputed at a time; the returning buffer
         held = stage.carry * ticks / m + stage.saved / (s * v * m) + 3 * stage.carry
     elif onefb:  # the residuals of the micro-batches in flight; the input, its cotangent
