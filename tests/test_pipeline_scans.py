@@ -18,7 +18,7 @@ from shardc.cost.cluster import Cluster
 from shardc.pipeline import Pipeline
 from shardc.pipeline.fit import mixes_examples
 from shardc.pipeline.lowering import NoStackError
-from shardc.pipeline.stack import scans_as_layers
+from shardc.pipeline.routing import scans_as_layers
 
 WIDTH, LAYERS, BATCH = 64, 8, 32
 

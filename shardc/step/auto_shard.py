@@ -38,9 +38,10 @@ from shardc.ir.sbp import to_partition_spec
 from shardc.ir.trace import DEFAULT_WHILE_TRIPS, Traced, rematerialized, trace
 from shardc.lower.emit import explicit_axes, jit_plan
 from shardc.pipeline.lowering import NoStackError
+from shardc.pipeline.routing import scans_as_layers
 from shardc.pipeline.runtime import check_axis
 from shardc.pipeline.schedule import Pipeline
-from shardc.pipeline.stack import has_stack, scans_as_layers
+from shardc.pipeline.stack import has_stack
 from shardc.plan.record import Plan, fingerprint
 from shardc.rules.fixed import on_mesh
 from shardc.runtime.multihost import agree
