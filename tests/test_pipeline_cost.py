@@ -16,7 +16,8 @@ from shardc.ir.sbp import B, NdSbp, Partial
 from shardc.ir.trace import trace
 from shardc.models import llama
 from shardc.pipeline.choose import ChoiceOptions, best_pipeline, candidates
-from shardc.pipeline.cost import Parts, price
+from shardc.pipeline.cost import price
+from shardc.pipeline.parts import Parts
 from shardc.pipeline.scans import find_layers
 from shardc.pipeline.schedule import Pipeline
 from shardc.plan.record import Reshard

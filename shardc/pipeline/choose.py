@@ -34,7 +34,8 @@ from shardc.cost.combine import XLA_CPU, Combiner
 from shardc.cost.units import fmt_time
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Split
-from shardc.pipeline.cost import PipelinePrice, parts, price
+from shardc.pipeline.cost import PipelinePrice, price
+from shardc.pipeline.parts import parts
 from shardc.pipeline.runs import pipelined_reshards
 from shardc.pipeline.scans import Layers, find_layers
 from shardc.pipeline.schedule import SCHEDULES, Pipeline

@@ -6,7 +6,7 @@ unpipelined program with its layer state pinned as the stages hold it; its lower
 the layer stacks as :func:`~shardc.pipeline.runtime.pipeline_scan`. What that program
 converts:
 
-* the plan's conversions outside the layer part (:func:`shardc.pipeline.cost.rest_reshards`);
+* the plan's conversions outside the layer part (:func:`shardc.pipeline.parts.rest_reshards`);
 * at the stacks' edges, the carry into the forward pipeline and the carry's cotangent into
   the backward one, converted from the layout the plan reads them in to the pipeline's
   (the batch dim split over the axes each micro-batch is split over, whole over the
@@ -39,7 +39,8 @@ from shardc.cost.comm import conversion
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Split
 from shardc.ir.trace import SCAN_ENTER, SCAN_EXIT
-from shardc.pipeline.cost import PipelinePrice, head_ops, parts, rest_reshards
+from shardc.pipeline.cost import PipelinePrice
+from shardc.pipeline.parts import head_ops, parts, rest_reshards
 from shardc.pipeline.scans import Layers
 from shardc.pipeline.schedule import Pipeline
 from shardc.plan.record import Plan, Reshard
