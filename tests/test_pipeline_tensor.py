@@ -141,6 +141,7 @@ def test_the_stage_plans_keep_the_stored_weights_whole_over_the_batch_axes():
         assert not {n for n, _ in p.batch_spans} & {n for n, _ in p.tensor_spans}, p
 
 
+@pytest.mark.slow
 def test_stages_xla_does_not_lay_out_as_priced_are_checked_and_reported():
     """A Llama's stages with its weights split over the GPU axis (the budget leaves no room
     for whole ones): XLA does not lay the attention out as the stage plan does (it gathers
