@@ -227,17 +227,20 @@ def own_bytes(plan: Plan, graph: Graph, layers: Layers, ties=()) -> float:
     pipeline: the results they make and are not the stacked state's updated copy (held for
     the whole step), and the peak of the values they make and read, each from its op to its
     last reader outside the layer part (a value only the layer scans read is the stack's
-    input, a carry the stages hold). Values XLA fuses into their readers hold no buffer
+    input, a carry the stages hold), less those that die before a result is written: they
+    live in its buffer (:func:`shardc.solve.memory.host`, as a plan's own profile counts
+    them). Values XLA fuses into their readers hold no buffer
     (:func:`shardc.solve.lifetimes.fused_values`)."""
     sizes = plan.axis_sizes
     fused = fused_values(graph)
     tied = {j for j, k in ties if graph.inputs[k].id in layers.stacked}
     results = {v.id for j, v in enumerate(graph.outputs) if j not in tied}
-    at = {v.id: t for t, op in enumerate(graph.ops) for v in op.outputs}
-    written = [(graph.outputs[j].nbytes * plan.outputs[j].shard_fraction(sizes), at[v.id])
+    point = {op.id: t for t, op in enumerate(graph.ops)}
+    made = graph.producers()
+    written = [(graph.outputs[j].nbytes * plan.outputs[j].shard_fraction(sizes),
+                point[made[v.id].id])
                for j, v in enumerate(graph.outputs)
-               if j not in tied and v.id in at
-               and not layers.layer_part(graph.producers()[v.id].id)]
+               if j not in tied and v.id in made and not layers.layer_part(made[v.id].id)]
     born, last, size = {}, {}, {}
     for t, op in enumerate(graph.ops):
         if layers.layer_part(op.id):
@@ -249,8 +252,7 @@ def own_bytes(plan: Plan, graph: Graph, layers: Layers, ties=()) -> float:
             if v.id not in fused and v.id not in results:
                 born[v.id], last[v.id] = t, t
                 size[v.id] = v.nbytes * plan.values[v.id].shard_fraction(sizes)
-    # read by another op outside the layer part; those that die before a result is
-    # written live in its buffer
+    # those read by another op outside the layer part
     temps = host([(t, last[i], size[i]) for i, t in born.items() if last[i] > t], written)
     held = sum(b for b, _ in written)
     delta = [0.0] * (len(graph.ops) + 1)
