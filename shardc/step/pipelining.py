@@ -21,7 +21,7 @@ from shardc.step.calling import Call
 from shardc.step.options import platform_of
 from shardc.step.ranking import compiled_program, compiled_row
 from shardc.step.signature import TracedCall
-from shardc.step.solving import fastest, solve
+from shardc.step.solving import solve, solve_views
 from shardc.tradeoff.views import View
 
 log = logging.getLogger("shardc")
@@ -156,16 +156,20 @@ def _pipelined(step, call: Call, tr: TracedCall, plan: Plan, base: Plan, own: bo
     if ins:
         keep = dataclasses.replace(tr, fixed=Fixed({**ins, **tr.fixed.inputs},
                                                    {**outs, **tr.fixed.outputs}))
-        try:  # on the mesh itself: the stage axis is one of its axes (no error to word:
-            # fastest, not solve, which would plan again for the smallest budget)
-            base = fastest(step, call, keep, candidates[:1], seeds[:1], step.options)
+        # on the mesh itself (the stage axis is one of its axes), and recomputing no forward
+        # segment: a stack in a recomputed segment would run its pipelined forward again in
+        # the backward, which the pipeline's price counts once (solve_views, not fastest,
+        # which plans the recomputing programs too where a budget binds; nor solve, which
+        # would plan again for the smallest budget: no error to word)
+        try:
+            base = solve_views(step, keep, candidates[:1], seeds[:1], step.options)
         except MemoryBudgetError:
             if choice.reason != "requested":
                 return plan
             # a pipeline asked for runs as priced: its state pinned, planned with no budget
             # (the pipeline's own peak, not this unpipelined one's, is checked against it)
-            base = fastest(step, call, keep, candidates[:1], seeds[:1],
-                           dataclasses.replace(step.options, memory_budget=None))
+            base = solve_views(step, keep, candidates[:1], seeds[:1],
+                               dataclasses.replace(step.options, memory_budget=None))
     if base.cluster.overlap and step.options.rank_compiled and not step.abstract and \
             choice.reason != "requested":
         return _compiled_pipeline(step, tr, plan, base, choice, opts)
