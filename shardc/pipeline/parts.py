@@ -8,6 +8,7 @@ priced from two such splits, the whole plan's and the stage plan's
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 from shardc.cost.comm import Conversion, conversion
 from shardc.ir.graph import Graph
@@ -202,12 +203,12 @@ def parts(plan: Plan, graph: Graph, layers: Layers, ties=(), resident=()) -> Par
     head_weights = sum(v.nbytes for v in graph.inputs
                        if v.id in read and v.id not in fed and v.id not in layers.stacked)
     made = {v.id for op in graph.ops if op.id in head for v in op.outputs}
+    param_bytes = tuple(nbytes[i] * plan.values[i].shard_fraction(sizes)
+                        for i in sorted(layers.params))
     return Parts(plan.predicted.step_time, plan.predicted.peak_memory,
                  compute + scans + once, compute, tuple(sample), once, state, other, saved,
                  carry, min(len(layers.scans), 2), rerun, rest, outside,
-                 spans,
-                 sum(nbytes[i] * plan.values[i].shard_fraction(sizes) for i in layers.params),
-                 _cotangent(graph, layers),
+                 spans, sum(param_bytes), _cotangent(graph, layers),
                  sum(op.compute_time for op in plan.ops if op.id in head),
                  float(head_weights),
                  sum(r.time for r in plan.reshards if r.value in made or r.consumer in head),
@@ -215,11 +216,8 @@ def parts(plan: Plan, graph: Graph, layers: Layers, ties=(), resident=()) -> Par
                      isinstance(plan.values[i].sbps[k], Split) for i in layers.params)),
                  sum(graph.outputs[j].nbytes * plan.outputs[j].shard_fraction(sizes)
                      for j, k in ties if graph.inputs[k].id in layers.stacked),
-                 tuple(nbytes[i] * plan.values[i].shard_fraction(sizes)
-                       for i in sorted(layers.params)),
-                 own_bytes(plan, graph, layers, ties),
-                 sum(nbytes[i] * plan.values[i].shard_fraction(sizes)
-                     for i in layers.params) / layers.length)
+                 param_bytes, own_bytes(plan, graph, layers, ties),
+                 sum(param_bytes) / layers.length)
 
 
 def own_bytes(plan: Plan, graph: Graph, layers: Layers, ties=()) -> float:
@@ -232,7 +230,7 @@ def own_bytes(plan: Plan, graph: Graph, layers: Layers, ties=()) -> float:
     them). Values XLA fuses into their readers hold no buffer
     (:func:`shardc.solve.lifetimes.fused_values`)."""
     sizes = plan.axis_sizes
-    fused = fused_values(graph)
+    fused = graph.memo("fused_values", fused_values)
     tied = {j for j, k in ties if graph.inputs[k].id in layers.stacked}
     results = {v.id for j, v in enumerate(graph.outputs) if j not in tied}
     point = {op.id: t for t, op in enumerate(graph.ops)}
@@ -259,11 +257,7 @@ def own_bytes(plan: Plan, graph: Graph, layers: Layers, ties=()) -> float:
     for first, end, b in temps:
         delta[first] += b
         delta[end + 1] -= b
-    peak = live = 0.0
-    for d in delta:
-        live += d
-        peak = max(peak, live)
-    return held + peak
+    return held + max(0.0, *accumulate(delta))
 
 
 def head_ops(graph: Graph, layers: Layers) -> frozenset[int]:

@@ -96,7 +96,8 @@ def _spans(cg: CostGraph) -> tuple:
         for v in op.inputs:
             last[v.id] = max(last.get(v.id, t), t)
     # a branch reads the cond's operand in place: its ``cond_enter`` holds no copy
-    fused = fused_values(graph) | {op.outputs[0].id for op in graph.ops if op.prim is COND_ENTER}
+    fused = graph.memo("fused_values", fused_values) | \
+        {op.outputs[0].id for op in graph.ops if op.prim is COND_ENTER}
     made = {v.id: t for t, op in enumerate(graph.ops) for v in op.outputs}
     cg.fusion = (frozenset(fused), dict(last), made)
     for t in range(n - 1, -1, -1):  # consumers first: a chain of fused values extends back
