@@ -216,6 +216,23 @@ def test_pricing_rows_compare_each_plan_with_the_best_expert_under_its_pricing()
     assert {b["bound_method"] for b in report.robust_bounds(over)} == {"dp"}
 
 
+def test_a_robust_bound_admits_programs_slower_than_the_default_but_not_than_the_best_expert():
+    # the default plan must be no slower than the best expert under NCCL's serial pricing,
+    # not than itself: "overlap" is slower than the default serially (1.9 against 1.8) but no
+    # slower than the best expert (dp, 2.0), and within 1.05 of the best expert overlapped
+    # (fsdp, 1.25, which is slower than dp serially): it bounds that row at 1.3 / 1.25
+    def cell(method, nccl):
+        return harness.Cell("m", "p", method, compiled_s=1.0,
+                            priced={"nccl": nccl, "ring": nccl, "alpha-beta": nccl})
+
+    cells = [cell("shardc", [1.8, 1.8]), cell("shardc+overlap", [1.9, 1.3]),
+             cell("dp", [2.0, 1.4]), cell("fsdp", [2.1, 1.25])]
+    bounds = {(b["pricing"], b["mode"]): b for b in report.robust_bounds(cells)}
+    nccl = bounds[("nccl", "overlap")]
+    assert nccl["default_ratio"] == 1.8 / 1.25
+    assert nccl["bound_method"] == "shardc+overlap" and nccl["bound"] == 1.3 / 1.25
+    assert ("nccl", "serial") not in bounds
+
 def test_the_scale_page_has_the_pipelines_and_the_weak_scaling_efficiency():
     from shardc.bench.scale import ScaleCase, scale_markdown
 

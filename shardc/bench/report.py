@@ -202,26 +202,30 @@ ROBUST = 1.05
 def robust_bounds(cells: list[Cell]) -> list[dict]:
     """Where shardc's default plan is more than :data:`ROBUST` x the best expert under
     another pricing (serial or overlapped): the best ratio there of any program measured in
-    the cell (experts and shardc's plans for every pricing) that is no slower than the
-    default plan under the default pricing (NCCL's, serial), and which program that is. A
-    bound above :data:`ROBUST` says no measured program meets both: the pricings disagree."""
+    the cell (experts and shardc's plans for every pricing) that is no slower than the best
+    expert under the default pricing (NCCL's, serial: what the default plan must be), and
+    which program that is. A bound above :data:`ROBUST` says no measured program meets
+    both: the pricings disagree. At or under it, one does, and the default plan missed it."""
     groups = _by_cell(cells)
+    priced = pricing_rows(cells)
+    nccl = {(q["model"], q["preset"]): q["serial_expert_s"] for q in priced
+            if q["pricing"] == "nccl"}
     rows = []
-    for r in pricing_rows(cells):
+    for r in priced:
         for k, mode in enumerate(("serial", "overlap")):
             ratio = r[f"{mode}_default_ratio"]
             if ratio is None or ratio <= ROBUST:
                 continue
             cs = [c for c in groups[(r["model"], r["preset"])]
                   if c.priced.get("nccl") and c.priced.get(r["pricing"])]
-            default = next((c for c in cs if c.method == "shardc"), None)
-            if default is None:  # priced another way only (results made before NCCL's)
+            limit = nccl[(r["model"], r["preset"])]
+            if limit is None or not any(c.method == "shardc" for c in cs):
+                continue  # priced another way only (results made before NCCL's)
+            fair = [c for c in cs if c.priced["nccl"][0] <= limit * (1 + 1e-9)
+                    and c.fits is not False]
+            best = min(fair, key=lambda c: c.priced[r["pricing"]][k], default=None)
+            if best is None:  # no fitting program priced both ways
                 continue
-            limit = default.priced["nccl"][0] * (1 + 1e-9)
-            fair = [c for c in cs if c.priced["nccl"][0] <= limit and c.fits is not False]
-            if not fair:  # the default plan itself does not fit the device
-                continue
-            best = min(fair, key=lambda c: c.priced[r["pricing"]][k])
             rows.append({"model": r["model"], "preset": r["preset"], "pricing": r["pricing"],
                          "mode": mode, "default_ratio": ratio, "bound_method": best.method,
                          "bound": best.priced[r["pricing"]][k] / r[f"{mode}_expert_s"]})
@@ -236,8 +240,10 @@ def _disagreements(cells: list[Cell]) -> list[str]:
            f"The rows above where shardc's default plan is more than {ROBUST:.2f} x the best "
            "expert under another pricing. *bound*: the best ratio there of any program "
            "measured in the cell (every expert and each of shardc's plans) that is no "
-           "slower than the default plan under NCCL's serial pricing, and that program; "
-           f"above {ROBUST:.2f}, no measured program is both.\n",
+           "slower than the best expert under NCCL's serial pricing (what the default plan "
+           f"must be), and that program; above {ROBUST:.2f}, no measured program is both "
+           "(the pricings disagree), at or under it one is, and the default plan missed "
+           "it.\n",
            "| model | preset | pricing | default / expert | bound | by |",
            "|---|---|---|---:|---:|---|"]
     for r in rows:
