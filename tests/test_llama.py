@@ -26,7 +26,6 @@ from shardc.models import llama
 from shardc.models.common import abstract_graphdef
 
 CFG = llama.LlamaConfig.tiny()
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
 N_STEPS = 3
 EXPERT_NAMES = {"batch", "embed", "heads", "mlp", "vocab", None}
 REMAT = jax.make_jaxpr(jax.checkpoint(jnp.sin))(1.0).eqns[0].primitive.name
@@ -41,9 +40,9 @@ def _example() -> tuple[Any, tuple[Any, Any]]:
 
 @functools.cache
 def _jitted() -> Any:
-    """The tiny step under plain ``jax.jit`` (no backend optimisation), compiled once."""
+    """The tiny step under plain ``jax.jit``, compiled once."""
     step, args = _example()
-    return jax.jit(step).lower(*args).compile(FAST_COMPILE)
+    return jax.jit(step).lower(*args).compile()
 
 
 @functools.cache
@@ -156,11 +155,6 @@ def _unrolled_logits(params: Any, tokens: jax.Array, cfg: llama.LlamaConfig) -> 
     return _rms_norm(x, params["norm"]["scale"]) @ params["lm_head"]["kernel"]
 
 
-def _fast_jit(fn: Any, *args: Any) -> Any:
-    """``jax.jit(fn)(*args)`` compiled without backend optimisation (faster on CPU)."""
-    return jax.jit(fn).lower(*args).compile(FAST_COMPILE)(*args)
-
-
 def test_scanned_model_equals_unrolled_layers() -> None:
     _, (state, batch) = _example()
     params, tokens = state["params"], batch["tokens"]
@@ -171,12 +165,12 @@ def test_scanned_model_equals_unrolled_layers() -> None:
         return loss, logits
 
     unrolled = lambda p: loss_and_logits(_unrolled_logits(p, tokens, CFG))  # noqa: E731
-    (_, want), want_grads = _fast_jit(jax.value_and_grad(unrolled, has_aux=True), params)
+    (_, want), want_grads = jax.jit(jax.value_and_grad(unrolled, has_aux=True))(params)
     # scanned with and without remat, and the model's own unrolled form (scan_layers=False)
     for remat, scan in ((True, True), (False, True), (True, False)):
         model = _graphdef(dataclasses.replace(CFG, remat=remat, scan_layers=scan))
         scanned = lambda p, g=model: loss_and_logits(nnx.merge(g, p)(tokens))  # noqa: E731
-        (_, got), grads = _fast_jit(jax.value_and_grad(scanned, has_aux=True), params)
+        (_, got), grads = jax.jit(jax.value_and_grad(scanned, has_aux=True))(params)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
         # the scanned backward (a transposed scan, with or without remat) equals the loop's
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
@@ -295,7 +289,7 @@ def test_every_expert_compiles_and_matches_jit() -> None:
                                "megatron-tp8", "zero1", "zero1-shard4", "zero1-x-tp4"]
     for expert in experts.values():
         _, lowered = compile_expert(step, state, batch, mesh, expert, llama.param_axes)
-        got_state, loss = lowered.compile(FAST_COMPILE)(state, batch)
+        got_state, loss = lowered.compile()(state, batch)
         np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5, err_msg=expert.name)
         _assert_state_close(got_state, want_state)
     # the layer axis is never split; dp-x-tp splits the q kernel's heads over "gpu"

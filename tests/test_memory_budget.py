@@ -22,7 +22,6 @@ MESH = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
 CLUSTER = shardc.Cluster.multi_node()
 SLACK = 1.15  # compiled peak over the budget the memory model may miss by
 # LLVM's optimisation level only: the partitioned HLO, its buffers and its price are the same
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 def _cfg(scan: bool) -> llama.LlamaConfig:
@@ -46,7 +45,7 @@ def test_a_budget_the_leanest_expert_meets_plans_fits_and_is_no_slower():
     experts, seeds = {}, {}
     for e in seed_experts(MESH, CLUSTER):
         _, lowered = compile_expert(fn, *args, MESH, e, llama.param_axes)
-        experts[e.name] = _priced(lowered.compile(FAST_COMPILE), e.mesh(MESH), args[1])
+        experts[e.name] = _priced(lowered.compile(), e.mesh(MESH), args[1])
         view = e.mesh(MESH)
         seeds[e.name] = (state_specs(args[0], view, e, llama.param_axes),
                          batch_specs(args[1], view, e))
@@ -59,7 +58,7 @@ def test_a_budget_the_leanest_expert_meets_plans_fits_and_is_no_slower():
                              seeds=seeds, time_limit=5.0)
     plan = step.plan(*args)  # no MemoryBudgetError
     assert plan.predicted.peak_memory <= budget
-    t, peak = _priced(step.lower(*args).compile(FAST_COMPILE), step.mesh_for(plan), args[1])
+    t, peak = _priced(step.lower(*args).compile(), step.mesh_for(plan), args[1])
     print(f"budget {budget / 2**20:.3f} MiB; experts (ms, MiB): " + ", ".join(
         f"{k} {s * 1e3:.3f} {m / 2**20:.3f}" for k, (s, m) in experts.items()) +
         f"; shardc {t * 1e3:.3f} ms {peak / 2**20:.3f} MiB compiled, "
@@ -76,7 +75,7 @@ def test_the_predicted_peak_is_what_xla_allocates(scan):
     fn, args = llama.build_step(cfg), llama.abstract_args(cfg)
     step = shardc.auto_shard(fn, mesh=MESH, cluster=CLUSTER, time_limit=5.0)
     plan = step.plan(*args)
-    _, peak = _priced(step.lower(*args).compile(FAST_COMPILE), step.mesh_for(plan), args[1])
+    _, peak = _priced(step.lower(*args).compile(), step.mesh_for(plan), args[1])
     assert abs(plan.predicted.peak_memory / peak - 1) <= SLACK - 1, \
         (plan.predicted.peak_memory, peak)
 
