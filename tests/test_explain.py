@@ -116,6 +116,22 @@ def test_op_rows_name_the_source_line(mlp_plan):
     assert Plan.from_json(plan.to_json()).ops == plan.ops
 
 
+def _sorted_norms(x):
+    return jnp.sort(x, axis=-1)[:, :4] * jnp.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def test_ops_inside_jaxs_own_jitted_functions_name_the_line_that_called_them():
+    # jnp.sort and jnp.linalg.norm run as JAX's jitted functions, whose equations keep no
+    # frame of the user's: each op of theirs is placed at the line that called them
+    from shardc.ir.trace import trace
+
+    graph = trace(_sorted_norms, jax.ShapeDtypeStruct((16, 8), jnp.float32)).graph
+    line = f"{__file__}:{inspect.getsourcelines(_sorted_norms)[1] + 1}"
+    names = {op.name for op in graph.ops}
+    assert {"sort", "sqrt", "reduce_sum"} <= names
+    assert {op.source for op in graph.ops} == {line}, {(op.name, op.source) for op in graph.ops}
+
+
 def test_report_renders_as_html_and_rich_tables(mlp_plan):
     _, _, plan = mlp_plan
     page = plan._repr_html_()

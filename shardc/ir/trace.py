@@ -231,6 +231,10 @@ class _Builder:
         self.ops: list[Op] = []
         self.platforms = platforms  # what platform-dependent code is resolved for
         self.trips = trips  # a while loop's trip count where its jaxprs give none
+        # the user's line of each equation around the one walked, innermost last: an
+        # equation of a body traced without one (JAX's own jitted functions, jnp.sort or
+        # jnp.linalg.norm, keep no user frame) is placed at its call's line
+        self.lines: list[str] = [""]
 
     def value(self, aval, producer=None, const=None) -> Value:
         shape = getattr(aval, "shape", ())
@@ -264,6 +268,7 @@ class _Builder:
             env[var] = v
         steps: list[Op | Region | Loop | Fork | Inlined] = []
         for i, eqn in enumerate(jaxpr.eqns):
+            self.lines.append(source_line(eqn) or self.lines[-1])
             ins = [self.read(env, a) for a in eqn.invars]
             body, body_consts = call_body(eqn)
             branch = platform_branch(eqn, ins[0], self.platforms) \
@@ -289,9 +294,10 @@ class _Builder:
             else:
                 op = self.op(eqn.primitive, dict(eqn.params), ins,
                              [v.aval for v in eqn.outvars], weight, eqn.effects,
-                             source_line(eqn), (*where, i))
+                             self.lines[-1], (*where, i))
                 steps.append(op)
                 outs = op.outputs
+            self.lines.pop()
             for var, v in zip(eqn.outvars, outs):
                 if not isinstance(var, jcore.DropVar):
                     env[var] = v
@@ -306,7 +312,7 @@ class _Builder:
         p = eqn.params
         closed, nc, nk, length = p["jaxpr"], p["num_consts"], p["num_carry"], p["length"]
         kinds = ["const"] * nc + ["carry"] * nk + ["xs"] * (len(ins) - nc - nk)
-        source = _loop_line(eqn, closed.jaxpr)
+        source = _loop_line(eqn, closed.jaxpr) or self.lines[-1]
         enters = [self.op(SCAN_ENTER, {"kind": kind, "length": length}, [outer],
                           [var.aval], weight, source=source, where=where)
                   for kind, outer, var in zip(kinds, ins, closed.jaxpr.invars)]
@@ -333,7 +339,7 @@ class _Builder:
         cn, bn = p["cond_nconsts"], p["body_nconsts"]
         cond, body = p["cond_jaxpr"], p["body_jaxpr"]
         trips = while_trips(eqn, ins, self.trips)
-        source = source_line(eqn)
+        source = self.lines[-1]
         nk = len(ins) - cn - bn
         kinds = ["const"] * (cn + bn) + ["carry"] * nk
         avals = [v.aval for v in cond.jaxpr.invars[:cn]] + [v.aval for v in body.jaxpr.invars]
@@ -366,7 +372,7 @@ class _Builder:
         cond's weight. A branch's ops are placed at ``(*where, b, j)``: the cond's place,
         the branch's index, the equation's in the branch."""
         index, operands = ins[0], ins[1:]
-        source = source_line(eqn)
+        source = self.lines[-1]
         enters, bodies, results, spans = [], [], [], []
         for b, branch in enumerate(eqn.params["branches"]):
             ops = [self.op(COND_ENTER, {"branch": b}, [v], [var.aval], weight, source=source,
