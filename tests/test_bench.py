@@ -231,6 +231,10 @@ def test_a_robust_bound_admits_programs_slower_than_the_default_but_not_than_the
     nccl = bounds[("nccl", "overlap")]
     assert nccl["default_ratio"] == 1.8 / 1.25
     assert nccl["bound_method"] == "shardc+overlap" and nccl["bound"] == 1.3 / 1.25
+    # the other side: fsdp, the fastest there, is 2.1 / 2.0 of dp under NCCL serially
+    assert nccl["fastest_method"] == "fsdp" and nccl["fastest_nccl"] == 2.1 / 2.0
+    assert "| m | p | nccl, overlapped | 1.440 | 1.040 | shardc+overlap | fsdp | 1.050 |" \
+        in report.markdown(cells, ["shardc bench"])
     assert ("nccl", "serial") not in bounds
 
 def test_the_scale_page_has_the_pipelines_and_the_weak_scaling_efficiency():

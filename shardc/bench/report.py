@@ -205,7 +205,9 @@ def robust_bounds(cells: list[Cell]) -> list[dict]:
     the cell (experts and shardc's plans for every pricing) that is no slower than the best
     expert under the default pricing (NCCL's, serial: what the default plan must be), and
     which program that is. A bound above :data:`ROBUST` says no measured program meets
-    both: the pricings disagree. At or under it, one does, and the default plan missed it."""
+    both: the pricings disagree. At or under it, one does, and the default plan missed it.
+    Beside it, the fastest fitting program under that pricing and its NCCL serial step
+    over the best expert's (the other side of a disagreement)."""
     groups = _by_cell(cells)
     priced = pricing_rows(cells)
     nccl = {(q["model"], q["preset"]): q["serial_expert_s"] for q in priced
@@ -221,14 +223,17 @@ def robust_bounds(cells: list[Cell]) -> list[dict]:
             limit = nccl[(r["model"], r["preset"])]
             if limit is None or not any(c.method == "shardc" for c in cs):
                 continue  # priced another way only (results made before NCCL's)
-            fair = [c for c in cs if c.priced["nccl"][0] <= limit * (1 + 1e-9)
-                    and c.fits is not False]
-            best = min(fair, key=lambda c: c.priced[r["pricing"]][k], default=None)
-            if best is None:  # no fitting program priced both ways
+            fitting = [c for c in cs if c.fits is not False]
+            fair = [c for c in fitting if c.priced["nccl"][0] <= limit * (1 + 1e-9)]
+            if not fair:  # no fitting program priced both ways
                 continue
+            best = min(fair, key=lambda c: c.priced[r["pricing"]][k])
+            fastest = min(fitting, key=lambda c: c.priced[r["pricing"]][k])
             rows.append({"model": r["model"], "preset": r["preset"], "pricing": r["pricing"],
                          "mode": mode, "default_ratio": ratio, "bound_method": best.method,
-                         "bound": best.priced[r["pricing"]][k] / r[f"{mode}_expert_s"]})
+                         "bound": best.priced[r["pricing"]][k] / r[f"{mode}_expert_s"],
+                         "fastest_method": fastest.method,
+                         "fastest_nccl": fastest.priced["nccl"][0] / limit})
     return rows
 
 
@@ -243,13 +248,16 @@ def _disagreements(cells: list[Cell]) -> list[str]:
            "slower than the best expert under NCCL's serial pricing (what the default plan "
            f"must be), and that program; above {ROBUST:.2f}, no measured program is both "
            "(the pricings disagree), at or under it one is, and the default plan missed "
-           "it.\n",
-           "| model | preset | pricing | default / expert | bound | by |",
-           "|---|---|---|---:|---:|---|"]
+           "it. *fastest there*: the fastest program measured under that pricing, and its "
+           "step under NCCL's serial pricing over the best expert's there.\n",
+           "| model | preset | pricing | default / expert | bound | by | fastest there | "
+           "its NCCL serial |",
+           "|---|---|---|---:|---:|---|---|---:|"]
     for r in rows:
         how = r["pricing"] + (", overlapped" if r["mode"] == "overlap" else "")
         out.append(f"| {r['model']} | {r['preset']} | {how} | {r['default_ratio']:.3f} | "
-                   f"{r['bound']:.3f} | {r['bound_method']} |")
+                   f"{r['bound']:.3f} | {r['bound_method']} | {r['fastest_method']} | "
+                   f"{r['fastest_nccl']:.3f} |")
     return out + [""]
 
 
