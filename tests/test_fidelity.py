@@ -25,7 +25,6 @@ ELEMENTWISE = set(
     "convert_element_type select_n eq ne lt le gt ge and or not abs sign pow square "
     "stop_gradient copy copy_p".split())
 NAMES = ("a", "b")
-# LLVM's optimisation level only: the partitioned HLO and its collectives are the same
 
 
 def _ops():

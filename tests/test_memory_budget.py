@@ -21,7 +21,6 @@ from shardc.models import llama
 MESH = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
 CLUSTER = shardc.Cluster.multi_node()
 SLACK = 1.15  # compiled peak over the budget the memory model may miss by
-# LLVM's optimisation level only: the partitioned HLO, its buffers and its price are the same
 
 
 def _cfg(scan: bool) -> llama.LlamaConfig:

@@ -15,7 +15,6 @@ from shardc.inspect import price
 
 # small weights, a large batch: gradients are cheap to reduce, activations dear to move
 CFG = gpt.GPTConfig(vocab=1024, seq_len=128, d_model=256, n_heads=4, n_layers=2, batch=64)
-# LLVM's optimisation level only: the partitioner's collectives and the HLO priced are the same
 
 
 def _signature(cost) -> list:
