@@ -237,6 +237,7 @@ def test_a_robust_bound_admits_programs_slower_than_the_default_but_not_than_the
         in report.markdown(cells, ["shardc bench"])
     assert ("nccl", "serial") not in bounds
 
+
 def test_the_scale_page_has_the_pipelines_and_the_weak_scaling_efficiency():
     from shardc.bench.scale import ScaleCase, scale_markdown
 
