@@ -387,11 +387,41 @@ def test_plan_overlap_gathers_ahead_and_settles_beside_independent_ops():
     assert plan_overlap(listed).time == 6.0
 
 
+def test_a_plans_overlap_estimate_is_computed_once_and_goes_with_the_plan():
+    """The search asks for a candidate's estimate several times: the same plan's is the
+    same object; a plan made from it with other conversions (a new record) is priced
+    afresh (gathers twice as long: 2 + 2d = 6 against 5), and an estimate's entry goes
+    when its plan does."""
+    import dataclasses
+    import gc
+
+    from shardc.ir.sbp import B, NdSbp, S
+    from shardc.plan import overlap
+    from shardc.plan.record import OpPlan, Reshard
+
+    s0, b = NdSbp((S(0),)), NdSbp((B,))
+    ops = [OpPlan(0, "dot_general", "", (b, b), (b,), 2.0, 0.0, (2, 0), (3,)),
+           OpPlan(1, "dot_general", "", (b, b), (b,), 2.0, 0.0, (3, 1), (4,))]
+    fsdp = _plan(ops, [Reshard(v, v, s0, b, 1.0, 0.0, ("all-gather@x",)) for v in (0, 1)],
+                 {0: s0, 1: s0, 2: b, 3: b, 4: b})
+    first = overlap.plan_overlap(fsdp)
+    assert first.time == 5.0 and overlap.plan_overlap(fsdp) is first
+    assert overlap.plan_overlap(fsdp, chained=True) is not first  # each estimate its own
+    slow = dataclasses.replace(fsdp, reshards=tuple(dataclasses.replace(r, time=2.0)
+                                                    for r in fsdp.reshards))
+    assert overlap.plan_overlap(slow).time == 6.0 and overlap.plan_overlap(fsdp) is first
+    key = (id(slow), False)
+    assert key in overlap._ESTIMATES
+    del slow
+    gc.collect()
+    assert key not in overlap._ESTIMATES
+
+
 def test_plan_overlap_runs_combined_conversions_as_one_block():
     """The two gathers of the FSDP case above, combined by XLA into one collective: the
     first layer waits for both (2g), then the layers run: 2g + 2d = 6, not 5."""
     from shardc.ir.sbp import B, NdSbp, S
-    from shardc.plan.overlap import _blocks, _in_order, plan_overlap
+    from shardc.plan.overlap import _blocks, _in_order, _tail, plan_overlap
     from shardc.plan.record import OpPlan, Reshard
 
     s0, b = NdSbp((S(0),)), NdSbp((B,))
@@ -412,7 +442,7 @@ def test_plan_overlap_runs_combined_conversions_as_one_block():
     late = [Reshard(0, 0, s0, b, 1.0, 0.0, ("all-gather@x",), combined=(0,)),
             Reshard(4, 3, s0, b, 1.0, 0.0, ("all-gather@x",), combined=(0,))]
     plan = _plan(ops, late, {0: s0, 1: b, 2: b, 3: b, 4: s0, 5: b})
-    assert [op.id for op in _in_order(plan, _blocks(plan), False)] == [2, 0, 1, 3]
+    assert [op.id for op in _in_order(plan, _blocks(plan), False, _tail(plan.ops))] == [2, 0, 1, 3]
     assert plan_overlap(plan).time == 6.0
 
 
