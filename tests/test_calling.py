@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as Ps
+from numerics import assert_close
 
 import shardc
 from shardc.step.auto_shard import AutoSharded
@@ -31,7 +32,7 @@ def shard(fn, mesh=AUTO, **kw):
 def close(a, b):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         assert np.asarray(x).dtype == np.asarray(y).dtype
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
+    assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def mlp(params, x):

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 from clusters import SLOW_NODES
+from numerics import assert_close
 
 import shardc
 from shardc.cli import main
@@ -129,8 +130,7 @@ def test_exported_module_runs_the_plan_with_plain_jit(planned, capsys):
     (new_params, loss) = step(*args)
     (ref_params, ref_loss) = jax.jit(fn)(*args)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(new_params), jax.tree.leaves(ref_params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    assert_close(new_params, ref_params, rtol=1e-4, atol=1e-6)
 
     mesh = exported.make_mesh()
     compiled = step.lower(*args).compile()

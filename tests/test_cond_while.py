@@ -13,6 +13,7 @@ import pytest
 from clusters import SLOW_DEVICES
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as Ps
+from numerics import assert_close
 
 import shardc
 from shardc.inspect.hlo import price
@@ -29,8 +30,7 @@ def mesh8():
 
 
 def _close(got, want, rtol=1e-4, atol=1e-5):
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
+    assert_close(got, want, rtol=rtol, atol=atol)
 
 
 # ---- platform_index ------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import pytest
 from clusters import SLOW_DEVICES
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as Ps
+from numerics import assert_close
 
 import shardc
 from shardc.plan.codec import PlanFormatError
@@ -37,8 +38,8 @@ def shard(fn, **kw):
 def close(a, b, tol=1e-5):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         assert np.asarray(x).dtype == np.asarray(y).dtype
-        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
-                                   rtol=tol, atol=tol)
+    f32 = lambda t: jax.tree.map(lambda x: np.asarray(x, np.float32), t)
+    assert_close(f32(a), f32(b), rtol=tol, atol=tol)
 
 
 # ---- custom derivative rules survive -----------------------------------------------------

@@ -15,6 +15,7 @@ from clusters import SLOW_DEVICES
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as Ps
+from numerics import assert_close
 
 import shardc
 from shardc.inspect.hlo import collectives
@@ -100,8 +101,7 @@ def test_shard_map_region_runs_and_matches_jit(recwarn):
     x = jnp.ones((16, 8))
     s = shard(step)
     got = s(w, x)
-    for a, b in zip(got, jax.jit(step)(w, x), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert_close(got, jax.jit(step)(w, x), rtol=1e-5, atol=1e-6)
     assert not [m for m in recwarn if "no sharding rule" in str(m.message)]
     region = next(o for o in s.plan(w, x).ops if o.prim == "shard_map")
     assert [str(nd) for nd in region.ins] == ["(S(0), S(1))"]  # its in_specs, fixed
@@ -190,8 +190,7 @@ def test_dropout_and_pooling_steps_compile_like_data_parallelism(make, recwarn):
     got_state, got_loss = s(state, batch)
     want_state, want_loss = jax.jit(step)(state, batch)
     np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(got_state), jax.tree.leaves(want_state), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    assert_close(got_state, want_state, rtol=1e-4, atol=1e-6)
 
 
 def test_the_dropout_mask_is_drawn_split():

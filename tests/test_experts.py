@@ -8,6 +8,7 @@ import jax
 import optax
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from numerics import assert_close
 
 from shardc.bench import harness
 from shardc.bench.experts import Expert, compile_expert, preset_experts, state_specs
@@ -28,7 +29,7 @@ def _checked(model: str, expert: Expert, mesh=None):
     fn, (state, batch), want = harness._tiny(model)
     _, lowered = compile_expert(fn, state, batch, mesh, expert, zm.load().param_axes)
     compiled = lowered.compile()
-    assert harness._close(compiled(state, batch), want, harness._tiny_lr(zm)), expert.name
+    assert_close(compiled(state, batch), want, lr=harness._tiny_lr(zm), what=expert.name)
     return lowered, compiled
 
 

@@ -13,6 +13,7 @@ import optax
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as Ps
+from numerics import assert_close
 
 import shardc
 from shardc.inspect import price
@@ -86,8 +87,7 @@ def test_scanned_train_step_matches_the_unsharded_run(mesh_name):
     step, state = _step(_loss_scanned)
     s = shardc.auto_shard(step, mesh=mesh(mesh_name), time_limit=3.0)
     got, want = s(state, X), jax.jit(step)(state, X)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
 def test_the_backward_scan_is_not_replicated():
@@ -231,8 +231,7 @@ def test_gradient_accumulation_reduces_once():
                      ("unrolled", accumulate_unrolled)):
         s = shardc.auto_shard(fn, mesh=m, time_limit=3.0)
         priced[name] = price(s.lower(params, xs).compile(), m, cluster)
-        for got, want in zip(jax.tree.leaves(s(params, xs)), jax.tree.leaves(expect)):
-            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+        assert_close(s(params, xs), expect, rtol=1e-4, atol=1e-5)
     plan = shardc.auto_shard(accumulate_loop, mesh=m, time_limit=3.0).plan(params, xs)
     carries = [o for o in plan.ops if o.prim == "scan_enter" and o.outs[0].has_partial]
     assert len(carries) == 2, "both gradient accumulators stay partial through the loop"
@@ -295,9 +294,7 @@ def test_flax_scanned_layers_match_the_unsharded_run(kind, mesh_name):
         return jax.grad(lambda p: jnp.sum(forward(p, x) ** 2))(params)
 
     got = shardc.auto_shard(step, mesh=mesh(mesh_name), time_limit=2.0)(params, x)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(jax.jit(step)(params, x)),
-                    strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    assert_close(got, jax.jit(step)(params, x), rtol=1e-4, atol=1e-5)
 
 
 def _decoder(layers, width):
@@ -349,8 +346,7 @@ def test_per_layer_gradients_are_reduced_once_after_the_loop():
     assert cost.collectives and max(cost.runs) == 1, "no collective runs every iteration"
     assert max(multiplicity(compiled.as_text()).values()) == layers  # the loop is there
     got, want = s(params, x), jax.jit(step)(params, x)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
 def test_a_memory_budget_keeps_the_gradient_reduction_in_the_loop():
@@ -386,8 +382,7 @@ def test_a_memory_budget_keeps_the_gradient_reduction_in_the_loop():
     cost = price(s.lower(params, x).compile(), m, SLOW_DEVICES)
     assert max(cost.runs) == layers, "the gradients are reduced every iteration"
     got, want = s(params, x), jax.jit(step)(params, x)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_gradients_made_inside_a_checkpointed_layer_are_reduced_once_after_the_loop():
@@ -416,8 +411,7 @@ def test_gradients_made_inside_a_checkpointed_layer_are_reduced_once_after_the_l
     assert rows["all-reduce"].planned_count == rows["all-reduce"].compiled_count
     assert rows["all-reduce"].planned_bytes == rows["all-reduce"].compiled_bytes
     got, want = step(state, batch), jax.jit(fn)(state, batch)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+    assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_a_layers_slice_settled_once_is_converted_every_iteration():

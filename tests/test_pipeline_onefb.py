@@ -9,9 +9,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax.sharding import AxisType
+from numerics import assert_close
 
 import shardc
 from shardc.cost.cluster import Cluster
@@ -64,8 +64,7 @@ def stacked_loss(stacked, head, x, targets):
 
 
 def close(got, want, rtol=2e-5, atol=2e-6):
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
+    assert_close(got, want, rtol=rtol, atol=atol)
 
 
 def auto_mesh(stages):

@@ -10,8 +10,8 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
+from numerics import assert_close
 
 import shardc
 from shardc.cost.cluster import Cluster
@@ -51,8 +51,7 @@ def mesh():
 
 
 def close(got, want):
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+    assert_close(got, want, rtol=2e-5, atol=2e-6)
 
 
 def loop_permutes(compiled, m):
@@ -169,8 +168,7 @@ def test_the_deep_zoo_model_runs_pipelined():
     want = jax.jit(step)(state, batch)
     m = jax.make_mesh((4, 2), ("node", "gpu"))
     run = shardc.auto_shard(step, mesh=m, pipeline=Pipeline("node", 4, 4))
-    for g, w in zip(jax.tree.leaves(run(state, batch)), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=5e-5)
+    assert_close(run(state, batch), want, rtol=1e-4, atol=5e-5)
     assert run.plan(state, batch).pipeline == Pipeline("node", 4, 4)
 
 

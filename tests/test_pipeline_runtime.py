@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import AxisType
+from numerics import assert_close
 
 import shardc
 from shardc.inspect.hlo import collectives
@@ -62,8 +63,7 @@ def auto_mesh(stages):
 
 
 def close(got, want, rtol=2e-5, atol=2e-6):
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
+    assert_close(got, want, rtol=rtol, atol=atol)
 
 
 # (stages, micro-batches, schedule, virtual, layers)

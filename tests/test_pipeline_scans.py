@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from numerics import assert_close
 
 import shardc
 from shardc.cost.cluster import Cluster
@@ -50,8 +51,7 @@ def test_a_plain_scan_over_layers_runs_as_the_pipeline_asked_for(pipe):
     m = jax.make_mesh((pipe.stages, 8 // pipe.stages), ("stage", "data"))
     step = shardc.auto_shard(train_step, mesh=m, pipeline=pipe)
     got, want = step(w, x), jax.jit(train_step)(w, x)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+    assert_close(got, want, rtol=2e-5, atol=2e-6)
     assert step.plan(w, x).pipeline == pipe
     text = step.lower(w, x).compile().as_text()
     assert "collective-permute" in text
@@ -128,9 +128,7 @@ def test_a_flax_nn_scan_over_blocks_runs_as_the_pipeline_asked_for():
 
     m = jax.make_mesh((2, 4), ("stage", "data"))
     run = shardc.auto_shard(step, mesh=m, pipeline=Pipeline("stage", 2, 4))
-    for a, b in zip(jax.tree.leaves(run(p, x)), jax.tree.leaves(jax.jit(step)(p, x)),
-                    strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+    assert_close(run(p, x), jax.jit(step)(p, x), rtol=2e-5, atol=2e-6)
     assert run.plan(p, x).pipeline == Pipeline("stage", 2, 4)
     assert "collective-permute" in run.lower(p, x).compile().as_text()
 
@@ -170,9 +168,7 @@ def test_a_flax_nnx_scan_over_blocks_runs_as_the_pipeline_asked_for(pipe):
     x = args()[1]
     m = jax.make_mesh((pipe.stages, 8 // pipe.stages), ("stage", "data"))
     run = shardc.auto_shard(step, mesh=m, pipeline=pipe)
-    for a, b in zip(jax.tree.leaves(run(params, x)), jax.tree.leaves(jax.jit(step)(params, x)),
-                    strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+    assert_close(run(params, x), jax.jit(step)(params, x), rtol=2e-5, atol=2e-6)
     plan = run.plan(params, x)
     assert plan.pipeline == pipe
     check = plan.verify(run.lower(params, x).compile(), run.mesh_for(plan))
@@ -277,8 +273,7 @@ def test_a_stack_whose_layer_mixes_examples_never_runs_as_a_pipeline(body, write
         assert choice.pipeline is None and "can run as a pipeline" in choice.reason
     noted = [r for r in caplog.records if "not run as a pipeline" in r.getMessage()]
     assert bool(noted) == mixing and all(r.levelno == logging.INFO for r in noted), caplog.text
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(jax.jit(step)(w, x)), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+    assert_close(got, jax.jit(step)(w, x), rtol=2e-5, atol=2e-6)
 
 
 def test_a_check_that_cannot_run_refuses_the_pipeline_and_fails_nothing(monkeypatch):
@@ -366,9 +361,7 @@ def test_a_pipeline_asked_for_under_a_budget_none_fits_runs_priced_with_a_warnin
     warned = [r for r in caplog.records if r.levelno == logging.WARNING and
               "the pipeline asked for runs" in r.getMessage()]
     assert warned and "over the budget" in warned[0].getMessage()
-    for a, b in zip(jax.tree.leaves(run(w, x)), jax.tree.leaves(jax.jit(step)(w, x)),
-                    strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+    assert_close(run(w, x), jax.jit(step)(w, x), rtol=2e-5, atol=2e-6)
 
 
 def test_a_routed_scan_is_named_by_the_users_line():

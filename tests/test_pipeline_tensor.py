@@ -11,8 +11,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
+from numerics import assert_close
 
 import shardc
 from shardc.cost.cluster import Cluster
@@ -85,8 +85,7 @@ def test_a_stage_splits_its_weights_where_whole_ones_do_not_fit(stack, pipe):
                for s in specs), specs
     assert "tensor parallelism inside the stage" in " ".join(plan.explain(max_rows=1).split())
     want = jax.jit(train_step(scanned))(state, batch)
-    for a, b in zip(jax.tree.leaves(run(state, batch)), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    assert_close(run(state, batch), want, rtol=1e-4, atol=1e-5)
     compiled = run.lower(state, batch).compile()
     runs = multiplicity(compiled.as_text())
     inside = [c for c in collectives(compiled, mesh) if runs[c.computation] > 1]
@@ -166,8 +165,7 @@ def test_stages_xla_does_not_lay_out_as_priced_are_checked_and_reported():
     assert "passed over: " + rejected[0][:40] in text
     assert "WARNING: the pipeline asked for runs although" in text and kept[:40] in text
     want = jax.jit(step)(state, batch)
-    for a, b in zip(jax.tree.leaves(run(state, batch)), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-4)
+    assert_close(run(state, batch), want, rtol=1e-3, atol=1e-4)
 
 
 def test_a_circular_pipeline_prices_laying_its_chunks_out_and_is_checked_against_its_peak():
@@ -202,5 +200,4 @@ def test_a_circular_pipeline_prices_laying_its_chunks_out_and_is_checked_against
     assert swap.planned_bytes == pytest.approx(swap.compiled_bytes, rel=0.02), check.report()
     assert abs(check.time_error) < 0.25, check.report()
     want = jax.jit(train_step(scanned))(state, batch)
-    for a, b in zip(jax.tree.leaves(run(state, batch)), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    assert_close(run(state, batch), want, rtol=1e-4, atol=1e-5)

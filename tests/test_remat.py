@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType
+from numerics import assert_close
 
 import shardc
 from shardc.ir import remat
@@ -107,8 +108,7 @@ def test_the_frontier_holds_a_remat_point_leaner_than_any_plan_without(tmp_path)
         run = shardc.auto_shard(_step, mesh=MESH)
         run.use_plan(shardc.Plan.from_json(plan.to_json()), ws, x)  # remat survives JSON
         out = run(ws, x)
-        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+        assert_close(out, ref, rtol=1e-4, atol=1e-6)
         compiled.append(_peak(run.lower(ws, x).compile()))
     # activations dominate (data parallel is the fastest plan and the leanest that keeps
     # them): a remat point is leaner, as compiled, than every plan without remat, and every
@@ -132,8 +132,7 @@ def test_a_budget_only_remat_meets_plans_with_remat():
     assert plan.predicted.peak_memory <= budget
     assert _peak(step.lower(ws, x).compile()) <= 1.15 * budget
     ref = jax.jit(_step)(ws, x)
-    for a, b in zip(jax.tree.leaves(step(ws, x)), jax.tree.leaves(ref), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    assert_close(step(ws, x), ref, rtol=1e-4, atol=1e-6)
     assert f"of {L - 1} forward segments in the backward pass" in str(plan.report())
     with pytest.raises(ValueError, match="exported code cannot carry"):
         python_module(plan)
@@ -195,8 +194,7 @@ def test_the_users_checkpoints_recompute_where_the_backward_needs_them():
     assert plan.predicted.peak_memory == pytest.approx(_peak(step.lower(ws, x).compile()),
                                                        rel=0.15)
     ref = jax.jit(_checkpointed_step)(ws, x)
-    for a, b in zip(jax.tree.leaves(step(ws, x)), jax.tree.leaves(ref), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    assert_close(step(ws, x), ref, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -239,8 +237,7 @@ def test_a_value_converted_alike_for_several_readers_is_converted_once():
     assert len(gathers) >= 20 and len(set(gathers)) == len(gathers)
     assert plan.predicted.peak_memory == pytest.approx(_peak(compiled), rel=0.15)
     ref = jax.jit(_step)(ws, x)
-    for a, b in zip(jax.tree.leaves(step(ws, x)), jax.tree.leaves(ref), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    assert_close(step(ws, x), ref, rtol=1e-4, atol=1e-6)
 
 
 V, E = 2048, 64  # a tied language model's vocabulary and width
@@ -283,5 +280,4 @@ def test_a_tied_output_layer_recomputes_without_gathering_its_cotangent():
     assert _peak(compiled) <= 1.15 * budget
     assert plan.predicted.step_time <= 1.2 * fastest.predicted.step_time
     ref = jax.jit(_lm_step)(p, tok, y)
-    for a, b in zip(jax.tree.leaves(step(p, tok, y)), jax.tree.leaves(ref), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    assert_close(step(p, tok, y), ref, rtol=1e-4, atol=1e-6)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.sharding import AxisType
+from numerics import assert_close
 from test_rules_families import (
     check_signature_numerically,
     evaluate,
@@ -273,8 +274,7 @@ def test_scans_planned_on_a_mesh_match_jit(name):
     for f in (fn, jax.grad(loss, argnums=tuple(range(len(args))))):
         got = shardc.auto_shard(f, mesh=mesh, time_limit=1.0)(*args)
         want = jax.jit(f)(*args)
-        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+        assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_while_loops_are_planned_inside():
@@ -300,9 +300,7 @@ def test_while_loops_are_planned_inside():
     mesh = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
     for fn, args in ((counted, (h, w)), (until_small, (h,))):
         got = shardc.auto_shard(fn, mesh=mesh, time_limit=1.0)(*args)
-        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(jax.jit(fn)(*args)),
-                        strict=True):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+        assert_close(got, jax.jit(fn)(*args), rtol=1e-5, atol=1e-6)
 
 
 def test_cond_branches_are_planned_inside_with_the_index_broadcast():
@@ -328,7 +326,4 @@ def test_cond_branches_are_planned_inside_with_the_index_broadcast():
     for f in (fn, jax.grad(loss, argnums=(1, 2))):
         planned = shardc.auto_shard(f, mesh=mesh, time_limit=1.0)
         for p in (True, False):
-            for a, b in zip(jax.tree.leaves(planned(p, x, y)),
-                            jax.tree.leaves(jax.jit(f)(p, x, y)), strict=True):
-                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
-                                           atol=1e-6)
+            assert_close(planned(p, x, y), jax.jit(f)(p, x, y), rtol=1e-5, atol=1e-6)

@@ -16,6 +16,7 @@ import pytest
 from jax import lax
 from jax._src.lax import linalg as linalg_internal  # geqrf, geqp3: no public wrapper
 from jax.sharding import AxisType
+from numerics import assert_close
 from test_rules_families import (
     RNG,
     check_all,
@@ -278,8 +279,7 @@ def _flops(compiled) -> float:
 
 
 def _close(got, want):
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-4)
+    assert_close(got, want, rtol=2e-4, atol=2e-4)
 
 
 @pytest.mark.parametrize("name", list(PROGRAMS))

@@ -4,6 +4,7 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import AxisType
+from numerics import assert_close
 
 import shardc
 from shardc.models import gpt, mlp
@@ -37,8 +38,7 @@ def test_sharded_equals_unsharded(model_name, mesh_name):
     # atol: the attention key bias has an identically zero gradient (softmax ignores a
     # per-query constant), so Adam turns summation-order rounding (~1e-10) into updates of
     # ~1e-6; everything else agrees to rtol 1e-4. 1e-5 is 1% of one Adam step (lr 1e-3).
-    for a, b in zip(jax.tree.leaves(s_state), jax.tree.leaves(r_state)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    assert_close(s_state, r_state, rtol=1e-4, atol=1e-5)
     plan = step.plan(state, batch)
     assert len(plan.ops) > 0 and plan.predicted.step_time > 0
 

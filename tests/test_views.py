@@ -4,6 +4,7 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import AxisType
+from numerics import assert_close
 
 import shardc
 from shardc.cost.cluster import IB_BW, IB_LAT, NVLINK_BW, Cluster
@@ -84,8 +85,7 @@ def test_a_plan_for_another_view_runs_on_that_view_of_the_devices():
     new_state, loss = step(state, data)
     ref_state, ref = jax.jit(step_fn)(state, data)
     np.testing.assert_allclose(float(loss), float(ref), rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(ref_state), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    assert_close(new_state, ref_state, rtol=1e-4, atol=1e-5)
 
 
 def test_seeds_written_on_another_view_seed_that_view():

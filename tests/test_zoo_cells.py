@@ -3,6 +3,7 @@
 import jax
 import numpy as np
 import pytest
+from numerics import assert_close
 
 import shardc
 from shardc.bench import harness
@@ -23,7 +24,7 @@ def test_tiny_step_under_auto_shard_equals_jit(name):
     assert jax.tree.structure(got) == jax.tree.structure(want)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert g.dtype == w.dtype and g.shape == w.shape
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-6)
+    assert_close(got, want, rtol=2e-5, atol=2e-6)
 
 
 def _dots(step, state, batch) -> int:
@@ -49,9 +50,8 @@ def test_accumulation_averages_to_the_whole_batch_gradient():
     cfg = accum.AccumConfig.tiny()
     step, (state, batch) = accum.make_train_step(cfg)
     plain, _ = mlp.make_train_step(cfg)
-    for g, w in zip(jax.tree.leaves(jax.jit(step)(state, batch)),
-                    jax.tree.leaves(jax.jit(plain)(state, batch)), strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6)
+    assert_close(jax.jit(step)(state, batch), jax.jit(plain)(state, batch), rtol=1e-4,
+                 atol=1e-6)
     rows = np.concatenate([np.asarray(accum.micro_batch(batch, i, 4)["x"]) for i in range(4)])
     assert sorted(map(tuple, rows)) == sorted(map(tuple, np.asarray(batch["x"])))
 

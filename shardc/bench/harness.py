@@ -35,6 +35,7 @@ from shardc.bench.experts import (
     preset_experts,
     state_specs,
 )
+from shardc.bench.numerics import step_close
 from shardc.bench.zoo import PRESETS, ZOO, Preset, ZooModel
 from shardc.inspect.hlo import price_all
 from shardc.plan.record import Plan
@@ -43,16 +44,11 @@ from shardc.step.auto_shard import auto_shard
 from shardc.step.ranking import compile_lowered
 from shardc.tradeoff.views import views
 
-__all__ = ["ADAM_SLACK", "Cell", "cells", "expert_seeds", "experts",
+__all__ = ["Cell", "cells", "expert_seeds", "experts",
            "feed_seconds", "GPU_TIMING_RUNS", "jit_seconds", "make_mesh", "MEMORY_MARGIN",
            "PLANNED", "planned_and_compiled", "planned_for", "planning_budget", "PRICINGS",
            "run_cell", "run_expert", "run_shardc", "shardc_method", "TIMING_RUNS", "traits"]
 
-RTOL, ATOL = 1e-4, 1e-5
-ADAM_SLACK = 0.05
-"""Parameters after an Adam step may differ by this fraction of the learning rate: Adam
-divides each gradient element by its own magnitude, so an element whose gradient is near
-zero moves by up to ``lr`` and a reassociated (sharded) sum can change that move."""
 MEMORY_MARGIN = 0.2
 """shardc's budget on a memory-bound model is the device memory less this fraction: room for
 the error of its predicted peak against the compiled one. The zoo's worst under-prediction
@@ -153,9 +149,9 @@ def _gpus(hosts: int, per_host: int) -> list:
 
 
 def _close(a, b, lr: float = 0.0) -> bool:
-    atol = max(ATOL, ADAM_SLACK * lr)
-    return all(np.allclose(np.asarray(x), np.asarray(y), rtol=RTOL, atol=atol)
-               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+    """Whether one step's results ``a`` equal the unsharded ``b`` (:mod:`shardc.bench.
+    numerics`: Adam's updates held to their own sensitivity)."""
+    return step_close(a, b, lr)
 
 
 def _tiny_lr(zm: ZooModel) -> float:
