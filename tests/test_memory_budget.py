@@ -8,6 +8,7 @@ counts no buffer for."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import test_pipeline_tensor as tensor  # its MLP stack on 8 devices
 from jax.sharding import AxisType
@@ -158,3 +159,55 @@ def test_a_budget_too_small_names_the_peak_a_plan_reaches():
     needed = info.value.needed
     assert needed <= 1.01 * leaner, (needed, leaner)
     assert planned(needed).predicted.peak_memory <= needed
+
+
+def _decode_loop(layers=2, batch=8, context=128, heads=4, head_dim=32, vocab=256, steps=16):
+    """A greedy decode loop carrying a KV cache [layers, 2, batch, context, heads, dim]
+    through a scan, updated in place each step; its parameters and first tokens."""
+    width = heads * head_dim
+    key = jax.random.PRNGKey(0)
+    params = {"emb": jax.random.normal(key, (vocab, width)) * 0.02,
+              "qkv": [jax.random.normal(jax.random.fold_in(key, i), (width, 3 * width)) * 0.02
+                      for i in range(layers)]}
+
+    def decode(params, tokens):
+        cache = jnp.zeros((layers, 2, batch, context, heads, head_dim))
+
+        def body(carry, t):
+            cache, tok = carry
+            x = params["emb"][tok]
+            for i, w in enumerate(params["qkv"]):
+                q, k, v = (a.reshape(batch, heads, head_dim)
+                           for a in jnp.split(x @ w, 3, axis=-1))
+                cache = cache.at[i, 0, :, t].set(k).at[i, 1, :, t].set(v)
+                s = jnp.einsum("bhd,bthd->bht", q, cache[i, 0])
+                s = jnp.where(jnp.arange(context) <= t, s, -1e9)
+                x = x + jnp.einsum("bht,bthd->bhd", jax.nn.softmax(s, -1),
+                                   cache[i, 1]).reshape(batch, width)
+            tok = jnp.argmax(x @ params["emb"].T, -1)
+            return (cache, tok), tok
+
+        return jax.lax.scan(body, (cache, tokens), jnp.arange(steps))[1]
+
+    return decode, params, jnp.zeros((batch,), jnp.int32)
+
+
+def _compiled_peak(compiled) -> float:
+    m = compiled.memory_analysis()
+    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - m.alias_size_in_bytes)
+
+
+def test_a_decode_loops_cache_is_predicted_as_xla_holds_it():
+    """The KV cache is updated in place (XLA's scatter over its operand's buffer) and the
+    loop reads its parameters in place (no copy for the loop): predicted within 15% of the
+    compiled peak (was 1.9x over, counting each cache update and the parameters twice).
+    Tokens equal jax.jit's."""
+    decode, params, tokens = _decode_loop()
+    mesh = jax.make_mesh((8,), ("gpu",), axis_types=(AxisType.Auto,))
+    step = shardc.auto_shard(decode, mesh=mesh)
+    plan = step.plan(params, tokens)
+    compiled = _compiled_peak(step.lower(params, tokens).compile())
+    assert abs(plan.predicted.peak_memory / compiled - 1) < 0.15, (plan.predicted, compiled)
+    np.testing.assert_array_equal(np.asarray(step(params, tokens)),
+                                  np.asarray(jax.jit(decode)(params, tokens)))

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as Ps
 
 import shardc
 from shardc.cost.cluster import Cluster
+from shardc.cost.units import fmt_time
 from shardc.ir.sbp import B, NdSbp, P, Split
 from shardc.ir.trace import trace
 from shardc.models import mlp
@@ -242,7 +243,8 @@ def _mlp_2x2():
 
 def test_seeds_bound_the_plan_and_are_reported():
     """Hand-written plans given as seeds (in_shardings per argument, prefixes allowed): the
-    plan costs no more than any of them in the cost model, and explain() lists them."""
+    plan costs no more than any of them in the cost model, and explain() lists them, each
+    plan with one predicted step (the seeds' and the plan's as the header shows it)."""
     step_fn, state, data, mesh = _mlp_2x2()
     seeds = {"data-parallel": (Ps(), Ps(("a", "b"))),
              "replicated": (None, jax.tree.map(lambda _: Ps(), data))}
@@ -251,8 +253,14 @@ def test_seeds_bound_the_plan_and_are_reported():
     plan = step.plan(state, data)
     costs = plan.solver["seeds"]
     assert set(costs) == {"data-parallel", "replicated"}
-    assert plan.solver["objective"] <= min(costs.values()) + 1e-12
-    assert "seeds (hand-written plans, predicted): " in plan.explain()
+    assert plan.predicted.step_time <= min(costs.values()) * (1 + 1e-9)
+    text = plan.explain()
+    shown = fmt_time(plan.predicted.step_time)
+    assert f"predicted step: {shown} = " in text
+    seeds_line = next(line for line in text.splitlines() if line.startswith("seeds ("))
+    assert seeds_line.endswith(f"; this plan {shown}"), seeds_line
+    for name, cost in costs.items():
+        assert f"{name} {fmt_time(cost)}" in seeds_line
     # and on the plan's own prediction (which prices XLA's combined collectives as the one
     # collective they compile to, where the objective shares them out): no seed beats it
     from shardc.plan.assemble import assemble

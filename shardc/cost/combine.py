@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardc.ir.flow import head_values, tail_values
+from shardc.ir.flow import head_values, late_op, late_values
 from shardc.ir.graph import Graph
 from shardc.ir.prims import facts
 
@@ -52,10 +52,10 @@ def alpha_scales(graph: Graph, combiner: Combiner | None = None) -> dict[int, fl
     that many shares."""
     combiner = combiner or XLA_CPU
     runs = graph.runs()
-    tail = tail_values(graph)
+    tail = late_values(graph)
     entries: dict[int, list[float]] = {}
     for op in graph.ops:
-        if not facts(op.name).tail:
+        if not late_op(op):
             for v in op.outputs:
                 if v.id in tail:
                     entries.setdefault(op.weight, []).append(v.nbytes)

@@ -14,7 +14,7 @@ from shardc.ir.prims import facts
 from shardc.ir.trace import SCAN_ENTER, SCAN_EXIT
 
 __all__ = ["carry_exit", "head_values", "loop_tests", "loop_ties", "read_runs", "reads",
-           "settle_runs", "tail_values", "unrolled_sums"]
+           "late_op", "late_values", "settle_runs", "tail_values", "unrolled_sums"]
 
 
 def carry_exit(op: Op) -> bool:
@@ -95,7 +95,32 @@ def tail_values(graph: Graph) -> frozenset[int]:
     return graph.memo("tail_values", _tail_values)
 
 
-def _tail_values(graph: Graph) -> frozenset[int]:
+def late_values(graph: Graph) -> frozenset[int]:
+    """Ids of values whose every path to the outputs passes tail primitives and full
+    reductions only (:func:`late_op`): the tail, and before it the gradients a global norm
+    or a finite check reads as well as the update (computed once per graph). No late value
+    made by a non-late op depends on another: XLA combines their collectives."""
+    return graph.memo("late_values", lambda g: _tail_values(g, late_op))
+
+
+def late_op(op: Op) -> bool:
+    """A tail primitive, or a reduction of every dimension to one scalar (a global norm's
+    ``reduce_sum``, a finite check's ``reduce_and``): its result steers the tail and costs
+    nothing to move, so a collective before it is as independent as one in the tail."""
+    return facts(op.name).tail or (op.name in FULL_REDUCTIONS and len(op.outputs) == 1
+                                   and not op.outputs[0].shape)
+
+
+#: reductions that, over every dimension, make a scalar a tail reads (:func:`late_op`)
+FULL_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_and",
+                             "reduce_or", "reduce_prod"})
+
+
+def _tail_op(op: Op) -> bool:
+    return facts(op.name).tail
+
+
+def _tail_values(graph: Graph, passes=_tail_op) -> frozenset[int]:
     consumers = graph.consumers()
     outputs = {v.id for v in graph.outputs}
     tail: set[int] = set()
@@ -104,8 +129,7 @@ def _tail_values(graph: Graph) -> frozenset[int]:
         users = consumers.get(v.id, [])
         if not users:
             return v.id in outputs
-        return all(facts(u.name).tail and all(o.id in tail for o in u.outputs)
-                   for u, _ in users)
+        return all(passes(u) and all(o.id in tail for o in u.outputs) for u, _ in users)
 
     for op in reversed(graph.ops):
         tail.update(v.id for v in op.outputs if is_tail(v))

@@ -26,7 +26,7 @@ from shardc.ir.sbp import B, NdSbp, Partial
 from shardc.plan.record import OpPlan, Plan, Predicted, Reshard, fingerprint, unreduced
 from shardc.solve.costgraph import CostGraph
 from shardc.solve.memory import memory_profile
-from shardc.solve.problem import feed_time
+from shardc.solve.problem import input_cost
 from shardc.solve.reduced_ys import unreduced_ys, ys_exits, ys_shares
 
 __all__ = ["assemble"]
@@ -246,9 +246,7 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
     combined = _joined(graph, uses, via, pending, combiner, reshards)
     reshards, ops, comm = _combine(reshards, ops, comm, combined, cluster.collective_model)
     peak = float(np.max(memory_profile(cg, choice)))  # the profile budgets are held to
-    carried = set(tied.values()) | cg.resident
-    feed = sum(feed_time(v, values[v.id], sizes, cluster, k in carried)
-               for k, v in enumerate(graph.inputs))
+    feed = sum(float(input_cost(cg, k, [values[v.id]])[0]) for k, v in enumerate(graph.inputs))
     return Plan(tuple(zip(names, sizes)), cluster,
                 tuple(values[v.id] for v in graph.inputs), tuple(outputs), values, tuple(ops),
                 tuple(reshards), Predicted(comm, compute, wire, peak, feed),

@@ -19,6 +19,13 @@ __all__ = ["argument_table", "explain_plan", "explain_report", "fold_repeats", "
            "mesh_label", "op_table", "spec_text"]
 
 
+def _ranked(plan) -> float:
+    """The step ``plan`` was chosen by, as its seeds are priced: overlapped (with the feed)
+    where its cluster overlaps (``solver["overlapped_s"]``), else its predicted step."""
+    step = plan.predicted.step_time
+    return plan.solver.get("overlapped_s", step) if plan.cluster.overlap else step
+
+
 def _coverage(ops) -> list[str]:
     """A line naming the primitives that ran replicated for lack of a rule, with their
     share of the step's compute (nothing when every primitive has one)."""
@@ -379,9 +386,10 @@ def explain_report(plan, max_rows: int | None = 60, top: int = 10, margins=None,
                                   + (" (kept)" if r.get("kept") else "") for r in ranked))
     seeds = plan.solver.get("seeds")
     if seeds:
-        blocks.append("seeds (hand-written plans, predicted): " + ", ".join(
+        blocks.append("seeds (hand-written plans, predicted" + (
+            ", overlapped" if plan.cluster.overlap else "") + "): " + ", ".join(
             f"{name} {fmt_time(t)}" for name, t in sorted(seeds.items(), key=lambda kv: kv[1]))
-            + f"; this plan {fmt_time(plan.solver.get('objective', p.step_time))}")
+            + f"; this plan {fmt_time(_ranked(plan))}")
     if margins is not None:
         blocks.append(margins.table())
     blocks += _coverage(plan.ops)

@@ -88,12 +88,16 @@ class Fixed:
     search; a pipeline stage's weights, held whole over the axes splitting each
     micro-batch); ``unsplit``: op id -> indices of the mesh axes its first result's
     leading dim may not be split over (a pipeline stage's carry, whose batch dim its
-    tensor-parallel axes leave whole)."""
+    tensor-parallel axes leave whole). ``placed``: graph input index -> the layout an
+    argument already on the mesh's devices has (a ``jax.Array`` placed by the user, not
+    kept): not a restriction, a price: such an input pays its conversion to the layout
+    chosen, not the host feed."""
 
     inputs: Mapping[int, NdSbp] = field(default_factory=dict)
     outputs: Mapping[int, NdSbp] = field(default_factory=dict)
     among: Mapping[int, tuple[NdSbp, ...]] = field(default_factory=dict)
     unsplit: Mapping[int, frozenset[int]] = field(default_factory=dict)
+    placed: Mapping[int, NdSbp] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.inputs or self.outputs or self.among or self.unsplit)

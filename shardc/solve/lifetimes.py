@@ -95,9 +95,11 @@ def _spans(cg: CostGraph) -> tuple:
     for t, op in enumerate(graph.ops):
         for v in op.inputs:
             last[v.id] = max(last.get(v.id, t), t)
-    # a branch reads the cond's operand in place: its ``cond_enter`` holds no copy
+    # a branch reads the cond's operand in place: its ``cond_enter`` holds no copy; nor
+    # does a loop's body its loop-invariant operands (a const ``scan_enter``)
     fused = graph.memo("fused_values", fused_values) | \
-        {op.outputs[0].id for op in graph.ops if op.prim is COND_ENTER}
+        {op.outputs[0].id for op in graph.ops if op.prim is COND_ENTER or (
+            op.prim is SCAN_ENTER and op.params["kind"] == "const")}
     made = {v.id: t for t, op in enumerate(graph.ops) for v in op.outputs}
     cg.fusion = (frozenset(fused), dict(last), made)
     for t in range(n - 1, -1, -1):  # consumers first: a chain of fused values extends back
@@ -105,6 +107,7 @@ def _spans(cg: CostGraph) -> tuple:
         end = max((last[v.id] for v in op.outputs if v.id in fused), default=t)
         for v in op.inputs:
             last[v.id] = max(last[v.id], end)
+    _in_place(graph, last, fused)
     cg.spans = []
     for v in graph.inputs:
         node, _ = cg.producer[v.id]
@@ -147,6 +150,26 @@ def _spans(cg: CostGraph) -> tuple:
         cg.stack_spans.append((t, end, len(graph.inputs) + t, u, slot, val.nbytes))
     return (cg.fusion, cg.spans, cg.results, cg.read_spans, cg.settle_spans, cg.ys_spans,
             cg.stack_spans)
+
+
+#: ops XLA runs in place, their result written over their first operand's buffer where
+#: that operand is read last there: an update of a slice (a KV cache's), a loop's carry
+#: taking its initial value (XLA's ``dynamic-update-slice`` and ``scatter`` in place,
+#: a ``while``'s init buffer shared with the loop's)
+IN_PLACE = frozenset({"scatter", "scatter-add", "scatter_add", "dynamic_update_slice"})
+
+
+def _in_place(graph: Graph, last: dict[int, int], fused: set[int]) -> None:
+    """Shorten ``last`` (value id -> program point of its last read) for the operands an
+    in-place op (:data:`IN_PLACE`, a carry's ``scan_enter``) reads last: they die just
+    before it, as its result takes their buffer."""
+    for t, op in enumerate(graph.ops):
+        if not (op.name in IN_PLACE or op.prim is SCAN_ENTER and op.params["kind"] == "carry"):
+            continue
+        v, out = op.inputs[0], op.outputs[0]
+        if v.producer is not None and v.id not in fused and last.get(v.id) == t \
+                and v.nbytes == out.nbytes and out.id not in fused:
+            last[v.id] = t - 1
 
 
 def _tail_after(graph: Graph, tail: set[int]) -> dict[int, tuple[int, int]]:

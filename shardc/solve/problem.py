@@ -36,7 +36,7 @@ from shardc.solve.costgraph import NOTHING_FIXED, CostGraph, Edge, Fixed, Settle
 from shardc.solve.memory import memory_points
 from shardc.solve.reduced_ys import stacked_ys, whole_partial, ys_exits, ys_reduction, ys_shares
 
-__all__ = ["accumulators", "build", "BuildShare", "feed_time", "input_choices"]
+__all__ = ["accumulators", "build", "BuildShare", "feed_time", "input_choices", "input_cost"]
 
 
 def input_choices(v: Value, axis_sizes: Sequence[int]) -> list[NdSbp]:
@@ -57,6 +57,19 @@ def feed_time(v: Value, nd: NdSbp, axis_sizes: Sequence[int], cluster: Cluster,
     if carried:
         return 0.0
     return v.nbytes * nd.shard_fraction(axis_sizes) / cluster.host_bandwidth
+
+
+def input_cost(cg: CostGraph, k: int, layouts: Sequence[NdSbp]) -> np.ndarray:
+    """What passing graph input ``k`` costs each call in each of ``layouts``: nothing for
+    the state (tied or resident: it stays on the devices), the conversion from where it
+    is for an argument already placed on the mesh (:attr:`Fixed.placed`), else the host
+    feed of its shard."""
+    v = cg.graph.inputs[k]
+    if k in cg.carried or k in cg.resident:
+        return np.zeros(len(layouts))
+    if k in cg.fixed.placed:
+        return cg.reshard_matrix([cg.fixed.placed[k]], layouts, v.nbytes)[0]
+    return np.array([feed_time(v, nd, cg.axis_sizes, cg.cluster, False) for nd in layouts])
 
 
 def _unsplit(strats: list, axes: Collection[int]) -> list:
@@ -135,9 +148,7 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
                 layouts[v.shape] = input_choices(v, axis_sizes)
             cg.choices.append(layouts[v.shape])
         cg.refs.append(v)
-        cg.cost.append(np.array([feed_time(v, nd, axis_sizes, cluster,
-                                           k in carried or k in cg.resident)
-                                 for nd in cg.choices[-1]]))
+        cg.cost.append(input_cost(cg, k, cg.choices[-1]))
     matrices = share.matrices  # identical edges (repeated layers) share one cost matrix
 
     def edge_matrix(src_owner: list, slot: int, src, dst_owner: list, k: int, dst, nbytes,

@@ -80,7 +80,8 @@ class PlanCache:
             "ties": [list(t) for t in ties],
             "resident": sorted(resident),
             "fixed": [sorted((k, str(nd)) for k, nd in fixed.inputs.items()),
-                      sorted((k, str(nd)) for k, nd in fixed.outputs.items())],
+                      sorted((k, str(nd)) for k, nd in fixed.outputs.items()),
+                      sorted((k, str(nd)) for k, nd in fixed.placed.items())],
         }
         text = json.dumps(parts, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()

@@ -9,6 +9,7 @@ import functools
 import jax
 from jax.sharding import AbstractMesh, NamedSharding
 
+from shardc.cost.comm import reshard_time
 from shardc.ir.sbp import Broadcast, NdSbp, to_partition_spec
 from shardc.plan.record import Plan, Predicted
 from shardc.solve.collector import gc_paused
@@ -63,8 +64,12 @@ def compiled_margin(step, call: Call, tr: TracedCall, plan: Plan, args, kwargs,
                 *leaves).compile()
     cost = price(compiled, mesh, cluster)
     carried = {i for _, i in tr.ties} | tr.resident
-    sizes = tuple(mesh.shape.values())
-    feed = sum(feed_time(v, nd, sizes, cluster, k in carried)
+    sizes, names = tuple(mesh.shape.values()), tuple(mesh.axis_names)
+    # placed layouts are on the step's own mesh (a plan on another view pays the feed)
+    placed = tr.fixed.placed if names == tuple(step.mesh.axis_names) else {}
+    feed = sum(reshard_time(placed[k], nd, v.nbytes, sizes, names, cluster)
+               if k in placed and k not in carried else feed_time(v, nd, sizes, cluster,
+                                                                  k in carried)
                for k, (v, nd) in enumerate(zip(graph.inputs, inputs, strict=True)))
     return Predicted(cost.comm_time, cost.compute_time, cost.wire_bytes,
                      cost.peak_memory or 0.0, feed)

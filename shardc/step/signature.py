@@ -81,7 +81,8 @@ def pins_layouts(tr: TracedCall) -> bool:
 
 
 def kept_layouts(step, call: Call) -> dict[int, NdSbp]:
-    """The layouts of placed arguments the plan must keep (``keep_input_shardings``)."""
+    """The layouts of the arguments placed on the mesh (``NamedSharding``s of its axes):
+    what the plan keeps under ``keep_input_shardings``."""
     names = tuple(step.mesh.axis_names)
     out = {}
     for k, x in enumerate(call.leaves):
@@ -94,16 +95,20 @@ def kept_layouts(step, call: Call) -> dict[int, NdSbp]:
 
 def fixed_layouts(step, call: Call) -> Fixed:
     """The inputs the plan keeps (``in_shardings``, kept placements) and, on a mesh with
-    Explicit axes, the outputs' layouts their types get under ``jax.jit``."""
+    Explicit axes, the outputs' layouts their types get under ``jax.jit``; the layouts of
+    the other arguments already placed on the mesh (``placed``: they pay their
+    conversion, not the host feed)."""
     inputs = {}
     if step.options.in_shardings is not None:
         dyn_args, _ = call.unflatten(call.leaves)
         inputs.update(seed_layouts("in_shardings", step.options.in_shardings,
                                    jax.tree.map(abstract_leaf, dyn_args),
                                    step.mesh.axis_names))
+    placed = kept_layouts(step, call)
     if step.keep:
-        inputs.update(kept_layouts(step, call))
-    return Fixed(inputs, typed_outputs(step, call))
+        inputs.update(placed)
+    return Fixed(inputs, typed_outputs(step, call),
+                 placed={k: nd for k, nd in placed.items() if k not in inputs})
 
 
 def typed_outputs(step, call: Call) -> dict[int, NdSbp]:

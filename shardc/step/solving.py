@@ -34,7 +34,7 @@ from shardc.tradeoff.views import View, views
 
 log = logging.getLogger("shardc")
 
-__all__ = ["Objective", "SEED_RECHECK", "fastest", "leanest", "mesh_views", "objectives",
+__all__ = ["Objective", "fastest", "leanest", "mesh_views", "objectives",
            "problem", "solve", "solve_views"]
 
 
@@ -256,31 +256,21 @@ def _view_plan(step, tr: TracedCall, view: View, sopts: SolveOptions, is_physica
     on = cg if objective is view.cluster else own
     if [len(c) for c in on.choices] != [len(c) for c in cg.choices]:
         raise AssertionError("the objective's cost graph and the view's differ in choices")
-    costs = sol.stats.pop("seeds", {})
+    sol.stats.pop("seeds", None)  # the objective's figures: priced below as the plan is
     solver = {"status": sol.status.value, "objective": sol.objective, **sol.stats}
     if on is not cg:
         solver["objective_model"] = objective.collective_model
     plan = assemble(graph, on, sol.choice, tr.ties, solver, tr.traced.remat,
                     len(tr.traced.segments), platform_of(step.mesh))
-    assembled = [plan]
+    assembled, costs = [plan], {}
     for name, choice in sol.seed_choices.items():
-        # the objective prices combined collectives by shares; a seed close to the
-        # plan is priced as the plan is, so the plan predicts no more than any seed.
-        # The objective prices communication serially: under overlap every seed is
-        # ranked as the plan is (FSDP's gathers hide behind compute a serial sum
-        # charges them for)
-        if view.cluster.overlap or costs.get(name, math.inf) <= (
-                sol.objective * SEED_RECHECK):
-            other = assemble(graph, on, choice, tr.ties, {**solver, "seed": name},
-                             tr.traced.remat, len(tr.traced.segments),
-                             platform_of(step.mesh))
-            assembled.append(other)
-            if ranking_time(other) < ranking_time(plan):
-                plan = other
+        # every seed priced as the plan is (assembled: XLA's combined collectives as the one
+        # collective each compiles to; under overlap, replayed), so a plan and the seeds it
+        # is shown beside have one predicted step each, and the plan is no slower than any
+        other = assemble(graph, on, choice, tr.ties, {**solver, "seed": name},
+                         tr.traced.remat, len(tr.traced.segments), platform_of(step.mesh))
+        assembled.append(other)
+        costs[name] = ranking_time(other)
+        if costs[name] < ranking_time(plan):
+            plan = other
     return plan, costs, assembled, cg
-
-
-#: a seed whose objective is within this factor of the plan's is assembled and compared on
-#: the plan's own prediction (the objective and the prediction price XLA's combined
-#: collectives differently: by shares, and as the one collective they compile to)
-SEED_RECHECK = 1.25
