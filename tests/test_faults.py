@@ -2,9 +2,13 @@
 mid-step, mid-restore and mid-save, its newest checkpoint truncated, one host lost and given
 back, its disk full during a save; it finishes every time, applies every step once with its
 own batch, loses at most one checkpoint interval per fault, and its losses are the
-uninterrupted run's."""
+uninterrupted run's. And docs/faults.md's training loop, run as written."""
 
 from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -45,6 +49,7 @@ def test_a_job_survives_one_fault_of_each_kind(tmp_path):
     runs = [(x["processes"], x["codes"]) for x in result["launches"]]
     assert [p for p, _ in runs] == [2, 2, 2, 2, 1, 2, 2], runs  # lost at 17, back at 25
     assert all(c == 0 for c in runs[-1][1]) and any(c == NO_SPACE for c in runs[-2][1])
+    assert result["launches"][1]["mid_restore"]  # killed before either process restored
     host = result["launches"][4]["events"]
     assert any(e["event"] == "planned" and e["devices"] == 4 for e in host)
     # recovery is timed by phase, and a mesh seen before is planned from the cache
@@ -59,3 +64,27 @@ def test_a_job_survives_one_fault_of_each_kind(tmp_path):
     assert seen["first_replanned_step"] == 16 and seen["after_replan"] == 20
     np.testing.assert_allclose([v[0] for v in seen["losses"].values()],
                                [v[1] for v in seen["losses"].values()], rtol=1e-5)
+
+
+def _example() -> dict:
+    """docs/faults.md's training loop, run as written."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "faults.md").read_text()
+    namespace: dict = {}
+    exec(compile(text.split("```python\n")[1].split("```")[0], "docs/faults.md", "exec"),
+         namespace)
+    return namespace
+
+
+def test_the_docs_loop_resumes_past_a_damaged_checkpoint(tmp_path, caplog):
+    train = _example()["train"]
+    plans = tmp_path / "plans"
+    first = train(tmp_path / "a", plans, 12, every=5)  # checkpoints 5, 10, 12
+    seal = json.loads((tmp_path / "a" / "12" / "shardc-seal.json").read_text())
+    (tmp_path / "a" / "12" / max(seal, key=seal.get)).write_bytes(b"")  # truncated
+    with caplog.at_level(logging.WARNING, logger="shardc"):
+        second = train(tmp_path / "a", plans, 20, every=5)
+    assert any("checkpoint 12 in" in r.getMessage() and "restoring checkpoint 10" in
+               r.getMessage() for r in caplog.records), caplog.text
+    whole = train(tmp_path / "b", plans, 20, every=5)
+    assert sorted(first) == list(range(1, 13)) and sorted(second) == list(range(11, 21))
+    assert {**first, **second} == whole  # bit-equal: the same plan on the same devices

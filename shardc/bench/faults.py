@@ -28,6 +28,12 @@ KINDS = {"kill-step": "step", "kill-save": "save", "kill-restore": "restore",
          "host-lost": "step", "truncated": "sealed", "deleted": "sealed", "enospc": "enospc"}
 #: kinds injected at a checkpoint (their step is a multiple of the interval)
 AT_SAVE = {"kill-save", "truncated", "deleted", "enospc"}
+#: kinds every process injects (a whole job stops after a checkpoint; a full disk fails
+#: every process's save); the others hit one process, which the supervisor sees die
+EVERY_PROCESS = {"truncated", "deleted", "enospc"}
+#: kinds held back while a host is lost: one of two hosts lost; one process of two killed
+#: mid-restore (the other left waiting in the restore)
+TWO_PROCESSES = {"host-lost", "kill-restore"}
 #: ``shardc bench --faults``: 32 faults, every kind at least 4 times (a fault set back past
 #: the job's end by the ones before it is never injected: a margin over 30)
 CAMPAIGN = {"kill-step": 6, "kill-save": 5, "kill-restore": 5, "host-lost": 4,
@@ -60,6 +66,14 @@ def schedule(seed: int, counts: dict[str, int], steps: int, every: int) -> list[
     """``counts[kind]`` faults of each kind in a seeded random order at increasing seeded
     random steps after the second checkpoint (those at a checkpoint rounded up to one; none
     in the last interval).
+
+    Args:
+        seed: the random generator's seed.
+        counts: how many faults of each kind (keys of :data:`KINDS`).
+        steps: the job's length; every: its checkpoint interval.
+
+    Returns:
+        The faults in the order they are injected.
 
     Raises:
         ValueError: the faults do not fit in the steps.
@@ -166,8 +180,8 @@ def _spec(fault: Fault, processes: int, newest: int, every: int) -> str:
     newest checkpoint when an earlier fault set the job back beyond it."""
     if fault.at and fault.at <= newest:
         fault.at = newest + (every if fault.kind in AT_SAVE else 1 + fault.at % every)
-    victim = -1 if fault.kind in AT_SAVE else (1 if fault.kind == "host-lost" else
-                                              fault.victim % processes)
+    victim = -1 if fault.kind in EVERY_PROCESS else (1 if fault.kind == "host-lost" else
+                                                    fault.victim % processes)
     fault.victim = victim
     return f"{KINDS[fault.kind]}:{fault.at}:{victim}"
 
@@ -216,7 +230,7 @@ def campaign(work: str | os.PathLike, faults: list[Fault], steps: int, every: in
         if processes == 1 and newest >= back_at:
             processes = 2  # the host is back
         fault = pending[0] if pending and (processes == 2 or
-                                           pending[0].kind != "host-lost") else None
+                                           pending[0].kind not in TWO_PROCESSES) else None
         spec = _spec(fault, processes, newest, every) if fault else ""
         stop = back_at if processes == 1 else None
         if fault and stop and fault.at > stop:
@@ -227,12 +241,8 @@ def campaign(work: str | os.PathLike, faults: list[Fault], steps: int, every: in
         launches.append(launch)
         _resumed(fired, launch)
         if fault and any(e["event"] == "fault" for e in launch["events"]):
-            pending.pop(0)
-            fault.launch, fault.reached = launch["launch"], _reached(launch, fault)
-            fired.append(fault)
-            if fault.kind in ("truncated", "deleted"):
-                launch["damaged"] = _damage(ckpt, fault)
-            if fault.kind == "host-lost":
+            fired.append(pending.pop(0))
+            if _record(fault, launch, ckpt):
                 processes = 1
                 back_at = min(steps, (-(-fault.at // every) + return_after) * every)
         say(f"launch {launch['launch']}: {processes} process(es), fault {spec or 'none'}, "
@@ -244,6 +254,16 @@ def campaign(work: str | os.PathLike, faults: list[Fault], steps: int, every: in
     return {"steps": steps, "every": every, "devices": DEVICES, "faults": fired,
             "unfired": pending, "launches": launches, "reference": reference or None,
             "wall_s": time.time() - t0}
+
+
+def _record(fault: Fault, launch: dict, ckpt: Path) -> bool:
+    """Note where ``fault`` hit, damage the checkpoint it names; whether a host is lost."""
+    fault.launch, fault.reached = launch["launch"], _reached(launch, fault)
+    if fault.kind in ("truncated", "deleted"):
+        launch["damaged"] = _damage(ckpt, fault)
+    if fault.kind == "kill-restore":  # killed before any process finished restoring
+        launch["mid_restore"] = not any(e["event"] == "restored" for e in launch["events"])
+    return fault.kind == "host-lost"
 
 
 def _finished(launch: dict) -> bool:
@@ -306,8 +326,16 @@ def checks(result: dict, reference: dict[int, float] | None = None) -> dict:
 
 
 def summary(result: dict) -> dict:
-    """Per fault kind: how many, survived, steps lost (max, mean), recovery seconds per
-    phase (means) and where the plans came from."""
+    """Per fault kind of :func:`campaign`'s ``result``: how many, survived, steps lost
+    (max, mean), recovery seconds per phase (means) and where the plans came from.
+
+    Args:
+        result: what :func:`campaign` returned.
+
+    Returns:
+        ``{kind: {"injected", "survived", "lost_max", "lost_mean", "start_s", "plan_s",
+        "restore_s", "compile_s", "total_s", "plans"}}``.
+    """
     out = {}
     for kind in KINDS:
         fs = [f for f in result["faults"] if f.kind == kind]
@@ -328,13 +356,22 @@ def _launch_row(launch: dict) -> dict:
     ran = sorted(_losses(launch))
     restored = _first(launch["events"], "restored")
     return {k: launch.get(k) for k in ("launch", "processes", "fault", "stop_at", "codes",
-                                       "resume_point", "damaged")} | {
+                                       "resume_point", "damaged", "mid_restore")} | {
         "restored": restored["step"] if restored else None,
         "steps": [ran[0], ran[-1]] if ran else None, "phases": _phases(launch)}
 
 
 def write(result: dict, out: Path, command: str, seed: int) -> list[Path]:
-    """``faults.json`` (the raw figures) and ``faults.md`` (the report) under ``out``."""
+    """Write ``faults.json`` (the raw figures) and ``faults.md`` (the report).
+
+    Args:
+        result: what :func:`campaign` returned.
+        out: the folder (created if missing).
+        command: the command line that made it; seed: the schedule's seed.
+
+    Returns:
+        The two paths written.
+    """
     out.mkdir(parents=True, exist_ok=True)
     data = {"command": command, "seed": seed, "steps": result["steps"],
             "every": result["every"], "devices_per_process": DEVICES,
@@ -352,8 +389,20 @@ def _s(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
+def _mid_restore(data: dict) -> str:
+    hits = [x["mid_restore"] for x in data["launches"] if x.get("mid_restore") is not None]
+    return f"{sum(hits)}/{len(hits)}"
+
+
 def markdown(data: dict) -> str:
-    """The report of a campaign's figures (``write``'s ``faults.json``)."""
+    """The report of a campaign's figures.
+
+    Args:
+        data: the figures :func:`write` puts in ``faults.json``.
+
+    Returns:
+        The Markdown text.
+    """
     c, faults = data["checks"], data["faults"]
     survived = sum(f["resumed_from"] >= 0 for f in faults)
     lines = [
@@ -374,6 +423,9 @@ def markdown(data: dict) -> str:
         "process start (interpreter, JAX, `jax.distributed`, imports), plan (from the plan "
         "cache unless said), restore, compile (the first step: compile and run), and launch "
         "to first step in all.", "",
+        f"At most {max(f['lost'] for f in faults)} steps lost to a fault, against a "
+        f"checkpoint interval of {data['every']}. Kills mid-restore that landed before any "
+        f"process had finished restoring: {_mid_restore(data)}.", "",
         "| kind | injected | survived | steps lost (max / mean) | start | plan | restore "
         "| compile | to first step | plans |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]

@@ -69,8 +69,9 @@ def _bench_calls(out) -> None:
     print(f"wrote {path}")
 
 
-def _bench_faults(args, out) -> None:
+def _bench_faults(args) -> None:
     import tempfile
+    from pathlib import Path
 
     from shardc.bench import faults
 
@@ -81,16 +82,14 @@ def _bench_faults(args, out) -> None:
     result = faults.campaign(work, plan, args.fault_steps, faults.EVERY,
                              say=lambda line: print(line, flush=True))
     command = ("shardc bench " + " ".join(sys.argv[2:])).strip()
-    paths = faults.write(result, out, command, args.fault_seed)
+    paths = faults.write(result, Path(args.out or "docs/benchmarks"), command, args.fault_seed)
     print(paths[1].read_text())
     print("wrote " + ", ".join(str(p) for p in paths))
 
 
 def cmd_bench(args) -> None:
     if args.faults:  # a training job on its own processes: no zoo, no devices here
-        from pathlib import Path
-
-        return _bench_faults(args, Path(args.out or "docs/benchmarks"))
+        return _bench_faults(args)
     needs_zoo("bench")
     from shardc.bench.zoo import PRESETS, ZOO
 

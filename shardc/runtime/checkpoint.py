@@ -139,7 +139,15 @@ class Checkpoints:
     def restore_newest(self, abstract, shardings=None) -> Restored | None:
         """The newest checkpoint whose files match its seal, restored as :meth:`restore`
         does, with its step and meta; None when there is no checkpoint. Damaged or unsealed
-        newer steps are named in one warning and deleted (by process 0).
+        newer steps are named in one warning and deleted (by process 0). Every process
+        calls it.
+
+        Args:
+            abstract: the state's pytree of ``ShapeDtypeStruct``s (or arrays).
+            shardings: a matching pytree of shardings, unless ``abstract`` carries them.
+
+        Returns:
+            ``Restored(step, state, meta)``, or None when the directory has no checkpoint.
 
         Raises:
             RuntimeError: checkpoints exist but none is complete.
@@ -165,8 +173,15 @@ class Checkpoints:
         return Restored(step, self.restore(abstract, shardings, step), self.meta(step))
 
     def damage(self, step: int) -> str | None:
-        """What is wrong with checkpoint ``step``'s files against its seal (a file missing,
-        truncated or grown, the seal missing or unreadable); None when they match."""
+        """What is wrong with checkpoint ``step``'s files against its seal.
+
+        Args:
+            step: a step of :meth:`all_steps`.
+
+        Returns:
+            The problem in words (a file missing, truncated or grown, the seal missing or
+            unreadable), or None when the files match the seal.
+        """
         root = self._path(step)
         try:
             with open(os.path.join(root, SEAL)) as f:
