@@ -88,3 +88,9 @@ def test_the_docs_loop_resumes_past_a_damaged_checkpoint(tmp_path, caplog):
     whole = train(tmp_path / "b", plans, 20, every=5)
     assert sorted(first) == list(range(1, 13)) and sorted(second) == list(range(11, 21))
     assert {**first, **second} == whole  # bit-equal: the same plan on the same devices
+
+
+def test_events_are_read_past_gloos_lines_and_a_line_cut_by_a_kill():
+    text = ('[Gloo] Rank 0 is connected\n{"event": "ready", "t": 1}[Gloo] Rank \n'
+            '[Gloo] x {"event": "step", "step": 3}\n{"event": "step", "st')
+    assert faults._events(text) == [{"event": "ready", "t": 1}, {"event": "step", "step": 3}]
