@@ -95,3 +95,49 @@ def test_restore_refuses_unplaced_targets(tmp_path):
             ckpt.restore(jax.eval_shape(lambda: state))
         with pytest.raises(FileNotFoundError, match="no checkpoint 7"):
             ckpt.restore(state, step=7)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "deleted", "unsealed"])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, caplog, damage):
+    step_fn, (state, batch) = mlp.make_train_step(CFG)
+    step = shardc.auto_shard(step_fn, mesh=_mesh((8,), ("x",), jax.devices()))
+    plan = step.plan(state, batch)
+    (state_sh, _), _ = step.input_shardings(state, batch)
+    with Checkpoints(tmp_path) as ckpt:
+        ckpt.save(1, state, plan, meta={"next_batch": 2})
+        state2, _ = step(state, batch)
+        ckpt.save(2, state2, plan, meta={"next_batch": 3})
+    newest = tmp_path / "2"
+    files = [p for p in newest.rglob("*") if p.is_file() and p.name != "shardc-seal.json"]
+    victim = max(files, key=lambda p: p.stat().st_size)
+    if damage == "truncated":
+        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    elif damage == "deleted":
+        victim.unlink()
+    else:
+        (newest / "shardc-seal.json").unlink()
+    ckpt = Checkpoints(tmp_path)
+    assert ckpt.damage(1) is None and ckpt.damage(2) is not None
+    with caplog.at_level(logging.WARNING, logger="shardc"):
+        found = ckpt.restore_newest(jax.eval_shape(lambda: state), state_sh)
+    ckpt.close()
+    (warning,) = [r.getMessage() for r in caplog.records if "unusable" in r.getMessage()]
+    assert "checkpoint 2 in" in warning and "restoring checkpoint 1" in warning, warning
+    assert {"truncated": "truncated", "deleted": "missing", "unsealed": "never sealed"}[
+        damage] in warning, warning
+    assert found.step == 1 and found.meta == {"next_batch": 2}
+    for a, b in zip(jax.tree.leaves(found.state), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert not newest.exists()  # dropped, so that training saves step 2 again
+    assert Checkpoints(tmp_path).all_steps() == [1]
+
+
+def test_no_complete_checkpoint_is_a_clear_error(tmp_path):
+    step_fn, (state, batch) = mlp.make_train_step(CFG)
+    step = shardc.auto_shard(step_fn, mesh=_mesh((8,), ("x",), jax.devices()))
+    with Checkpoints(tmp_path) as ckpt:
+        assert ckpt.restore_newest(state) is None
+        ckpt.save(1, state, step.plan(state, batch))
+    (tmp_path / "1" / "shardc-seal.json").write_text("{")
+    with pytest.raises(RuntimeError, match="no complete checkpoint.*seal is unreadable"):
+        Checkpoints(tmp_path).restore_newest(state)

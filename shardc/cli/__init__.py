@@ -169,6 +169,13 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--planning", action="store_true",
                    help="measure planning time instead (GPT-2-small unrolled and the scanned "
                         "Llama, 12 and 48 layers) into planning.{md,json}")
+    b.add_argument("--faults", action="store_true",
+                   help="the fault campaign: a 2-process training job killed, cut to one "
+                        "host, its checkpoints damaged and its disk filled at seeded random "
+                        "steps, into faults.{md,json} (docs/faults.md)")
+    b.add_argument("--fault-seed", type=int, default=0, help="--faults: the schedule's seed")
+    b.add_argument("--fault-steps", type=positive(int), default=300,
+                   help="--faults: the job's steps (a checkpoint every 10)")
     b.add_argument("--calls", action="store_true",
                    help="time a steady-state call against jax.jit's at 20, 200 and 1,000 "
                         "argument leaves (docs/benchmarks/calls.md)")

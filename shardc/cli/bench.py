@@ -69,7 +69,27 @@ def _bench_calls(out) -> None:
     print(f"wrote {path}")
 
 
+def _bench_faults(args) -> None:
+    import tempfile
+    from pathlib import Path
+
+    from shardc.bench import faults
+
+    work = tempfile.mkdtemp(prefix="shardc-faults-")
+    plan = faults.schedule(args.fault_seed, faults.CAMPAIGN, args.fault_steps, faults.EVERY)
+    print(f"{len(plan)} faults over {args.fault_steps} steps (seed {args.fault_seed}); "
+          f"logs under {work}", flush=True)
+    result = faults.campaign(work, plan, args.fault_steps, faults.EVERY,
+                             say=lambda line: print(line, flush=True))
+    command = ("shardc bench " + " ".join(sys.argv[2:])).strip()
+    paths = faults.write(result, Path(args.out or "docs/benchmarks"), command, args.fault_seed)
+    print(paths[1].read_text())
+    print("wrote " + ", ".join(str(p) for p in paths))
+
+
 def cmd_bench(args) -> None:
+    if args.faults:  # a training job on its own processes: no zoo, no devices here
+        return _bench_faults(args)
     needs_zoo("bench")
     from shardc.bench.zoo import PRESETS, ZOO
 

@@ -13,21 +13,33 @@ Restoring reads each device's shard of each array straight into the shardings as
 ``step.input_shardings(...)``), on whatever mesh they name: another device count or mesh
 shape than the one saved from. No array is gathered whole on one device or host.
 
+Each committed checkpoint is sealed: process 0 writes ``shardc-seal.json`` into its
+directory, naming every file and its size, once Orbax has committed it (:meth:`wait`,
+:meth:`close`, and the next :meth:`save`). :meth:`restore_newest` restores the newest step
+whose files all match its seal; a newest step truncated, with a file deleted, or never
+sealed (the job died between the commit and the seal) is reported in one warning naming
+it and the step used instead, and deleted so that training saves it again. The check
+reads only the file system, so every process of a job reaches the same verdict; the
+processes meet (two barriers) only around deleting a damaged step.
+
     ckpt = Checkpoints("/ckpt")
     step = shardc.auto_shard(train_step, mesh=mesh)
     state_sh, _ = step.input_shardings(abstract_state, abstract_batch)[0]
-    start = ckpt.latest_step()
-    state = ckpt.restore(abstract_state, state_sh) if start is not None else init()
-    for i in range((start or 0) + 1, n + 1):
-        state, loss = step(state, batch)
-        ckpt.save(i, state, step.plan(state, batch))
+    found = ckpt.restore_newest(abstract_state, state_sh)
+    start, state = (found.step, found.state) if found else (0, init())
+    for i in range(start + 1, n + 1):
+        state, loss = step(state, batch_for(i))
+        ckpt.save(i, state, step.plan(state, batch), meta={"next_batch": i + 1})
     ckpt.close()
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
+from typing import Any, NamedTuple
 
 import jax
 
@@ -39,9 +51,21 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("shardc.runtime.checkpoint needs orbax-checkpoint: pip install "
                       "'shardc[train]'") from exc
 
-__all__ = ["Checkpoints"]
+__all__ = ["Checkpoints", "Restored"]
 
-_STATE, _PLAN = "state", "plan"
+_STATE, _PLAN, _META = "state", "plan", "meta"
+#: the file in a step's directory listing its files and sizes once the step is committed
+SEAL = "shardc-seal.json"
+
+log = logging.getLogger("shardc")
+
+
+class Restored(NamedTuple):
+    """What :meth:`Checkpoints.restore_newest` found: the step, its state and its meta."""
+
+    step: int
+    state: Any
+    meta: dict
 
 
 class Checkpoints:
@@ -59,20 +83,27 @@ class Checkpoints:
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
                                                  enable_async_checkpointing=True))
 
-    def save(self, step: int, state, plan: Plan) -> None:
-        """Start saving ``state`` (a pytree of arrays) and the ``plan`` that made it as
-        checkpoint ``step``; returns once the arrays are off the devices (the step may
-        donate or overwrite them). A step already saved is an error."""
+    def save(self, step: int, state, plan: Plan, meta: dict | None = None) -> None:
+        """Start saving ``state`` (a pytree of arrays), the ``plan`` that made it and
+        ``meta`` (JSON: a data loader's position, say) as checkpoint ``step``; returns once
+        the arrays are off the devices (the step may donate or overwrite them). A step
+        already saved is an error."""
         if step in self._manager.all_steps():
             raise ValueError(f"checkpoint {step} already exists in {self.directory}; save "
                              "each step once (resume from latest_step() + 1)")
+        self.wait()  # seals the previous save (Orbax starts this one once it is committed)
         self._manager.save(step, args=ocp.args.Composite(**{
             _STATE: ocp.args.StandardSave(state),
-            _PLAN: ocp.args.JsonSave(json.loads(plan.to_json()))}))
+            _PLAN: ocp.args.JsonSave(json.loads(plan.to_json())),
+            _META: ocp.args.JsonSave(dict(meta or {}))}))
 
     def wait(self) -> None:
-        """Block until every save started has been written and committed."""
+        """Block until every save started has been written and committed, and seal it."""
         self._manager.wait_until_finished()
+        if jax.process_index() == 0:
+            for step in self._manager.all_steps():
+                if not os.path.exists(os.path.join(self._path(step), SEAL)):
+                    self._seal(step)
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, None when there is none."""
@@ -105,6 +136,78 @@ class Checkpoints:
             _STATE: ocp.args.StandardRestore(target)}))
         return restored[_STATE]
 
+    def restore_newest(self, abstract, shardings=None) -> Restored | None:
+        """The newest checkpoint whose files match its seal, restored as :meth:`restore`
+        does, with its step and meta; None when there is no checkpoint. Damaged or unsealed
+        newer steps are named in one warning and deleted (by process 0). Every process
+        calls it.
+
+        Args:
+            abstract: the state's pytree of ``ShapeDtypeStruct``s (or arrays).
+            shardings: a matching pytree of shardings, unless ``abstract`` carries them.
+
+        Returns:
+            ``Restored(step, state, meta)``, or None when the directory has no checkpoint.
+
+        Raises:
+            RuntimeError: checkpoints exist but none is complete.
+        """
+        steps = sorted(self._manager.all_steps(), reverse=True)
+        if not steps:
+            return None
+        bad = []
+        for step in steps:
+            problem = self.damage(step)
+            if problem is None:
+                break
+            bad.append((step, problem))
+        else:
+            raise RuntimeError(f"no complete checkpoint in {self.directory}: "
+                               + "; ".join(f"{s}: {p}" for s, p in bad)
+                               + ". Restore one from a backup or start afresh")
+        if bad:
+            log.warning("shardc: %s; restoring checkpoint %d, the newest complete one",
+                        "; ".join(f"checkpoint {s} in {self.directory} is unusable ({p})"
+                                  for s, p in bad), step)
+            self._drop([s for s, _ in bad])
+        return Restored(step, self.restore(abstract, shardings, step), self.meta(step))
+
+    def damage(self, step: int) -> str | None:
+        """What is wrong with checkpoint ``step``'s files against its seal.
+
+        Args:
+            step: a step of :meth:`all_steps`.
+
+        Returns:
+            The problem in words (a file missing, truncated or grown, the seal missing or
+            unreadable), or None when the files match the seal.
+        """
+        root = self._path(step)
+        try:
+            with open(os.path.join(root, SEAL)) as f:
+                sealed = json.load(f)
+        except FileNotFoundError:
+            return "never sealed: the job stopped before its save was verified"
+        except (OSError, ValueError) as exc:
+            return f"its seal is unreadable: {exc}"
+        for name, size in sorted(sealed.items()):
+            try:
+                found = os.path.getsize(os.path.join(root, name))
+            except OSError:
+                return f"{name} is missing"
+            if found != size:
+                return f"{name} has {found} bytes, sealed with {size}: truncated or overwritten"
+        return None
+
+    def meta(self, step: int | None = None) -> dict:
+        """The meta saved with checkpoint ``step`` (default: the latest); {} if none."""
+        step = self._step(step)
+        if not os.path.isdir(os.path.join(self._path(step), _META)):
+            return {}
+        restored = self._manager.restore(step, args=ocp.args.Composite(**{
+            _META: ocp.args.JsonRestore()}))
+        return dict(restored[_META])
+
     def plan(self, step: int | None = None) -> Plan:
         """The plan saved with checkpoint ``step`` (default: the latest)."""
         step = self._step(step)
@@ -113,8 +216,8 @@ class Checkpoints:
         return Plan.from_json(json.dumps(restored[_PLAN]))
 
     def close(self) -> None:
-        """Finish pending saves and release the manager."""
-        self._manager.wait_until_finished()
+        """Finish and seal pending saves and release the manager."""
+        self.wait()
         self._manager.close()
 
     def __enter__(self) -> Checkpoints:
@@ -122,6 +225,34 @@ class Checkpoints:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _path(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def _seal(self, step: int) -> None:
+        """Write checkpoint ``step``'s seal: every file under it and its size (atomically:
+        a temporary file renamed into place)."""
+        root = self._path(step)
+        sizes = {os.path.relpath(os.path.join(d, f), root): os.path.getsize(os.path.join(d, f))
+                 for d, _, files in os.walk(root) for f in files}
+        tmp = os.path.join(root, SEAL + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(sizes, f, sort_keys=True)
+        os.replace(tmp, os.path.join(root, SEAL))
+
+    def _drop(self, steps: list[int]) -> None:
+        """Delete damaged checkpoints: process 0, once every process has judged them (each
+        reached the same verdict from the same files) and before any lists them again."""
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"shardc: judged checkpoints {steps}")
+        if jax.process_index() == 0:
+            for step in steps:
+                shutil.rmtree(self._path(step), ignore_errors=True)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"shardc: dropped checkpoints {steps}")
+        self._manager.reload()
 
     def _step(self, step: int | None) -> int:
         if step is None:
