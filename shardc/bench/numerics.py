@@ -69,7 +69,9 @@ def mismatches(got, want, lr: float = 0.0, *, rtol: float = RTOL,
     for (path, w), g in zip(flat, jax.tree.leaves(got), strict=True):
         w = np.asarray(w)
         ulp = float(jnp.finfo(w.dtype).eps) if jnp.issubdtype(w.dtype, jnp.inexact) else 0.0
-        w, g = w.astype(np.float64), np.asarray(g).astype(np.float64)
+        g = np.asarray(g)
+        wide = np.complex128 if np.iscomplexobj(w) or np.iscomplexobj(g) else np.float64
+        w, g = w.astype(wide), g.astype(wide)
         if w.shape != g.shape:
             out.append(f"{jax.tree_util.keystr(path)}: shape {g.shape} against {w.shape}")
             continue
