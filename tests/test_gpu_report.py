@@ -63,4 +63,4 @@ def test_the_kernel_table_reads_the_floor_the_dots_and_the_bandwidth():
     assert "| dot | float32 | 8192 x 8192 x 8192 | 2500.0 | 439.80 |" in text
     assert "no kernel took less than 2.5 us" in text
     assert "4.29 TB/s on 268,435,456 elements (the GPU X's HBM" in text
-    assert "prices the largest dots 1.8x too slow" in text
+    assert "price the largest dots 1.8x too slow" in text

@@ -29,6 +29,7 @@ References:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import re
@@ -36,6 +37,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
+from shardc.bench.compute_fit import section, step_holdout
 from shardc.cli.common import force_cpu_devices
 
 __all__ = ["HBM_BANDWIDTH", "in_order", "main"]
@@ -130,8 +132,9 @@ def _schedule_prices(text: str, mesh, cluster) -> dict:
             "in_order_s": ordered["time"], "exposed_s": ordered["exposed"]}
 
 
-def _one_device_compute(name: str) -> float:
-    """The planner's predicted compute seconds of zoo model ``name``'s one-device step."""
+def _one_device_compute(name: str) -> tuple[float, int]:
+    """The planner's predicted compute seconds of zoo model ``name``'s one-device step, and
+    the step's array arguments."""
     import jax
     from jax.sharding import AxisType
 
@@ -142,9 +145,10 @@ def _one_device_compute(name: str) -> float:
     mod, cfg = zm.load(), zm.config("bench", devices=1)
     mesh = jax.make_mesh((1,), ("gpu",), axis_types=(AxisType.Auto,),
                          devices=jax.devices()[:1])
+    cluster = dataclasses.replace(PRESETS["node-8"].cluster, kernels="h100")
     plan = auto_shard(mod.build_step(cfg), mesh=mesh,
-                      cluster=PRESETS["node-8"].cluster).plan(*mod.abstract_args(cfg))
-    return plan.predicted.compute_time
+                      cluster=cluster).plan(*mod.abstract_args(cfg))
+    return plan.predicted.compute_time, len(jax.tree.leaves(mod.abstract_args(cfg)))
 
 
 def _cpu_fsdp_text(name: str) -> str:
@@ -172,7 +176,6 @@ def report(folder: Path) -> str:
 
     steps = json.loads((folder / "steps.json").read_text())
     v = steps["versions"]
-    hbm = HBM_BANDWIDTH.get(v["device"])
     lines = ["# shardc on a GPU", "",
              f"Measured with `python -m shardc.bench.device` on one {v['device']} "
              f"(jax {v['jax']}, Python {v['python']}); this page by `python -m "
@@ -183,36 +186,24 @@ def report(folder: Path) -> str:
              "DIR's `*.json` and `schedule-*.hlo.gz` there.", "",
              "## Compute: one device's step against the predicted compute", "",
              "Each step at one device's share of the bench batch, compiled with `jax.jit` and "
-             "timed (median of 15 after 3 warm-ups). *predicted* is the planner's compute "
-             "(FLOPs over 494 TFLOP/s TF32 x 0.5 utilization, the H100 presets' figures; the "
-             "H200 has the H100's compute); *HBM floor* is XLA's `bytes accessed` over the "
-             + (f"{v['device']}'s {hbm / 1e12:.2f} TB/s." if hbm else "device's HBM (not "
-                "known for this device: left out)."), "",
-             "| model | measured ms | predicted compute ms | measured / predicted | "
-             "achieved TFLOP/s | HBM floor ms |", "|---|---:|---:|---:|---:|---:|"]
-    ratios = []
+             "timed (median of 15 after 3 warm-ups). *kernels* is the planner's compute "
+             "(`Plan.predicted.compute_time` on a one-device mesh of the node-8 preset's "
+             "cluster with `kernels=\"h100\"`): `shardc.cost.kernels`, each kernel XLA "
+             "fuses the larger of its arithmetic at "
+             "the measured dot throughput for its size and width and its bytes at the "
+             "measured memory curve, never under the launch floor (the kernel table below). "
+             "*per-call* is the one constant fitted to these steps, per array argument of "
+             "the step, each model's fitted without it (`shardc.bench.compute_fit`).", ""]
+    rows = []
     for row in steps["rows"]:
         if "error" in row:
-            lines.append(f"| {row['model']} | error: {row['error'].splitlines()[0][:80]} "
-                         "| | | | |")
+            lines.append(f"- {row['model']}: error: {row['error'].splitlines()[0][:80]}")
             continue
-        pred = _one_device_compute(row["model"])
-        rate = PRESETS["node-8"].cluster.device_flops * PRESETS["node-8"].cluster.utilization
-        ratio = row["step_s"] / pred
-        ratios.append(ratio)
-        lines.append(f"| {row['model']} | {_ms(row['step_s'])} | {_ms(pred)} | {ratio:.2f} | "
-                     f"{pred * rate / row['step_s'] / 1e12:.0f} | "
-                     f"{_ms(row['xla_bytes_accessed'] / hbm) if hbm else '-'} |")
-    if ratios:
-        lines += ["", f"Measured / predicted ranges from {min(ratios):.2f} to "
-                  f"{max(ratios):.2f}. The planner's compute is FLOPs alone: on these steps "
-                  "(f32, a few GFLOP to 20 TFLOP each) the GPU also pays per-kernel launches "
-                  "and memory traffic, so the smaller and the more kernels a step, the more "
-                  "the prediction falls short (the 32-layer `deep` and the latency-bound "
-                  "`small` and `accum` most; the 1B Llama least). Every plan of a model "
-                  "splits the same compute, so the ranking of plans moves only where "
-                  "communication is weighed against compute: overlap (a longer compute hides "
-                  "more communication) and the absolute step."]
+        compute, arguments = _one_device_compute(row["model"])
+        rows.append((row["model"], row["step_s"], compute, arguments))
+    kernel_rows = (json.loads((folder / "kernels.json").read_text())["rows"]
+                   if (folder / "kernels.json").exists() else [])
+    lines += section(step_holdout(rows), kernel_rows)
     sched = folder / "schedule.json"
     if sched.exists():
         info = json.loads(sched.read_text())
@@ -283,6 +274,8 @@ def _kernels(info: dict) -> list[str]:
     big = max(mem, key=lambda r: r["elements"])
     half = min((r for r in dots if r["flops"] / r["s"] >= 0.5 * peak),
                key=lambda r: r["flops"], default=None)
+    slow = max(r["flops"] / r["s"] for r in dots) / (share * peak)
+    fast = max(r["s"] * share * peak / r["flops"] for r in dots)
     out += ["", f"- **Floor:** no kernel took less than {floor * 1e6:.1f} us; elementwise "
             f"kernels stay within 2x of it up to "
             f"{max(r['elements'] for r in mem if r['s'] <= 2 * floor):,} elements. A step of "
@@ -291,17 +284,16 @@ def _kernels(info: dict) -> list[str]:
             f"({best['dtype']}, {best['m']} x {best['k']} x {best['n']}, "
             f"{best['flops'] / best['s'] / peak:.0%} of the assumed peak)"
             + (f"; half the peak from {half['flops'] / 1e9:.0f} GFLOP a dot"
-               if half else "; none reaches half the peak") + ". The cost model's "
-            f"compute term (FLOPs at {share:.0%} of the peak) prices the largest dots "
-            f"{max(r['flops'] / r['s'] for r in dots) / (share * peak):.1f}x too slow and "
-            f"the smallest {max(r['s'] * share * peak / r['flops'] for r in dots):.0f}x too "
-            "fast.",
+               if half else "; none reaches half the peak") + ". FLOPs at "
+            f"{share:.0%} of the peak (the compute term of `Cluster(kernels=None)`) would "
+            f"price the largest dots {slow:.1f}x too slow and the smallest {fast:.0f}x too "
+            "fast; the "
+            "kernel model reads the dots' seconds off these points.",
             f"- **Memory:** {big['bytes'] / big['s'] / 1e12:.2f} TB/s on "
             f"{big['elements']:,} elements (the {v['device']}'s HBM; its datasheet: "
             + (f"{HBM_BANDWIDTH[v['device']] / 1e12:.2f} TB/s" if v["device"] in HBM_BANDWIDTH
-               else "not known here") + "). The compute term to fit: per kernel, the larger "
-            "of its FLOPs at the dots' throughput for its size and its bytes at this "
-            "bandwidth, plus the floor."]
+               else "not known here") + "). The kernel model prices every other kernel "
+            "by its bytes on these points (the floor below the first)."]
     return out
 
 

@@ -42,6 +42,7 @@ from functools import lru_cache
 
 from shardc.cost.calibrate import FIT_MODELS, AxisFit, CalibrateOptions, measure
 from shardc.cost.collectives import COLLECTIVE_MODELS, LINK_KINDS, Group, seconds
+from shardc.cost.kernels import KERNEL_MODELS
 
 __all__ = ["Calibration", "Cluster", "CROSS_POD_BW", "CROSS_POD_LAT", "DEFAULT_CLUSTER",
            "ETH_BW", "ETH_LAT", "H100_MEMORY", "H100_TF32_FLOPS", "IB_BW", "IB_LAT",
@@ -84,8 +85,12 @@ class Cluster:
     frontier points) by their step with communication overlapped with compute
     (:func:`shardc.plan.overlap.ranking_time`), as XLA's latency-hiding scheduler runs
     them on GPUs and TPUs; by default communication adds to compute.
-    ``utilization`` is the fraction of ``device_flops`` that real kernels reach
-    (PaddlePaddle's cost model uses the same factor). ``host_bandwidth`` prices feeding
+    ``kernels`` names a measured kernel model to price compute by
+    (:mod:`shardc.cost.kernels`: each kernel the larger of its arithmetic and its memory
+    traffic, never under a launch floor; ``"h100"``); by default (None) compute is FLOPs
+    over ``device_flops * utilization``, ``utilization`` being the
+    fraction of ``device_flops`` that real kernels reach (PaddlePaddle's cost model uses
+    the same factor). ``host_bandwidth`` prices feeding
     inputs that are not carried from step to step (the batch) to devices.
     """
 
@@ -105,6 +110,7 @@ class Cluster:
     node_link: str = "nvlink"
     collective_model: str = "nccl"
     overlap: bool = False
+    kernels: str | None = None
 
     def __post_init__(self):
         for name in ("axis_bandwidth", "axis_latency", "axis_link", "axis_nodes"):
@@ -136,6 +142,10 @@ class Cluster:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"Cluster: axis_nodes[{a!r}] must be a whole number of "
                                  f"nodes >= 1, got {v!r}")
+        if self.kernels is not None and self.kernels not in KERNEL_MODELS:
+            raise ValueError(f"Cluster: kernels names a measured kernel model, one of "
+                             f"{sorted(KERNEL_MODELS)}, or None to price compute as FLOPs "
+                             f"over device_flops * utilization; got {self.kernels!r}")
         if not isinstance(self.overlap, bool):
             raise ValueError(f"Cluster: overlap must be True or False, got {self.overlap!r}")
         if self.collective_model not in COLLECTIVE_MODELS:
@@ -153,7 +163,8 @@ class Cluster:
                 self.device_flops, self.device_memory, self.utilization, self.host_bandwidth,
                 self.default_bandwidth, self.default_latency, tuple(self.axis_link.items()),
                 tuple(self.axis_nodes.items()), self.default_link, self.node_bandwidth,
-                self.node_latency, self.node_link, self.collective_model, self.overlap)
+                self.node_latency, self.node_link, self.collective_model, self.overlap,
+                self.kernels)
 
     def bandwidth(self, axis: str) -> float:
         return self.axis_bandwidth.get(axis, self.default_bandwidth)
@@ -215,7 +226,8 @@ class Cluster:
                 "axis_link": dict(self.axis_link), "axis_nodes": dict(self.axis_nodes),
                 "default_link": self.default_link, "node_bandwidth": self.node_bandwidth,
                 "node_latency": self.node_latency, "node_link": self.node_link,
-                "collective_model": self.collective_model, "overlap": self.overlap}
+                "collective_model": self.collective_model, "overlap": self.overlap,
+                "kernels": self.kernels}
 
     @classmethod
     def from_json(cls, d: Mapping) -> Cluster:
@@ -234,7 +246,7 @@ class Cluster:
         cluster = Cluster(axis_bandwidth={f.axis: f.bandwidth for f in fits},
                           axis_latency={f.axis: f.latency for f in fits},
                           device_flops=flops, device_memory=memory, utilization=1.0,
-                          collective_model=model)
+                          collective_model=model, kernels=None)
         return cluster, Calibration(cluster, tuple(fits), flops, source, opts)
 
     # ---- presets -----------------------------------------------------------------------
@@ -277,7 +289,7 @@ class Cluster:
         "How to Scale Your Model", 2025)."""
         return cls({a: TPU_V4_ICI_BW for a in axis_names}, {a: 1e-6 for a in axis_names},
                    device_flops=TPU_V4_FLOPS, device_memory=TPU_V4_MEMORY,
-                   axis_link={a: "ici" for a in axis_names})
+                   axis_link={a: "ici" for a in axis_names}, kernels=None)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import numpy as np
 from shardc.cost.collectives import seconds
 from shardc.cost.combine import alpha_scales, combiner_for
 from shardc.cost.combiner import Pending, Use, combine_groups
+from shardc.cost.kernels import compute_seconds
 from shardc.ir.flow import carry_exit, loop_tests, loop_ties, read_runs, reads, settle_runs
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Partial
@@ -113,7 +114,6 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
     for ``platform`` (whose combiners join collectives: :func:`shardc.cost.combiner.
     combiner_for`; XLA:CPU's when None)."""
     sizes, names, cluster = cg.axis_sizes, cg.axis_names, cg.cluster
-    rate = cluster.device_flops * cluster.utilization
     values: dict[int, NdSbp] = {}
     scale = dict(graph.memo("alpha_scales", alpha_scales))  # a copy: updated below
     n_in = len(graph.inputs)
@@ -219,10 +219,10 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
             values[v.id] = nd
             settle(v)
         types, ins, outs = facts[j]
-        ops.append(OpPlan(op.id, op.name, types, strat.ins, strat.outs,
-                          strat.flops / rate * op.weight, op_comm, ins, outs, op.source,
-                          op.where))
-        compute += strat.flops / rate * op.weight
+        seconds = compute_seconds(cluster, graph, op, strat.flops) * op.weight
+        ops.append(OpPlan(op.id, op.name, types, strat.ins, strat.outs, seconds, op_comm,
+                          ins, outs, op.source, op.where))
+        compute += seconds
     for enter, v in loop_ties(graph):  # a scan's carry back to its carried layout
         record(v, enter.id, read(v), values[enter.outputs[0].id], runs.get(v.id, 1))
     for v in loop_tests(graph):  # a while's predicate, read replicated every iteration

@@ -19,6 +19,7 @@ import numpy as np
 
 from shardc.cost.cluster import Cluster
 from shardc.cost.combine import XLA_CPU, Combiner, alpha_scales
+from shardc.cost.kernels import compute_seconds
 from shardc.ir.flow import (
     carry_exit,
     loop_tests,
@@ -125,7 +126,6 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
                          "cluster and combiner")
     cg = CostGraph(graph, axis_sizes, axis_names, cluster, combined=combiner.kinds,
                    conversions=share.conversions, agreements=share.agreements)
-    rate = cluster.device_flops * cluster.utilization
     carried = {i for _, i in ties}
     cg.carried = carried
     cg.resident = set(resident)
@@ -211,7 +211,8 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
         node = len(cg.choices)
         cg.choices.append(strats)
         cg.refs.append(op)
-        cg.cost.append(np.array([s.flops / rate * op.weight for s in strats]))
+        cg.cost.append(np.array([compute_seconds(cluster, graph, op, s.flops) * op.weight
+                                 for s in strats]))
         if op.id in reduced_ys:  # a ys reduced after the loop: one all-reduce of the stack
             cg.cost[-1] = cg.cost[-1] + ys_reduction(cg, strats, op.outputs[0],
                                                      ys_share[op.outputs[0].id])
