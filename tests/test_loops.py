@@ -367,11 +367,14 @@ def test_a_memory_budget_keeps_the_gradient_reduction_in_the_loop():
                  f"f32[{width},{width}]->f32[{layers},{width},{width}]"}
         return s, plan, [o for o in plan.ops if o.prim == "scan_exit" and o.types in grads]
 
-    _, free, ys = planned()
+    s, free, ys = planned()
     assert len(ys) == 2 and all(o.ins[0].has_partial for o in ys)
     stack = 4 * layers * width * (width + 1)  # the weights' and the scales' gradients
     assert free.predicted.peak_memory > stack
-    budget = 0.6 * free.predicted.peak_memory
+    # of the compiled peak: a budget holds on the compiled program, and the plan reducing
+    # in the loop compiles to 3.5 MiB over its prediction (no plan the search finds
+    # compiles within 0.6 of the free plan's predicted peak)
+    budget = 0.6 * price(s.lower(params, x).compile(), m, SLOW_DEVICES).peak_memory
     s, plan, ys = planned(memory_budget=budget)
     assert plan.predicted.peak_memory <= budget
     # the weights' gradient stack does not fit: reduced in the loop (the scales' small one

@@ -1,10 +1,12 @@
-"""A budget any expert's compiled program meets is never infeasible (issue 14): shardc plans
-at the leanest expert's compiled peak, XLA's compiled program fits it (with the 15% the
-memory model is allowed), and its step, priced like a bench cell, is no slower than the best
-expert that fits (on the unrolled Llama; on the scanned one the search still stops short of
-the FSDP x TP expert's 4.53 MiB: docs/design-notes.md, "A seed's leanest completion"). And
-the memory model itself: the predicted peak against what XLA allocates, and the values it
-counts no buffer for."""
+"""A budget holds on the compiled program (issue 55): a plan made under a budget is
+compiled, planned again where it compiles over it, and where none compiles within it the
+error names the fix. A budget any expert's compiled program meets is never infeasible
+(issue 14): shardc plans at the leanest expert's compiled peak, XLA's compiled program fits
+it, and its step, priced like a bench cell, is no slower than the best expert that fits (on
+the unrolled Llama it no longer holds, the compiled check refusing the plan the 15% slack
+once kept; on the scanned one the search still stops short of the FSDP x TP expert's 4.53
+MiB: docs/design-notes.md, "A seed's leanest completion"). And the memory model itself: the
+predicted peak against what XLA allocates, and the values it counts no buffer for."""
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +14,7 @@ import numpy as np
 import pytest
 import test_pipeline_tensor as tensor  # its MLP stack on 8 devices
 from jax.sharding import AxisType
+from numerics import assert_close
 
 import shardc
 from shardc.bench.experts import batch_specs, compile_expert, seed_experts, state_specs
@@ -39,6 +42,11 @@ def _priced(compiled, mesh, batch) -> tuple[float, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(raises=shardc.MemoryBudgetError, strict=True, reason=(
+    "a budget holds on the compiled program: under the FSDP x TP expert's 5.47 MiB the "
+    "fastest plan predicts 4.96 MiB and compiles to 5.76 (kept before within the 15% "
+    "slack), none is predicted under the 4.71 that would leave room for that miss, and "
+    "the experts' own layouts complete to plans predicted over 5.47 MiB"))
 def test_a_budget_the_leanest_expert_meets_plans_fits_and_is_no_slower():
     cfg = _cfg(False)
     fn, args = llama.build_step(cfg), llama.abstract_args(cfg)
@@ -56,14 +64,18 @@ def test_a_budget_the_leanest_expert_meets_plans_fits_and_is_no_slower():
     # seeded with the experts' in_shardings, as the bench seeds shardc
     step = shardc.auto_shard(fn, mesh=MESH, cluster=CLUSTER, memory_budget=budget,
                              seeds=seeds, time_limit=5.0)
-    plan = step.plan(*args)  # no MemoryBudgetError
+    try:
+        plan = step.plan(*args)
+    except shardc.MemoryBudgetError as exc:
+        assert exc.predicted is not None, exc  # refused by the compiled check, not the search
+        raise
     assert plan.predicted.peak_memory <= budget
     t, peak = _priced(step.lower(*args).compile(), step.mesh_for(plan), args[1])
     print(f"budget {budget / 2**20:.3f} MiB; experts (ms, MiB): " + ", ".join(
         f"{k} {s * 1e3:.3f} {m / 2**20:.3f}" for k, (s, m) in experts.items()) +
         f"; shardc {t * 1e3:.3f} ms {peak / 2**20:.3f} MiB compiled, "
         f"{plan.predicted.peak_memory / 2**20:.3f} MiB predicted")
-    assert peak <= budget * SLACK, (peak, budget)
+    assert peak <= budget, (peak, budget)
     assert t <= best * 1.001, (t, best)
 
 
@@ -144,9 +156,11 @@ def test_a_budget_too_small_names_the_peak_a_plan_reaches():
     """Under a budget it cannot meet the search stops at its lean start (an MLP stack with
     Adam-free SGD on 8 devices: 8.0 MiB), while under one it can it finds leaner plans
     (5.2 MiB under 6): the error names the peak of the plan made at the budget found, where
-    planning at that peak succeeds too, and that budget plans."""
+    planning at that peak succeeds too, and that budget plans. On an AbstractMesh: the
+    search's own budgets (on devices the 6 MiB plan compiles to 6.3 MiB, and the compiled
+    check raises for it: test_a_budget_binds_the_compiled_program_or_names_the_fix)."""
     state, batch = tensor.make()
-    mesh = jax.make_mesh((2, 2, 2), ("stage", "data", "model"))
+    mesh = jax.sharding.AbstractMesh((2, 2, 2), ("stage", "data", "model"))
 
     def planned(budget):
         return shardc.auto_shard(tensor.train_step(tensor.stacked), mesh=mesh,
@@ -211,3 +225,115 @@ def test_a_decode_loops_cache_is_predicted_as_xla_holds_it():
     assert abs(plan.predicted.peak_memory / compiled - 1) < 0.15, (plan.predicted, compiled)
     np.testing.assert_array_equal(np.asarray(step(params, tokens)),
                                   np.asarray(jax.jit(decode)(params, tokens)))
+
+
+def _first_call_compiles(step, *args) -> tuple[list[str], object]:
+    """The programs the step's first call compiles (by name), and its result."""
+    names = []
+
+    def heard(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            names.append(kw.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(heard)
+    try:
+        out = step(*args)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(heard)
+    return names, out
+
+
+def test_a_budget_binds_the_decode_loops_compiled_program():
+    """Under 0.8x the free plan's compiled peak, the decode loop's fastest plan predicted
+    within the budget compiles over it (its weights gathered before the loop, held through
+    it, where the model gathers them in it): planned again under the budget lowered by the
+    overshoot, the step compiles within the budget, its first call runs the compile the
+    check made, and its tokens equal jax.jit's."""
+    decode, params, tokens = _decode_loop()
+    mesh = jax.make_mesh((8,), ("gpu",), axis_types=(AxisType.Auto,))
+    free = shardc.auto_shard(decode, mesh=mesh)
+    free.plan(params, tokens)
+    budget = 0.8 * _compiled_peak(free.lower(params, tokens).compile())
+    step = shardc.auto_shard(decode, mesh=mesh, memory_budget=budget)
+    plan = step.plan(params, tokens)
+    rounds = plan.solver["budget_rounds"]
+    print("budget", budget, "rounds", rounds)
+    assert rounds[0]["predicted"] <= budget < rounds[0]["compiled"], \
+        ("the budget no longer binds the compiled program, so the rounds go untested: pick "
+         "a budget the memory model still misses", rounds)
+    assert all(r["compiled"] > budget for r in rounds[:-1])
+    assert [r["budget"] for r in rounds] == sorted((r["budget"] for r in rounds), reverse=True)
+    assert rounds[-1]["compiled"] == plan.solver["compiled_peak"] <= budget
+    assert _compiled_peak(step.lower(params, tokens).compile()) <= budget
+    assert "compiled peak" in plan.explain()
+    compiled, out = _first_call_compiles(step, params, tokens)
+    assert "jit(positional)" not in compiled, compiled  # the check's compile runs
+    assert_close(out, jax.jit(decode)(params, tokens))
+
+
+def test_a_budget_binds_the_compiled_program_or_names_the_fix():
+    """The MLP stack's plans under 6 MiB on 8 devices predict 5.2 MiB and compile to 6.3
+    (its stacked gradients leave the backward loop beside the new weights): no plan
+    compiles within it, and the error names the compiled peak and a budget raised by what
+    the prediction missed, under which the step compiles within that budget."""
+    state, batch = tensor.make()
+    mesh = jax.make_mesh((2, 2, 2), ("stage", "data", "model"))
+
+    def step(budget):
+        return shardc.auto_shard(tensor.train_step(tensor.stacked), mesh=mesh,
+                                 cluster=tensor.PODS, memory_budget=budget, pipeline=False)
+
+    try:
+        plan = step(6 * tensor.MIB).plan(state, batch)
+    except shardc.MemoryBudgetError as exc:
+        print(exc)
+        assert exc.predicted is not None and exc.predicted <= 6 * tensor.MIB < exc.found
+        assert exc.found <= exc.needed and "compiled to" in str(exc) and \
+            f"memory_budget={exc.needed}" in str(exc)
+        plan = step(exc.needed).plan(state, batch)
+        assert plan.solver["compiled_peak"] <= exc.needed
+    else:  # the memory model learnt what it missed: the plan compiles within the budget
+        assert plan.solver["compiled_peak"] <= 6 * tensor.MIB
+
+
+ROWS, WIDTH, USERS, BATCH = 262144, 64, 4096, 256
+
+
+def _lookup_step(params, batch):
+    """A two-tower lookup model's SGD step: both towers' rows gathered, a dense layer
+    each, a logistic loss on their dot, and every parameter updated."""
+
+    def loss(p):
+        u = jnp.tanh(p["users"][batch["user"]] @ p["wu"])
+        i = jnp.tanh(p["items"][batch["item"]] @ p["wi"])
+        logit = jnp.sum(u * i, -1)
+        return jnp.mean(jnp.logaddexp(0.0, logit) - batch["label"] * logit)
+
+    value, grads = jax.value_and_grad(loss)(params)
+    return jax.tree.map(lambda w, g: w - 0.1 * g, params, grads), value
+
+
+@pytest.mark.parametrize("budget", [None, 20 * 2**20], ids=["free", "20MiB"])
+def test_a_large_embeddings_step_is_predicted_as_xla_holds_it(budget):
+    """A 262144-row table (64 MiB) on 8 devices, replicated by the fastest plan, split
+    under 20 MiB: predicted within 15% of the compiled peak. The new table is written
+    over its gradient (a scatter-add into zeros, updated in place): counted as a third
+    table, the fastest plan was predicted at 1.5x its compiled peak, and no plan fitted
+    under 24.4 MiB."""
+    f32, i32 = jnp.float32, jnp.int32
+    params = {"items": jax.ShapeDtypeStruct((ROWS, WIDTH), f32),
+              "users": jax.ShapeDtypeStruct((USERS, WIDTH), f32),
+              "wi": jax.ShapeDtypeStruct((WIDTH, WIDTH), f32),
+              "wu": jax.ShapeDtypeStruct((WIDTH, WIDTH), f32)}
+    batch = {"user": jax.ShapeDtypeStruct((BATCH,), i32),
+             "item": jax.ShapeDtypeStruct((BATCH,), i32),
+             "label": jax.ShapeDtypeStruct((BATCH,), f32)}
+    mesh = jax.make_mesh((8,), ("gpu",), axis_types=(AxisType.Auto,))
+    step = shardc.auto_shard(_lookup_step, mesh=mesh, memory_budget=budget)
+    plan = step.plan(params, batch)
+    compiled = _compiled_peak(step.lower(params, batch).compile())
+    print(budget, plan.predicted.peak_memory, compiled, plan.inputs[0])
+    assert abs(plan.predicted.peak_memory / compiled - 1) <= SLACK - 1, \
+        (plan.predicted.peak_memory, compiled)
+    if budget is not None:
+        assert compiled <= budget and plan.inputs[0].shard_fraction(plan.axis_sizes) < 1

@@ -333,6 +333,21 @@ def _overlapped(plan) -> str:
             f"by): {fmt_time(plan.solver['overlapped_s'])} estimated{compiled}")
 
 
+def _budget_check(plan) -> str:
+    """The memory budget's check against the compiled program
+    (:func:`shardc.step.solving.compiled_within`): the kept plan's compiled peak, and the
+    plans made before it that compiled over the budget."""
+    rounds, peak = plan.solver["budget_rounds"], plan.solver.get("compiled_peak")
+    line = f"memory budget {fmt_bytes(rounds[0]['budget'])}: " + (
+        f"compiled peak {fmt_bytes(peak)} per device (memory_analysis())" if peak is not None
+        else "not checked (the program did not compile, or the backend reports no memory)")
+    if len(rounds) > 1:
+        line += f"; planned under {fmt_bytes(rounds[-1]['budget'])}, as " + ", ".join(
+            f"the plan under {fmt_bytes(r['budget'])} (predicted {fmt_bytes(r['predicted'])})"
+            f" compiled to {fmt_bytes(r['compiled'])}" for r in rounds[:-1])
+    return line
+
+
 def explain_report(plan, max_rows: int | None = 60, top: int = 10, margins=None,
                    verification=None) -> Report:
     """The plan as a :class:`Report`: totals, the argument and result tables, the per-op
@@ -348,6 +363,9 @@ def explain_report(plan, max_rows: int | None = 60, top: int = 10, margins=None,
         f"comm {fmt_time(p.comm_time)} ({fmt_bytes(p.comm_bytes)} on the wire per device) + "
         f"input feed {fmt_time(p.feed_time)}; peak memory {fmt_bytes(p.peak_memory)} per device",
     ]
+    if "budget_rounds" in plan.solver:
+        blocks.append(textwrap.fill(_budget_check(plan), width=100, subsequent_indent="  ",
+                                    break_on_hyphens=False))
     if plan.cluster.overlap and "overlapped_s" in plan.solver:
         blocks.append(_overlapped(plan))
     if plan.remat:

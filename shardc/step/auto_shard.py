@@ -48,6 +48,7 @@ from shardc.runtime.multihost import agree
 from shardc.solve.collector import gc_paused
 from shardc.solve.costgraph import Fixed
 from shardc.step.adopt import use_plan
+from shardc.step.ahead import typed_leaves
 from shardc.step.cache import PlanCache
 from shardc.step.calling import (
     Call,
@@ -65,6 +66,7 @@ from shardc.step.names import input_names, output_names
 from shardc.step.options import NeedsDevicesError, Options, auto_mesh, platform_of
 from shardc.step.pareto import frontier
 from shardc.step.pipelining import choice_options, pipelined
+from shardc.step.ranking import program_key
 from shardc.step.seeds import check_specs, named_seeds
 from shardc.step.signature import (
     TracedCall,
@@ -114,6 +116,9 @@ class AutoSharded:
         self._plans: dict[Any, Plan] = {}
         self._execs: dict[Any, Callable] = {}
         self._dispatch: dict[Any, Dispatch] = {}
+        #: signature key -> (program key, Dispatch): the executable a budgeted plan's check
+        #: compiled (:func:`shardc.step.ahead.compile_ahead`), for the first call to run
+        self._ahead: dict[Any, tuple[tuple, Dispatch]] = {}
         #: calls' :func:`~shardc.step.calling.dispatch_key` -> the Dispatch the last such call ran
         self._fast: dict[Any, Dispatch] = {}
         self._moved: set = set()
@@ -280,8 +285,10 @@ class AutoSharded:
                     dispatch = None
             if dispatch is None:
                 _, tr, plan = self._plan(call)
-                dispatch = self._dispatch[key] = Dispatch.of(jitted, call, shardings,
-                                                             self._out_shardings(tr, plan))
+                ahead = self._ahead.pop(key, None)
+                dispatch = ahead[1] if ahead is not None and ahead[0] == program_key(plan) \
+                    else Dispatch.of(jitted, call, shardings, self._out_shardings(tr, plan))
+                self._dispatch[key] = dispatch
                 out = dispatch(*placed)
         self._fast[dispatch_key(*self.convention.dynamic(args, kwargs))] = dispatch
         return out
@@ -378,10 +385,7 @@ class AutoSharded:
         call = self.convention.split(args, kwargs)
         jitted, shardings, key = self._exec(call)
         self._report_moves(call, shardings, key)
-        leaves = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type, sharding=s)
-                  if hasattr(x, "shape") else x
-                  for x, a, s in zip(call.leaves, map(abstract_leaf, call.leaves), shardings)]
-        dyn_args, dyn_kwargs = call.unflatten(leaves)
+        dyn_args, dyn_kwargs = call.unflatten(typed_leaves(call, shardings))
         with gc_paused():
             return jitted.lower(*dyn_args, **dyn_kwargs)
 

@@ -21,7 +21,7 @@ from shardc.step.calling import Call
 from shardc.step.options import platform_of
 from shardc.step.ranking import compiled_program, compiled_row
 from shardc.step.signature import TracedCall
-from shardc.step.solving import solve, solve_views
+from shardc.step.solving import checked, solve, solve_views
 from shardc.tradeoff.views import View
 
 log = logging.getLogger("shardc")
@@ -48,13 +48,15 @@ def pipelined(step, call: Call, tr: TracedCall, candidates: list[View],
     from shardc.pipeline.choose import best_pipeline
     from shardc.pipeline.stack import has_stack
 
-    plan = solve(step, call, tr, candidates, seeds, step.options)
-    if step.options.pipeline is False or not has_stack(tr.traced.jaxpr):
-        return plan
+    options = step.options
+    if options.pipeline is False or not has_stack(tr.traced.jaxpr):
+        return solve(step, call, tr, candidates, seeds, options)
+    plan = solve(step, call, tr, candidates, seeds, options, compiled=False)
     # the stage axis is one of the mesh's: priced against the plan on the mesh itself,
     # and where mesh_search ran another view, the pipeline must beat that one too
     own = plan.axis_names == tuple(step.mesh.axis_names)
-    base = plan if own else solve(step, call, tr, candidates[:1], seeds[:1], step.options)
+    base = plan if own else solve(step, call, tr, candidates[:1], seeds[:1], options,
+                                  compiled=False)
     graph, why, asked = tr.traced.graph, [], None
     # a stage's layouts on the axes that split no micro-batch are XLA's (the pipelined
     # loop is Auto there): a choice with such axes is checked against its compiled program,
@@ -92,6 +94,7 @@ def pipelined(step, call: Call, tr: TracedCall, candidates: list[View],
     if asked is not None:  # a pipeline asked for runs, as it compiles, where none passes
         log.warning("shardc: the pipeline asked for runs although %s", asked[1])
         return _noting(asked[0], [w for w in why if w is not asked[1]], kept_asked=asked[1])
+    plan = checked(step, call, tr, candidates, seeds, options, plan)  # it runs unpipelined
     return dataclasses.replace(plan, solver={**plan.solver, "pipeline_rejected": why}) \
         if why else plan
 

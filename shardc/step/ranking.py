@@ -35,7 +35,7 @@ from shardc.report.explain import mesh_label
 from shardc.step.signature import TracedCall
 
 __all__ = ["UNTILED", "compile_lowered", "compiled_best", "compiled_program", "compiled_row",
-           "compiled_time", "layout_key", "to_compile"]
+           "compiled_time", "layout_key", "program_key", "to_compile"]
 
 UNTILED = "Couldn't find output tile sizes"
 """XLA:GPU's error where its Triton GEMM emitter finds no tiling for a dot it was given
@@ -105,6 +105,12 @@ def layout_key(plan: Plan) -> tuple:
             tuple(sorted(plan.values)), pieces(plan.values[v] for v in sorted(plan.values)),
             tuple(sorted(plan.settled)),
             pieces(plan.settled[v] for v in sorted(plan.settled)), plan.remat)
+
+
+def program_key(plan: Plan) -> tuple:
+    """What the step compiles for ``plan``: the pieces its devices hold
+    (:func:`layout_key`) on its mesh, and its pipeline."""
+    return layout_key(plan), plan.mesh_axes, plan.pipeline
 
 
 def to_compile(plans: list[Plan], count: int) -> list[Plan]:
