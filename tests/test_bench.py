@@ -189,53 +189,55 @@ def test_pricing_rows_compare_each_plan_with_the_best_expert_under_its_pricing()
              cell("dp", nccl=[2.0, 2.0], ring=[3.0, 3.0], alpha_beta=[1.8, 1.8]),
              cell("fsdp", nccl=[3.0, 1.6], ring=[6.0, 2.0], alpha_beta=[1.1, 0.9])]
     rows = {r["pricing"]: r for r in report.pricing_rows(cells)}
-    assert rows["nccl"]["serial_expert"] == "dp" and rows["nccl"]["serial_planned_ratio"] == 1.0
+    # the default plan is the one made for NCCL's overlapped pricing; none made serially here
+    assert rows["nccl"]["serial_expert"] == "dp" and rows["nccl"]["serial_planned_ratio"] is None
+    assert rows["nccl"]["serial_default_ratio"] == 1.0
     assert rows["ring"]["serial_planned_ratio"] == 1.0  # shardc@ring 3.0 against dp's 3.0
     assert rows["ring"]["serial_default_ratio"] == 4.0 / 3.0
     assert rows["alpha-beta"]["serial_expert"] == "fsdp"
     assert rows["alpha-beta"]["serial_planned_ratio"] == 0.9 / 1.1
     assert rows["ring"]["overlap_expert"] == "fsdp"  # the best expert overlapped differs
     assert rows["ring"]["overlap_default_ratio"] == 3.0 / 2.0
-    # the overlapped columns compare the plan made for overlap; none here for NCCL's
+    # the overlapped columns compare the plan made for overlap: for NCCL's, the default
     assert rows["ring"]["overlap_planned_ratio"] == 1.9 / 2.0
-    assert rows["nccl"]["overlap_planned_ratio"] is None
+    assert rows["nccl"]["overlap_planned_ratio"] == 1.5 / 1.6
     md = report.markdown(cells, ["shardc bench"])
     assert "## Under three pricings" in md and "| m | p | ring | dp |" in md
-    # the default plan is 4/3 of dp under ring, and dp is as fast as it under NCCL: a plan
-    # both would have been; overlapped under ring, fsdp (1.5 x the default's time) is slower
-    # under NCCL, and nothing that is not is within 1.05
+    # the default plan is 4/3 of dp under ring; of the programs no slower than the best
+    # expert under NCCL's overlapped pricing (fsdp, 1.6), shardc@ring+overlap is the best
+    # there, serially (3.2 against dp's 3.0) and overlapped (1.9 against fsdp's 2.0)
     bounds = {(b["pricing"], b["mode"]): b for b in report.robust_bounds(cells)}
-    assert bounds[("ring", "serial")]["bound"] == 1.0
-    assert bounds[("ring", "serial")]["bound_method"] == "dp"
-    assert bounds[("ring", "overlap")]["bound"] == 3.0 / 2.0
-    assert ("nccl", "serial") not in bounds  # the default is the best there
+    assert bounds[("ring", "serial")]["bound"] == 3.2 / 3.0
+    assert bounds[("ring", "serial")]["bound_method"] == "shardc@ring+overlap"
+    assert bounds[("ring", "overlap")]["bound"] == 1.9 / 2.0
+    assert ("nccl", "overlap") not in bounds  # the default is the best there
     assert "### Where the pricings disagree" in md
     # a default plan over the device's memory is no bound itself; the programs that fit are
     over = [harness.Cell("m", "p", c.method, compiled_s=1.0, priced=c.priced, budget=1.0,
                          peak_memory=2.0 if c.method == "shardc" else 0.5) for c in cells]
-    assert {b["bound_method"] for b in report.robust_bounds(over)} == {"dp"}
+    assert {b["bound_method"] for b in report.robust_bounds(over)} == {"shardc@ring+overlap"}
 
 
 def test_a_robust_bound_admits_programs_slower_than_the_default_but_not_than_the_best_expert():
-    # the default plan must be no slower than the best expert under NCCL's serial pricing,
-    # not than itself: "overlap" is slower than the default serially (1.9 against 1.8) but no
-    # slower than the best expert (dp, 2.0), and within 1.05 of the best expert overlapped
-    # (fsdp, 1.25, which is slower than dp serially): it bounds that row at 1.3 / 1.25
+    # the default plan (overlap-aware) must be no slower than the best expert under NCCL's
+    # overlapped pricing, not than itself: fsdp is no slower than the best expert there
+    # (itself, 1.25) and within 1.05 of the best expert serially (dp, 2.0): it bounds the
+    # serial row at 2.1 / 2.0, where the default plan is 2.2 / 2.0
     def cell(method, nccl):
         return harness.Cell("m", "p", method, compiled_s=1.0,
                             priced={"nccl": nccl, "ring": nccl, "alpha-beta": nccl})
 
-    cells = [cell("shardc", [1.8, 1.8]), cell("shardc+overlap", [1.9, 1.3]),
+    cells = [cell("shardc", [2.2, 1.3]), cell("shardc+serial", [1.8, 1.35]),
              cell("dp", [2.0, 1.4]), cell("fsdp", [2.1, 1.25])]
     bounds = {(b["pricing"], b["mode"]): b for b in report.robust_bounds(cells)}
-    nccl = bounds[("nccl", "overlap")]
-    assert nccl["default_ratio"] == 1.8 / 1.25
-    assert nccl["bound_method"] == "shardc+overlap" and nccl["bound"] == 1.3 / 1.25
-    # the other side: fsdp, the fastest there, is 2.1 / 2.0 of dp under NCCL serially
-    assert nccl["fastest_method"] == "fsdp" and nccl["fastest_nccl"] == 2.1 / 2.0
-    assert "| m | p | nccl, overlapped | 1.440 | 1.040 | shardc+overlap | fsdp | 1.050 |" \
+    nccl = bounds[("nccl", "serial")]
+    assert nccl["default_ratio"] == 2.2 / 2.0
+    assert nccl["bound_method"] == "fsdp" and nccl["bound"] == 2.1 / 2.0
+    # the other side: shardc+serial, the fastest there, is 1.35 / 1.25 of fsdp overlapped
+    assert nccl["fastest_method"] == "shardc+serial" and nccl["fastest_nccl"] == 1.35 / 1.25
+    assert "| m | p | nccl | 1.100 | 1.050 | fsdp | shardc+serial | 1.080 |" \
         in report.markdown(cells, ["shardc bench"])
-    assert ("nccl", "serial") not in bounds
+    assert ("nccl", "overlap") not in bounds
 
 
 def test_the_scale_page_has_the_pipelines_and_the_weak_scaling_efficiency():

@@ -239,7 +239,8 @@ def test_under_overlap_each_schedule_is_compiled_and_the_fastest_kept():
     mesh = jax.make_mesh((4, 2), ("stage", "data"))
     slower = dataclasses.replace(SLOW, axis_bandwidth={**SLOW.axis_bandwidth, "stage": 1e9},
                                  overlap=True)
-    run = shardc.auto_shard(train_step(stacked_loss), mesh=mesh, cluster=slower)
+    run = shardc.auto_shard(train_step(stacked_loss), mesh=mesh, cluster=slower,
+                            rank_compiled=3)
     plan = run.plan(state, batch)
     assert plan.pipeline is not None, plan.solver.get("compiled_ranking")
     rows = plan.solver["pipeline"]["compiled_ranking"]

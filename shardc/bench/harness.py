@@ -63,13 +63,14 @@ PRICINGS = ("nccl", "ring", "alpha-beta")
 (:mod:`shardc.cost.collectives`): NCCL's (the presets' default), ring/Simple paying every
 step's latency (pessimistic) and one latency per collective (optimistic); shardc also
 plans for each, serially and overlapped (:data:`PLANNED`)."""
-PLANNED = {
-    f"shardc{'' if model == 'nccl' else '@' + model}{'+overlap' if overlap else ''}":
-        (model, overlap)
-    for overlap in (False, True) for model in PRICINGS}
+PLANNED = {"shardc": ("nccl", True), "shardc+serial": ("nccl", False), **{
+    f"shardc@{model}{'+overlap' if overlap else ''}": (model, overlap)
+    for overlap in (False, True) for model in PRICINGS if model != "nccl"}}
 """shardc's methods: the pricing each plans for, (collective model, overlap). ``shardc`` is
-the default plan (NCCL's model, communication serial); ``shardc@ring``, ``shardc@alpha-beta``
-plan with the other collective models, and ``+overlap`` with ``Cluster(overlap=True)``."""
+the default plan (the presets' own pricing: NCCL's model, overlapped, as the GPU presets
+plan by default); ``shardc+serial`` plans for NCCL's model with communication serial;
+``shardc@ring``, ``shardc@alpha-beta`` plan with the other collective models, serially, and
+``+overlap`` with ``Cluster(overlap=True)``."""
 """Saved-plan and ``jax.jit`` compile timings are each the fastest of this many runs,
 interleaved, which goes first alternating: on a shared machine one compile of the same
 program varies by a fifth, and with three runs one or two of the twelve cells, a different

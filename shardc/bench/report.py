@@ -110,7 +110,7 @@ def _overlap_table(rows: list[dict]) -> list[str]:
            "order, one communication stream; a collective starts when its operands are "
            "ready and is awaited at its first use), the feed added. *best expert* is the "
            "fastest under this pricing, which may be another than above. *plan* is shardc's "
-           "plan made for this pricing (`shardc+overlap`, `Cluster(overlap=True)`), or its "
+           "plan made for this pricing (the default, `Cluster(overlap=True)`), or its "
            "default plan in results that have none.\n",
            "| model | preset | plan | shardc ms | default plan serial ms | best expert | "
            "its mesh | expert ms | shardc / expert |",
@@ -203,14 +203,14 @@ def robust_bounds(cells: list[Cell]) -> list[dict]:
     """Where shardc's default plan is more than :data:`ROBUST` x the best expert under
     another pricing (serial or overlapped): the best ratio there of any program measured in
     the cell (experts and shardc's plans for every pricing) that is no slower than the best
-    expert under the default pricing (NCCL's, serial: what the default plan must be), and
+    expert under the default pricing (NCCL's, overlapped: what the default plan must be), and
     which program that is. A bound above :data:`ROBUST` says no measured program meets
     both: the pricings disagree. At or under it, one does, and the default plan missed it.
     Beside it, the fastest fitting program under that pricing and its NCCL serial step
-    over the best expert's (the other side of a disagreement)."""
+    overlapped over the best expert's (the other side of a disagreement)."""
     groups = _by_cell(cells)
     priced = pricing_rows(cells)
-    nccl = {(q["model"], q["preset"]): q["serial_expert_s"] for q in priced
+    nccl = {(q["model"], q["preset"]): q["overlap_expert_s"] for q in priced
             if q["pricing"] == "nccl"}
     rows = []
     for r in priced:
@@ -224,7 +224,7 @@ def robust_bounds(cells: list[Cell]) -> list[dict]:
             if limit is None or not any(c.method == "shardc" for c in cs):
                 continue  # priced another way only (results made before NCCL's)
             fitting = [c for c in cs if c.fits is not False]
-            fair = [c for c in fitting if c.priced["nccl"][0] <= limit * (1 + 1e-9)]
+            fair = [c for c in fitting if c.priced["nccl"][1] <= limit * (1 + 1e-9)]
             if not fair:  # no fitting program priced both ways
                 continue
             best = min(fair, key=lambda c: c.priced[r["pricing"]][k])
@@ -233,7 +233,7 @@ def robust_bounds(cells: list[Cell]) -> list[dict]:
                          "mode": mode, "default_ratio": ratio, "bound_method": best.method,
                          "bound": best.priced[r["pricing"]][k] / r[f"{mode}_expert_s"],
                          "fastest_method": fastest.method,
-                         "fastest_nccl": fastest.priced["nccl"][0] / limit})
+                         "fastest_nccl": fastest.priced["nccl"][1] / limit})
     return rows
 
 
@@ -245,13 +245,13 @@ def _disagreements(cells: list[Cell]) -> list[str]:
            f"The rows above where shardc's default plan is more than {ROBUST:.2f} x the best "
            "expert under another pricing. *bound*: the best ratio there of any program "
            "measured in the cell (every expert and each of shardc's plans) that is no "
-           "slower than the best expert under NCCL's serial pricing (what the default plan "
+           "slower than the best expert under NCCL's overlapped pricing (what the default plan "
            f"must be), and that program; above {ROBUST:.2f}, no measured program is both "
            "(the pricings disagree), at or under it one is, and the default plan missed "
            "it. *fastest there*: the fastest program measured under that pricing, and its "
-           "step under NCCL's serial pricing over the best expert's there.\n",
+           "step under NCCL's overlapped pricing over the best expert's there.\n",
            "| model | preset | pricing | default / expert | bound | by | fastest there | "
-           "its NCCL serial |",
+           "its NCCL overlapped |",
            "|---|---|---|---:|---:|---|---|---:|"]
     for r in rows:
         how = r["pricing"] + (", overlapped" if r["mode"] == "overlap" else "")

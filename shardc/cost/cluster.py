@@ -84,7 +84,9 @@ class Cluster:
     ``overlap=True`` ranks the candidate plans the search keeps (mesh views, remat levels,
     frontier points) by their step with communication overlapped with compute
     (:func:`shardc.plan.overlap.ranking_time`), as XLA's latency-hiding scheduler runs
-    them on GPUs and TPUs; by default communication adds to compute.
+    them on GPUs and TPUs: the GPU and TPU presets (:meth:`nvlink_node`,
+    :meth:`multi_node`, :meth:`ethernet_nodes`, :meth:`multi_pod`, :meth:`tpu_v4`) set
+    it; a Cluster built by hand adds communication to compute unless it asks.
     ``kernels`` names a measured kernel model to price compute by
     (:mod:`shardc.cost.kernels`: each kernel the larger of its arithmetic and its memory
     traffic, never under a launch floor; ``"h100"``); by default (None) compute is FLOPs
@@ -254,14 +256,14 @@ class Cluster:
     def nvlink_node(cls, axis_names: Sequence[str] = ("gpu",)) -> Cluster:
         """One 8-GPU H100 node: every mesh axis runs over NVLink."""
         return cls({a: NVLINK_BW for a in axis_names}, {a: NVLINK_LAT for a in axis_names},
-                   axis_link={a: "nvlink" for a in axis_names})
+                   axis_link={a: "nvlink" for a in axis_names}, overlap=True)
 
     @classmethod
     def multi_node(cls, node_axis: str = "node", gpu_axis: str = "gpu") -> Cluster:
         """H100 nodes joined by NDR InfiniBand: ``node_axis`` over IB, ``gpu_axis`` NVLink."""
         return cls({node_axis: IB_BW, gpu_axis: NVLINK_BW},
                    {node_axis: IB_LAT, gpu_axis: NVLINK_LAT},
-                   axis_link={node_axis: "net", gpu_axis: "nvlink"})
+                   axis_link={node_axis: "net", gpu_axis: "nvlink"}, overlap=True)
 
     @classmethod
     def ethernet_nodes(cls, node_axis: str = "node", gpu_axis: str = "gpu") -> Cluster:
@@ -270,7 +272,7 @@ class Cluster:
         ``gpu_axis`` NVLink."""
         return cls({node_axis: ETH_BW, gpu_axis: NVLINK_BW},
                    {node_axis: ETH_LAT, gpu_axis: NVLINK_LAT},
-                   axis_link={node_axis: "net", gpu_axis: "nvlink"})
+                   axis_link={node_axis: "net", gpu_axis: "nvlink"}, overlap=True)
 
     @classmethod
     def multi_pod(cls, pod_axis: str = "pod", node_axis: str = "node",
@@ -281,7 +283,8 @@ class Cluster:
         the mesh ``(pod=4, node=16, gpu=8)``)."""
         return cls({pod_axis: CROSS_POD_BW, node_axis: IB_BW, gpu_axis: NVLINK_BW},
                    {pod_axis: CROSS_POD_LAT, node_axis: IB_LAT, gpu_axis: NVLINK_LAT},
-                   axis_link={pod_axis: "net", node_axis: "net", gpu_axis: "nvlink"})
+                   axis_link={pod_axis: "net", node_axis: "net", gpu_axis: "nvlink"},
+                   overlap=True)
 
     @classmethod
     def tpu_v4(cls, axis_names: Sequence[str] = ("x", "y")) -> Cluster:
@@ -289,7 +292,7 @@ class Cluster:
         "How to Scale Your Model", 2025)."""
         return cls({a: TPU_V4_ICI_BW for a in axis_names}, {a: 1e-6 for a in axis_names},
                    device_flops=TPU_V4_FLOPS, device_memory=TPU_V4_MEMORY,
-                   axis_link={a: "ici" for a in axis_names}, kernels=None)
+                   axis_link={a: "ici" for a in axis_names}, kernels=None, overlap=True)
 
 
 @dataclass(frozen=True)

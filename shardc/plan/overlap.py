@@ -398,10 +398,22 @@ def _replay(plan: Plan, chained: bool) -> Overlap:
 
 
 def ranking_time(plan: Plan) -> float:
-    """The seconds the search ranks ``plan`` by: its overlapped step plus the feed where its
-    cluster asks for overlap (``Cluster(overlap=True)``), else its predicted step."""
+    """The seconds the search ranks ``plan`` by where its cluster asks for overlap
+    (``Cluster(overlap=True)``): the mean of its two overlapped estimates, the gradient
+    reductions after the backward pass (:func:`plan_overlap`) and chained during it
+    (``chained=True``), plus the feed; else its predicted step.
+
+    XLA:GPU's schedule lies between the two: it chains a data-parallel step's all-reduces
+    through the backward pass, but issues a combined reduce-scatter first and computes
+    the other gradients after it, at the step's end. Measured on the bench's cells
+    (docs/design-notes.md, "Overlap in the objective"), the candidate each rule puts
+    first, compiled by XLA:GPU and priced overlapped, against the best compiled
+    candidate: the mean 1.027 (geometric mean of 8 cells, at most 1.070), the first
+    estimate alone 1.043 (at most 1.206, the wide ResNet on one node), the chained alone
+    1.034 (at most 1.121, on two nodes)."""
     if plan.cluster.overlap:
-        return plan_overlap(plan).time + plan.predicted.feed_time
+        return (plan_overlap(plan).time + plan_overlap(plan, chained=True).time) / 2 \
+            + plan.predicted.feed_time
     return plan.predicted.step_time
 
 

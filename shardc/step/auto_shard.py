@@ -416,7 +416,7 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh | AbstractMesh,
                static_argnums=None, static_argnames=None, donate_argnums=None,
                donate_argnames=None, cache_dir: str | None = None,
                while_trips: int = DEFAULT_WHILE_TRIPS, pipeline: Pipeline | bool | None = None,
-               rank_compiled: int = 3):
+               rank_compiled: int = 0):
     """Plan and run ``fn`` sharded over ``mesh``, called like ``jax.jit(fn)``. Usable as
     ``@auto_shard(mesh=...)``. On a ``jax.sharding.AbstractMesh`` (a shape and axis names,
     no devices: a cluster larger than this machine) the function plans only: ``plan``,
@@ -465,12 +465,12 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh | AbstractMesh,
     and fits ``memory_budget`` runs (:mod:`shardc.pipeline.choose`; ``plan.explain()``
     shows it, ``step.pipeline_choice(*args)`` says what was priced and why).
 
-    ``rank_compiled``: with ``Cluster(overlap=True)`` on a concrete mesh, this many of the
-    best candidate plans (by the search's overlap estimate; every view's and every seed's)
-    are compiled and the one whose compiled program runs fastest with its collectives
-    overlapped is chosen (:mod:`shardc.step.ranking`; ``plan.solver["compiled_ranking"]``
-    lists them): planning then pays their compiles. 0 ranks by the estimate alone; without
-    overlap the prediction is the compiled program's and nothing is compiled.
+    ``rank_compiled``: with ``Cluster(overlap=True)`` (the GPU and TPU presets) the plan
+    is chosen by its estimated overlapped step (:func:`shardc.plan.overlap.ranking_time`);
+    a positive count also compiles that many of the best candidates by the estimate on a
+    concrete mesh and keeps the fastest compiled program, overlapped
+    (:mod:`shardc.step.ranking`; ``plan.solver["compiled_ranking"]``): a check that pays
+    their compiles. Without overlap nothing is compiled.
     """
     options = Options(cluster if cluster is not None else DEFAULT_CLUSTER, memory_budget,
                       time_limit, named_seeds(seeds), mesh_search, in_shardings,

@@ -59,7 +59,7 @@ class Options:
     cache_dir: str | None = None  # None: $SHARDC_CACHE_DIR if set, else no disk cache
     while_trips: int = DEFAULT_WHILE_TRIPS
     pipeline: Pipeline | bool | None = None  # None: the planner's choice; False: never
-    rank_compiled: int = 3  # under overlap: the best candidates compiled and ranked so
+    rank_compiled: int = 0  # under overlap: the best candidates compiled and ranked so
 
     def __post_init__(self):
         if not (self.pipeline is None or self.pipeline is False

@@ -116,8 +116,9 @@ def program_key(plan: Plan) -> tuple:
 def to_compile(plans: list[Plan], count: int) -> list[Plan]:
     """Which of ``plans`` the compiled ranking compiles: the ``count`` best with distinct
     programs (:func:`layout_key`) by each of two estimates of the overlapped step, the
-    first's first: :func:`ranking_time` (gradient reductions after the backward pass) and
-    :func:`chained_time` (issued during it, as XLA:GPU chains them); of the others, the
+    first's first: :func:`ranking_time` (the mean of the two estimates of
+    :func:`shardc.plan.overlap.plan_overlap`) and :func:`chained_time` (gradients reduced
+    during the backward pass, as XLA:GPU chains them); of the others, the
     program best by the two ranks together (their sum); and of the rest, the program with
     the fewest collectives (ties: the better of its two estimates), the simple plan a
     practitioner runs by default (data parallelism where the parameters fit): on two nodes
