@@ -640,6 +640,23 @@ def test_rank_compiled_is_a_whole_number():
             shardc.auto_shard(lambda x: x, mesh=mesh, rank_compiled=bad)
 
 
+def test_the_gpu_and_tpu_presets_plan_for_overlap_without_compiling():
+    """The GPU and TPU presets rank plans by their overlapped step, estimated (nothing
+    compiled by default); a Cluster built by hand stays serial."""
+    import shardc
+
+    presets = [Cluster.nvlink_node(), Cluster.multi_node(), Cluster.ethernet_nodes(),
+               Cluster.multi_pod(), Cluster.tpu_v4()]
+    assert all(c.overlap for c in presets) and not Cluster().overlap
+    ws, x = _layers(), jnp.ones((BATCH, WIDTH), jnp.float32)
+    mesh = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
+    plan = shardc.auto_shard(_train(_forward), mesh=mesh, cluster=Cluster.multi_node(),
+                             time_limit=5.0).plan(ws, x)
+    assert "compiled_ranking" not in plan.solver
+    assert plan.solver["overlapped_s"] <= plan.predicted.step_time
+    assert "with communication overlapped" in plan.explain(max_rows=1)
+
+
 def test_a_compile_without_a_gemm_tiling_falls_back_to_cublas():
     """XLA:GPU's Triton emitter finds no tiling for some dots when nothing autotunes (an
     ahead-of-time compile): the program is compiled again with its dots on cuBLAS."""

@@ -168,7 +168,8 @@ def _pricing_table(cells: list[Cell]) -> list[str]:
            "latency per collective (`alpha-beta`, optimistic; `shardc/cost/collectives.py`), "
            "serially and with communication overlapped. *planned* is shardc's plan made for "
            "that pricing (`shardc@ring`, `shardc@alpha-beta`, each also `+overlap` for the "
-           "overlapped columns; NCCL's serial one is the default plan), "
+           "overlapped columns; for NCCL's, `shardc+serial` serially and the default plan "
+           "overlapped), "
            "*default* the default plan priced that way; each against the best expert under "
            "the same pricing.\n",
            "| model | preset | pricing | best expert | ms | planned / expert | default / expert "
