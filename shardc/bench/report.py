@@ -207,12 +207,14 @@ def robust_bounds(cells: list[Cell]) -> list[dict]:
     expert under the default pricing (NCCL's, overlapped: what the default plan must be), and
     which program that is. A bound above :data:`ROBUST` says no measured program meets
     both: the pricings disagree. At or under it, one does, and the default plan missed it.
-    Beside it, the fastest fitting program under that pricing and its NCCL serial step
-    overlapped over the best expert's (the other side of a disagreement)."""
+    Beside it, the fastest fitting program under that pricing and its step under the
+    default pricing over the best expert's (the other side of a disagreement)."""
     groups = _by_cell(cells)
     priced = pricing_rows(cells)
-    nccl = {(q["model"], q["preset"]): q["overlap_expert_s"] for q in priced
-            if q["pricing"] == "nccl"}
+    model, overlap = planned_for("shardc")  # the default pricing
+    d = int(overlap)  # its index in Cell.priced's [serial, overlapped]
+    limits = {(q["model"], q["preset"]): q[f"{('serial', 'overlap')[d]}_expert_s"]
+            for q in priced if q["pricing"] == model}
     rows = []
     for r in priced:
         for k, mode in enumerate(("serial", "overlap")):
@@ -220,12 +222,12 @@ def robust_bounds(cells: list[Cell]) -> list[dict]:
             if ratio is None or ratio <= ROBUST:
                 continue
             cs = [c for c in groups[(r["model"], r["preset"])]
-                  if c.priced.get("nccl") and c.priced.get(r["pricing"])]
-            limit = nccl[(r["model"], r["preset"])]
+                  if c.priced.get(model) and c.priced.get(r["pricing"])]
+            limit = limits[(r["model"], r["preset"])]
             if limit is None or not any(c.method == "shardc" for c in cs):
                 continue  # priced another way only (results made before NCCL's)
             fitting = [c for c in cs if c.fits is not False]
-            fair = [c for c in fitting if c.priced["nccl"][1] <= limit * (1 + 1e-9)]
+            fair = [c for c in fitting if c.priced[model][d] <= limit * (1 + 1e-9)]
             if not fair:  # no fitting program priced both ways
                 continue
             best = min(fair, key=lambda c: c.priced[r["pricing"]][k])
@@ -234,7 +236,7 @@ def robust_bounds(cells: list[Cell]) -> list[dict]:
                          "mode": mode, "default_ratio": ratio, "bound_method": best.method,
                          "bound": best.priced[r["pricing"]][k] / r[f"{mode}_expert_s"],
                          "fastest_method": fastest.method,
-                         "fastest_nccl": fastest.priced["nccl"][1] / limit})
+                         "fastest_nccl": fastest.priced[model][d] / limit})
     return rows
 
 

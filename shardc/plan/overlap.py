@@ -405,12 +405,9 @@ def ranking_time(plan: Plan) -> float:
 
     XLA:GPU's schedule lies between the two: it chains a data-parallel step's all-reduces
     through the backward pass, but issues a combined reduce-scatter first and computes
-    the other gradients after it, at the step's end. Measured on the bench's cells
-    (docs/design-notes.md, "Overlap in the objective"), the candidate each rule puts
-    first, compiled by XLA:GPU and priced overlapped, against the best compiled
-    candidate: the mean 1.027 (geometric mean of 8 cells, at most 1.070), the first
-    estimate alone 1.043 (at most 1.206, the wide ResNet on one node), the chained alone
-    1.034 (at most 1.121, on two nodes)."""
+    the other gradients after it, at the step's end. On the bench's cells, compiled by
+    XLA:GPU, the mean picks faster programs than either estimate alone, on average and in
+    the worst cell (docs/design-notes.md, "Overlap in the objective")."""
     if plan.cluster.overlap:
         return (plan_overlap(plan).time + plan_overlap(plan, chained=True).time) / 2 \
             + plan.predicted.feed_time

@@ -20,7 +20,7 @@ from shardc.step.ranking import compile_lowered, program_key
 
 log = logging.getLogger("shardc")
 
-__all__ = ["compile_ahead", "typed_leaves"]
+__all__ = ["compile_ahead", "jit_for", "typed_leaves"]
 
 
 def compile_ahead(step, call: Call, plan: Plan) -> float | None:
@@ -36,9 +36,7 @@ def compile_ahead(step, call: Call, plan: Plan) -> float | None:
     """
     key, tr = step._traced(call, plan.remat)
     shardings = step._in_shardings(tr, plan)
-    jitted = jit_plan(tr.traced, plan, step.mesh_for(plan), step._out_mesh(plan), call.tree,
-                      tr.traced.out_tree, donate_argnums=call.donate_argnums,
-                      donate_argnames=call.donate_argnames)
+    jitted = jit_for(step, call, tr, plan)
     dispatch = Dispatch.of(jitted, call, shardings, step._out_shardings(tr, plan))
     args, kwargs = call.unflatten(typed_leaves(call, shardings, placed_only=True))
     try:
@@ -50,6 +48,14 @@ def compile_ahead(step, call: Call, plan: Plan) -> float | None:
         return None
     step._ahead[key] = (program_key(plan), dispatch)
     return compiled_peak_memory(compiled)
+
+
+def jit_for(step, call: Call, tr, plan: Plan):
+    """The ``jax.jit`` of ``tr``'s traced program that runs ``plan`` for calls like
+    ``call`` (their tree, donated arguments), on the step's meshes for the plan."""
+    return jit_plan(tr.traced, plan, step.mesh_for(plan), step._out_mesh(plan), call.tree,
+                    tr.traced.out_tree, donate_argnums=call.donate_argnums,
+                    donate_argnames=call.donate_argnames)
 
 
 def typed_leaves(call: Call, shardings: list[NamedSharding], placed_only: bool = False

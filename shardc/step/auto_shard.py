@@ -36,7 +36,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from shardc.cost.cluster import DEFAULT_CLUSTER, Cluster
 from shardc.ir.sbp import to_partition_spec
 from shardc.ir.trace import DEFAULT_WHILE_TRIPS, Traced, rematerialized, trace
-from shardc.lower.emit import explicit_axes, jit_plan
+from shardc.lower.emit import explicit_axes
 from shardc.pipeline.lowering import NoStackError
 from shardc.pipeline.routing import scans_as_layers
 from shardc.pipeline.runtime import check_axis
@@ -48,7 +48,7 @@ from shardc.runtime.multihost import agree
 from shardc.solve.collector import gc_paused
 from shardc.solve.costgraph import Fixed
 from shardc.step.adopt import use_plan
-from shardc.step.ahead import typed_leaves
+from shardc.step.ahead import jit_for, typed_leaves
 from shardc.step.cache import PlanCache
 from shardc.step.calling import (
     Call,
@@ -261,11 +261,7 @@ class AutoSharded:
         key, tr, plan = self._plan(call)
         jitted = self._execs.get(key)
         if jitted is None:
-            jitted = jit_plan(tr.traced, plan, self.mesh_for(plan), self._out_mesh(plan),
-                              call.tree, tr.traced.out_tree,
-                              donate_argnums=call.donate_argnums,
-                              donate_argnames=call.donate_argnames)
-            self._execs[key] = jitted
+            jitted = self._execs[key] = jit_for(self, call, tr, plan)
         return jitted, self._in_shardings(tr, plan), key
 
     def _call(self, args: tuple, kwargs: dict):
