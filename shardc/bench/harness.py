@@ -194,7 +194,7 @@ def _fill_compiled(cell: Cell, compiled, mesh, cluster, batch) -> None:
     cell.compiled_comm_s = cost.comm_time
     cell.compiled_compute_s = cost.compute_time
     cell.compiled_feed_s = feed
-    cell.compiled_s = cost.comm_time + cost.compute_time + feed
+    cell.compiled_s = cost.comm_time + cost.compute_time + cost.host_time + feed
     cell.compiled_overlap_s = cost.overlapped_time + feed
     cell.wire_bytes = cost.wire_bytes
     cell.collectives = dict(cost.counts)

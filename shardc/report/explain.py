@@ -348,6 +348,18 @@ def _budget_check(plan) -> str:
     return line
 
 
+def _offloaded(plan) -> str:
+    """The line naming the state the plan keeps in host memory."""
+    names = [plan.input_names[k] if plan.input_names else f"input {k}" for k in plan.offloaded]
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    return textwrap.fill(
+        f"offload: {len(names)} state leaves live in host memory (pinned_host) between steps, "
+        f"moved to the devices when read and back once updated "
+        f"({fmt_time(plan.predicted.host_time)} per step): {shown}. "
+        "Forbid it with auto_shard(..., offload=False).",
+        width=100, subsequent_indent="  ", break_on_hyphens=False)
+
+
 def explain_report(plan, max_rows: int | None = 60, top: int = 10, margins=None,
                    verification=None) -> Report:
     """The plan as a :class:`Report`: totals, the argument and result tables, the per-op
@@ -361,8 +373,12 @@ def explain_report(plan, max_rows: int | None = 60, top: int = 10, margins=None,
         + f" in {plan.solver.get('plan_s', 0.0):.2f} s",
         f"predicted step: {fmt_time(p.step_time)} = compute {fmt_time(p.compute_time)} + "
         f"comm {fmt_time(p.comm_time)} ({fmt_bytes(p.comm_bytes)} on the wire per device) + "
-        f"input feed {fmt_time(p.feed_time)}; peak memory {fmt_bytes(p.peak_memory)} per device",
+        f"input feed {fmt_time(p.feed_time)}"
+        + (f" + host memory {fmt_time(p.host_time)}" if p.host_time else "")
+        + f"; peak memory {fmt_bytes(p.peak_memory)} per device",
     ]
+    if plan.offloaded:
+        blocks.append(_offloaded(plan))
     if "budget_rounds" in plan.solver:
         blocks.append(textwrap.fill(_budget_check(plan), width=100, subsequent_indent="  ",
                                     break_on_hyphens=False))

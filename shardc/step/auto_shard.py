@@ -36,7 +36,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from shardc.cost.cluster import DEFAULT_CLUSTER, Cluster
 from shardc.ir.sbp import to_partition_spec
 from shardc.ir.trace import DEFAULT_WHILE_TRIPS, Traced, rematerialized, trace
-from shardc.lower.emit import explicit_axes
+from shardc.lower.emit import HOST, explicit_axes
 from shardc.pipeline.lowering import NoStackError
 from shardc.pipeline.routing import scans_as_layers
 from shardc.pipeline.runtime import check_axis
@@ -244,16 +244,18 @@ class AutoSharded:
 
     def _in_shardings(self, tr: TracedCall, plan: Plan) -> list[NamedSharding]:
         mesh = self._out_mesh(plan)
-        return [NamedSharding(mesh, to_partition_spec(nd, v.ndim, mesh.axis_names))
-                for nd, v in zip(plan.inputs, tr.traced.graph.inputs)]
+        return [NamedSharding(mesh, to_partition_spec(nd, v.ndim, mesh.axis_names),
+                              memory_kind=HOST if k in plan.offloaded else None)
+                for k, (nd, v) in enumerate(zip(plan.inputs, tr.traced.graph.inputs))]
 
     def _out_shardings(self, tr: TracedCall, plan: Plan) -> Any:
         """The result pytree's shardings under ``plan`` (of ``tr``'s program): on the user's
         mesh, with its axis types (the types ``jax.jit`` gives the results)."""
         mesh = self._out_mesh(plan)
         return jax.tree.unflatten(tr.traced.out_tree, [
-            NamedSharding(mesh, to_partition_spec(nd, v.ndim, mesh.axis_names))
-            for nd, v in zip(plan.outputs, tr.traced.graph.outputs)])
+            NamedSharding(mesh, to_partition_spec(nd, v.ndim, mesh.axis_names),
+                          memory_kind=HOST if j in plan.offloaded_outputs else None)
+            for j, (nd, v) in enumerate(zip(plan.outputs, tr.traced.graph.outputs))])
 
     def _exec(self, call: Call) -> tuple[Callable, list[NamedSharding], Any]:
         if self.abstract:
@@ -412,7 +414,7 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh | AbstractMesh,
                static_argnums=None, static_argnames=None, donate_argnums=None,
                donate_argnames=None, cache_dir: str | None = None,
                while_trips: int = DEFAULT_WHILE_TRIPS, pipeline: Pipeline | bool | None = None,
-               rank_compiled: int = 0):
+               rank_compiled: int = 0, offload: bool = True):
     """Plan and run ``fn`` sharded over ``mesh``, called like ``jax.jit(fn)``. Usable as
     ``@auto_shard(mesh=...)``. On a ``jax.sharding.AbstractMesh`` (a shape and axis names,
     no devices: a cluster larger than this machine) the function plans only: ``plan``,
@@ -466,11 +468,14 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh | AbstractMesh,
     a positive count also compiles that many of the best candidates by the estimate on a
     concrete mesh and keeps the fastest compiled program, overlapped
     (:mod:`shardc.step.ranking`; ``plan.solver["compiled_ranking"]``): a check that pays
-    their compiles. Without overlap nothing is compiled.
+    their compiles. Without overlap nothing is compiled. ``offload``: where the budget
+    binds, state such as an optimizer's moments may live in host memory between steps
+    (:mod:`shardc.step.offload`); False keeps everything on the devices.
     """
     options = Options(cluster if cluster is not None else DEFAULT_CLUSTER, memory_budget,
                       time_limit, named_seeds(seeds), mesh_search, in_shardings,
-                      keep_input_shardings, cache_dir, while_trips, pipeline, rank_compiled)
+                      keep_input_shardings, cache_dir, while_trips, pipeline, rank_compiled,
+                      offload)
 
     def wrap(f):
         return AutoSharded(f, mesh, options, Convention.of(

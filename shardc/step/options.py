@@ -60,6 +60,7 @@ class Options:
     while_trips: int = DEFAULT_WHILE_TRIPS
     pipeline: Pipeline | bool | None = None  # None: the planner's choice; False: never
     rank_compiled: int = 0  # under overlap: the best candidates compiled and ranked so
+    offload: bool = True  # where a budget binds, state may live in host memory
 
     def __post_init__(self):
         if not (self.pipeline is None or self.pipeline is False
