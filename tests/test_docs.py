@@ -46,7 +46,7 @@ def test_readme_quickstart_runs_as_written():
     # the plan it prints: every argument leaf with its PartitionSpec, the weights split
     for leaf in ("params.w1", "params.w2", "opt_state[0].mu.w1", "x", "y"):
         assert re.search(rf"^  {re.escape(leaf)}\s+f32\[", out, re.M), (leaf, out)
-    assert re.search(r"^  params\.w1\s+f32\[1024,4096\]\s+P\(.*'(node|gpu)'", out, re.M), out
+    assert re.search(r"^  params\.w1\s+f32\[512,2048\]\s+P\(.*'(node|gpu)'", out, re.M), out
 
 
 def test_readme_is_a_front_page():
@@ -122,3 +122,34 @@ def test_the_link_check_finds_broken_links(tmp_path):
     assert _broken(page, repo) == ["nowhere.md: no such file",
                                    "a.md#no-such-heading: no heading 'no-such-heading'",
                                    "../../x.md: outside the repository"]
+
+
+def _help(command: str) -> str:
+    """``shardc <command> --help``'s text, from the parser itself."""
+    import contextlib
+    import io
+
+    from shardc.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        main([command, "--help"])
+    return out.getvalue()
+
+
+def test_every_command_line_flag_the_docs_name_exists():
+    """Each `shardc <command> ... --flag` in README.md and docs/ (code blocks and inline
+    code) names a command and flags its parser has."""
+    uses: dict[str, set[str]] = {}
+    for path in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        text = path.read_text()
+        lines = [ln for lang, block in _blocks(path) if lang == "bash"
+                 for ln in block.splitlines()]
+        lines += re.findall(r"`(shardc [^`]*)`", FENCE.sub("", text))
+        for line in lines:
+            for cmd, rest in re.findall(r"(?:^|&& )shardc (\w+)([^#&]*)", line):
+                uses.setdefault(cmd, set()).update(re.findall(r"(--[\w-]+)", rest))
+    assert {"plan", "explain", "export", "pareto", "calibrate", "bench", "demo"} <= set(uses)
+    missing = {cmd: sorted(f for f in flags if f not in _help(cmd))
+               for cmd, flags in uses.items()}
+    assert not any(missing.values()), missing
