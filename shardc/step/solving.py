@@ -19,6 +19,7 @@ from shardc.cost.units import fmt_bytes
 from shardc.ir.remat import levels
 from shardc.ir.sbp import NdSbp
 from shardc.plan.assemble import assemble
+from shardc.plan.attention import attention_forms
 from shardc.plan.overlap import ranking_time
 from shardc.plan.record import Plan
 from shardc.rules.registry import has_rule, warn_missing
@@ -285,6 +286,9 @@ def solve_views(step, tr: TracedCall, candidates: list[View],
     if best.cluster.overlap and opts.rank_compiled and not step.abstract:
         best = compiled_best(step, tr, [best] + pool, opts.rank_compiled)
     solver = {**best.solver, "plan_s": time.perf_counter() - t0}
+    forms = attention_forms(tr.traced.graph, best)
+    if forms:  # how each attention is split (explain() shows it)
+        solver["attention"] = forms
     if best.cluster.overlap:  # the step it was ranked by (explain() shows it)
         solver["overlapped_s"] = ranking_time(best)
     if priced:
