@@ -283,7 +283,8 @@ def run_shardc(zm: ZooModel, preset: Preset, which: str, check: bool,
         saved.append(time.perf_counter() - t0)
         return compiled
 
-    runs = TIMING_RUNS if compiler == "cpu" else GPU_TIMING_RUNS
+    # the quick matrix is a smoke test: one timing of the saved plan against jax.jit
+    runs = 1 if which == "quick" else TIMING_RUNS if compiler == "cpu" else GPU_TIMING_RUNS
     for k in range(runs):  # the saved plan first in even runs, jax.jit in odd ones
         if k % 2:
             jitted.append(jit_seconds(mod.build_step(cfg), args, plan, view))

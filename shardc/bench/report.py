@@ -290,8 +290,10 @@ def markdown(cells: list[Cell], commands: list[str], header: str = "") -> str:
              "against `memory_analysis()` (arguments + outputs + temporaries - aliased); "
              "*saved plan* the wall time of running a saved plan (`use_plan`, lower, "
              "compile: no solver) over tracing once plus `jax.jit` lowering and compiling "
-             f"the same program with the plan's shardings (each the fastest of {TIMING_RUNS} "
-             "runs).\n", *_gpu_compiled(cells), *_figure(cells),
+             "the same program with the plan's shardings (" + (
+                 "one run of each, the quick matrix's" if any("--quick" in c for c in commands)
+                 else f"each the fastest of {TIMING_RUNS} runs") + ").\n",
+             *_gpu_compiled(cells), *_figure(cells),
              *legend.markdown([c.method for c in cells]),
              "## Summary\n",
              "| model | preset | shardc ms | shardc mesh | best of N experts | its mesh | "
