@@ -139,3 +139,12 @@ def test_moving_the_state_in_hides_behind_the_compute_before_its_first_read(offl
     slow = dataclasses.replace(plan, ops=tuple(
         dataclasses.replace(op, compute_time=op.compute_time + host) for op in plan.ops))
     assert host_exposed(slow) == pytest.approx(host / 2)
+
+
+def test_a_budget_nothing_meets_names_one_that_plans_with_state_in_host_memory(mesh, args):
+    with pytest.raises(shardc.MemoryBudgetError) as err:
+        shardc.auto_shard(_step, mesh=mesh, memory_budget=100_000).plan(*args)
+    named = err.value.needed
+    assert named < 1_000_000  # below the leanest plan kept on the devices (about 1 MiB)
+    plan = shardc.auto_shard(_step, mesh=mesh, memory_budget=named).plan(*args)
+    assert plan.offloaded and plan.predicted.peak_memory <= named

@@ -174,7 +174,10 @@ def fastest(step, call: Call, tr: TracedCall, candidates: list[View],
                                             min(failure.found, again.found))
             break
     if not fits and moved:  # below the leanest plan on the devices: state in host memory
-        fits = offloaded_plans(step, call, tr, candidates, seeds, opts, reuse, moved)
+        fits, lean = offloaded_plans(step, call, tr, candidates, seeds, opts, reuse, moved)
+        if lean is not None:
+            failure = MemoryBudgetError(budget, min(failure.needed, lean.needed),
+                                        min(failure.found, lean.found))
     if not fits:
         raise failure
     return min(fits, key=ranking_time)
@@ -182,10 +185,14 @@ def fastest(step, call: Call, tr: TracedCall, candidates: list[View],
 
 def offloaded_plans(step, call: Call, tr: TracedCall, candidates: list[View],
                     seeds: list[dict[str, dict[int, NdSbp]]], opts: Options,
-                    reuse: Reuse | None, moved: frozenset[int]) -> list[Plan]:
+                    reuse: Reuse | None, moved: frozenset[int]
+                    ) -> tuple[list[Plan], MemoryBudgetError | None]:
     """The plans keeping the state ``moved`` in host memory (:mod:`shardc.step.offload`)
     that fit ``opts.memory_budget``: with every activation kept, and where none fits so,
-    with every forward segment recomputed. Empty where neither fits."""
+    with every forward segment recomputed. Where neither fits, no plan and the error
+    naming the leanest either reached (what the budget's error names, these being leaner
+    than any plan on the devices)."""
+    failure = None
     for remat in ((), *levels(tr.traced.segments)[:1]):
         here = tr if not remat else step._traced(call, remat)[1]
         log.info("shardc: the budget %s binds; planning with %d state leaves in host memory"
@@ -193,10 +200,11 @@ def offloaded_plans(step, call: Call, tr: TracedCall, candidates: list[View],
                  " and every forward segment recomputed" if remat else "")
         try:
             return [solve_views(step, dataclasses.replace(here, offloaded=moved), candidates,
-                                seeds, opts, reuse)]
-        except MemoryBudgetError:
-            continue
-    return []
+                                seeds, opts, reuse)], None
+        except MemoryBudgetError as exc:
+            failure = exc if failure is None else MemoryBudgetError(
+                exc.budget, min(exc.needed, failure.needed), min(exc.found, failure.found))
+    return [], failure
 
 
 def leanest(step, call: Call, tr: TracedCall, candidates: list[View],
