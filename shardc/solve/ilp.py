@@ -154,6 +154,46 @@ def solve_ilp(cg: CostGraph, *, time_limit: float = 10.0, memory_budget: float |
     if free is not None and hint is None:
         raise ValueError("solve_ilp(free=...) needs hint= for the nodes held fixed")
     t0 = time.perf_counter()
+    live, hint, unary, merged = _reduce(cg, free, hint)
+    if not live:
+        return IlpResult(hint, "OPTIMAL", time.perf_counter() - t0)
+    biggest = max([float(np.max(c)) for c in unary.values()] +
+                  [float(np.max(c)) for c in merged.values()] + [1e-30])
+    unit = biggest / SCALE_RANGE
+    base, objective, rows, n_vars = _structure(live, unary, merged, unit)
+    n_struct = rows.n  # the one-hot and pair rows; the memory rows follow
+    if memory_budget is not None and not _memory_rows(cg, rows, base, hint, set(live),
+                                                      memory_budget):
+        return IlpResult(None, "INFEASIBLE", time.perf_counter() - t0)
+    n_choice = base[live[-1]] + len(unary[live[-1]])
+    lo, hi = rows.bounds()
+    matrix = rows.matrix(n_vars)
+    cost = np.concatenate(objective)
+    name, values, duals = _solve(_model(cost, lo, hi, matrix), None, time_limit, log)
+    if name == "OPTIMAL" and not _integral(values[:n_choice]):
+        if relaxation_only:
+            return IlpResult(None, "FRACTIONAL", time.perf_counter() - t0)
+        if rows.n > n_struct:  # memory rows: their Lagrangian, not branch and bound
+            plan = _Budgeted(live, base, objective[:len(live)],
+                             {(u, v): m / unit for (u, v), m in merged.items()},
+                             matrix[n_struct:, :n_choice].toarray(), hi[n_struct:])
+            choice = plan.search(cost, lo[:n_struct], hi[:n_struct], matrix[:n_struct],
+                                 np.abs(duals[n_struct:]), values, hint, time_limit)
+            return IlpResult(None if choice is None else {**hint, **choice}, "LAGRANGIAN",
+                             time.perf_counter() - t0)
+        name, values, _ = _solve(_model(cost, lo, hi, matrix), n_choice, time_limit, log)
+    if values is None:
+        return IlpResult(None, name, time.perf_counter() - t0)
+    x = dict(hint)
+    x.update({i: int(np.argmax(values[base[i]:base[i] + len(unary[i])])) for i in live})
+    return IlpResult(x, name, time.perf_counter() - t0)
+
+
+def _reduce(cg: CostGraph, free: Sequence[int] | None, hint: dict[int, int] | None
+            ) -> tuple[list[int], dict[int, int], dict[int, np.ndarray], dict]:
+    """The nodes to solve (live, more than one choice), the hint with the others held, each
+    node's own costs (its edges to held nodes folded in) and the edges between solved nodes
+    (parallel ones summed)."""
     live = list(cg.live if free is None else free)
     hint = dict(hint or {})
     for i in live:
@@ -171,12 +211,13 @@ def solve_ilp(cg: CostGraph, *, time_limit: float = 10.0, memory_budget: float |
             unary[e.u] += e.cost[:, hint[e.v]]
         elif e.v in inside:
             unary[e.v] += e.cost[hint[e.u], :]
-    if not live:
-        return IlpResult(hint, "OPTIMAL", time.perf_counter() - t0)
-    biggest = max([float(np.max(c)) for c in unary.values()] +
-                  [float(np.max(c)) for c in merged.values()] + [1e-30])
-    unit = biggest / SCALE_RANGE
+    return live, hint, unary, merged
 
+
+def _structure(live: list[int], unary: dict, merged: dict, unit: float
+               ) -> tuple[dict[int, int], list[np.ndarray], _Rows, int]:
+    """The model's choice variables (each node's first column in ``base``), its objective
+    blocks, and its one-hot and pair rows (the pair variables follow the choices)."""
     base, n_vars = {}, 0
     for i in live:
         base[i] = n_vars
@@ -203,46 +244,29 @@ def solve_ilp(cg: CostGraph, *, time_limit: float = 10.0, memory_budget: float |
             np.concatenate([np.ones(e.size), -np.ones(len(ri)), np.ones(e.size),
                             -np.ones(len(ci))]),
             n_p + n_g, 0.0, 0.0)
-    n_struct = rows.n  # the one-hot and pair rows; the memory rows follow
-    if memory_budget is not None:
-        kib = 1024.0
-        for point in cg.memory:
-            const, cols, vals = 0.0, [], []
-            for i, vec in point.items():
-                vq = np.ceil(np.asarray(vec) / kib)
-                if i in inside:
-                    cols.append(base[i] + np.arange(len(vq)))
-                    vals.append(vq)
-                else:
-                    const += float(vq[hint[i]])
-            if cols:
-                rows.add(np.concatenate(cols), np.concatenate(vals), -np.inf,
-                         memory_budget // kib - const)
-            elif const > memory_budget // kib:
-                return IlpResult(None, "INFEASIBLE", time.perf_counter() - t0)
+    return base, objective, rows, n_vars
 
-    n_choice = base[live[-1]] + len(unary[live[-1]])
-    lo, hi = rows.bounds()
-    matrix = rows.matrix(n_vars)
-    cost = np.concatenate(objective)
-    name, values, duals = _solve(_model(cost, lo, hi, matrix), None, time_limit, log)
-    if name == "OPTIMAL" and not _integral(values[:n_choice]):
-        if relaxation_only:
-            return IlpResult(None, "FRACTIONAL", time.perf_counter() - t0)
-        if rows.n > n_struct:  # memory rows: their Lagrangian, not branch and bound
-            plan = _Budgeted(live, base, objective[:len(live)],
-                             {(u, v): m / unit for (u, v), m in merged.items()},
-                             matrix[n_struct:, :n_choice].toarray(), hi[n_struct:])
-            choice = plan.search(cost, lo[:n_struct], hi[:n_struct], matrix[:n_struct],
-                                 np.abs(duals[n_struct:]), values, hint, time_limit)
-            return IlpResult(None if choice is None else {**hint, **choice}, "LAGRANGIAN",
-                             time.perf_counter() - t0)
-        name, values, _ = _solve(_model(cost, lo, hi, matrix), n_choice, time_limit, log)
-    if values is None:
-        return IlpResult(None, name, time.perf_counter() - t0)
-    x = dict(hint)
-    x.update({i: int(np.argmax(values[base[i]:base[i] + len(unary[i])])) for i in live})
-    return IlpResult(x, name, time.perf_counter() - t0)
+
+def _memory_rows(cg: CostGraph, rows: _Rows, base: dict[int, int], hint: dict[int, int],
+                 inside: set[int], memory_budget: float) -> bool:
+    """Add a row per memory point holding it to the budget (KiB, rounded up); False where
+    the held nodes alone exceed it at some point (no plan fits)."""
+    kib = 1024.0
+    for point in cg.memory:
+        const, cols, vals = 0.0, [], []
+        for i, vec in point.items():
+            vq = np.ceil(np.asarray(vec) / kib)
+            if i in inside:
+                cols.append(base[i] + np.arange(len(vq)))
+                vals.append(vq)
+            else:
+                const += float(vq[hint[i]])
+        if cols:
+            rows.add(np.concatenate(cols), np.concatenate(vals), -np.inf,
+                     memory_budget // kib - const)
+        elif const > memory_budget // kib:
+            return False
+    return True
 
 
 def _model(cost: np.ndarray, lo: np.ndarray, hi: np.ndarray, matrix: sparse.csr_matrix
