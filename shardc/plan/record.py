@@ -299,37 +299,10 @@ class Plan:
         """Read a plan saved with :meth:`to_json`, in this version's format or version 1's
         (each layout written in place); a damaged file raises :class:`PlanFormatError`
         naming the field that is missing or wrong."""
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise PlanFormatError(f"not valid JSON ({exc.msg} at line {exc.lineno}, column "
-                                  f"{exc.colno}); was the file truncated or edited?") from exc
-        if not isinstance(d, dict):
-            raise PlanFormatError(f"expected a JSON object, got {type(d).__name__}")
-        version = d.get("version")
-        if version not in (1, 2):
-            raise PlanFormatError(f"unknown plan version {version!r}; expected 1 or 2")
-        missing = [k for k in FIELDS + (FIELDS_V2 if version == 2 else ()) if k not in d]
-        if missing:
-            raise PlanFormatError(f"missing field(s) {missing}")
+        d, version = _parsed(text)
         with reading_field("mesh_axes"):
             mesh_axes = tuple((str(n), int(s)) for n, s in d["mesh_axes"])
-        n_axes = len(mesh_axes)
-
-        def nd(x) -> NdSbp:
-            out = NdSbp.from_json(x)
-            if len(out) != n_axes:
-                raise ValueError(f"{x} has {len(out)} mesh axes, the plan's mesh {n_axes}")
-            return out
-
-        if version == 2:
-            with reading_field("layouts"):
-                table = [nd(x) for x in d["layouts"]]
-            with reading_field("strings"):
-                strings = [str(s) for s in d["strings"]]
-            read = ColumnReader(table, strings)
-        else:
-            read = InPlaceReader(nd)
+        read = _reader(d, version, len(mesh_axes))
         with reading_field("cluster"):
             cluster = Cluster.from_json(d["cluster"])
         with reading_field("inputs"):
@@ -351,33 +324,7 @@ class Plan:
             output_ranks = tuple(int(r) for r in d["output_ranks"])
             if len(input_ranks) != len(inputs) or len(output_ranks) != len(outputs):
                 raise ValueError("one rank per input and per output")
-        # what a plan saved before these fields existed lacks is left empty
-        described = {}
-        for key, per in (("input_ids", inputs), ("input_types", inputs),
-                         ("output_types", outputs), ("input_names", inputs),
-                         ("output_names", outputs)):
-            with reading_field(key):
-                got = tuple(d.get(key, ()))
-                if got and len(got) != len(per):
-                    raise ValueError(f"{len(got)} entries for {len(per)} leaves")
-                described[key] = tuple(int(x) for x in got) if key == "input_ids" else \
-                    tuple(str(x) for x in got)
-        with reading_field("remat"):  # a plan saved before remat was a choice recomputes nothing
-            described["remat"] = tuple(int(k) for k in d.get("remat", ()))
-            described["segments"] = int(d.get("segments", 0))
-            if any(not 0 <= k < described["segments"] for k in described["remat"]):
-                raise ValueError(f"segments {list(described['remat'])} of "
-                                 f"{described['segments']}")
-        with reading_field("pipeline"):  # a plan saved before pipelines runs none
-            pipe = d.get("pipeline")
-            described["pipeline"] = Pipeline.from_json(pipe) if pipe is not None else None
-        with reading_field("offloaded"):  # a plan saved before offloading keeps all on device
-            off = d.get("offloaded") or {}
-            described["offloaded"] = tuple(int(k) for k in off.get("inputs", ()))
-            described["offloaded_outputs"] = tuple(int(k) for k in off.get("outputs", ()))
-            if any(not 0 <= k < len(inputs) for k in described["offloaded"]) or any(
-                    not 0 <= k < len(outputs) for k in described["offloaded_outputs"]):
-                raise ValueError("an offloaded leaf index out of range")
+        described = _described(d, len(inputs), len(outputs))
         return cls(mesh_axes=mesh_axes, cluster=cluster, inputs=inputs, outputs=outputs,
                    values=values, settled=settled, ops=ops, reshards=reshards,
                    predicted=predicted, solver=dict(d["solver"]),
@@ -385,3 +332,70 @@ class Plan:
                    output_ranks=output_ranks, **described)
 
 
+def _parsed(text: str) -> tuple[dict, int]:
+    """A saved plan's JSON object and format version, its fields all present."""
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlanFormatError(f"not valid JSON ({exc.msg} at line {exc.lineno}, column "
+                              f"{exc.colno}); was the file truncated or edited?") from exc
+    if not isinstance(d, dict):
+        raise PlanFormatError(f"expected a JSON object, got {type(d).__name__}")
+    version = d.get("version")
+    if version not in (1, 2):
+        raise PlanFormatError(f"unknown plan version {version!r}; expected 1 or 2")
+    missing = [k for k in FIELDS + (FIELDS_V2 if version == 2 else ()) if k not in d]
+    if missing:
+        raise PlanFormatError(f"missing field(s) {missing}")
+    return d, version
+
+
+def _reader(d: dict, version: int, n_axes: int):
+    """How a saved plan's layouts are read: from its tables (version 2) or in place (1),
+    each checked against the mesh's ``n_axes``."""
+
+    def nd(x) -> NdSbp:
+        out = NdSbp.from_json(x)
+        if len(out) != n_axes:
+            raise ValueError(f"{x} has {len(out)} mesh axes, the plan's mesh {n_axes}")
+        return out
+
+    if version == 2:
+        with reading_field("layouts"):
+            table = [nd(x) for x in d["layouts"]]
+        with reading_field("strings"):
+            strings = [str(s) for s in d["strings"]]
+        return ColumnReader(table, strings)
+    return InPlaceReader(nd)
+
+
+def _described(d: dict, n_in: int, n_out: int) -> dict:
+    """The fields that describe a saved plan's program (names, types, remat, pipeline,
+    offloading), checked against its ``n_in`` inputs and ``n_out`` outputs."""
+    # what a plan saved before these fields existed lacks is left empty
+    described = {}
+    for key, per in (("input_ids", n_in), ("input_types", n_in), ("output_types", n_out),
+                     ("input_names", n_in), ("output_names", n_out)):
+        with reading_field(key):
+            got = tuple(d.get(key, ()))
+            if got and len(got) != per:
+                raise ValueError(f"{len(got)} entries for {per} leaves")
+            described[key] = tuple(int(x) for x in got) if key == "input_ids" else \
+                tuple(str(x) for x in got)
+    with reading_field("remat"):  # a plan saved before remat was a choice recomputes nothing
+        described["remat"] = tuple(int(k) for k in d.get("remat", ()))
+        described["segments"] = int(d.get("segments", 0))
+        if any(not 0 <= k < described["segments"] for k in described["remat"]):
+            raise ValueError(f"segments {list(described['remat'])} of "
+                             f"{described['segments']}")
+    with reading_field("pipeline"):  # a plan saved before pipelines runs none
+        pipe = d.get("pipeline")
+        described["pipeline"] = Pipeline.from_json(pipe) if pipe is not None else None
+    with reading_field("offloaded"):  # a plan saved before offloading keeps all on device
+        off = d.get("offloaded") or {}
+        described["offloaded"] = tuple(int(k) for k in off.get("inputs", ()))
+        described["offloaded_outputs"] = tuple(int(k) for k in off.get("outputs", ()))
+        if any(not 0 <= k < n_in for k in described["offloaded"]) or any(
+                not 0 <= k < n_out for k in described["offloaded_outputs"]):
+            raise ValueError("an offloaded leaf index out of range")
+    return described
