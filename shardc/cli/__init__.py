@@ -33,6 +33,7 @@ from shardc.cli.explain import cmd_explain
 from shardc.cli.export import cmd_export
 from shardc.cli.pareto import cmd_pareto
 from shardc.cli.plan import cmd_plan
+from shardc.solve.ilp import DEFAULT_TIME_LIMIT
 from shardc.tradeoff.frontier import BUDGETS
 
 __all__ = ["command", "main"]
@@ -53,7 +54,7 @@ def _target_arguments(q) -> None:
                         "else nvlink-node)")
     q.add_argument("--layers", type=positive(int), default=None, help="zoo models only")
     q.add_argument("--tiny", action="store_true", help="zoo models only")
-    q.add_argument("--time-limit", type=positive(float), default=10.0)
+    q.add_argument("--time-limit", type=positive(float), default=DEFAULT_TIME_LIMIT)
     q.add_argument("--mesh-search", action="store_true",
                    help="also plan the other logical views of the devices (e.g. 16, 4x4)")
 
@@ -188,7 +189,7 @@ def _bench_parser(sub) -> None:
     b.add_argument("--no-check", action="store_true", help="skip the numerics check")
     b.add_argument("--no-mesh-search", action="store_true",
                    help="plan shardc on the preset's mesh only")
-    b.add_argument("--time-limit", type=positive(float), default=10.0)
+    b.add_argument("--time-limit", type=positive(float), default=DEFAULT_TIME_LIMIT)
     b.add_argument("--planning", action="store_true",
                    help="measure planning time instead (GPT-2-small unrolled and the scanned "
                         "Llama, 12 and 48 layers) into planning.{md,json}")

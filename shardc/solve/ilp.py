@@ -39,10 +39,14 @@ from shardc.solve.costgraph import CostGraph
 if TYPE_CHECKING:
     from ortools.linear_solver.python import model_builder_helper as mbh
 
-__all__ = ["BISECTIONS", "DOUBLINGS", "GAP", "IlpResult", "INTEGRALITY", "LAMBDA_FLOOR",
-           "LP_PRESOLVE", "MAX_NODES", "POLISH_SWEEPS", "problem_size", "SCALE_RANGE",
-           "solve_ilp"]
+__all__ = ["BISECTIONS", "DEFAULT_TIME_LIMIT", "DOUBLINGS", "GAP", "IlpResult", "INTEGRALITY",
+           "LAMBDA_FLOOR", "LP_PRESOLVE", "MAX_NODES", "POLISH_SWEEPS", "problem_size",
+           "SCALE_RANGE", "solve_ilp"]
 
+#: the default wall-clock guard on each solve (seconds): every option that takes a
+#: ``time_limit`` (``auto_shard``'s, :class:`shardc.solve.search.SolveOptions`', the CLI's)
+#: defaults to this one
+DEFAULT_TIME_LIMIT = 10.0
 #: costs are scaled so the largest becomes this many units (HiGHS's tolerances are absolute
 #: around 1e-6..1e-9; a 1e-6 share of the largest cost is far below any plan difference)
 SCALE_RANGE = 1e6
@@ -140,7 +144,8 @@ class _Rows:
             shape=(self.n, n_vars))
 
 
-def solve_ilp(cg: CostGraph, *, time_limit: float = 10.0, memory_budget: float | None = None,
+def solve_ilp(cg: CostGraph, *, time_limit: float = DEFAULT_TIME_LIMIT,
+              memory_budget: float | None = None,
               hint: dict[int, int] | None = None, free: Sequence[int] | None = None,
               relaxation_only: bool = False, log: bool = False) -> IlpResult:
     """Solve for the live nodes in ``free`` (default: all), the others held at ``hint``.

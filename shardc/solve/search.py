@@ -29,14 +29,14 @@ from shardc.solve import descent
 from shardc.solve.collector import gc_paused
 from shardc.solve.costgraph import NOTHING_FIXED, CostGraph, Fixed
 from shardc.solve.fold import expand, quotient
-from shardc.solve.ilp import problem_size, solve_ilp
+from shardc.solve.ilp import DEFAULT_TIME_LIMIT, problem_size, solve_ilp
 from shardc.solve.memory import memory_cut, memory_profile
 from shardc.solve.problem import build
 from shardc.solve.refine import ILP_FULL_TERMS, best_of, better, quotient_refine
 from shardc.solve.reuse import Reuse, Starts, exact_peak
 
-__all__ = ["MEMORY_ROUNDS", "MemoryBudgetError", "plan_graph", "Solution", "solve",
-           "SolveOptions", "Status"]
+__all__ = ["DEFAULT_TIME_LIMIT", "MEMORY_ROUNDS", "MemoryBudgetError", "plan_graph", "Solution",
+           "solve", "SolveOptions", "Status"]
 
 MEMORY_ROUNDS = 6  # re-solves adding the worst violated program point
 
@@ -78,7 +78,7 @@ class SolveOptions:
     collective combiners."""
 
     memory_budget: float | None = None
-    time_limit: float = 10.0
+    time_limit: float = DEFAULT_TIME_LIMIT
     use_ilp: bool = True
     seeds: Mapping[str, Mapping[int, NdSbp]] = field(default_factory=dict)
     #: the combiners of the backend the plan compiles for: the collectives they join share

@@ -47,6 +47,7 @@ from shardc.rules.fixed import on_mesh
 from shardc.runtime.multihost import agree
 from shardc.solve.collector import gc_paused
 from shardc.solve.costgraph import Fixed
+from shardc.solve.ilp import DEFAULT_TIME_LIMIT
 from shardc.step.adopt import use_plan
 from shardc.step.ahead import jit_for, typed_leaves
 from shardc.step.cache import PlanCache
@@ -408,7 +409,7 @@ class AutoSharded:
 
 def auto_shard(fn: Callable | None = None, *, mesh: Mesh | AbstractMesh,
                cluster: Cluster | None = None, memory_budget: float | None = None,
-               time_limit: float = 10.0, seeds=None, mesh_search: bool = False,
+               time_limit: float = DEFAULT_TIME_LIMIT, seeds=None, mesh_search: bool = False,
                in_shardings=None,
                keep_input_shardings: bool | None = None,
                static_argnums=None, static_argnames=None, donate_argnums=None,
@@ -472,10 +473,12 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh | AbstractMesh,
     binds, state such as an optimizer's moments may live in host memory between steps
     (:mod:`shardc.step.offload`); False keeps everything on the devices.
     """
-    options = Options(cluster if cluster is not None else DEFAULT_CLUSTER, memory_budget,
-                      time_limit, named_seeds(seeds), mesh_search, in_shardings,
-                      keep_input_shardings, cache_dir, while_trips, pipeline, rank_compiled,
-                      offload)
+    options = Options(cluster=cluster if cluster is not None else DEFAULT_CLUSTER,
+                      memory_budget=memory_budget, time_limit=time_limit,
+                      seeds=named_seeds(seeds), mesh_search=mesh_search,
+                      in_shardings=in_shardings, keep_input_shardings=keep_input_shardings,
+                      cache_dir=cache_dir, while_trips=while_trips, pipeline=pipeline,
+                      rank_compiled=rank_compiled, offload=offload)
 
     def wrap(f):
         return AutoSharded(f, mesh, options, Convention.of(

@@ -14,6 +14,7 @@ from shardc.cost.cluster import DEFAULT_CLUSTER, Cluster
 from shardc.ir.trace import DEFAULT_WHILE_TRIPS
 from shardc.pipeline.schedule import Pipeline
 from shardc.report.explain import mesh_label
+from shardc.solve.ilp import DEFAULT_TIME_LIMIT
 
 __all__ = ["auto_mesh", "NeedsDevicesError", "Options", "platform_of"]
 
@@ -44,14 +45,14 @@ class NeedsDevicesError(ValueError):
             "step.use_plan(plan, *args)")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Options:
     """Everything ``auto_shard`` is asked for besides the function and its mesh (see
     :func:`auto_shard` for each field)."""
 
     cluster: Cluster = DEFAULT_CLUSTER
     memory_budget: float | None = None
-    time_limit: float = 10.0
+    time_limit: float = DEFAULT_TIME_LIMIT
     seeds: Mapping[str, Any] = field(default_factory=dict)
     mesh_search: bool = False
     in_shardings: Any = None
