@@ -185,14 +185,16 @@ class Cluster:
 
     def group(self, spans: Sequence[tuple[str, int]]) -> Group:
         """The :class:`~shardc.cost.collectives.Group` of a collective whose devices take
-        ``count`` positions along each ``(axis, count)`` of ``spans``."""
+        ``count`` positions along each ``(axis, count)`` of ``spans``.
+        """
         return _group(self, tuple((a, int(k)) for a, k in spans if k > 1))
 
     def collective_seconds(self, kind: str, spans: Sequence[tuple[str, int]], nbytes: float,
                            share: float = 1.0) -> float:
         """Seconds of one collective over ``spans`` (see :meth:`group`) on NCCL's buffer of
         ``nbytes`` (:func:`shardc.cost.collectives.seconds`), under this cluster's
-        ``collective_model``."""
+        ``collective_model``.
+        """
         return seconds(kind, self.group(spans), float(nbytes), self.collective_model, share)
 
     def send_seconds(self, spans: Sequence[tuple[str, int]], nbytes: float) -> float:
@@ -200,7 +202,8 @@ class Cluster:
         ``nbytes`` to one other (a pipeline's shift to the next stage): one NCCL send /
         receive (:func:`shardc.cost.collectives.seconds`), whose pairs on different nodes
         each cross one NIC, the per-device link of the network axis, not the node's NICs
-        together as a ring's channels do (:meth:`group`)."""
+        together as a ring's channels do (:meth:`group`).
+        """
         g = self.group(spans)
         if g.nodes > 1:
             one = min(self.bandwidth(a) for a, k in spans if k > 1 and self.link(a) == "net")
@@ -242,7 +245,8 @@ class Cluster:
         (:func:`shardc.cost.calibrate.measure`). Returns ``(cluster, calibration)``: the
         Cluster (keyed by the mesh's axis names), and the fit behind it
         (:class:`Calibration`, ``.report()`` prints it). ``options``: a
-        :class:`shardc.cost.calibrate.CalibrateOptions`."""
+        :class:`shardc.cost.calibrate.CalibrateOptions`.
+        """
         opts = options if options is not None else CalibrateOptions()
         model, fits, flops, memory, source = measure(mesh, opts)
         cluster = Cluster(axis_bandwidth={f.axis: f.bandwidth for f in fits},
@@ -269,7 +273,8 @@ class Cluster:
     def ethernet_nodes(cls, node_axis: str = "node", gpu_axis: str = "gpu") -> Cluster:
         """H100 nodes joined by 100 Gb/s Ethernet, one port per GPU (12.5 GB/s per device
         across nodes, a quarter of NDR InfiniBand): ``node_axis`` over Ethernet,
-        ``gpu_axis`` NVLink."""
+        ``gpu_axis`` NVLink.
+        """
         return cls({node_axis: ETH_BW, gpu_axis: NVLINK_BW},
                    {node_axis: ETH_LAT, gpu_axis: NVLINK_LAT},
                    axis_link={node_axis: "net", gpu_axis: "nvlink"}, overlap=True)
@@ -280,7 +285,8 @@ class Cluster:
         """Pods of H100 nodes: ``gpu_axis`` over NVLink within a node, ``node_axis`` over NDR
         InfiniBand within a pod (full bisection bandwidth), ``pod_axis`` across pods over
         the 1:7 oversubscribed aggregation layer (64 nodes of 8 GPUs in pods of 16 nodes:
-        the mesh ``(pod=4, node=16, gpu=8)``)."""
+        the mesh ``(pod=4, node=16, gpu=8)``).
+        """
         return cls({pod_axis: CROSS_POD_BW, node_axis: IB_BW, gpu_axis: NVLINK_BW},
                    {pod_axis: CROSS_POD_LAT, node_axis: IB_LAT, gpu_axis: NVLINK_LAT},
                    axis_link={pod_axis: "net", node_axis: "net", gpu_axis: "nvlink"},
@@ -289,7 +295,8 @@ class Cluster:
     @classmethod
     def tpu_v4(cls, axis_names: Sequence[str] = ("x", "y")) -> Cluster:
         """A TPU v4 slice: every mesh axis an ICI torus axis (1 µs per hop: Austin et al.,
-        "How to Scale Your Model", 2025)."""
+        "How to Scale Your Model", 2025).
+        """
         return cls({a: TPU_V4_ICI_BW for a in axis_names}, {a: 1e-6 for a in axis_names},
                    device_flops=TPU_V4_FLOPS, device_memory=TPU_V4_MEMORY,
                    axis_link={a: "ici" for a in axis_names}, kernels=None, overlap=True)
@@ -298,7 +305,8 @@ class Cluster:
 @dataclass(frozen=True)
 class Calibration:
     """What :meth:`Cluster.calibrate` measured (:func:`shardc.cost.calibrate.measure`) and
-    the fit behind its Cluster."""
+    the fit behind its Cluster.
+    """
 
     cluster: Cluster
     axes: tuple[AxisFit, ...]

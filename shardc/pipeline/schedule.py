@@ -25,7 +25,8 @@ SCHEDULES = ("gpipe", "1f1b", "circular")
 @dataclass(frozen=True, slots=True)
 class Pipeline:
     """``stages`` (S) over mesh axis ``axis``, the batch cut into ``microbatches`` (M),
-    run with ``schedule``; ``virtual`` (V) layer chunks per device for ``"circular"``."""
+    run with ``schedule``; ``virtual`` (V) layer chunks per device for ``"circular"``.
+    """
 
     axis: str
     stages: int
@@ -48,14 +49,16 @@ class Pipeline:
     @property
     def bubble(self) -> float:
         """Idle share of the step's pipelined part: (S - 1) / (M + S - 1), over V for the
-        circular schedule (GPipe; Megatron-LM §2.2)."""
+        circular schedule (GPipe; Megatron-LM §2.2).
+        """
         s, m = self.stages, self.microbatches
         return (s - 1) / (m * self.virtual + s - 1) if self.virtual > 1 else (s - 1) / (m + s - 1)
 
     def stage_layers(self, n_layers: int) -> tuple[tuple[range, ...], ...]:
         """Per stage, the ranges of layers it runs, in the order it runs them: stage ``s``
         holds chunk ``v * S + s`` of ``n_layers / (S V)`` layers for each ``v``
-        (:mod:`shardc.pipeline.runtime`)."""
+        (:mod:`shardc.pipeline.runtime`).
+        """
         k = n_layers // (self.stages * self.virtual)
         return tuple(tuple(range((v * self.stages + s) * k, (v * self.stages + s + 1) * k)
                            for v in range(self.virtual)) for s in range(self.stages))

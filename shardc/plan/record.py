@@ -99,7 +99,8 @@ def _stable(params: dict) -> str:
 def fingerprint(graph: Graph) -> str:
     """A digest of the program a plan is for: the inputs' types, and per op its primitive,
     params, which values it reads (numbered in definition order; constants by type, and
-    by value when scalar) and its outputs' types."""
+    by value when scalar) and its outputs' types.
+    """
     h = hashlib.sha1()
     number: dict[int, int] = {}
 
@@ -201,13 +202,15 @@ class Plan:
         the per-op table (repeated layers folded, each row's source line), the costliest
         reshards; with ``margins`` (``step.margins(*args)``) the predicted step of generic
         data-parallel / FSDP / Megatron / DP x TP layouts beside this plan's; with
-        ``compiled`` (and its ``mesh``), predicted vs compiled collectives too."""
+        ``compiled`` (and its ``mesh``), predicted vs compiled collectives too.
+        """
         return str(self.report(max_rows, top, compiled, mesh, margins))
 
     def report(self, max_rows: int | None = 60, top: int = 10, compiled=None, mesh=None,
                margins=None):
         """:meth:`explain` as a :class:`shardc.report.tables.Report`: ``str()`` is the text, a rich
-        console renders it as tables, a notebook as HTML."""
+        console renders it as tables, a notebook as HTML.
+        """
         from shardc.report.explain import explain_report
 
         check = self.verify(compiled, mesh) if compiled is not None else None
@@ -216,7 +219,8 @@ class Plan:
     def plot(self, path: str | None = None):
         """The per-op layout per mesh axis and the compute / communication split
         (:func:`shardc.report.plot.plot_plan`, matplotlib); saved to ``path`` if given. Returns
-        the ``matplotlib.figure.Figure``."""
+        the ``matplotlib.figure.Figure``.
+        """
         from shardc.report.plot import plot_plan
 
         return plot_plan(self, path)
@@ -237,7 +241,8 @@ class Plan:
         holds a few dozen distinct layouts and a few hundred distinct type strings over
         thousands of ops, so this is a third of the size of writing each in place, and
         reading it (:meth:`from_json`, on every ``use_plan`` of a saved plan) builds each
-        layout once instead of parsing it per use."""
+        layout once instead of parsing it per use.
+        """
         layouts: dict[NdSbp, int] = {}
         strings: dict[str, int] = {}
 
@@ -298,7 +303,8 @@ class Plan:
     def from_json(cls, text: str) -> Plan:
         """Read a plan saved with :meth:`to_json`, in this version's format or version 1's
         (each layout written in place); a damaged file raises :class:`PlanFormatError`
-        naming the field that is missing or wrong."""
+        naming the field that is missing or wrong.
+        """
         d, version = _parsed(text)
         with reading_field("mesh_axes"):
             mesh_axes = tuple((str(n), int(s)) for n, s in d["mesh_axes"])
@@ -352,7 +358,8 @@ def _parsed(text: str) -> tuple[dict, int]:
 
 def _reader(d: dict, version: int, n_axes: int):
     """How a saved plan's layouts are read: from its tables (version 2) or in place (1),
-    each checked against the mesh's ``n_axes``."""
+    each checked against the mesh's ``n_axes``.
+    """
 
     def nd(x) -> NdSbp:
         out = NdSbp.from_json(x)
@@ -371,7 +378,8 @@ def _reader(d: dict, version: int, n_axes: int):
 
 def _described(d: dict, n_in: int, n_out: int) -> dict:
     """The fields that describe a saved plan's program (names, types, remat, pipeline,
-    offloading), checked against its ``n_in`` inputs and ``n_out`` outputs."""
+    offloading), checked against its ``n_in`` inputs and ``n_out`` outputs.
+    """
     # what a plan saved before these fields existed lacks is left empty
     described = {}
     for key, per in (("input_ids", n_in), ("input_types", n_in), ("output_types", n_out),

@@ -96,7 +96,8 @@ def register(*names: str, flops: FlopsFn | None = None):
 def register_fixed(*names: str, flops: FlopsFn | None = None):
     """Decorator: the function gives the nd placements a user fixed for these primitives
     (``with_sharding_constraint``, ``shard_map`` regions), which the planner keeps as they
-    are. It raises :class:`LayoutError` when the mesh cannot express them."""
+    are. It raises :class:`LayoutError` when the mesh cannot express them.
+    """
     return _registrar(_FIXED, names, flops)
 
 
@@ -131,7 +132,8 @@ _SHOWN: dict = {}
 def warn_missing(ops: Sequence[Op]) -> None:
     """One :class:`NoRuleWarning` per primitive without a rule among ``ops`` (called once
     per plan), pointing at the user's line that made its first op, else at the first caller
-    outside shardc; shown once per primitive and line in a process (:data:`_SHOWN`)."""
+    outside shardc; shown once per primitive and line in a process (:data:`_SHOWN`).
+    """
     first: dict[str, Op] = {}
     for op in ops:
         first.setdefault(op.name, op)
@@ -157,7 +159,8 @@ def _caller() -> tuple[str, int]:
 
 def signatures(op: Op) -> list[Signature]:
     """The 1-D signatures of ``op`` (deduplicated, all-broadcast first); only the
-    replicated one for a primitive without a rule."""
+    replicated one for a primitive without a rule.
+    """
     rule = _RULES.get(op.name)
     if rule is None:
         sigs: Sequence[Signature] = ()
@@ -189,7 +192,8 @@ def strategies(op: Op, axis_sizes: Sequence[int], axis_names: Sequence[str] | No
     lowering on Auto mesh axes cannot keep a value unreduced across ops (XLA reduces a
     partial result before its next use; an add of two partials becomes two all-reduces), so
     a plan must not count on it. Ops may still *produce* partial values (and a sum over
-    dims of size 1 passes them, as a reshape does: :func:`shardc.ir.prims.passes_partial`)."""
+    dims of size 1 passes them, as a reshape does: :func:`shardc.ir.prims.passes_partial`).
+    """
     total = op_flops(op)
     if axis_names is not None and op.name in _FIXED:
         return [Strategy(tuple(ins), tuple(outs), total)

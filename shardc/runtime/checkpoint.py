@@ -71,7 +71,8 @@ class Restored(NamedTuple):
 class Checkpoints:
     """Numbered checkpoints in ``directory`` (created if missing); the ``max_to_keep``
     newest are kept (None: all). Every process of a job makes one with the same directory
-    and calls ``save`` / ``restore`` together."""
+    and calls ``save`` / ``restore`` together.
+    """
 
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3):
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
@@ -87,7 +88,8 @@ class Checkpoints:
         """Start saving ``state`` (a pytree of arrays), the ``plan`` that made it and
         ``meta`` (JSON: a data loader's position, say) as checkpoint ``step``; returns once
         the arrays are off the devices (the step may donate or overwrite them). A step
-        already saved is an error."""
+        already saved is an error.
+        """
         if step in self._manager.all_steps():
             raise ValueError(f"checkpoint {step} already exists in {self.directory}; save "
                              "each step once (resume from latest_step() + 1)")
@@ -116,7 +118,8 @@ class Checkpoints:
         """The state saved at ``step`` (default: the latest), each array placed as asked:
         ``abstract`` is a pytree like the state of ``ShapeDtypeStruct``s (or arrays) with
         a ``sharding`` each, or with ``shardings`` a matching pytree of shardings (the
-        new plan's: ``step.input_shardings(...)``)."""
+        new plan's: ``step.input_shardings(...)``).
+        """
         step = self._step(step)
         if shardings is not None:
             abstract = jax.tree.map(
@@ -231,7 +234,8 @@ class Checkpoints:
 
     def _seal(self, step: int) -> None:
         """Write checkpoint ``step``'s seal: every file under it and its size (atomically:
-        a temporary file renamed into place)."""
+        a temporary file renamed into place).
+        """
         root = self._path(step)
         sizes = {os.path.relpath(os.path.join(d, f), root): os.path.getsize(os.path.join(d, f))
                  for d, _, files in os.walk(root) for f in files}
@@ -242,7 +246,8 @@ class Checkpoints:
 
     def _drop(self, steps: list[int]) -> None:
         """Delete damaged checkpoints: process 0, once every process has judged them (each
-        reached the same verdict from the same files) and before any lists them again."""
+        reached the same verdict from the same files) and before any lists them again.
+        """
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 

@@ -40,7 +40,8 @@ class PlanMismatchError(RuntimeError):
 
 def plan_digest(plan: Plan) -> str:
     """A digest of what a plan runs: its program fingerprint, mesh, cluster, every value's
-    layout and every op's strategy (not the solver's statistics, such as its run time)."""
+    layout and every op's strategy (not the solver's statistics, such as its run time).
+    """
     d = json.loads(plan.to_json())
     d.pop("solver")
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
@@ -70,7 +71,8 @@ def agree(plan: Plan) -> Plan:
     """The plan every process runs: ``plan`` where all processes hold the same one, else
     process 0's (one warning); :class:`PlanMismatchError` on every process where they plan
     different programs. ``plan`` itself in a single process. Every process must
-    call it (a collective)."""
+    call it (a collective).
+    """
     if jax.process_count() == 1:
         return plan
     digests = _gathered(plan_digest(plan))
@@ -100,7 +102,8 @@ def global_batch(local, shardings, global_shapes=None):
     plan's, from ``step.input_shardings(...)``), ``global_shapes`` optionally the matching
     pytree of global shapes (else inferred from the sharding: each process's part
     concatenated along the dimensions split across processes). Every process calls it
-    with its own part."""
+    with its own part.
+    """
     if global_shapes is None:
         return jax.tree.map(jax.make_array_from_process_local_data, shardings, local)
     return jax.tree.map(jax.make_array_from_process_local_data, shardings, local,
@@ -109,7 +112,8 @@ def global_batch(local, shardings, global_shapes=None):
 
 def process_slice(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> tuple[slice, ...]:
     """The block of a global array of ``shape`` that this process's devices hold under
-    ``sharding``: the rows its data loader reads for :func:`global_batch`."""
+    ``sharding``: the rows its data loader reads for :func:`global_batch`.
+    """
     index = sharding.addressable_devices_indices_map(tuple(shape))
     block = []
     for d, n in enumerate(shape):

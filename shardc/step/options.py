@@ -1,6 +1,7 @@
 """What ``auto_shard`` is asked for besides the function (one frozen :class:`Options`
 record, checked at construction), the mesh it plans on (every axis Auto), and the error for
-running on an AbstractMesh."""
+running on an AbstractMesh.
+"""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ __all__ = ["auto_mesh", "NeedsDevicesError", "Options", "platform_of"]
 
 def auto_mesh(mesh: Mesh | AbstractMesh) -> Mesh | AbstractMesh:
     """The same devices (or, for an AbstractMesh, the same shape) and axes with every axis
-    Auto (what sharding constraints need)."""
+    Auto (what sharding constraints need).
+    """
     types = getattr(mesh, "axis_types", None)
     if types is not None and all(t == AxisType.Auto for t in types):
         return mesh
@@ -33,7 +35,8 @@ def auto_mesh(mesh: Mesh | AbstractMesh) -> Mesh | AbstractMesh:
 
 class NeedsDevicesError(ValueError):
     """Lowering or running a function whose ``auto_shard`` was given an AbstractMesh: it
-    plans, but running needs devices."""
+    plans, but running needs devices.
+    """
 
     def __init__(self, mesh: AbstractMesh):
         shape, names = tuple(mesh.axis_sizes), tuple(mesh.axis_names)
@@ -48,7 +51,8 @@ class NeedsDevicesError(ValueError):
 @dataclass(frozen=True, kw_only=True)
 class Options:
     """Everything ``auto_shard`` is asked for besides the function and its mesh (see
-    :func:`auto_shard` for each field)."""
+    :func:`auto_shard` for each field).
+    """
 
     cluster: Cluster = DEFAULT_CLUSTER
     memory_budget: float | None = None
@@ -88,5 +92,6 @@ class Options:
 
 def platform_of(mesh: Mesh | AbstractMesh) -> str | None:
     """The platform of the mesh's devices (what ``platform_index`` conds resolve for);
-    None on an abstract mesh: the default backend's."""
+    None on an abstract mesh: the default backend's.
+    """
     return None if isinstance(mesh, AbstractMesh) else mesh.devices.flat[0].platform

@@ -58,17 +58,19 @@ Layouts = Mapping[int, NdSbp]
 
 @dataclass(frozen=True)
 class Sources:
-    """What :func:`sweep` plans a frontier from. ``solve(budget, remat)``: the fastest plan
-    of the program recomputing the forward segments ``remat`` within ``budget`` bytes per
-    device (None: no budget; :class:`MemoryBudgetError` when none fits).
-    ``place(remat, layouts)``: that program's plan around each of ``layouts`` (by name;
-    input layouts on the physical mesh), placed without a search (as a seed is).
-    ``layouts``: hand-written input layouts the frontier must not lose to (the generic
-    layouts of :mod:`shardc.tradeoff.baselines`, the user's seeds); ``segments``: the program's
-    forward segments (:mod:`shardc.ir.remat`); ``inputs``, ``shapes``: its graph inputs'
-    bytes and shapes; ``optimizer``: the inputs only its update reads
-    (:func:`shardc.tradeoff.baselines.optimizer_state`); ``mesh``: the physical mesh's axes (a
-    plan on another view lends no layouts)."""
+    """What :func:`sweep` plans a frontier from.
+
+    ``solve(budget, remat)``: the fastest plan of the program recomputing the forward segments
+    ``remat`` within ``budget`` bytes per device (None: no budget; :class:`MemoryBudgetError` when
+    none fits). ``place(remat, layouts)``: that program's plan around each of ``layouts`` (by name;
+    input layouts on the physical mesh), placed without a search (as a seed is). ``layouts``:
+    hand-written input layouts the frontier must not lose to (the generic layouts of
+    :mod:`shardc.tradeoff.baselines`, the user's seeds); ``segments``: the program's forward
+    segments (:mod:`shardc.ir.remat`); ``inputs``, ``shapes``: its graph inputs' bytes and shapes;
+    ``optimizer``: the inputs only its update reads
+    (:func:`shardc.tradeoff.baselines.optimizer_state`); ``mesh``: the physical mesh's axes (a plan
+    on another view lends no layouts).
+    """
 
     solve: Callable[..., Plan]
     place: Callable[[tuple[int, ...], Mapping[str, Layouts]], Sequence[Plan]] = \
@@ -94,13 +96,15 @@ def sweep(sources: Sources, budgets: int = BUDGETS) -> Frontier:
     :data:`GAP` of the frontier's memory range (:meth:`_Sweep.fill`). The remat choices are
     the greedy's (:func:`shardc.ir.remat.prefixes`: segments by bytes saved per recomputed
     FLOP); each budget takes the one :meth:`_Sweep.choose` picks for it. Below them, the
-    leanest plans keeping state in host memory (``sources.offloaded``), where leaner."""
+    leanest plans keeping state in host memory (``sources.offloaded``), where leaner.
+    """
     return _Sweep(sources, budgets).run()
 
 
 class _Sweep:
     """The bookkeeping of one :func:`sweep`: the plans found, and the remat choices'
-    bytes, to pick one per budget (:meth:`choose`)."""
+    bytes, to pick one per budget (:meth:`choose`).
+    """
 
     def __init__(self, sources: Sources, budgets: int):
         self.src, self.budgets = sources, budgets
@@ -117,7 +121,8 @@ class _Sweep:
 
     def found(self, what: str, plan: Plan | None) -> Plan | None:
         """Keep ``plan`` and say so at INFO (``shardc pareto`` prints these lines: a large
-        model's frontier takes minutes)."""
+        model's frontier takes minutes).
+        """
         self.tried += 1
         self.total = max(self.total, self.tried)
         if plan is not None:
@@ -140,7 +145,8 @@ class _Sweep:
 
     def _offloaded(self, budget: float) -> Plan:
         """The plan keeping state in host memory within ``budget``: recomputing nothing,
-        else every segment (:func:`shardc.step.solving.offloaded_plans`' order)."""
+        else every segment (:func:`shardc.step.solving.offloaded_plans`' order).
+        """
         try:
             return self.src.offloaded(budget, ())
         except MemoryBudgetError:
@@ -151,7 +157,8 @@ class _Sweep:
     def place(self, k: int, layouts: Mapping[str, Layouts]) -> list[Plan]:
         """The plans of the program recomputing ``chain[k]`` around ``layouts``, but for
         those placed before (the cheap fills of neighbouring gaps often land on the same
-        layouts)."""
+        layouts).
+        """
         fresh = {}
         for name, lay in layouts.items():
             key = (k, frozenset(lay.items()))
@@ -209,7 +216,8 @@ class _Sweep:
         """The leanest plans keeping state in host memory, recomputing nothing and every
         segment, where leaner than every plan found on the devices; from here on a budget
         below those (``device_floor``) is planned with state in host memory
-        (:meth:`solve`), as ``auto_shard`` plans it."""
+        (:meth:`solve`), as ``auto_shard`` plans it.
+        """
         if self.src.offloaded is None:
             return
         floor = self.device_floor = min(map(_peak, self.plans))
@@ -229,7 +237,8 @@ class _Sweep:
         plan recomputing every segment), the least recomputed whose fastest plan is
         estimated to fit (else all); otherwise the least recomputed whose leanest plan is.
         Peaks are estimated by interpolating the two ends in the bytes each choice stops
-        holding."""
+        holding.
+        """
         n = len(self.chain) - 1
         if not n:
             return 0
@@ -255,7 +264,8 @@ class _Sweep:
         at the middle's budget. A search that finds no plan in the gap shows that none
         below its budget beats ``a`` (as far as the search sees), so the gap left to
         explore is its upper part: searches split it until what is left is narrower than
-        :data:`GAP`. At most :data:`FILLS` tries and ``budgets +`` :data:`SEARCHES` searches."""
+        :data:`GAP`. At most :data:`FILLS` tries and ``budgets +`` :data:`SEARCHES` searches.
+        """
         cheap_tried: set[tuple[float, float]] = set()
         explored: list[tuple[float, float]] = []  # (peak, budget): nothing better between
         searches = 0
@@ -265,7 +275,8 @@ class _Sweep:
             stretches chained from ``a``'s peak (a search that lands below where the
             unexplored part started explores on from there: the scanned Llama's search at
             3.14 GiB landed at 2.69, was read as not joining the stretch before, and was
-            asked again four times)."""
+            asked again four times).
+            """
             at = _peak(a)
             while True:
                 nxt = max([hi for lo, hi in explored if lo <= at and at < hi < _peak(b)],
@@ -310,7 +321,8 @@ class _Sweep:
     def _more_remat(self, b: Plan, middle: float) -> list[Plan]:
         """``b``'s layouts on the program recomputing the fewest more segments (greedy
         order) estimated to bring its peak to ``middle``, at the rate the fastest plans'
-        peaks fall per byte a segment stops holding."""
+        peaks fall per byte a segment stops holding.
+        """
         n, k = len(self.chain) - 1, self.at.get(b.remat)
         if not n or k is None or k == n or _peak(self.fast[n]) >= _peak(self.fast[0]):
             return []
@@ -332,7 +344,8 @@ class _Sweep:
         (the largest savings first; and the optimizer's slots first, ZeRO's trade: the
         update alone reads them); and ``a``'s layouts over some of the mesh axes only,
         ``b``'s over the rest (sharded within a node and replicated across, as HSDP is),
-        where that splits every input evenly."""
+        where that splits every input evenly.
+        """
         k = self.at.get(b.remat)
         if k is None or not self._own(a) or not self._own(b) or not self.src.shapes:
             return []
@@ -382,7 +395,8 @@ def _leanest(solve: Callable[..., Plan], remat: tuple[int, ...], above: float = 
              ) -> tuple[Plan | None, float]:
     """The plan at the smallest budget one was found for (the search's leanest peak where
     planning at it succeeds, else the lean start's, which always does) and its peak; no
-    plan, and the peak the search named, where that is ``above`` or more."""
+    plan, and the peak the search named, where that is ``above`` or more.
+    """
     try:
         plan = solve(1.0, remat)  # no plan fits a byte: the error names the leanest found
         return plan, _peak(plan)

@@ -1,6 +1,7 @@
 """The time-memory frontier as a record: the plans no other plan beats on both predicted step
 time and predicted peak memory per device (:class:`Frontier`, which
-:func:`shardc.tradeoff.frontier.sweep` makes), its table and its plot."""
+:func:`shardc.tradeoff.frontier.sweep` makes), its table and its plot.
+"""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ __all__ = ["Frontier", "non_dominated", "recomputes"]
 class Frontier(Sequence[Plan]):
     """Non-dominated plans, leanest first (so step time falls along them): a sequence of
     :class:`shardc.Plan` (``frontier[0]`` the leanest, ``frontier[-1]`` the fastest,
-    ``len``, iteration, slicing to a tuple), also held as ``plans``."""
+    ``len``, iteration, slicing to a tuple), also held as ``plans``.
+    """
 
     plans: tuple[Plan, ...]
 
@@ -50,7 +52,8 @@ class Frontier(Sequence[Plan]):
 
     def pick(self, memory_budget: float) -> Plan:
         """The fastest plan whose predicted peak fits ``memory_budget`` (bytes per device);
-        :class:`MemoryBudgetError` naming the leanest plan's peak if none does."""
+        :class:`MemoryBudgetError` naming the leanest plan's peak if none does.
+        """
         fits = [p for p in self.plans if p.predicted.peak_memory <= memory_budget]
         if not fits:
             raise MemoryBudgetError(memory_budget, math.ceil(self.plans[0].predicted.peak_memory))
@@ -73,7 +76,8 @@ class Frontier(Sequence[Plan]):
         """Time against memory: the frontier as a staircase of its plans, and ``experts``
         (name -> (step seconds, peak bytes), e.g. hand-written plans priced on the same
         cluster) as labelled points on the same axes. Saved to ``path`` if given; returns
-        the matplotlib Axes."""
+        the matplotlib Axes.
+        """
         try:
             from matplotlib.figure import Figure
         except ImportError as exc:
@@ -113,13 +117,14 @@ class Frontier(Sequence[Plan]):
 
 def recomputes(plan: Plan) -> str:
     """``"3/24 segments"``: the forward segments whose activations ``plan`` recomputes in
-    the backward pass; ``"-"`` when it keeps them all."""
+    the backward pass; ``"-"`` when it keeps them all.
+    """
     return f"{len(plan.remat)}/{plan.segments} segments" if plan.remat else "-"
 
 
 def non_dominated(plans: list[Plan]) -> tuple[Plan, ...]:
-    """The plans no other plan beats on both time and memory (ties keep the first), leanest
-    first."""
+    """The plans no other plan beats on both time and memory (ties keep the first), leanest first.
+    """
     ordered = sorted(plans, key=lambda p: (p.predicted.peak_memory, p.predicted.step_time))
     out: list[Plan] = []
     for p in ordered:

@@ -1,6 +1,7 @@
 """The device sweep: the best plan of a step on each device count that divides its mesh,
 each planned on an AbstractMesh of the sub-mesh with its axes priced at the links they have in
-the whole mesh."""
+the whole mesh.
+"""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def device_sweep(step, *args, memory_budget: float | None = None, **kwargs
                  ) -> DeviceSweep:
     """:meth:`AutoSharded.device_sweep <shardc.step.auto_shard.AutoSharded.device_sweep>`
     of ``step``: each count planned by a copy of the step on an AbstractMesh of its
-    sub-mesh."""
+    sub-mesh.
+    """
     budget = memory_budget if memory_budget is not None else (
         step.options.memory_budget or step.options.cluster.device_memory)
     cluster = step.options.cluster
@@ -62,7 +64,8 @@ def device_counts(shape: Sequence[int], names: Sequence[str]
     ``with_sharding_constraint`` may name any of the mesh's axes, and a spec naming an axis
     of size 1 places the value as if it named none. A count whose devices are not a whole
     block of inner axes is skipped (6 of ``(2, 4)``: it divides nothing, as does no count
-    that is not a divisor)."""
+    that is not a divisor).
+    """
     n = math.prod(shape)
     out = []
     for k in range(1, n + 1):
@@ -86,7 +89,8 @@ def device_counts(shape: Sequence[int], names: Sequence[str]
 @dataclass(frozen=True)
 class DeviceCount:
     """The best plan on ``devices`` devices (the sub-mesh ``mesh``), within the sweep's
-    budget; ``plan`` is None when none fits, and ``needed`` the leanest plan's peak."""
+    budget; ``plan`` is None when none fits, and ``needed`` the leanest plan's peak.
+    """
 
     devices: int
     mesh: tuple[tuple[str, int], ...]
@@ -101,14 +105,16 @@ class DeviceCount:
 @dataclass(frozen=True)
 class DeviceSweep:
     """One :class:`DeviceCount` per device count that divides the mesh, fewest first, each
-    planned within ``memory_budget`` bytes per device."""
+    planned within ``memory_budget`` bytes per device.
+    """
 
     counts: tuple[DeviceCount, ...]
     memory_budget: float
 
     def fewest(self) -> DeviceCount:
         """The fewest devices on which a plan fits the budget; :class:`MemoryBudgetError`
-        naming the leanest plan on all of them if none does."""
+        naming the leanest plan on all of them if none does.
+        """
         for c in self.counts:
             if c.fits:
                 return c
