@@ -97,7 +97,9 @@ def _stable(params: dict) -> str:
 
 
 def fingerprint(graph: Graph) -> str:
-    """A digest of the program a plan is for: the inputs' types, and per op its primitive,
+    """A digest of the program a plan is for.
+
+    A digest of the program a plan is for: the inputs' types, and per op its primitive,
     params, which values it reads (numbered in definition order; constants by type, and
     by value when scalar) and its outputs' types.
     """
@@ -198,7 +200,9 @@ class Plan:
 
     def explain(self, max_rows: int | None = 60, top: int = 10, compiled=None,
                 mesh=None, margins=None) -> str:
-        """The plan in the user's names: the PartitionSpec of every argument and result leaf,
+        """The plan in the user's names, as text.
+
+        The plan in the user's names: the PartitionSpec of every argument and result leaf,
         the per-op table (repeated layers folded, each row's source line), the costliest
         reshards; with ``margins`` (``step.margins(*args)``) the predicted step of generic
         data-parallel / FSDP / Megatron / DP x TP layouts beside this plan's; with
@@ -208,7 +212,9 @@ class Plan:
 
     def report(self, max_rows: int | None = 60, top: int = 10, compiled=None, mesh=None,
                margins=None):
-        """:meth:`explain` as a :class:`shardc.report.tables.Report`: ``str()`` is the text, a rich
+        """:meth:`explain` as a Report.
+
+        :meth:`explain` as a :class:`shardc.report.tables.Report`: ``str()`` is the text, a rich
         console renders it as tables, a notebook as HTML.
         """
         from shardc.report.explain import explain_report
@@ -217,7 +223,9 @@ class Plan:
         return explain_report(self, max_rows, top, margins, check)
 
     def plot(self, path: str | None = None):
-        """The per-op layout per mesh axis and the compute / communication split
+        """Draw the per-op layouts and the compute / communication split.
+
+        The per-op layout per mesh axis and the compute / communication split
         (:func:`shardc.report.plot.plot_plan`, matplotlib); saved to ``path`` if given. Returns
         the ``matplotlib.figure.Figure``.
         """
@@ -236,7 +244,9 @@ class Plan:
 
     # ---- JSON ---------------------------------------------------------------------------------
     def to_json(self) -> str:
-        """The plan as JSON (version 2): every layout written once, in a table the values,
+        """The plan as JSON (version 2).
+
+        The plan as JSON (version 2): every layout written once, in a table the values,
         ops and reshards index, and the ops and reshards as columns. A large program's plan
         holds a few dozen distinct layouts and a few hundred distinct type strings over
         thousands of ops, so this is a third of the size of writing each in place, and
@@ -301,7 +311,9 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        """Read a plan saved with :meth:`to_json`, in this version's format or version 1's
+        """Read a plan saved with :meth:`to_json`.
+
+        Read a plan saved with :meth:`to_json`, in this version's format or version 1's
         (each layout written in place); a damaged file raises :class:`PlanFormatError`
         naming the field that is missing or wrong.
         """
@@ -357,7 +369,9 @@ def _parsed(text: str) -> tuple[dict, int]:
 
 
 def _reader(d: dict, version: int, n_axes: int):
-    """How a saved plan's layouts are read: from its tables (version 2) or in place (1),
+    """How a saved plan's layouts are read.
+
+    How a saved plan's layouts are read: from its tables (version 2) or in place (1),
     each checked against the mesh's ``n_axes``.
     """
 
@@ -377,7 +391,9 @@ def _reader(d: dict, version: int, n_axes: int):
 
 
 def _described(d: dict, n_in: int, n_out: int) -> dict:
-    """The fields that describe a saved plan's program (names, types, remat, pipeline,
+    """The fields that describe a saved plan's program.
+
+    The fields that describe a saved plan's program (names, types, remat, pipeline,
     offloading), checked against its ``n_in`` inputs and ``n_out`` outputs.
     """
     # what a plan saved before these fields existed lacks is left empty

@@ -94,7 +94,9 @@ def register(*names: str, flops: FlopsFn | None = None):
 
 
 def register_fixed(*names: str, flops: FlopsFn | None = None):
-    """Decorator: the function gives the nd placements a user fixed for these primitives
+    """Register the rule of primitives whose placement the user fixed.
+
+    Decorator: the function gives the nd placements a user fixed for these primitives
     (``with_sharding_constraint``, ``shard_map`` regions), which the planner keeps as they
     are. It raises :class:`LayoutError` when the mesh cannot express them.
     """
@@ -130,7 +132,9 @@ _SHOWN: dict = {}
 
 
 def warn_missing(ops: Sequence[Op]) -> None:
-    """One :class:`NoRuleWarning` per primitive without a rule among ``ops`` (called once
+    """Warn once per primitive without a rule among ``ops``.
+
+    One :class:`NoRuleWarning` per primitive without a rule among ``ops`` (called once
     per plan), pointing at the user's line that made its first op, else at the first caller
     outside shardc; shown once per primitive and line in a process (:data:`_SHOWN`).
     """
@@ -158,7 +162,9 @@ def _caller() -> tuple[str, int]:
 
 
 def signatures(op: Op) -> list[Signature]:
-    """The 1-D signatures of ``op`` (deduplicated, all-broadcast first); only the
+    """The 1-D signatures of ``op``.
+
+    The 1-D signatures of ``op`` (deduplicated, all-broadcast first); only the
     replicated one for a primitive without a rule.
     """
     rule = _RULES.get(op.name)
@@ -180,7 +186,9 @@ def signatures(op: Op) -> list[Signature]:
 
 def strategies(op: Op, axis_sizes: Sequence[int], axis_names: Sequence[str] | None = None,
                consume_partial: bool = False) -> list[Strategy]:
-    """nd strategies of ``op`` on a mesh with ``axis_sizes``: product of 1-D signatures,
+    """The nd strategies of ``op`` on a mesh with ``axis_sizes``.
+
+    nd strategies of ``op`` on a mesh with ``axis_sizes``: product of 1-D signatures,
     keeping only even splits. Constant inputs are never partial.
 
     An op carrying a layout the user fixed (:func:`register_fixed`) has exactly that

@@ -69,7 +69,9 @@ class Restored(NamedTuple):
 
 
 class Checkpoints:
-    """Numbered checkpoints in ``directory`` (created if missing); the ``max_to_keep``
+    """Numbered checkpoints of a sharded state in ``directory``.
+
+    Numbered checkpoints in ``directory`` (created if missing); the ``max_to_keep``
     newest are kept (None: all). Every process of a job makes one with the same directory
     and calls ``save`` / ``restore`` together.
     """
@@ -85,7 +87,9 @@ class Checkpoints:
                                                  enable_async_checkpointing=True))
 
     def save(self, step: int, state, plan: Plan, meta: dict | None = None) -> None:
-        """Start saving ``state`` (a pytree of arrays), the ``plan`` that made it and
+        """Start saving ``state``, its plan and ``meta`` as checkpoint ``step``.
+
+        Start saving ``state`` (a pytree of arrays), the ``plan`` that made it and
         ``meta`` (JSON: a data loader's position, say) as checkpoint ``step``; returns once
         the arrays are off the devices (the step may donate or overwrite them). A step
         already saved is an error.
@@ -115,7 +119,9 @@ class Checkpoints:
         return list(self._manager.all_steps())
 
     def restore(self, abstract, shardings=None, step: int | None = None):
-        """The state saved at ``step`` (default: the latest), each array placed as asked:
+        """The state saved at ``step``, placed as asked.
+
+        The state saved at ``step`` (default: the latest), each array placed as asked:
         ``abstract`` is a pytree like the state of ``ShapeDtypeStruct``s (or arrays) with
         a ``sharding`` each, or with ``shardings`` a matching pytree of shardings (the
         new plan's: ``step.input_shardings(...)``).
@@ -140,7 +146,9 @@ class Checkpoints:
         return restored[_STATE]
 
     def restore_newest(self, abstract, shardings=None) -> Restored | None:
-        """The newest checkpoint whose files match its seal, restored as :meth:`restore`
+        """The newest intact checkpoint, restored.
+
+        The newest checkpoint whose files match its seal, restored as :meth:`restore`
         does, with its step and meta; None when there is no checkpoint. Damaged or unsealed
         newer steps are named in one warning and deleted (by process 0). Every process
         calls it.
@@ -233,7 +241,9 @@ class Checkpoints:
         return os.path.join(self.directory, str(step))
 
     def _seal(self, step: int) -> None:
-        """Write checkpoint ``step``'s seal: every file under it and its size (atomically:
+        """Write checkpoint ``step``'s seal.
+
+        Write checkpoint ``step``'s seal: every file under it and its size (atomically:
         a temporary file renamed into place).
         """
         root = self._path(step)
@@ -245,7 +255,9 @@ class Checkpoints:
         os.replace(tmp, os.path.join(root, SEAL))
 
     def _drop(self, steps: list[int]) -> None:
-        """Delete damaged checkpoints: process 0, once every process has judged them (each
+        """Delete damaged checkpoints.
+
+        Delete damaged checkpoints: process 0, once every process has judged them (each
         reached the same verdict from the same files) and before any lists them again.
         """
         if jax.process_count() > 1:

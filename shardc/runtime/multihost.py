@@ -1,4 +1,6 @@
-"""Running a planned step under ``jax.distributed``: one process per host, every process
+"""Running a planned step under ``jax.distributed``.
+
+Running a planned step under ``jax.distributed``: one process per host, every process
 executing the same plan on the global mesh.
 
 Every process plans for itself; plans are deterministic when they run to their end
@@ -39,7 +41,9 @@ class PlanMismatchError(RuntimeError):
 
 
 def plan_digest(plan: Plan) -> str:
-    """A digest of what a plan runs: its program fingerprint, mesh, cluster, every value's
+    """A digest of what a plan runs.
+
+    A digest of what a plan runs: its program fingerprint, mesh, cluster, every value's
     layout and every op's strategy (not the solver's statistics, such as its run time).
     """
     d = json.loads(plan.to_json())
@@ -68,7 +72,9 @@ def _from_process_0(text: str) -> str:
 
 
 def agree(plan: Plan) -> Plan:
-    """The plan every process runs: ``plan`` where all processes hold the same one, else
+    """The plan every process runs.
+
+    The plan every process runs: ``plan`` where all processes hold the same one, else
     process 0's (one warning); :class:`PlanMismatchError` on every process where they plan
     different programs. ``plan`` itself in a single process. Every process must
     call it (a collective).
@@ -97,7 +103,9 @@ def agree(plan: Plan) -> Plan:
 
 
 def global_batch(local, shardings, global_shapes=None):
-    """Global arrays from this process's part of each input: ``local`` a pytree of host
+    """Global arrays from this process's part of each input.
+
+    Global arrays from this process's part of each input: ``local`` a pytree of host
     arrays (this process's rows), ``shardings`` the matching pytree of shardings (the
     plan's, from ``step.input_shardings(...)``), ``global_shapes`` optionally the matching
     pytree of global shapes (else inferred from the sharding: each process's part
@@ -111,7 +119,9 @@ def global_batch(local, shardings, global_shapes=None):
 
 
 def process_slice(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> tuple[slice, ...]:
-    """The block of a global array of ``shape`` that this process's devices hold under
+    """The block of a global array this process's devices hold.
+
+    The block of a global array of ``shape`` that this process's devices hold under
     ``sharding``: the rows its data loader reads for :func:`global_batch`.
     """
     index = sharding.addressable_devices_indices_map(tuple(shape))

@@ -1,4 +1,6 @@
-"""What ``auto_shard`` is asked for besides the function (one frozen :class:`Options`
+"""What ``auto_shard`` is asked for besides the function.
+
+What ``auto_shard`` is asked for besides the function (one frozen :class:`Options`
 record, checked at construction), the mesh it plans on (every axis Auto), and the error for
 running on an AbstractMesh.
 """
@@ -21,7 +23,9 @@ __all__ = ["auto_mesh", "NeedsDevicesError", "Options", "platform_of"]
 
 
 def auto_mesh(mesh: Mesh | AbstractMesh) -> Mesh | AbstractMesh:
-    """The same devices (or, for an AbstractMesh, the same shape) and axes with every axis
+    """The same mesh with every axis Auto.
+
+    The same devices (or, for an AbstractMesh, the same shape) and axes with every axis
     Auto (what sharding constraints need).
     """
     types = getattr(mesh, "axis_types", None)
@@ -34,7 +38,9 @@ def auto_mesh(mesh: Mesh | AbstractMesh) -> Mesh | AbstractMesh:
 
 
 class NeedsDevicesError(ValueError):
-    """Lowering or running a function whose ``auto_shard`` was given an AbstractMesh: it
+    """Lowering or running a step planned on an AbstractMesh.
+
+    Lowering or running a function whose ``auto_shard`` was given an AbstractMesh: it
     plans, but running needs devices.
     """
 
@@ -50,7 +56,9 @@ class NeedsDevicesError(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class Options:
-    """Everything ``auto_shard`` is asked for besides the function and its mesh (see
+    """Everything ``auto_shard`` is asked for besides the function and its mesh.
+
+    Everything ``auto_shard`` is asked for besides the function and its mesh (see
     :func:`auto_shard` for each field).
     """
 
@@ -91,7 +99,9 @@ class Options:
 
 
 def platform_of(mesh: Mesh | AbstractMesh) -> str | None:
-    """The platform of the mesh's devices (what ``platform_index`` conds resolve for);
+    """The platform of the mesh's devices.
+
+    The platform of the mesh's devices (what ``platform_index`` conds resolve for);
     None on an abstract mesh: the default backend's.
     """
     return None if isinstance(mesh, AbstractMesh) else mesh.devices.flat[0].platform

@@ -1,4 +1,6 @@
-"""The time-memory frontier: the plans no other plan beats on both predicted step time and
+"""The time-memory frontier's search.
+
+The time-memory frontier: the plans no other plan beats on both predicted step time and
 predicted peak memory per device.
 
 TensorOpt's point is that no single plan is right: with few devices memory binds, with many
@@ -87,7 +89,9 @@ class Sources:
 
 
 def sweep(sources: Sources, budgets: int = BUDGETS) -> Frontier:
-    """The non-dominated plans among: the fastest plan (no budget) and the leanest (the
+    """The time-memory frontier of a program's sources.
+
+    The non-dominated plans among: the fastest plan (no budget) and the leanest (the
     smallest budget one was found for), of the program as written and of the one that
     recomputes every forward segment; the hand-written layouts' plans and the fastest
     plan's layouts at a few remat choices, so no hand-written layout lies below the
@@ -102,7 +106,9 @@ def sweep(sources: Sources, budgets: int = BUDGETS) -> Frontier:
 
 
 class _Sweep:
-    """The bookkeeping of one :func:`sweep`: the plans found, and the remat choices'
+    """The bookkeeping of one :func:`sweep`.
+
+    The bookkeeping of one :func:`sweep`: the plans found, and the remat choices'
     bytes, to pick one per budget (:meth:`choose`).
     """
 
@@ -120,7 +126,9 @@ class _Sweep:
         self.device_floor = -math.inf  # below it, plans keep state in host memory (offload)
 
     def found(self, what: str, plan: Plan | None) -> Plan | None:
-        """Keep ``plan`` and say so at INFO (``shardc pareto`` prints these lines: a large
+        """Keep ``plan`` and log it at INFO.
+
+        Keep ``plan`` and say so at INFO (``shardc pareto`` prints these lines: a large
         model's frontier takes minutes).
         """
         self.tried += 1
@@ -144,7 +152,9 @@ class _Sweep:
             f", {len(self.chain[k])} segments recomputed" if k else ""), plan)
 
     def _offloaded(self, budget: float) -> Plan:
-        """The plan keeping state in host memory within ``budget``: recomputing nothing,
+        """The plan keeping state in host memory within ``budget``.
+
+        The plan keeping state in host memory within ``budget``: recomputing nothing,
         else every segment (:func:`shardc.step.solving.offloaded_plans`' order).
         """
         try:
@@ -155,7 +165,9 @@ class _Sweep:
             return self.src.offloaded(budget, self.chain[-1])
 
     def place(self, k: int, layouts: Mapping[str, Layouts]) -> list[Plan]:
-        """The plans of the program recomputing ``chain[k]`` around ``layouts``, but for
+        """The plans recomputing ``chain[k]`` around ``layouts``.
+
+        The plans of the program recomputing ``chain[k]`` around ``layouts``, but for
         those placed before (the cheap fills of neighbouring gaps often land on the same
         layouts).
         """
@@ -213,7 +225,9 @@ class _Sweep:
         return Frontier(non_dominated(self.plans))
 
     def offload(self, n: int) -> None:
-        """The leanest plans keeping state in host memory, recomputing nothing and every
+        """The leanest plans keeping state in host memory.
+
+        The leanest plans keeping state in host memory, recomputing nothing and every
         segment, where leaner than every plan found on the devices; from here on a budget
         below those (``device_floor``) is planned with state in host memory
         (:meth:`solve`), as ``auto_shard`` plans it.
@@ -231,7 +245,9 @@ class _Sweep:
                 floor = peak
 
     def choose(self, budget: float) -> int:
-        """The remat choice to plan ``budget`` with: where recomputing saves bytes more
+        """The remat choice to plan ``budget`` with.
+
+        The remat choice to plan ``budget`` with: where recomputing saves bytes more
         cheaply (in step time per byte, between the fastest plans with none and every
         segment recomputed) than sharding more does (between the fastest and the leanest
         plan recomputing every segment), the least recomputed whose fastest plan is
@@ -256,7 +272,9 @@ class _Sweep:
         return next((k for k in range(n + 1) if est(ends, k) <= budget), n)
 
     def fill(self) -> None:
-        """Plan into each gap between neighbouring plans ``a`` (leaner) and ``b`` wider than
+        """Plan into each gap between neighbouring plans.
+
+        Plan into each gap between neighbouring plans ``a`` (leaner) and ``b`` wider than
         :data:`GAP` of the memory range, widest first: once cheaply, ``b``'s layouts
         recomputing enough more segments to reach the gap's middle, and where that lands
         nothing in the gap, ``b``'s layouts partly replaced by ``a``'s (:meth:`_mixed`);
@@ -271,7 +289,9 @@ class _Sweep:
         searches = 0
 
         def floor(a: Plan, b: Plan) -> float:
-            """Where the unexplored part of the gap from ``a`` to ``b`` starts: the explored
+            """Where the unexplored part of the gap from ``a`` to ``b`` starts.
+
+            Where the unexplored part of the gap from ``a`` to ``b`` starts: the explored
             stretches chained from ``a``'s peak (a search that lands below where the
             unexplored part started explores on from there: the scanned Llama's search at
             3.14 GiB landed at 2.69, was read as not joining the stretch before, and was
@@ -319,7 +339,9 @@ class _Sweep:
             explored.append((start if plan is None else min(_peak(plan), start), budget))
 
     def _more_remat(self, b: Plan, middle: float) -> list[Plan]:
-        """``b``'s layouts on the program recomputing the fewest more segments (greedy
+        """``b``'s layouts on a program recomputing more segments.
+
+        ``b``'s layouts on the program recomputing the fewest more segments (greedy
         order) estimated to bring its peak to ``middle``, at the rate the fastest plans'
         peaks fall per byte a segment stops holding.
         """
@@ -339,7 +361,9 @@ class _Sweep:
                 dict(enumerate(plan.inputs))}
 
     def _mixed(self, a: Plan, b: Plan) -> list[Plan]:
-        """``b``'s input layouts partly replaced by ``a``'s, on ``b``'s program: ``a``'s
+        """``b``'s input layouts partly replaced by ``a``'s.
+
+        ``b``'s input layouts partly replaced by ``a``'s, on ``b``'s program: ``a``'s
         layouts of some inputs, until half the bytes per device ``a``'s save over ``b``'s
         (the largest savings first; and the optimizer's slots first, ZeRO's trade: the
         update alone reads them); and ``a``'s layouts over some of the mesh axes only,
@@ -393,7 +417,9 @@ def _time(plan: Plan) -> float:
 
 def _leanest(solve: Callable[..., Plan], remat: tuple[int, ...], above: float = math.inf
              ) -> tuple[Plan | None, float]:
-    """The plan at the smallest budget one was found for (the search's leanest peak where
+    """The leanest plan and its peak.
+
+    The plan at the smallest budget one was found for (the search's leanest peak where
     planning at it succeeds, else the lean start's, which always does) and its peak; no
     plan, and the peak the search named, where that is ``above`` or more.
     """

@@ -1,4 +1,6 @@
-"""The time-memory frontier as a record: the plans no other plan beats on both predicted step
+"""The time-memory frontier as a record, its table and its plot.
+
+The time-memory frontier as a record: the plans no other plan beats on both predicted step
 time and predicted peak memory per device (:class:`Frontier`, which
 :func:`shardc.tradeoff.frontier.sweep` makes), its table and its plot.
 """
@@ -20,7 +22,9 @@ __all__ = ["Frontier", "non_dominated", "recomputes"]
 
 @dataclass(frozen=True)
 class Frontier(Sequence[Plan]):
-    """Non-dominated plans, leanest first (so step time falls along them): a sequence of
+    """Non-dominated plans, leanest first.
+
+    Non-dominated plans, leanest first (so step time falls along them): a sequence of
     :class:`shardc.Plan` (``frontier[0]`` the leanest, ``frontier[-1]`` the fastest,
     ``len``, iteration, slicing to a tuple), also held as ``plans``.
     """
@@ -51,7 +55,9 @@ class Frontier(Sequence[Plan]):
         return [(p.predicted.step_time, p.predicted.peak_memory) for p in self.plans]
 
     def pick(self, memory_budget: float) -> Plan:
-        """The fastest plan whose predicted peak fits ``memory_budget`` (bytes per device);
+        """The fastest plan whose predicted peak fits ``memory_budget``.
+
+        The fastest plan whose predicted peak fits ``memory_budget`` (bytes per device);
         :class:`MemoryBudgetError` naming the leanest plan's peak if none does.
         """
         fits = [p for p in self.plans if p.predicted.peak_memory <= memory_budget]
@@ -73,7 +79,9 @@ class Frontier(Sequence[Plan]):
 
     def plot(self, path: str | None = None, experts: Mapping[str, tuple[float, float]] | None
              = None, ax=None):
-        """Time against memory: the frontier as a staircase of its plans, and ``experts``
+        """Plot time against memory.
+
+        Time against memory: the frontier as a staircase of its plans, and ``experts``
         (name -> (step seconds, peak bytes), e.g. hand-written plans priced on the same
         cluster) as labelled points on the same axes. Saved to ``path`` if given; returns
         the matplotlib Axes.
@@ -116,7 +124,9 @@ class Frontier(Sequence[Plan]):
 
 
 def recomputes(plan: Plan) -> str:
-    """``"3/24 segments"``: the forward segments whose activations ``plan`` recomputes in
+    """The share of forward segments ``plan`` recomputes.
+
+    ``"3/24 segments"``: the forward segments whose activations ``plan`` recomputes in
     the backward pass; ``"-"`` when it keeps them all.
     """
     return f"{len(plan.remat)}/{plan.segments} segments" if plan.remat else "-"

@@ -1,4 +1,6 @@
-"""The device sweep: the best plan of a step on each device count that divides its mesh,
+"""The device sweep: the best plan on each device count.
+
+The device sweep: the best plan of a step on each device count that divides its mesh,
 each planned on an AbstractMesh of the sub-mesh with its axes priced at the links they have in
 the whole mesh.
 """
@@ -25,7 +27,9 @@ __all__ = ["DeviceCount", "DeviceSweep", "device_counts", "device_sweep"]
 
 def device_sweep(step, *args, memory_budget: float | None = None, **kwargs
                  ) -> DeviceSweep:
-    """:meth:`AutoSharded.device_sweep <shardc.step.auto_shard.AutoSharded.device_sweep>`
+    """Plan ``step`` on each device count that divides its mesh.
+
+    :meth:`AutoSharded.device_sweep <shardc.step.auto_shard.AutoSharded.device_sweep>`
     of ``step``: each count planned by a copy of the step on an AbstractMesh of its
     sub-mesh.
     """
@@ -57,7 +61,9 @@ def device_sweep(step, *args, memory_budget: float | None = None, **kwargs
 
 def device_counts(shape: Sequence[int], names: Sequence[str]
                   ) -> list[tuple[int, tuple[int, ...], tuple[str, ...]]]:
-    """``(devices, sub-mesh shape, its axis names)`` for each device count that divides the
+    """The sub-meshes of each device count that divides the mesh.
+
+    ``(devices, sub-mesh shape, its axis names)`` for each device count that divides the
     mesh, fewest first: the first devices in row-major order, so a count fills the inner
     (fastest) axes before the outer ones (4 of ``(node=2, gpu=4)`` is ``(node=1, gpu=4)``).
     Every axis keeps its name, at size 1 where the count leaves it: the program's own
@@ -88,7 +94,9 @@ def device_counts(shape: Sequence[int], names: Sequence[str]
 
 @dataclass(frozen=True)
 class DeviceCount:
-    """The best plan on ``devices`` devices (the sub-mesh ``mesh``), within the sweep's
+    """The best plan on ``devices`` devices.
+
+    The best plan on ``devices`` devices (the sub-mesh ``mesh``), within the sweep's
     budget; ``plan`` is None when none fits, and ``needed`` the leanest plan's peak.
     """
 
@@ -104,7 +112,9 @@ class DeviceCount:
 
 @dataclass(frozen=True)
 class DeviceSweep:
-    """One :class:`DeviceCount` per device count that divides the mesh, fewest first, each
+    """The best plan on each device count, fewest first.
+
+    One :class:`DeviceCount` per device count that divides the mesh, fewest first, each
     planned within ``memory_budget`` bytes per device.
     """
 
@@ -112,7 +122,9 @@ class DeviceSweep:
     memory_budget: float
 
     def fewest(self) -> DeviceCount:
-        """The fewest devices on which a plan fits the budget; :class:`MemoryBudgetError`
+        """The fewest devices on which a plan fits the budget.
+
+        The fewest devices on which a plan fits the budget; :class:`MemoryBudgetError`
         naming the leanest plan on all of them if none does.
         """
         for c in self.counts:
