@@ -1,8 +1,7 @@
 """What ``auto_shard`` is asked for besides the function.
 
-What ``auto_shard`` is asked for besides the function (one frozen :class:`Options`
-record, checked at construction), the mesh it plans on (every axis Auto), and the error for
-running on an AbstractMesh.
+One frozen :class:`Options` record, checked at construction; the mesh it plans on (every
+axis Auto); and the error for running on an AbstractMesh.
 """
 
 from __future__ import annotations
@@ -23,10 +22,14 @@ __all__ = ["auto_mesh", "NeedsDevicesError", "Options", "platform_of"]
 
 
 def auto_mesh(mesh: Mesh | AbstractMesh) -> Mesh | AbstractMesh:
-    """The same mesh with every axis Auto.
+    """The same mesh with every axis Auto (what sharding constraints need).
 
-    The same devices (or, for an AbstractMesh, the same shape) and axes with every axis
-    Auto (what sharding constraints need).
+    Args:
+        mesh: A mesh, or an AbstractMesh.
+
+    Returns:
+        The same devices (for an AbstractMesh, the same shape) and axes, every axis Auto;
+        ``mesh`` itself where they already are.
     """
     types = getattr(mesh, "axis_types", None)
     if types is not None and all(t == AxisType.Auto for t in types):
@@ -38,11 +41,8 @@ def auto_mesh(mesh: Mesh | AbstractMesh) -> Mesh | AbstractMesh:
 
 
 class NeedsDevicesError(ValueError):
-    """Lowering or running a step planned on an AbstractMesh.
-
-    Lowering or running a function whose ``auto_shard`` was given an AbstractMesh: it
-    plans, but running needs devices.
-    """
+    """Lowering or running a function whose ``auto_shard`` was given an AbstractMesh: it
+    plans, but running needs devices."""
 
     def __init__(self, mesh: AbstractMesh):
         shape, names = tuple(mesh.axis_sizes), tuple(mesh.axis_names)
@@ -58,8 +58,28 @@ class NeedsDevicesError(ValueError):
 class Options:
     """Everything ``auto_shard`` is asked for besides the function and its mesh.
 
-    Everything ``auto_shard`` is asked for besides the function and its mesh (see
-    :func:`auto_shard` for each field).
+    Keyword-only; each field is :func:`shardc.auto_shard`'s argument of the same name
+    (its ``Args`` say what each means).
+
+    Attributes:
+        cluster: The cluster the plan is priced on.
+        memory_budget: Bytes per device a plan may hold; None: no budget.
+        time_limit: Seconds, the wall-clock guard on each ILP solve.
+        seeds: Hand-written plans to start from, by name.
+        mesh_search: Also plan the other logical views of the mesh's devices.
+        in_shardings: Layouts fixed for the arguments, as for ``jax.jit``.
+        keep_input_shardings: Keep the placement of arguments already on the mesh; None:
+            True on a mesh with Explicit axes.
+        cache_dir: Where plans are kept on disk; None: ``$SHARDC_CACHE_DIR`` if set.
+        while_trips: Iterations a while loop without static bounds is planned for.
+        pipeline: A Pipeline to run; False: none; None: the planner's choice.
+        rank_compiled: Under overlap, how many of the best candidates are compiled and
+            ranked by their compiled programs.
+        offload: Where a budget binds, state may live in host memory.
+
+    Raises:
+        TypeError: For a ``pipeline`` that is none of those.
+        ValueError: For a value out of its range (named in the message).
     """
 
     cluster: Cluster = DEFAULT_CLUSTER
@@ -99,9 +119,12 @@ class Options:
 
 
 def platform_of(mesh: Mesh | AbstractMesh) -> str | None:
-    """The platform of the mesh's devices.
+    """The platform of the mesh's devices (what ``platform_index`` conds resolve for).
 
-    The platform of the mesh's devices (what ``platform_index`` conds resolve for);
-    None on an abstract mesh: the default backend's.
+    Args:
+        mesh: A mesh, or an AbstractMesh.
+
+    Returns:
+        The platform's name; None on an abstract mesh (the default backend's).
     """
     return None if isinstance(mesh, AbstractMesh) else mesh.devices.flat[0].platform
