@@ -1,17 +1,12 @@
-"""The time-memory frontier's search.
+"""The time-memory frontier's search: the plans no other plan beats on time and memory.
 
-The time-memory frontier: the plans no other plan beats on both predicted step time and
-predicted peak memory per device.
-
-TensorOpt's point is that no single plan is right: with few devices memory binds, with many
-time does. :func:`sweep` plans a program at no budget (the fastest plan) and at the
-smallest budget a plan was found for (the leanest), places hand-written and its own plans'
-layouts at several remat levels (forward segments' activations recomputed in the backward
-pass, :mod:`shardc.ir.remat`), and searches the gaps those leave (and, if asked, budgets
-spaced between the ends); the non-dominated plans form a :class:`Frontier`, each a full
-:class:`shardc.Plan` that runs (``step.use_plan(plan, ...)``). ``step.pareto(*args)`` and
-:func:`shardc.pareto` call it. TensorOpt's other axis, the best plan on each sub-mesh of
-the devices, is :mod:`shardc.tradeoff.sweep`.
+No single plan is right (TensorOpt): with few devices memory binds, with many time does.
+:func:`sweep` plans a program at no budget (the fastest plan) and at the smallest budget a
+plan was found for (the leanest), places hand-written and its own plans' layouts at several
+remat levels (:mod:`shardc.ir.remat`), and searches the gaps those leave; the
+non-dominated plans form a :class:`Frontier`, each a full :class:`shardc.Plan` that runs
+(``step.use_plan(plan, ...)``). ``step.pareto(*args)`` and :func:`shardc.pareto` call it;
+the best plan on each sub-mesh of the devices is :mod:`shardc.tradeoff.sweep`.
 
 References:
   TensorOpt (Cai et al., TPDS 2022) §3: the Pareto set of (time, memory) strategies.
@@ -40,9 +35,8 @@ log = logging.getLogger("shardc")
 BUDGETS = 0
 """Budgets searched at points spaced geometrically between the leanest and the fastest plan's
 peaks (besides those two). None by default: the gaps the placements leave are searched
-anyway (:meth:`_Sweep.fill`, at most ``budgets +`` :data:`SEARCHES`), and on GPT-2 small (2x4) six
-fixed budgets took 40 of the frontier's 75 s for a staircase faster by 7-14% at three
-points, by at most 1.3% elsewhere (measured here)."""
+anyway (:meth:`_Sweep.fill`, at most ``budgets +`` :data:`SEARCHES`), at a fraction of
+fixed budgets' planning time (docs/design-notes.md)."""
 GAP = 0.1
 """The widest gap between neighbouring plans :func:`sweep` leaves where it finds a plan: this
 fraction of the frontier's memory range."""
@@ -51,7 +45,7 @@ FILLS = 12
 where they land nothing in it)."""
 SEARCHES = 9
 """Searches into the gaps at most, besides one per budget: where placements land in a gap,
-none is spent (GPT-2 small on 2x4 needs one)."""
+none is spent."""
 
 
 Layouts = Mapping[int, NdSbp]
@@ -62,16 +56,22 @@ Layouts = Mapping[int, NdSbp]
 class Sources:
     """What :func:`sweep` plans a frontier from.
 
-    ``solve(budget, remat)``: the fastest plan of the program recomputing the forward segments
-    ``remat`` within ``budget`` bytes per device (None: no budget; :class:`MemoryBudgetError` when
-    none fits). ``place(remat, layouts)``: that program's plan around each of ``layouts`` (by name;
-    input layouts on the physical mesh), placed without a search (as a seed is). ``layouts``:
-    hand-written input layouts the frontier must not lose to (the generic layouts of
-    :mod:`shardc.tradeoff.baselines`, the user's seeds); ``segments``: the program's forward
-    segments (:mod:`shardc.ir.remat`); ``inputs``, ``shapes``: its graph inputs' bytes and shapes;
-    ``optimizer``: the inputs only its update reads
-    (:func:`shardc.tradeoff.baselines.optimizer_state`); ``mesh``: the physical mesh's axes (a plan
-    on another view lends no layouts).
+    Attributes:
+        solve: ``solve(budget, remat)``, the fastest plan of the program recomputing the
+            forward segments ``remat`` within ``budget`` bytes per device (None: no budget);
+            raises :class:`MemoryBudgetError` when none fits.
+        place: ``place(remat, layouts)``, that program's plan around each of ``layouts``
+            (by name; input layouts on the physical mesh), placed without a search.
+        layouts: Hand-written input layouts the frontier must not lose to (the generic
+            layouts of :mod:`shardc.tradeoff.baselines`, the user's seeds).
+        segments: The program's forward segments (:mod:`shardc.ir.remat`).
+        inputs: Its graph inputs' bytes.
+        shapes: Its graph inputs' shapes.
+        optimizer: The inputs only its update reads
+            (:func:`shardc.tradeoff.baselines.optimizer_state`).
+        mesh: The physical mesh's axes (a plan on another view lends no layouts).
+        offloaded: As ``solve``, the program keeping state in host memory
+            (:mod:`shardc.step.offload`); None where nothing may be offloaded.
     """
 
     solve: Callable[..., Plan]
@@ -95,12 +95,19 @@ def sweep(sources: Sources, budgets: int = BUDGETS) -> Frontier:
     smallest budget one was found for), of the program as written and of the one that
     recomputes every forward segment; the hand-written layouts' plans and the fastest
     plan's layouts at a few remat choices, so no hand-written layout lies below the
-    staircase; plans at ``budgets`` budgets spaced geometrically between the leanest and
-    the fastest peaks; and plans that fill each gap between neighbours wider than
-    :data:`GAP` of the frontier's memory range (:meth:`_Sweep.fill`). The remat choices are
-    the greedy's (:func:`shardc.ir.remat.prefixes`: segments by bytes saved per recomputed
-    FLOP); each budget takes the one :meth:`_Sweep.choose` picks for it. Below them, the
-    leanest plans keeping state in host memory (``sources.offloaded``), where leaner.
+    staircase; plans at fixed budgets; plans that fill each gap between neighbours wider
+    than :data:`GAP` of the frontier's memory range (:meth:`_Sweep.fill`); and below them
+    the leanest plans keeping state in host memory, where leaner. The remat choices are the
+    greedy's (:func:`shardc.ir.remat.prefixes`: segments by bytes saved per recomputed
+    FLOP); each budget takes the one :meth:`_Sweep.choose` picks for it.
+
+    Args:
+        sources: What to plan from.
+        budgets: Budgets searched at points spaced geometrically between the leanest and
+            the fastest peaks.
+
+    Returns:
+        The frontier, leanest first.
     """
     return _Sweep(sources, budgets).run()
 
