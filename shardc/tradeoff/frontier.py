@@ -115,8 +115,7 @@ def sweep(sources: Sources, budgets: int = BUDGETS) -> Frontier:
 class _Sweep:
     """The bookkeeping of one :func:`sweep`.
 
-    The bookkeeping of one :func:`sweep`: the plans found, and the remat choices'
-    bytes, to pick one per budget (:meth:`choose`).
+    The plans found, and the remat choices' bytes, to pick one per budget (:meth:`choose`).
     """
 
     def __init__(self, sources: Sources, budgets: int):
@@ -135,8 +134,7 @@ class _Sweep:
     def found(self, what: str, plan: Plan | None) -> Plan | None:
         """Keep ``plan`` and log it at INFO.
 
-        Keep ``plan`` and say so at INFO (``shardc pareto`` prints these lines: a large
-        model's frontier takes minutes).
+        ``shardc pareto`` prints these lines: a large model's frontier takes minutes.
         """
         self.tried += 1
         self.total = max(self.total, self.tried)
@@ -161,8 +159,8 @@ class _Sweep:
     def _offloaded(self, budget: float) -> Plan:
         """The plan keeping state in host memory within ``budget``.
 
-        The plan keeping state in host memory within ``budget``: recomputing nothing,
-        else every segment (:func:`shardc.step.solving.offloaded_plans`' order).
+        Recomputing nothing, else every segment (:func:`shardc.step.solving.offloaded_plans`'
+        order).
         """
         try:
             return self.src.offloaded(budget, ())
@@ -193,15 +191,13 @@ class _Sweep:
         self.fast[0] = self.found("no budget", src.solve(None))
         if n:
             self.fast[n] = self.found(f"{n} segments recomputed", src.solve(None, self.chain[n]))
-        # searched, not placed from the leanest remat plan's layouts: the scanned Llama's
-        # leanest plan recomputes nothing (1.10 GiB, 61.7 ms; recomputing its three
-        # segments, 1.12 GiB and 72.4 ms). Not searched where its peak (the search's first,
-        # cheap ask names it) is no leaner than the fastest plan recomputing every segment:
-        # a plan between those two is what the budgets and the gaps' fills look for
-        # (GPT-2 small on (2, 4): 2.94 GiB against 2.62, 3.5 of the frontier's 35 s). A
-        # heuristic, not an exact saving: such a plan faster than that remat plan would be
-        # on the staircase, and is left to the fills (GPT-2's and the Llama's staircases
-        # are the same; its peak stands in for the plan's where ``choose`` reads it)
+        # searched, not placed from the leanest remat plan's layouts: a model's leanest plan
+        # may recompute nothing. Not searched where its peak (the search's first, cheap ask
+        # names it) is no leaner than the fastest plan recomputing every segment: a plan
+        # between those two is what the budgets and the gaps' fills look for. A heuristic,
+        # not an exact saving: such a plan faster than that remat plan would be on the
+        # staircase, and is left to the fills (its peak stands in for the plan's where
+        # ``choose`` reads it)
         lean, self.lean_peak = _leanest(src.solve, (), _peak(self.fast[n]) if n else math.inf)
         if lean is None:
             self.total -= 1
@@ -234,8 +230,8 @@ class _Sweep:
     def offload(self, n: int) -> None:
         """The leanest plans keeping state in host memory.
 
-        The leanest plans keeping state in host memory, recomputing nothing and every
-        segment, where leaner than every plan found on the devices; from here on a budget
+        Recomputing nothing and every segment, where leaner than every plan found on the
+        devices; from here on a budget
         below those (``device_floor``) is planned with state in host memory
         (:meth:`solve`), as ``auto_shard`` plans it.
         """
@@ -254,13 +250,12 @@ class _Sweep:
     def choose(self, budget: float) -> int:
         """The remat choice to plan ``budget`` with.
 
-        The remat choice to plan ``budget`` with: where recomputing saves bytes more
-        cheaply (in step time per byte, between the fastest plans with none and every
-        segment recomputed) than sharding more does (between the fastest and the leanest
-        plan recomputing every segment), the least recomputed whose fastest plan is
-        estimated to fit (else all); otherwise the least recomputed whose leanest plan is.
-        Peaks are estimated by interpolating the two ends in the bytes each choice stops
-        holding.
+        Where recomputing saves bytes more cheaply (in step time per byte, between the
+        fastest plans with none and every segment recomputed) than sharding more does
+        (between the fastest and the leanest plan recomputing every segment), the least
+        recomputed whose fastest plan is estimated to fit (else all); otherwise the least
+        recomputed whose leanest plan is. Peaks are estimated by interpolating the two ends
+        in the bytes each choice stops holding.
         """
         n = len(self.chain) - 1
         if not n:
@@ -281,8 +276,8 @@ class _Sweep:
     def fill(self) -> None:
         """Plan into each gap between neighbouring plans.
 
-        Plan into each gap between neighbouring plans ``a`` (leaner) and ``b`` wider than
-        :data:`GAP` of the memory range, widest first: once cheaply, ``b``'s layouts
+        Each gap between ``a`` (leaner) and ``b`` wider than :data:`GAP` of the memory range,
+        widest first: once cheaply, ``b``'s layouts
         recomputing enough more segments to reach the gap's middle, and where that lands
         nothing in the gap, ``b``'s layouts partly replaced by ``a``'s (:meth:`_mixed`);
         where none lands in the gap, a search
@@ -298,11 +293,8 @@ class _Sweep:
         def floor(a: Plan, b: Plan) -> float:
             """Where the unexplored part of the gap from ``a`` to ``b`` starts.
 
-            Where the unexplored part of the gap from ``a`` to ``b`` starts: the explored
-            stretches chained from ``a``'s peak (a search that lands below where the
-            unexplored part started explores on from there: the scanned Llama's search at
-            3.14 GiB landed at 2.69, was read as not joining the stretch before, and was
-            asked again four times).
+            The explored stretches chained from ``a``'s peak: a search that lands below
+            where the unexplored part started explores on from there.
             """
             at = _peak(a)
             while True:
@@ -370,12 +362,11 @@ class _Sweep:
     def _mixed(self, a: Plan, b: Plan) -> list[Plan]:
         """``b``'s input layouts partly replaced by ``a``'s.
 
-        ``b``'s input layouts partly replaced by ``a``'s, on ``b``'s program: ``a``'s
-        layouts of some inputs, until half the bytes per device ``a``'s save over ``b``'s
-        (the largest savings first; and the optimizer's slots first, ZeRO's trade: the
-        update alone reads them); and ``a``'s layouts over some of the mesh axes only,
-        ``b``'s over the rest (sharded within a node and replicated across, as HSDP is),
-        where that splits every input evenly.
+        On ``b``'s program: ``a``'s layouts of some inputs, until half the bytes per device
+        ``a``'s save over ``b``'s (the largest savings first; and the optimizer's slots
+        first, ZeRO's trade: the update alone reads them); and ``a``'s layouts over some of
+        the mesh axes only, ``b``'s over the rest (sharded within a node and replicated
+        across, as HSDP is), where that splits every input evenly.
         """
         k = self.at.get(b.remat)
         if k is None or not self._own(a) or not self._own(b) or not self.src.shapes:
@@ -427,8 +418,8 @@ def _leanest(solve: Callable[..., Plan], remat: tuple[int, ...], above: float = 
     """The leanest plan and its peak.
 
     The plan at the smallest budget one was found for (the search's leanest peak where
-    planning at it succeeds, else the lean start's, which always does) and its peak; no
-    plan, and the peak the search named, where that is ``above`` or more.
+    planning at it succeeds, else the lean start's, which always does); no plan, and the
+    peak the search named, where that is ``above`` or more.
     """
     try:
         plan = solve(1.0, remat)  # no plan fits a byte: the error names the leanest found

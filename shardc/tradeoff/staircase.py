@@ -1,8 +1,7 @@
 """The time-memory frontier as a record, its table and its plot.
 
-The time-memory frontier as a record: the plans no other plan beats on both predicted step
-time and predicted peak memory per device (:class:`Frontier`, which
-:func:`shardc.tradeoff.frontier.sweep` makes), its table and its plot.
+The plans no other plan beats on both predicted step time and predicted peak memory per
+device (:class:`Frontier`, which :func:`shardc.tradeoff.frontier.sweep` makes).
 """
 
 from __future__ import annotations
