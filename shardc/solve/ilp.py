@@ -5,9 +5,8 @@ with equal edge costs share a group (row groups X_p of the producer, column grou
 the consumer); every edge gets continuous pair variables ``e[p, q] >= 0`` with both
 marginals fixed, ``Σ_q e[p, q] = X_p`` and ``Σ_p e[p, q] = Y_q``, priced ``R[p, q]``
 (Alpa's formulation on groups). Its LP relaxation is tight on layout problems: on the
-folded GPT-2 quotients and the 2-layer GPT's graphs the LP solution is integral, found in
-0.2-0.35 s with the model built, where CP-SAT took 4-18 s to prove the same optimum on
-the same model (in its earlier form, with weaker big-M edges). Memory: at every
+zoo's graphs the LP solution is integral, found far sooner than CP-SAT proved the same
+optimum (docs/design-notes.md). Memory: at every
 sampled program point ``Σ_i Σ_a m[i, a]·s[i, a] <= budget`` (KiB, rounded up).
 
 The model is built as one sparse matrix (no per-term Python expressions). Its LP
@@ -57,18 +56,15 @@ GAP = 1e-7
 #: work (the tight relaxation closes at the root on every graph measured)
 MAX_NODES = 2_000
 #: HiGHS presolve for the LP relaxation: off. The pair-variable LPs have little for it to
-#: remove, and dual simplex without it solved the 12-layer GPT-2's quotient LPs (~10k
-#: terms) in 72-95 ms against 115-123 ms with it, to the same optimum (measured here)
+#: remove, and dual simplex without it solves them sooner, to the same optimum
 LP_PRESOLVE = "off"
 #: how far from 0 or 1 an LP value may be and still count as integral
 INTEGRALITY = 1e-6
 #: Lagrangian search of a budgeted model (:class:`_Budgeted`): doublings of the multiplier
 #: scale ``t`` until a relaxation's plan fits, then bisections between it and the last
 #: that did not; sweeps of single-node moves polishing each plan. One bisection: four
-#: planned the same plans at four budgets each of GPT-2 small (12 layers), the quick Llama,
-#: MoE, MLP and WRN on (2, 4), and the 1B Llama's bench plans under its budget (the repair
-#: and polish of every relaxation's plan settle what the further bisections refined), in
-#: 55-90% of the time (measured here)
+#: planned the same plans on the zoo's models (the repair and polish of every relaxation's
+#: plan settle what the further bisections refined), in less time
 DOUBLINGS = 24
 BISECTIONS = 1
 POLISH_SWEEPS = 20

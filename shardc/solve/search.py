@@ -227,12 +227,10 @@ def _descent(cg: CostGraph, folding: tuple[CostGraph, dict[int, int]] | None,
              memory_budget) -> dict[int, int]:
     """Coordinate descent's plan of ``cg``: from its starts on the graph itself, or, when
     folding at least halves it, on the repeated-layer quotient (a layer's work, not the
-    program's: 0.8 of the 12-layer GPT-2's 4.5 s of planning was descent on the full
-    graph), expanded and refined on the full graph. The quotient's stages settle the plan
-    from there (:func:`quotient_refine`); the start only leads them. Where folding ties
+    program's), expanded and refined on the full graph. The quotient's stages settle the
+    plan from there (:func:`quotient_refine`); the start only leads them. Where folding ties
     little (a scanned model: its layers are one body already), the graph's own descent
-    costs no more and leads better: the 70B decoder on (128, 8) planned to 10.49 s per
-    step from it, 10.61 s from the quotient's."""
+    costs no more and leads better."""
     if folding is None or 2 * len(folding[0].live) > len(cg.live):
         return descent.solve(cg, memory_budget)
     q, cls = folding
