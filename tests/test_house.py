@@ -44,7 +44,9 @@ def test_a_long_function_is_found(tmp_path):
 
 @pytest.mark.parametrize("record", ["shardc.step.options.Options",
                                     "shardc.pipeline.choose.ChoiceOptions",
-                                    "shardc.pipeline.choose.Choice"])
+                                    "shardc.pipeline.choose.Choice",
+                                    "shardc.pipeline.cost.PipelinePrice",
+                                    "shardc.plan.record.Plan"])
 def test_option_records_are_keyword_only(record):
     module, _, name = record.rpartition(".")
     cls = getattr(__import__(module, fromlist=[name]), name)

@@ -95,7 +95,7 @@ from shardc.plan.record import Plan
 __all__ = ["PipelinePrice", "price"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PipelinePrice:
     """A pipelined step's prediction (seconds per step, bytes per device).
 
@@ -228,13 +228,16 @@ def price(pipeline: Pipeline, whole: Parts, stage: Parts, cluster: Cluster,
         relaid = tuple(b / s for b in stage.param_bytes) * stage.passes
         relayout = sum(cluster.collective_seconds("all-to-all", spans, b) for b in relaid)
     peak = _peak(pipeline, whole, stage, ticks, onefb)
-    return PipelinePrice(pipeline, rest + layers + transfers + gathers + once + loss_reduce +
-                         relayout,
-                         rest, layers, bubble, transfers, gathers, once, permutes,
-                         stage.carry / m, reduces, stage.carry, peak, mesh, grads, grad_bytes,
-                         whole.rest_comm, ticks, stage.batch_spans, loss_reduce, loss_bytes,
-                         loss_spans, stage.tensor_spans, sample, stage_plan, relayout,
-                         relaid)
+    return PipelinePrice(
+        pipeline=pipeline,
+        step_time=rest + layers + transfers + gathers + once + loss_reduce + relayout,
+        rest=rest, layers=layers, bubble=bubble, transfers=transfers, gathers=gathers,
+        once=once, permutes=permutes, permute_bytes=stage.carry / m, reduces=reduces,
+        reduce_bytes=stage.carry, peak_memory=peak, mesh=mesh, grads=grads,
+        grad_bytes=grad_bytes, rest_comm=whole.rest_comm, ticks=ticks,
+        batch_spans=stage.batch_spans, loss_reduce=loss_reduce, loss_bytes=loss_bytes,
+        loss_spans=loss_spans, tensor_spans=stage.tensor_spans, sample_comm=sample,
+        stage_plan=stage_plan, relayout=relayout, relayout_bytes=relaid)
 
 
 def _peak(pipeline: Pipeline, whole: Parts, stage: Parts, ticks: int, onefb: bool) -> float:

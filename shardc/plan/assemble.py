@@ -211,14 +211,16 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
     moved = [float(input_cost(cg, k, [values[v.id]])[0]) for k, v in enumerate(graph.inputs)]
     feed = sum(t for k, t in enumerate(moved) if k not in cg.offloaded)
     host = sum(t for k, t in enumerate(moved) if k in cg.offloaded)
-    return Plan(tuple(zip(names, sizes)), cluster,
-                tuple(values[v.id] for v in graph.inputs), tuple(outputs), values, tuple(ops),
-                tuple(reshards), Predicted(comm, compute, rec.wire, peak, feed, host),
-                dict(solver),
-                graph.memo("fingerprint", fingerprint), tuple(v.ndim for v in graph.inputs),
-                tuple(v.ndim for v in graph.outputs), settled,
-                tuple(v.id for v in graph.inputs), tuple(v.type_str() for v in graph.inputs),
-                tuple(v.type_str() for v in graph.outputs), remat=tuple(remat),
+    return Plan(mesh_axes=tuple(zip(names, sizes)), cluster=cluster,
+                inputs=tuple(values[v.id] for v in graph.inputs), outputs=tuple(outputs),
+                values=values, ops=tuple(ops), reshards=tuple(reshards),
+                predicted=Predicted(comm, compute, rec.wire, peak, feed, host),
+                solver=dict(solver), fingerprint=graph.memo("fingerprint", fingerprint),
+                input_ranks=tuple(v.ndim for v in graph.inputs),
+                output_ranks=tuple(v.ndim for v in graph.outputs), settled=settled,
+                input_ids=tuple(v.id for v in graph.inputs),
+                input_types=tuple(v.type_str() for v in graph.inputs),
+                output_types=tuple(v.type_str() for v in graph.outputs), remat=tuple(remat),
                 segments=segments, offloaded=tuple(sorted(cg.offloaded)),
                 offloaded_outputs=tuple(sorted(j for j, i in ties if i in cg.offloaded)))
 

@@ -173,7 +173,7 @@ def unreduced(nd: NdSbp) -> NdSbp:
     return NdSbp(tuple(B if isinstance(s, Partial) else s for s in nd.sbps))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     """A placement plan: every value's layout, every op's strategy and what it costs.
 
