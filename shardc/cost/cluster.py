@@ -106,6 +106,7 @@ class Cluster:
     kernels: str | None = None
 
     def __post_init__(self):
+        """Sort the maps (a cluster's hash and JSON do not depend on their order); check."""
         for name in ("axis_bandwidth", "axis_latency", "axis_link", "axis_nodes"):
             object.__setattr__(self, name, dict(sorted(dict(getattr(self, name)).items())))
         positive = {**{f"axis_bandwidth[{a!r}]": v for a, v in self.axis_bandwidth.items()},
@@ -149,6 +150,7 @@ class Cluster:
                              f"reach, in (0, 1]; got {self.utilization!r} (0.5 is typical)")
 
     def __hash__(self):
+        """The hash of :meth:`key`."""
         return hash(self.key())
 
     def key(self) -> tuple:

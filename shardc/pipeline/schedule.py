@@ -47,6 +47,7 @@ class Pipeline:
     virtual: int = 1
 
     def __post_init__(self):
+        """Check the fields (see Raises)."""
         if self.schedule not in SCHEDULES:
             raise ValueError(f"Pipeline(schedule={self.schedule!r}): use one of {SCHEDULES}")
         if self.stages < 2:

@@ -49,6 +49,7 @@ class Signature:
         return any(not isinstance(s, Broadcast) for s in self.outs)
 
     def __str__(self) -> str:
+        """``"S(0),B->S(0)"``."""
         return f"{','.join(map(str, self.ins))}->{','.join(map(str, self.outs))}"
 
 

@@ -72,6 +72,7 @@ class Checkpoints:
     """
 
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3):
+        """Open (or create) the checkpoints in ``directory``; see the class's Args."""
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
             raise ValueError(f"max_to_keep must be a positive integer or None (keep all), got "
                              f"{max_to_keep!r}")
@@ -257,9 +258,11 @@ class Checkpoints:
         self._manager.close()
 
     def __enter__(self) -> Checkpoints:
+        """The checkpoints, closed on exit."""
         return self
 
     def __exit__(self, *exc) -> None:
+        """:meth:`close`."""
         self.close()
 
     def _path(self, step: int) -> str:

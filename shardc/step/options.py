@@ -96,6 +96,7 @@ class Options:
     offload: bool = True  # where a budget binds, state may live in host memory
 
     def __post_init__(self):
+        """Check the fields (see Raises)."""
         if not (self.pipeline is None or self.pipeline is False
                 or isinstance(self.pipeline, Pipeline)):
             raise TypeError(f"pipeline must be a shardc.pipeline.Pipeline, False (never "

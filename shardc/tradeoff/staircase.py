@@ -36,10 +36,12 @@ class Frontier(Sequence[Plan]):
     plans: tuple[Plan, ...]
 
     def __post_init__(self):
+        """Check there is a plan."""
         if not self.plans:
             raise ValueError("a frontier holds at least one plan")
 
     def __len__(self) -> int:
+        """The number of plans."""
         return len(self.plans)
 
     @overload
@@ -49,9 +51,11 @@ class Frontier(Sequence[Plan]):
     def __getitem__(self, k: slice) -> tuple[Plan, ...]: ...
 
     def __getitem__(self, k):
+        """Plan ``k``, or a tuple of plans for a slice."""
         return self.plans[k]
 
     def __iter__(self) -> Iterator[Plan]:
+        """The plans, leanest first."""
         return iter(self.plans)
 
     def points(self) -> list[tuple[float, float]]:
@@ -86,6 +90,7 @@ class Frontier(Sequence[Plan]):
         return "\n".join(rows)
 
     def __str__(self) -> str:
+        """:meth:`table`."""
         return self.table()
 
     def plot(self, path: str | None = None, experts: Mapping[str, tuple[float, float]] | None

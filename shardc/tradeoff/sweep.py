@@ -167,4 +167,5 @@ class DeviceSweep:
         return "\n".join(rows)
 
     def __str__(self) -> str:
+        """:meth:`table`."""
         return self.table()
