@@ -33,6 +33,7 @@ from shardc.cli.explain import cmd_explain
 from shardc.cli.export import cmd_export
 from shardc.cli.pareto import cmd_pareto
 from shardc.cli.plan import cmd_plan
+from shardc.solve.ilp import DEFAULT_TIME_LIMIT
 from shardc.tradeoff.frontier import BUDGETS
 
 __all__ = ["command", "main"]
@@ -53,7 +54,7 @@ def _target_arguments(q) -> None:
                         "else nvlink-node)")
     q.add_argument("--layers", type=positive(int), default=None, help="zoo models only")
     q.add_argument("--tiny", action="store_true", help="zoo models only")
-    q.add_argument("--time-limit", type=positive(float), default=10.0)
+    q.add_argument("--time-limit", type=positive(float), default=DEFAULT_TIME_LIMIT)
     q.add_argument("--mesh-search", action="store_true",
                    help="also plan the other logical views of the devices (e.g. 16, 4x4)")
 
@@ -62,14 +63,17 @@ DESCRIPTION = ("shardc, an auto-sharding compiler for JAX: demo | plan | pareto 
                "explain | export | bench (each command's --help says more)")
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="shardc", description=DESCRIPTION)
-    sub = p.add_subparsers(dest="cmd", required=True)
+def _demo_parser(sub) -> None:
+    """``shardc demo``'s arguments."""
     d = sub.add_parser("demo", help="plan and run a GPT train step on 8 simulated devices")
     d.add_argument("--layers", type=positive(int), default=2)
     d.add_argument("--rows", type=positive(int), default=25,
                    help="op rows shown in the plan table")
     d.set_defaults(func=cmd_demo)
+
+
+def _plan_parser(sub) -> None:
+    """``shardc plan``'s arguments."""
     q = sub.add_parser("plan", help="plan a zoo model or your program from abstract shapes",
                        description="Plan a zoo model (gpt, mlp) or your own program: "
                        "path/to/file.py:make or pkg.module:make, where make() returns (fn, "
@@ -83,6 +87,10 @@ def main(argv: list[str] | None = None) -> None:
                         "layouts of the program on the same cost model")
     q.add_argument("--out", default=None, help="save the plan as JSON here")
     q.set_defaults(func=cmd_plan)
+
+
+def _pareto_parser(sub) -> None:
+    """``shardc pareto``'s arguments."""
     f = sub.add_parser("pareto", help="the time-memory frontier of a zoo model or your program",
                        description="Plan at no memory budget, at the smallest one a plan was "
                        "found for, and at budgets between; print the non-dominated plans.")
@@ -99,6 +107,10 @@ def main(argv: list[str] | None = None) -> None:
     f.add_argument("--memory-budget", type=positive(float), default=None, metavar="GIB",
                    help="with --devices: GiB per device (default: the cluster's device memory)")
     f.set_defaults(func=cmd_pareto)
+
+
+def _calibrate_parser(sub) -> None:
+    """``shardc calibrate``'s arguments."""
     c = sub.add_parser("calibrate", help="measure the devices at hand into a Cluster JSON")
     c.add_argument("--mesh", type=mesh_shape, default=(2, 4),
                    help="mesh shape, e.g. 8 or 2x4")
@@ -118,6 +130,10 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--matmul-size", type=positive(int), default=None,
                    help="side of the timed square matmul (default 1024)")
     c.set_defaults(func=cmd_calibrate)
+
+
+def _explain_parser(sub) -> None:
+    """``shardc explain``'s arguments."""
     e = sub.add_parser("explain", help="print a saved plan (with --compile: against what XLA "
                        "compiles)")
     e.add_argument("plan", help="a plan saved by shardc plan --out")
@@ -132,6 +148,10 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("--plot", default=None, metavar="PATH",
                    help="also draw the per-op layouts and the compute / comm split (PNG)")
     e.set_defaults(func=cmd_explain)
+
+
+def _export_parser(sub) -> None:
+    """``shardc export``'s arguments."""
     x = sub.add_parser("export", help="write a Python module that runs a saved plan with "
                        "plain jax.jit")
     x.add_argument("plan", help="a plan saved by shardc plan --out")
@@ -141,6 +161,10 @@ def main(argv: list[str] | None = None) -> None:
                         "folded")
     x.add_argument("--out", default=None, help="write here instead of standard output")
     x.set_defaults(func=cmd_export)
+
+
+def _bench_parser(sub) -> None:
+    """``shardc bench``'s arguments."""
     b = sub.add_parser("bench", help="shardc vs expert plans on the compiled programs")
     b.add_argument("--quick", action="store_true",
                    help="small models (the default presets); numerics checked for shardc only")
@@ -165,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--no-check", action="store_true", help="skip the numerics check")
     b.add_argument("--no-mesh-search", action="store_true",
                    help="plan shardc on the preset's mesh only")
-    b.add_argument("--time-limit", type=positive(float), default=10.0)
+    b.add_argument("--time-limit", type=positive(float), default=DEFAULT_TIME_LIMIT)
     b.add_argument("--planning", action="store_true",
                    help="measure planning time instead (GPT-2-small unrolled and the scanned "
                         "Llama, 12 and 48 layers) into planning.{md,json}")
@@ -183,6 +207,19 @@ def main(argv: list[str] | None = None) -> None:
                    help="plan a 70B-class decoder for 128x8 and 8x16x8 H100s (abstract meshes) "
                         "beside HSDP and FSDP x TP, into scale.{md,json}")
     b.set_defaults(func=cmd_bench)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse ``argv`` (default: the command line) and run the command it names."""
+    p = argparse.ArgumentParser(prog="shardc", description=DESCRIPTION)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    _demo_parser(sub)
+    _plan_parser(sub)
+    _pareto_parser(sub)
+    _calibrate_parser(sub)
+    _explain_parser(sub)
+    _export_parser(sub)
+    _bench_parser(sub)
     args = p.parse_args(argv)
     args.func(args)
 
@@ -190,9 +227,9 @@ def main(argv: list[str] | None = None) -> None:
 def command() -> None:
     """The ``shardc`` console script (and ``python -m shardc.cli``): :func:`main`, then the
     heap left to the process's exit (:func:`gc.freeze`) rather than walked by a last
-    collection: a frontier leaves some 300,000 IR objects in reference cycles (an op and
-    its values refer to each other), and the collection at exit took 0.7 s after the
-    table was printed (0.1 s frozen, measured here). :func:`main` itself, called in a
-    process that goes on, leaves the collector alone."""
+    collection: a frontier leaves many IR objects in reference cycles (an op and its values
+    refer to each other), and collecting them at exit delays the end of the command
+    (docs/design-notes.md). :func:`main` itself, called in a process that goes on, leaves
+    the collector alone."""
     main()
     gc.freeze()

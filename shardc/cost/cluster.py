@@ -1,34 +1,13 @@
 """The cluster a plan is priced on: per-mesh-axis links, device FLOP/s and memory.
 
-Every constant carries its source. Each mesh axis has a link kind (``axis_link``: NVLink,
-PCIe, a network, a TPU ICI axis), a bandwidth (bytes/s per device in one direction) and a
-latency (seconds: the ring/Simple per-step latency NCCL's tables give that kind, which
-scales the kind's other protocols, and the ``α`` of the α-β model). A collective is priced
-over the links its group crosses with the model ``collective_model`` names
-(:mod:`shardc.cost.collectives`: NCCL's own by default). :meth:`Cluster.calibrate` measures
-one on the devices at hand instead (:mod:`shardc.cost.calibrate` times and fits;
-:class:`Calibration` is the fit behind the Cluster).
-
-References:
-  NVIDIA H100 SXM5 datasheet (2023): NVLink 4 at 900 GB/s bidirectional per GPU (450 GB/s
-    per direction); 989 TFLOP/s dense BF16, 494 TFLOP/s dense TF32; 80 GB HBM3.
-  NVIDIA ConnectX-7 / Quantum-2 NDR InfiniBand: 400 Gb/s = 50 GB/s per port, one per GPU in
-    a DGX H100.
-  NVIDIA DGX H100 user guide (rail-optimized network): each GPU reaches other nodes through
-    its own ConnectX-7 port, so a send between two nodes runs at one port's bandwidth.
-  NVIDIA NCCL ``src/graph/tuning.cc`` ``hwLat``: ring/Simple per-step latency 3.4 µs on
-    NVLink and 9.6 µs over the network (PaddlePaddle's ``comm_op_cost.py`` uses the same).
-  IEEE 802.3ba / 802.3bj (100GBASE-SR4, -CR4): 100 Gb/s Ethernet = 12.5 GB/s per port and
-    direction; one 100 GbE NIC per GPU (RoCE). NCCL's tuning tables have one network row
-    (``hwLat[NCCL_HW_NET]``) for InfiniBand and RoCE alike.
-  PCI-SIG PCIe 5.0 specification: 32 GT/s per lane, x16 ~ 64 GB/s per direction (the H100
-    SXM host link).
-  Dubey et al., "The Llama 3 Herd of Models" (2024) §3.3.1: H100 servers of 8 GPUs on
-    NVLink, 400 Gb/s per GPU between servers; a pod of 3,072 GPUs has full bisection
-    bandwidth, and pods are joined by an aggregation layer with an oversubscription ratio
-    of 1:7, so a GPU's share of the link across pods is 1/7 of its in-pod link.
-  Google Cloud TPU v4 documentation: 275 TFLOP/s BF16, 32 GiB HBM, ICI ~ 45 GB/s per link
-    per direction (TPU v4 paper, Jouppi et al. ISCA'23).
+Every constant carries its source (docs/design-notes.md, "Sources of the cluster's
+constants"). Each mesh axis has a link kind (``axis_link``: NVLink, PCIe, a network, a TPU
+ICI axis), a bandwidth (bytes/s per device in one direction) and a latency (seconds: the
+ring/Simple per-step latency NCCL's tables give that kind, and the ``α`` of the α-β
+model). A collective is priced over the links its group crosses with the model
+``collective_model`` names (:mod:`shardc.cost.collectives`: NCCL's own by default).
+:meth:`Cluster.calibrate` measures one on the devices at hand instead
+(:mod:`shardc.cost.calibrate` times and fits; :class:`Calibration` is the fit behind it).
 """
 
 from __future__ import annotations
@@ -71,29 +50,41 @@ TPU_V4_MEMORY = 32 * 2**30
 class Cluster:
     """Links per mesh axis plus device compute and memory.
 
-    ``axis_bandwidth`` / ``axis_latency`` / ``axis_link`` map mesh axis names to bytes/s per
-    device, seconds (the ring/Simple per-step latency of the link) and a link kind
-    (``"nvlink"``, ``"pcie"``, ``"net"``, ``"ici"``). An axis missing from the maps uses
-    ``default_bandwidth`` / ``default_latency`` / ``default_link`` (an NVLink link by
-    default). ``axis_nodes`` says how many nodes an axis spans where that is not its size
-    (a network axis) or one (any other): a flattened view axis over nodes and their GPUs;
-    ``node_bandwidth`` / ``node_latency`` / ``node_link`` are then the link inside a node.
-    ``collective_model`` picks how a collective is priced: ``"nccl"`` (NCCL's tuning
-    model, the default), ``"ring"`` (ring/Simple, every step paying its latency) or
-    ``"alpha-beta"`` (one latency per collective); see :mod:`shardc.cost.collectives`.
-    ``overlap=True`` ranks the candidate plans the search keeps (mesh views, remat levels,
-    frontier points) by their step with communication overlapped with compute
-    (:func:`shardc.plan.overlap.ranking_time`), as XLA's latency-hiding scheduler runs
-    them on GPUs and TPUs: the GPU and TPU presets (:meth:`nvlink_node`,
-    :meth:`multi_node`, :meth:`ethernet_nodes`, :meth:`multi_pod`, :meth:`tpu_v4`) set
-    it; a Cluster built by hand adds communication to compute unless it asks.
-    ``kernels`` names a measured kernel model to price compute by
-    (:mod:`shardc.cost.kernels`: each kernel the larger of its arithmetic and its memory
-    traffic, never under a launch floor; ``"h100"``); by default (None) compute is FLOPs
-    over ``device_flops * utilization``, ``utilization`` being the
-    fraction of ``device_flops`` that real kernels reach (PaddlePaddle's cost model uses
-    the same factor). ``host_bandwidth`` prices feeding
-    inputs that are not carried from step to step (the batch) to devices.
+    An axis missing from the ``axis_*`` maps uses the ``default_*`` link (NVLink). The GPU
+    and TPU presets (:meth:`nvlink_node`, :meth:`multi_node`, :meth:`ethernet_nodes`,
+    :meth:`multi_pod`, :meth:`tpu_v4`) set ``overlap``; a Cluster built by hand adds
+    communication to compute unless it asks.
+
+    Attributes:
+        axis_bandwidth: Mesh axis name -> bytes/s per device, one direction.
+        axis_latency: Mesh axis name -> seconds, the link's ring/Simple per-step latency.
+        device_flops: FLOP/s per device.
+        device_memory: Bytes per device.
+        utilization: The share of ``device_flops`` real kernels reach, in (0, 1]; compute
+            is FLOPs over ``device_flops * utilization`` unless ``kernels`` is set.
+        host_bandwidth: Bytes/s of feeding the inputs not carried between steps (the
+            batch) to the devices.
+        default_bandwidth: The bandwidth of an axis ``axis_bandwidth`` leaves out.
+        default_latency: The latency of an axis ``axis_latency`` leaves out.
+        axis_link: Mesh axis name -> link kind: ``"nvlink"``, ``"pcie"``, ``"net"`` or
+            ``"ici"``.
+        axis_nodes: Mesh axis name -> the nodes it spans, where that is neither its size
+            (a network axis) nor one (any other): a flattened view axis over nodes.
+        default_link: The link kind of an axis ``axis_link`` leaves out.
+        node_bandwidth: The bandwidth inside a node (with ``axis_nodes``).
+        node_latency: The latency inside a node (with ``axis_nodes``).
+        node_link: The link kind inside a node: ``"nvlink"`` or ``"pcie"``.
+        collective_model: How a collective is priced: ``"nccl"`` (NCCL's tuning model),
+            ``"ring"`` (every ring step paying its latency) or ``"alpha-beta"`` (one
+            latency per collective); see :mod:`shardc.cost.collectives`.
+        overlap: Rank candidate plans by their step with communication overlapped with
+            compute (:func:`shardc.plan.overlap.ranking_time`), as XLA's latency-hiding
+            scheduler runs them on GPUs and TPUs.
+        kernels: A measured kernel model to price compute by (``"h100"``,
+            :mod:`shardc.cost.kernels`); None prices FLOPs.
+
+    Raises:
+        ValueError: At construction, for a value out of its range (named in the message).
     """
 
     axis_bandwidth: Mapping[str, float] = field(default_factory=dict)
@@ -115,6 +106,7 @@ class Cluster:
     kernels: str | None = None
 
     def __post_init__(self):
+        """Sort the maps (a cluster's hash and JSON do not depend on their order); check."""
         for name in ("axis_bandwidth", "axis_latency", "axis_link", "axis_nodes"):
             object.__setattr__(self, name, dict(sorted(dict(getattr(self, name)).items())))
         positive = {**{f"axis_bandwidth[{a!r}]": v for a, v in self.axis_bandwidth.items()},
@@ -158,9 +150,11 @@ class Cluster:
                              f"reach, in (0, 1]; got {self.utilization!r} (0.5 is typical)")
 
     def __hash__(self):
+        """The hash of :meth:`key`."""
         return hash(self.key())
 
     def key(self) -> tuple:
+        """Every field as a hashable tuple (what the cluster hashes and caches by)."""
         return (tuple(self.axis_bandwidth.items()), tuple(self.axis_latency.items()),
                 self.device_flops, self.device_memory, self.utilization, self.host_bandwidth,
                 self.default_bandwidth, self.default_latency, tuple(self.axis_link.items()),
@@ -169,38 +163,73 @@ class Cluster:
                 self.kernels)
 
     def bandwidth(self, axis: str) -> float:
+        """Bytes/s per device along ``axis``."""
         return self.axis_bandwidth.get(axis, self.default_bandwidth)
 
     def latency(self, axis: str) -> float:
+        """Seconds of a ring step along ``axis``."""
         return self.axis_latency.get(axis, self.default_latency)
 
     def link(self, axis: str) -> str:
+        """The link kind of ``axis``."""
         return self.axis_link.get(axis, self.default_link)
 
     def nodes(self, axis: str, count: int) -> int:
-        """Nodes that ``count`` devices along ``axis`` span."""
+        """Nodes that ``count`` devices along ``axis`` span.
+
+        Args:
+            axis: A mesh axis name.
+            count: Devices along it.
+
+        Returns:
+            The node count, at least 1.
+        """
         if axis in self.axis_nodes:
             return min(self.axis_nodes[axis], count)
         return count if self.link(axis) == "net" else 1
 
     def group(self, spans: Sequence[tuple[str, int]]) -> Group:
-        """The :class:`~shardc.cost.collectives.Group` of a collective whose devices take
-        ``count`` positions along each ``(axis, count)`` of ``spans``."""
+        """The device group of a collective over ``spans``.
+
+        Args:
+            spans: ``(axis, count)`` pairs: the group's devices take ``count`` positions
+                along each axis.
+
+        Returns:
+            The :class:`~shardc.cost.collectives.Group`, priced over the links it crosses.
+        """
         return _group(self, tuple((a, int(k)) for a, k in spans if k > 1))
 
     def collective_seconds(self, kind: str, spans: Sequence[tuple[str, int]], nbytes: float,
                            share: float = 1.0) -> float:
-        """Seconds of one collective over ``spans`` (see :meth:`group`) on NCCL's buffer of
-        ``nbytes`` (:func:`shardc.cost.collectives.seconds`), under this cluster's
-        ``collective_model``."""
+        """Seconds of one collective over ``spans``.
+
+        Args:
+            kind: The collective, e.g. ``"all-reduce"`` or ``"all-gather"``.
+            spans: ``(axis, count)`` pairs, as for :meth:`group`.
+            nbytes: NCCL's buffer bytes.
+            share: The share of one latency charged (collectives XLA combines share one).
+
+        Returns:
+            Seconds under this cluster's ``collective_model``
+            (:func:`shardc.cost.collectives.seconds`).
+        """
         return seconds(kind, self.group(spans), float(nbytes), self.collective_model, share)
 
     def send_seconds(self, spans: Sequence[tuple[str, int]], nbytes: float) -> float:
-        """Seconds of a collective-permute over ``spans`` in which every device sends
-        ``nbytes`` to one other (a pipeline's shift to the next stage): one NCCL send /
-        receive (:func:`shardc.cost.collectives.seconds`), whose pairs on different nodes
-        each cross one NIC, the per-device link of the network axis, not the node's NICs
-        together as a ring's channels do (:meth:`group`)."""
+        """Seconds of a collective-permute over ``spans``.
+
+        Every device sends ``nbytes`` to one other (a pipeline's shift to the next stage):
+        one NCCL send / receive, whose pairs on different nodes each cross one NIC, not the
+        node's NICs together as a ring's channels do (:meth:`group`).
+
+        Args:
+            spans: ``(axis, count)`` pairs, as for :meth:`group`.
+            nbytes: Bytes each device sends.
+
+        Returns:
+            Seconds under this cluster's ``collective_model``.
+        """
         g = self.group(spans)
         if g.nodes > 1:
             one = min(self.bandwidth(a) for a, k in spans if k > 1 and self.link(a) == "net")
@@ -208,6 +237,14 @@ class Cluster:
         return seconds("collective-permute", g, float(nbytes), self.collective_model)
 
     def check_axes(self, axis_names: Sequence[str]) -> None:
+        """Check that every axis the cluster names is one of the mesh's.
+
+        Args:
+            axis_names: The mesh's axis names.
+
+        Raises:
+            ValueError: Naming the axes the mesh does not have.
+        """
         unknown = (set(self.axis_bandwidth) | set(self.axis_latency) | set(self.axis_link)
                    | set(self.axis_nodes))
         unknown -= set(axis_names)
@@ -219,6 +256,7 @@ class Cluster:
             )
 
     def to_json(self) -> dict:
+        """The cluster as a JSON-ready dict (:meth:`from_json` reads it back)."""
         return {"axis_bandwidth": dict(self.axis_bandwidth),
                 "axis_latency": dict(self.axis_latency),
                 "device_flops": self.device_flops, "device_memory": self.device_memory,
@@ -233,16 +271,31 @@ class Cluster:
 
     @classmethod
     def from_json(cls, d: Mapping) -> Cluster:
+        """The cluster :meth:`to_json` (or ``shardc calibrate``) wrote.
+
+        Args:
+            d: Its fields by name.
+
+        Returns:
+            The cluster, checked as at construction.
+        """
         return cls(**d)
 
     @classmethod
     def calibrate(cls, mesh, options=None):
-        """Measure the devices of ``mesh``: α and bandwidth per mesh axis from timed
-        all-reduces, all-gathers and all-to-alls, achievable FLOP/s from a matmul
-        (:func:`shardc.cost.calibrate.measure`). Returns ``(cluster, calibration)``: the
-        Cluster (keyed by the mesh's axis names), and the fit behind it
-        (:class:`Calibration`, ``.report()`` prints it). ``options``: a
-        :class:`shardc.cost.calibrate.CalibrateOptions`."""
+        """Measure the devices of ``mesh`` into a Cluster.
+
+        α and bandwidth per mesh axis come from timed all-reduces, all-gathers and
+        all-to-alls, achievable FLOP/s from a matmul (:func:`shardc.cost.calibrate.measure`).
+
+        Args:
+            mesh: A concrete mesh of the devices to measure.
+            options: A :class:`shardc.cost.calibrate.CalibrateOptions`; None: its defaults.
+
+        Returns:
+            ``(cluster, calibration)``: the Cluster, keyed by the mesh's axis names, and the
+            fit behind it (:class:`Calibration`; ``.report()`` prints it).
+        """
         opts = options if options is not None else CalibrateOptions()
         model, fits, flops, memory, source = measure(mesh, opts)
         cluster = Cluster(axis_bandwidth={f.axis: f.bandwidth for f in fits},
@@ -254,24 +307,44 @@ class Cluster:
     # ---- presets -----------------------------------------------------------------------
     @classmethod
     def nvlink_node(cls, axis_names: Sequence[str] | str = ("gpu",)) -> Cluster:
-        """One 8-GPU H100 node: every mesh axis runs over NVLink (``axis_names``: the
-        mesh's axes, or one axis's name)."""
+        """One 8-GPU H100 node: every mesh axis runs over NVLink.
+
+        Args:
+            axis_names: The mesh's axis names, or one axis's name.
+
+        Returns:
+            The cluster, with ``overlap`` set.
+        """
         axis_names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
         return cls({a: NVLINK_BW for a in axis_names}, {a: NVLINK_LAT for a in axis_names},
                    axis_link={a: "nvlink" for a in axis_names}, overlap=True)
 
     @classmethod
     def multi_node(cls, node_axis: str = "node", gpu_axis: str = "gpu") -> Cluster:
-        """H100 nodes joined by NDR InfiniBand: ``node_axis`` over IB, ``gpu_axis`` NVLink."""
+        """H100 nodes joined by NDR InfiniBand.
+
+        Args:
+            node_axis: The mesh axis across nodes (InfiniBand, one port per GPU).
+            gpu_axis: The mesh axis inside a node (NVLink).
+
+        Returns:
+            The cluster, with ``overlap`` set.
+        """
         return cls({node_axis: IB_BW, gpu_axis: NVLINK_BW},
                    {node_axis: IB_LAT, gpu_axis: NVLINK_LAT},
                    axis_link={node_axis: "net", gpu_axis: "nvlink"}, overlap=True)
 
     @classmethod
     def ethernet_nodes(cls, node_axis: str = "node", gpu_axis: str = "gpu") -> Cluster:
-        """H100 nodes joined by 100 Gb/s Ethernet, one port per GPU (12.5 GB/s per device
-        across nodes, a quarter of NDR InfiniBand): ``node_axis`` over Ethernet,
-        ``gpu_axis`` NVLink."""
+        """H100 nodes joined by 100 Gb/s Ethernet, one port per GPU.
+
+        Args:
+            node_axis: The mesh axis across nodes (Ethernet: a quarter of NDR InfiniBand).
+            gpu_axis: The mesh axis inside a node (NVLink).
+
+        Returns:
+            The cluster, with ``overlap`` set.
+        """
         return cls({node_axis: ETH_BW, gpu_axis: NVLINK_BW},
                    {node_axis: ETH_LAT, gpu_axis: NVLINK_LAT},
                    axis_link={node_axis: "net", gpu_axis: "nvlink"}, overlap=True)
@@ -279,10 +352,20 @@ class Cluster:
     @classmethod
     def multi_pod(cls, pod_axis: str = "pod", node_axis: str = "node",
                   gpu_axis: str = "gpu") -> Cluster:
-        """Pods of H100 nodes: ``gpu_axis`` over NVLink within a node, ``node_axis`` over NDR
-        InfiniBand within a pod (full bisection bandwidth), ``pod_axis`` across pods over
-        the 1:7 oversubscribed aggregation layer (64 nodes of 8 GPUs in pods of 16 nodes:
-        the mesh ``(pod=4, node=16, gpu=8)``)."""
+        """Pods of H100 nodes: NVLink, InfiniBand and a cross-pod network.
+
+        For example 64 nodes of 8 GPUs in pods of 16 nodes: the mesh
+        ``(pod=4, node=16, gpu=8)``.
+
+        Args:
+            pod_axis: The mesh axis across pods (the 1:7 oversubscribed aggregation layer).
+            node_axis: The mesh axis across a pod's nodes (NDR InfiniBand, full bisection
+                bandwidth).
+            gpu_axis: The mesh axis inside a node (NVLink).
+
+        Returns:
+            The cluster, with ``overlap`` set.
+        """
         return cls({pod_axis: CROSS_POD_BW, node_axis: IB_BW, gpu_axis: NVLINK_BW},
                    {pod_axis: CROSS_POD_LAT, node_axis: IB_LAT, gpu_axis: NVLINK_LAT},
                    axis_link={pod_axis: "net", node_axis: "net", gpu_axis: "nvlink"},
@@ -290,8 +373,16 @@ class Cluster:
 
     @classmethod
     def tpu_v4(cls, axis_names: Sequence[str] | str = ("x", "y")) -> Cluster:
-        """A TPU v4 slice: every mesh axis an ICI torus axis (1 µs per hop: Austin et al.,
-        "How to Scale Your Model", 2025; ``axis_names``: the mesh's axes, or one's name)."""
+        """A TPU v4 slice: every mesh axis an ICI torus axis.
+
+        Each hop costs 1 µs (Austin et al., "How to Scale Your Model", 2025).
+
+        Args:
+            axis_names: The mesh's axis names, or one axis's name.
+
+        Returns:
+            The cluster, with ``overlap`` set.
+        """
         axis_names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
         return cls({a: TPU_V4_ICI_BW for a in axis_names}, {a: 1e-6 for a in axis_names},
                    device_flops=TPU_V4_FLOPS, device_memory=TPU_V4_MEMORY,
@@ -300,8 +391,15 @@ class Cluster:
 
 @dataclass(frozen=True)
 class Calibration:
-    """What :meth:`Cluster.calibrate` measured (:func:`shardc.cost.calibrate.measure`) and
-    the fit behind its Cluster."""
+    """What :meth:`Cluster.calibrate` measured and the fit behind its Cluster.
+
+    Attributes:
+        cluster: The calibrated cluster.
+        axes: The fit of each mesh axis, with its samples and residuals.
+        matmul_flops: FLOP/s per device of a float32 matmul.
+        memory_source: Where ``device_memory`` came from.
+        options: The options measured with.
+    """
 
     cluster: Cluster
     axes: tuple[AxisFit, ...]
@@ -310,6 +408,7 @@ class Calibration:
     options: CalibrateOptions
 
     def report(self) -> str:
+        """The fit as a table: per axis its latency, bandwidth and goodness of fit."""
         model = self.cluster.collective_model
         latency = "α (µs)" if model == "alpha-beta" else "λ/step (µs)"
         lines = [f"collective model: {model} (the better fit of {', '.join(FIT_MODELS)})",
@@ -325,6 +424,7 @@ class Calibration:
         return "\n".join(lines)
 
     def to_json(self) -> dict:
+        """The calibration as a JSON-ready dict, samples included."""
         return {
             "cluster": self.cluster.to_json(),
             "axes": [{"axis": f.axis, "size": f.size, "model": f.model, "latency": f.latency,

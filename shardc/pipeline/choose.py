@@ -43,14 +43,14 @@ from shardc.plan.assemble import assemble
 from shardc.plan.record import Plan, Predicted
 from shardc.solve.costgraph import NOTHING_FIXED, Fixed
 from shardc.solve.problem import input_choices
-from shardc.solve.search import MemoryBudgetError, SolveOptions, plan_graph
+from shardc.solve.search import DEFAULT_TIME_LIMIT, MemoryBudgetError, SolveOptions, plan_graph
 from shardc.tradeoff.views import View, views
 
 __all__ = ["Choice", "ChoiceOptions", "adopt", "best_pipeline", "candidates", "pinned",
            "updates"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ChoiceOptions:
     """``memory_budget``: bytes per device a stage may hold (None: the cluster's device
     memory); ``time_limit``: the ILP guard of each stage plan's search (seconds);
@@ -71,7 +71,7 @@ class ChoiceOptions:
     scan whose layer cannot is priced as none, as the planner plans it)."""
 
     memory_budget: float | None = None
-    time_limit: float = 10.0
+    time_limit: float = DEFAULT_TIME_LIMIT
     schedules: tuple[str, ...] = SCHEDULES
     max_virtual: int = 4
     min_gain: float = 0.05
@@ -97,7 +97,7 @@ class ChoiceOptions:
         return self.memory_budget if self.memory_budget is not None else cluster.device_memory
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Choice:
     """The pipeline chosen (None: none beats the unpipelined plan, or none applies, see
     ``reason``), the unpipelined step, the cheapest pipeline priced (chosen or not; its
@@ -270,9 +270,9 @@ def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[
     tensor_ran = False
 
     def none(reason: str, priced=(), best=None) -> Choice:
-        return Choice(None, base.predicted.step_time, best, reason, tuple(priced),
-                      time.perf_counter() - t0, layers.length if layers else 0,
-                      tensor=tensor_ran)
+        return Choice(pipeline=None, base_time=base.predicted.step_time, best=best,
+                      reason=reason, priced=tuple(priced), plan_s=time.perf_counter() - t0,
+                      layers=layers.length if layers else 0, tensor=tensor_ran)
 
     request = options.pipeline
     if request is False:
@@ -290,7 +290,6 @@ def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[
         _check_request(request, sizes, names, layers, options.schedules)
     elif options.views:
         meshes += views(sizes, names, cluster)[1:]
-    priced: list[PipelinePrice] = []  # with a request, the requested one per stage plan
     budget = options.budget(cluster)
     axes = []  # (view, its whole plan's parts, stage axis index)
     for view in meshes:
@@ -300,6 +299,35 @@ def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[
         axes += [(view, whole, k) for k, (axis, s) in enumerate(zip(view.names, view.shape))
                  if s > 1 and not layers.length % s and
                  not (isinstance(request, Pipeline) and request.axis != axis)]
+    priced, tensor_ran = _price_all(graph, axes, layers, ties, resident, solve, budget,
+                                    options)
+    if isinstance(request, Pipeline):
+        chosen = _cheapest(priced, budget)
+        return Choice(pipeline=request, base_time=base.predicted.step_time, best=chosen,
+                      reason="requested", priced=(chosen,), plan_s=time.perf_counter() - t0,
+                      layers=layers.length, stage_plan=chosen.stage_plan, tensor=tensor_ran)
+    fits = [p for p in priced if p.peak_memory <= budget]
+    if not fits:
+        return none("no pipeline fits the memory budget" if priced else
+                    "no mesh axis's size divides the layer count", priced)
+    best = _cheapest(priced, budget)
+    if best.step_time >= (1 - options.min_gain) * base.predicted.step_time:
+        return none(f"no pipeline saves {options.min_gain:.0%} of the unpipelined step",
+                    priced, best)
+    return Choice(pipeline=best.pipeline, base_time=base.predicted.step_time, best=best,
+                  reason="cheapest pipeline", priced=tuple(priced),
+                  plan_s=time.perf_counter() - t0, layers=layers.length,
+                  stage_plan=best.stage_plan, tensor=tensor_ran)
+
+
+def _price_all(graph: Graph, axes: list, layers, ties, resident, solve: SolveOptions,
+               budget: float, options: ChoiceOptions) -> tuple[list[PipelinePrice], bool]:
+    """Every candidate pipeline on each ``(view, whole plan's parts, stage axis)`` of
+    ``axes`` priced from its stage plans (with a request, the requested one per stage
+    plan), and whether stage plans with tensor parallelism inside were priced."""
+    request = options.pipeline
+    priced: list[PipelinePrice] = []
+    tensor_ran = False
     # tensor parallelism inside the stages, where data parallelism inside fits no budget
     for tensor in (False, True) if options.tensor else (False,):
         if tensor and any(p.peak_memory <= budget for p in priced):
@@ -317,21 +345,7 @@ def best_pipeline(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[
                         if isinstance(request, Pipeline) or
                         _splits_batch(stage_plan, layers, p.microbatches, graph)]
                 priced += mine
-    if isinstance(request, Pipeline):
-        chosen = _cheapest(priced, budget)
-        return Choice(request, base.predicted.step_time, chosen, "requested", (chosen,),
-                      time.perf_counter() - t0, layers.length, chosen.stage_plan, tensor_ran)
-    fits = [p for p in priced if p.peak_memory <= budget]
-    if not fits:
-        return none("no pipeline fits the memory budget" if priced else
-                    "no mesh axis's size divides the layer count", priced)
-    best = _cheapest(priced, budget)
-    if best.step_time >= (1 - options.min_gain) * base.predicted.step_time:
-        return none(f"no pipeline saves {options.min_gain:.0%} of the unpipelined step",
-                    priced, best)
-    return Choice(best.pipeline, base.predicted.step_time, best, "cheapest pipeline",
-                  tuple(priced), time.perf_counter() - t0, layers.length, best.stage_plan,
-                  tensor_ran)
+    return priced, tensor_ran
 
 
 def _cheapest(priced: Sequence[PipelinePrice], budget: float) -> PipelinePrice:

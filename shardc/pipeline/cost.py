@@ -95,7 +95,7 @@ from shardc.plan.record import Plan
 __all__ = ["PipelinePrice", "price"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PipelinePrice:
     """A pipelined step's prediction (seconds per step, bytes per device).
 
@@ -220,6 +220,30 @@ def price(pipeline: Pipeline, whole: Parts, stage: Parts, cluster: Cluster,
         once = stage.update / s + grads
     else:
         once = stage.once / s
+    relayout, relaid = 0.0, ()
+    if v > 1:
+        # the stored stack's layer dim is split over the stages in blocks, and the circular
+        # schedule runs chunk v S + s on stage s: each step lays every stacked parameter out
+        # again over the stage axis, and its gradient back (one all-to-all each way)
+        relaid = tuple(b / s for b in stage.param_bytes) * stage.passes
+        relayout = sum(cluster.collective_seconds("all-to-all", spans, b) for b in relaid)
+    peak = _peak(pipeline, whole, stage, ticks, onefb)
+    return PipelinePrice(
+        pipeline=pipeline,
+        step_time=rest + layers + transfers + gathers + once + loss_reduce + relayout,
+        rest=rest, layers=layers, bubble=bubble, transfers=transfers, gathers=gathers,
+        once=once, permutes=permutes, permute_bytes=stage.carry / m, reduces=reduces,
+        reduce_bytes=stage.carry, peak_memory=peak, mesh=mesh, grads=grads,
+        grad_bytes=grad_bytes, rest_comm=whole.rest_comm, ticks=ticks,
+        batch_spans=stage.batch_spans, loss_reduce=loss_reduce, loss_bytes=loss_bytes,
+        loss_spans=loss_spans, tensor_spans=stage.tensor_spans, sample_comm=sample,
+        stage_plan=stage_plan, relayout=relayout, relayout_bytes=relaid)
+
+
+def _peak(pipeline: Pipeline, whole: Parts, stage: Parts, ticks: int, onefb: bool) -> float:
+    """A stage's peak bytes per device: its share of the stacked state, the rest's state,
+    what the step works with and the activations held between passes."""
+    s, m, v = pipeline.stages, pipeline.microbatches, pipeline.virtual
     # what the rest holds, the stacked state's updated copy, and the stage's weights at
     # work: in a training step a buffer of the stage's weights' bytes (the gradient summed
     # over the loop; for the circular schedule the weights laid out in its order, the
@@ -244,18 +268,4 @@ def price(pipeline: Pipeline, whole: Parts, stage: Parts, cluster: Cluster,
         held = stage.saved * in_flight(pipeline) / (s * m) + 2 * stage.carry
     else:
         held = stage.saved * ticks / (s * m) + 2 * stage.carry
-    relayout, relaid = 0.0, ()
-    if v > 1:
-        # the stored stack's layer dim is split over the stages in blocks, and the circular
-        # schedule runs chunk v S + s on stage s: each step lays every stacked parameter out
-        # again over the stage axis, and its gradient back (one all-to-all each way)
-        relaid = tuple(b / s for b in stage.param_bytes) * stage.passes
-        relayout = sum(cluster.collective_seconds("all-to-all", spans, b) for b in relaid)
-    peak = stage.state / s + whole.other_state + working + held
-    return PipelinePrice(pipeline, rest + layers + transfers + gathers + once + loss_reduce +
-                         relayout,
-                         rest, layers, bubble, transfers, gathers, once, permutes,
-                         stage.carry / m, reduces, stage.carry, peak, mesh, grads, grad_bytes,
-                         whole.rest_comm, ticks, stage.batch_spans, loss_reduce, loss_bytes,
-                         loss_spans, stage.tensor_spans, sample, stage_plan, relayout,
-                         relaid)
+    return stage.state / s + whole.other_state + working + held

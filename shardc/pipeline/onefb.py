@@ -85,6 +85,39 @@ def in_flight(pipeline: Pipeline) -> int:
     return min(pipeline.microbatches, 2 * pipeline.stages - 1)
 
 
+def _passes(stage: Callable, params, x0):
+    """A stage's forward and backward passes for the 1F1B loop, split so the forward's
+    residuals that are not weights are kept per slot: the first micro-batch's output and
+    residuals (their shapes), ``forward(w, x) -> (y, kept)`` and ``backward(w, kept, ct)
+    -> (dw, dx)``."""
+
+    def residuals(w, x):
+        """The forward of ``x`` and its residuals that are not weights, with the map
+        from the residual tree's leaves to the weights' (None: kept per slot)."""
+        y, back = jax.vjp(stage, w, x)
+        leaves, tree = jax.tree.flatten(back)
+        ws = jax.tree.leaves(w)
+        where = tuple(next((k for k, wl in enumerate(ws) if wl is leaf), None)
+                      for leaf in leaves)
+        return y, [leaf for leaf, k in zip(leaves, where) if k is None], tree, where
+
+    y0, kept0, tree, where = residuals(params, x0)  # the shapes (XLA drops the compute)
+
+    def forward(w, x):
+        y, kept, _, w_at = residuals(w, x)
+        if w_at != where:
+            raise AssertionError("pipeline_loss: the stage's residuals differ between "
+                                 "two traces of the same forward")
+        return y, kept
+
+    def backward(w, kept, ct):
+        ws, it = jax.tree.leaves(w), iter(kept)
+        return jax.tree.unflatten(tree, [next(it) if k is None else ws[k]
+                                         for k in where])(ct)
+
+    return y0, kept0, forward, backward
+
+
 def _loop(layer_fn: Callable, loss_fn: Callable, pipeline: Pipeline,
           batch_axes: tuple[str, ...], wide: bool = False):
     """The per-device loop (the body of the ``shard_map``): ``params`` leaves ``[K, ...]``
@@ -112,34 +145,12 @@ def _loop(layer_fn: Callable, loss_fn: Callable, pipeline: Pipeline,
         s = jax.lax.axis_index(axis)
         last = s == s_n - 1
 
-        def residuals(w, x):
-            """The forward of ``x`` and its residuals that are not weights, with the map
-            from the residual tree's leaves to the weights' (None: kept per slot)."""
-            y, back = jax.vjp(stage, w, x)
-            leaves, tree = jax.tree.flatten(back)
-            ws = jax.tree.leaves(w)
-            where = tuple(next((k for k, wl in enumerate(ws) if wl is leaf), None)
-                          for leaf in leaves)
-            return y, [leaf for leaf, k in zip(leaves, where) if k is None], tree, where
-
         x0 = at(mbs, 0)
-        y0, kept0, tree, where = residuals(params, x0)  # the shapes (XLA drops the compute)
-
-        def forward(w, x):
-            y, kept, _, w_at = residuals(w, x)
-            if w_at != where:
-                raise AssertionError("pipeline_loss: the stage's residuals differ between "
-                                     "two traces of the same forward")
-            return y, kept
+        y0, kept0, forward, backward = _passes(stage, params, x0)
 
         def loss_of(y, h, tg):
             return jax.value_and_grad(lambda yy, hh: loss_fn(yy, hh, tg) * scale,
                                       argnums=(0, 1))(y, h)
-
-        def backward(w, kept, ct):
-            ws, it = jax.tree.leaves(w), iter(kept)
-            return jax.tree.unflatten(tree, [next(it) if k is None else ws[k]
-                                             for k in where])(ct)
 
         def tick(state, t):
             cur, dcur, buf, gw, gh, dmbs, loss = state

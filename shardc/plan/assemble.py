@@ -106,6 +106,90 @@ def _op_facts(graph: Graph) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]
              tuple(v.id for v in op.outputs)) for op in graph.ops]
 
 
+class _Recorder:
+    """The conversions a plan's consumers read values through, recorded in program order
+    (:class:`Reshard`), with what XLA's combiner needs to join their collectives."""
+
+    def __init__(self, graph: Graph, cg: CostGraph, platform: str | None):
+        self.cg, self.names, self.cluster = cg, cg.axis_names, cg.cluster
+        self.scale = dict(graph.memo("alpha_scales", alpha_scales))  # a copy: updated
+        self.reshards: list[Reshard] = []
+        self.comm = self.wire = 0.0
+        self.done: dict[tuple, int] = {}  # (value, src, dst) -> its reshard
+        self.summands = graph.memo("reassociated_adds", reassociated_adds)
+        self.summed: dict[tuple, int] = {}  # (add, src, dst) -> the reshard its summands share
+        self.folded = graph.constants()  # read partial, one is made so (as in the cost graph)
+        self.combiner = combiner_for(platform)
+        self.uses: list[Use] = []  # per reshard, where it sits (for XLA's combiner)
+        self.via: dict[tuple[int, int], int] = {}  # (consumer, value) -> the reshard it reads
+        #: the collectives a combiner may join, with (kind, group, runs, seconds charged)
+        self.pending: list[tuple[Pending, tuple]] = []
+
+    def record(self, value, consumer, src, dst, times: int = 1, reduced: bool = False
+               ) -> float:
+        """Price converting ``value`` from ``src`` to ``dst`` for ``consumer``, ``times``
+        per call (every iteration of a loop body). A constant read partial is free, as in
+        the cost graph. The same conversion of the same value for another consumer is
+        free: XLA's CSE merges the identical collectives (a parameter stored sharded and
+        gathered for the forward and the backward dot compiles to one all-gather).
+        ``reduced``: the consumer's results are all reduced where made (settled), so one
+        it reads made partial here is read apart (:class:`shardc.cost.combiner.Use`)."""
+        conv = self.cg.conversion_of(src, dst)
+        if not conv.collectives or value.id in self.folded and dst.has_partial:
+            return 0.0
+        done, summed, via = self.done, self.summed, self.via
+        if (value.id, src, dst) in done:
+            via.setdefault((consumer, value.id), done[(value.id, src, dst)])
+            return 0.0
+        if consumer in self.summands and src.has_partial and all(
+                c.kind in self.combiner.reassociates for c in conv.collectives):
+            # the add's other summand reduced alike: XLA reduces the sum once
+            if (consumer, src, dst) in summed:
+                via[(consumer, value.id)] = summed[(consumer, src, dst)]
+                return 0.0
+            summed[(consumer, src, dst)] = len(self.reshards)
+        done[(value.id, src, dst)] = via[(consumer, value.id)] = len(self.reshards)
+        self.uses.append(Use(value.id, consumer, reduced and any(
+            isinstance(d, Partial) and s != d for s, d in zip(src.sbps, dst.sbps))))
+        share = self.scale.get(value.id, 1.0)
+        t = conv.time(value.nbytes, share) * times
+        self._pend(value, src, conv, times, share)
+        self.comm += t
+        self.wire += conv.wire_bytes(value.nbytes) * times
+        self.reshards.append(Reshard(
+            value.id, consumer, src, dst, t, conv.wire_bytes(value.nbytes) * times,
+            tuple(f"{c.kind}@{'+'.join(self.names[a] for a in c.axes)}"
+                  for c in conv.collectives),
+            tuple(c.bytes_factor * value.nbytes * times for c in conv.collectives),
+            (-1,) * len(conv.collectives)))
+        return t
+
+    def _pend(self, value, src: NdSbp, conv, times: int, share: float) -> None:
+        """The collectives of the conversion being recorded that a combiner may join."""
+        combiner = self.combiner
+        for k, c in enumerate(conv.collectives):
+            family = combiner.family(c.kind)
+            if c.group is None or family is None:
+                continue
+            op = next((s.reduction for a in c.axes
+                       if isinstance(s := src.sbps[a], Partial)), "sum")
+            # a reduction combines with its own element type only; XLA:GPU's all-gather
+            # combiner joins gathers of any (a GPT-2 step's f32 activations and s32
+            # tokens compile to one all-gather of both)
+            dtype = None if family == "all-gather" else value.type_str().split("[")[0]
+            key = (family, c.axes, op, dtype, times)
+            # the combiners' limit is on result bytes: a reduce-scatter's is its
+            # buffer over the group, where it runs as one (not as an all-reduce);
+            # NCCL prices the buffer
+            buffer = c.buffer_factor * value.nbytes
+            result = buffer / (c.group.ranks if c.kind == "reduce-scatter" and
+                               not combiner.scatter_as_all_reduce else 1)
+            self.pending.append((Pending(len(self.reshards), k, key, result),
+                                 (c.kind, c.group, times,
+                                  c.seconds(value.nbytes, self.cluster.collective_model,
+                                            share) * times, buffer)))
+
+
 def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[tuple[int, int]],
              solver: dict, remat: tuple[int, ...] = (), segments: int = 0,
              platform: str | None = None) -> Plan:
@@ -114,86 +198,42 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
     for ``platform`` (whose combiners join collectives: :func:`shardc.cost.combiner.
     combiner_for`; XLA:CPU's when None)."""
     sizes, names, cluster = cg.axis_sizes, cg.axis_names, cg.cluster
-    values: dict[int, NdSbp] = {}
-    scale = dict(graph.memo("alpha_scales", alpha_scales))  # a copy: updated below
-    n_in = len(graph.inputs)
-    for k, v in enumerate(graph.inputs):
-        values[v.id] = cg.choices[k][choice[k]]
-    ops, reshards = [], []
-    comm = wire = compute = 0.0
-
-    done: dict[tuple, int] = {}  # (value, src, dst) -> its reshard
-    summands = graph.memo("reassociated_adds", reassociated_adds)
-    summed: dict[tuple, int] = {}  # (add, src, dst) -> the reshard its summands share
-    folded = graph.constants()  # read partial, one is made so (as in the cost graph)
-    combiner = combiner_for(platform)
-    uses: list[Use] = []  # per reshard, where it sits (for XLA's combiner)
-    via: dict[tuple[int, int], int] = {}  # (consumer, value) -> the reshard it reads
-    #: the collectives a combiner may join, with (kind, group, runs, seconds charged)
-    pending: list[tuple[Pending, tuple]] = []
-
-    def record(value, consumer, src, dst, times: int = 1, reduced: bool = False) -> float:
-        """Price converting ``value`` from ``src`` to ``dst`` for ``consumer``, ``times``
-        per call (every iteration of a loop body). A constant read partial is free, as in
-        the cost graph. The same conversion of the same value for another consumer is
-        free: XLA's CSE merges the identical collectives (a parameter stored sharded and
-        gathered for the forward and the backward dot compiles to one all-gather).
-        ``reduced``: the consumer's results are all reduced where made (settled), so one
-        it reads made partial here is read apart (:class:`shardc.cost.combiner.Use`)."""
-        nonlocal comm, wire
-        conv = cg.conversion_of(src, dst)
-        if not conv.collectives or value.id in folded and dst.has_partial:
-            return 0.0
-        if (value.id, src, dst) in done:
-            via.setdefault((consumer, value.id), done[(value.id, src, dst)])
-            return 0.0
-        if consumer in summands and src.has_partial and all(
-                c.kind in combiner.reassociates for c in conv.collectives):
-            # the add's other summand reduced alike: XLA reduces the sum once
-            if (consumer, src, dst) in summed:
-                via[(consumer, value.id)] = summed[(consumer, src, dst)]
-                return 0.0
-            summed[(consumer, src, dst)] = len(reshards)
-        done[(value.id, src, dst)] = via[(consumer, value.id)] = len(reshards)
-        uses.append(Use(value.id, consumer, reduced and any(
-            isinstance(d, Partial) and s != d for s, d in zip(src.sbps, dst.sbps))))
-        share = scale.get(value.id, 1.0)
-        t = conv.time(value.nbytes, share) * times
-        for k, c in enumerate(conv.collectives):
-            family = combiner.family(c.kind)
-            if c.group is not None and family is not None:
-                op = next((s.reduction for a in c.axes
-                           if isinstance(s := src.sbps[a], Partial)), "sum")
-                # a reduction combines with its own element type only; XLA:GPU's all-gather
-                # combiner joins gathers of any (a GPT-2 step's f32 activations and s32
-                # tokens compile to one all-gather of both)
-                dtype = None if family == "all-gather" else value.type_str().split("[")[0]
-                key = (family, c.axes, op, dtype, times)
-                # the combiners' limit is on result bytes: a reduce-scatter's is its
-                # buffer over the group, where it runs as one (not as an all-reduce);
-                # NCCL prices the buffer
-                buffer = c.buffer_factor * value.nbytes
-                result = buffer / (c.group.ranks if c.kind == "reduce-scatter" and
-                                   not combiner.scatter_as_all_reduce else 1)
-                pending.append((Pending(len(reshards), k, key, result),
-                                (c.kind, c.group, times,
-                                 c.seconds(value.nbytes, cluster.collective_model, share)
-                                 * times, buffer)))
-        comm += t
-        wire += conv.wire_bytes(value.nbytes) * times
-        reshards.append(Reshard(value.id, consumer, src, dst, t,
-                                conv.wire_bytes(value.nbytes) * times,
-                                tuple(f"{c.kind}@{'+'.join(names[a] for a in c.axes)}"
-                                      for c in conv.collectives),
-                                tuple(c.bytes_factor * value.nbytes * times
-                                      for c in conv.collectives),
-                                (-1,) * len(conv.collectives)))
-        return t
-
+    rec = _Recorder(graph, cg, platform)
+    values: dict[int, NdSbp] = {v.id: cg.choices[k][choice[k]]
+                                for k, v in enumerate(graph.inputs)}
     settled = {vid: cg.choices[w][choice[w]] for vid, w in cg.settle.items()}
+    ops, compute = _walk(graph, cg, choice, rec, values, settled)
+    outputs = _outputs(graph, cg, ties, rec, values, settled)
+    combined = _joined(graph, rec.uses, rec.via, rec.pending, rec.combiner, rec.reshards)
+    reshards, ops, comm = _combine(rec.reshards, ops, rec.comm, combined,
+                                   cluster.collective_model)
+    peak = float(np.max(memory_profile(cg, choice)))  # the profile budgets are held to
+    moved = [float(input_cost(cg, k, [values[v.id]])[0]) for k, v in enumerate(graph.inputs)]
+    feed = sum(t for k, t in enumerate(moved) if k not in cg.offloaded)
+    host = sum(t for k, t in enumerate(moved) if k in cg.offloaded)
+    return Plan(mesh_axes=tuple(zip(names, sizes)), cluster=cluster,
+                inputs=tuple(values[v.id] for v in graph.inputs), outputs=tuple(outputs),
+                values=values, ops=tuple(ops), reshards=tuple(reshards),
+                predicted=Predicted(comm, compute, rec.wire, peak, feed, host),
+                solver=dict(solver), fingerprint=graph.memo("fingerprint", fingerprint),
+                input_ranks=tuple(v.ndim for v in graph.inputs),
+                output_ranks=tuple(v.ndim for v in graph.outputs), settled=settled,
+                input_ids=tuple(v.id for v in graph.inputs),
+                input_types=tuple(v.type_str() for v in graph.inputs),
+                output_types=tuple(v.type_str() for v in graph.outputs), remat=tuple(remat),
+                segments=segments, offloaded=tuple(sorted(cg.offloaded)),
+                offloaded_outputs=tuple(sorted(j for j, i in ties if i in cg.offloaded)))
+
+
+def _walk(graph: Graph, cg: CostGraph, choice: Sequence[int], rec: _Recorder,
+          values: dict[int, NdSbp], settled: dict[int, NdSbp]) -> tuple[list[OpPlan], float]:
+    """The ops' plans in program order (and their compute time), recording each read's
+    conversion, each settling and the loops' carries and predicates; fills ``values``."""
+    n_in, record = len(graph.inputs), rec.record
     runs, settling = graph.runs(), settle_runs(graph)
     reduced_ys = ys_exits(graph)
-    scale.update(ys_shares(graph, reduced_ys))  # the after-loop all-reduces, combined
+    rec.scale.update(ys_shares(graph, reduced_ys))  # the after-loop all-reduces, combined
+    ops, compute = [], 0.0
 
     def settle(v) -> None:
         if v.id in settled:
@@ -219,43 +259,35 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
             values[v.id] = nd
             settle(v)
         types, ins, outs = facts[j]
-        seconds = compute_seconds(cluster, graph, op, strat.flops) * op.weight
+        seconds = compute_seconds(cg.cluster, graph, op, strat.flops) * op.weight
         ops.append(OpPlan(op.id, op.name, types, strat.ins, strat.outs, seconds, op_comm,
                           ins, outs, op.source, op.where))
         compute += seconds
     for enter, v in loop_ties(graph):  # a scan's carry back to its carried layout
         record(v, enter.id, read(v), values[enter.outputs[0].id], runs.get(v.id, 1))
     for v in loop_tests(graph):  # a while's predicate, read replicated every iteration
-        record(v, None, read(v), NdSbp((B,) * len(sizes)), runs.get(v.id, 1))
+        record(v, None, read(v), NdSbp((B,) * len(cg.axis_sizes)), runs.get(v.id, 1))
+    return ops, compute
+
+
+def _outputs(graph: Graph, cg: CostGraph, ties, rec: _Recorder, values: dict[int, NdSbp],
+             settled: dict[int, NdSbp]) -> list[NdSbp]:
+    """Each result's layout (fixed, its tied input's, else its own reduced), recording
+    its conversion there."""
     tied = dict(ties)
     outputs = []
     for j, v in enumerate(graph.outputs):
         if v.is_const:
-            src = NdSbp((B,) * len(sizes))
+            src = NdSbp((B,) * len(cg.axis_sizes))
         elif j in tied and graph.inputs[tied[j]].id == v.id:
             src = values[v.id]  # the state passed through unchanged
         else:
-            src = read(v)
+            src = settled.get(v.id, values[v.id])
         if j in cg.fixed.outputs:
             dst = cg.fixed.outputs[j]
         else:
             dst = values[graph.inputs[tied[j]].id] if j in tied else unreduced(src)
         if not v.is_const:
-            record(v, -1 - j, src, dst)
+            rec.record(v, -1 - j, src, dst)
         outputs.append(dst)
-    combined = _joined(graph, uses, via, pending, combiner, reshards)
-    reshards, ops, comm = _combine(reshards, ops, comm, combined, cluster.collective_model)
-    peak = float(np.max(memory_profile(cg, choice)))  # the profile budgets are held to
-    moved = [float(input_cost(cg, k, [values[v.id]])[0]) for k, v in enumerate(graph.inputs)]
-    feed = sum(t for k, t in enumerate(moved) if k not in cg.offloaded)
-    host = sum(t for k, t in enumerate(moved) if k in cg.offloaded)
-    return Plan(tuple(zip(names, sizes)), cluster,
-                tuple(values[v.id] for v in graph.inputs), tuple(outputs), values, tuple(ops),
-                tuple(reshards), Predicted(comm, compute, wire, peak, feed, host),
-                dict(solver),
-                graph.memo("fingerprint", fingerprint), tuple(v.ndim for v in graph.inputs),
-                tuple(v.ndim for v in graph.outputs), settled,
-                tuple(v.id for v in graph.inputs), tuple(v.type_str() for v in graph.inputs),
-                tuple(v.type_str() for v in graph.outputs), remat=tuple(remat),
-                segments=segments, offloaded=tuple(sorted(cg.offloaded)),
-                offloaded_outputs=tuple(sorted(j for j, i in ties if i in cg.offloaded)))
+    return outputs

@@ -13,13 +13,15 @@ module does not import the record it reads. What goes wrong reading one field be
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from shardc.ir.sbp import NdSbp
+from shardc.pipeline.schedule import Pipeline
 
-__all__ = ["FIELDS", "FIELDS_V2", "ColumnReader", "InPlaceReader", "PlanFormatError",
-           "reading_field"]
+__all__ = ["FIELDS", "FIELDS_V2", "ColumnReader", "InPlaceReader", "layout_reader", "parsed",
+           "PlanFormatError", "program_fields", "reading_field"]
 
 #: a row of a plan's ops or reshards, as the reader is given its class
 Row = TypeVar("Row")
@@ -150,3 +152,77 @@ def reading_field(name: str):
         raise PlanFormatError(f"field {name} has no {exc.args[0]!r}") from exc
     except (TypeError, ValueError, AttributeError, IndexError) as exc:
         raise PlanFormatError(f"field {name} is malformed: {exc}") from exc
+
+
+def parsed(text: str) -> tuple[dict, int]:
+    """A saved plan's JSON object and format version, its fields all present."""
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlanFormatError(f"not valid JSON ({exc.msg} at line {exc.lineno}, column "
+                              f"{exc.colno}); was the file truncated or edited?") from exc
+    if not isinstance(d, dict):
+        raise PlanFormatError(f"expected a JSON object, got {type(d).__name__}")
+    version = d.get("version")
+    if version not in (1, 2):
+        raise PlanFormatError(f"unknown plan version {version!r}; expected 1 or 2")
+    missing = [k for k in FIELDS + (FIELDS_V2 if version == 2 else ()) if k not in d]
+    if missing:
+        raise PlanFormatError(f"missing field(s) {missing}")
+    return d, version
+
+
+def layout_reader(d: dict, version: int, n_axes: int):
+    """How a saved plan's layouts are read: from its tables (version 2) or in place (1).
+
+    Each layout is checked against the mesh's ``n_axes``.
+    """
+
+    def nd(x) -> NdSbp:
+        out = NdSbp.from_json(x)
+        if len(out) != n_axes:
+            raise ValueError(f"{x} has {len(out)} mesh axes, the plan's mesh {n_axes}")
+        return out
+
+    if version == 2:
+        with reading_field("layouts"):
+            table = [nd(x) for x in d["layouts"]]
+        with reading_field("strings"):
+            strings = [str(s) for s in d["strings"]]
+        return ColumnReader(table, strings)
+    return InPlaceReader(nd)
+
+
+def program_fields(d: dict, n_in: int, n_out: int) -> dict:
+    """The fields that describe a saved plan's program.
+
+    Names, types, remat, pipeline and offloading, checked against its ``n_in`` inputs and
+    ``n_out`` outputs.
+    """
+    # what a plan saved before these fields existed lacks is left empty
+    described = {}
+    for key, per in (("input_ids", n_in), ("input_types", n_in), ("output_types", n_out),
+                     ("input_names", n_in), ("output_names", n_out)):
+        with reading_field(key):
+            got = tuple(d.get(key, ()))
+            if got and len(got) != per:
+                raise ValueError(f"{len(got)} entries for {per} leaves")
+            described[key] = tuple(int(x) for x in got) if key == "input_ids" else \
+                tuple(str(x) for x in got)
+    with reading_field("remat"):  # a plan saved before remat was a choice recomputes nothing
+        described["remat"] = tuple(int(k) for k in d.get("remat", ()))
+        described["segments"] = int(d.get("segments", 0))
+        if any(not 0 <= k < described["segments"] for k in described["remat"]):
+            raise ValueError(f"segments {list(described['remat'])} of "
+                             f"{described['segments']}")
+    with reading_field("pipeline"):  # a plan saved before pipelines runs none
+        pipe = d.get("pipeline")
+        described["pipeline"] = Pipeline.from_json(pipe) if pipe is not None else None
+    with reading_field("offloaded"):  # a plan saved before offloading keeps all on device
+        off = d.get("offloaded") or {}
+        described["offloaded"] = tuple(int(k) for k in off.get("inputs", ()))
+        described["offloaded_outputs"] = tuple(int(k) for k in off.get("outputs", ()))
+        if any(not 0 <= k < n_in for k in described["offloaded"]) or any(
+                not 0 <= k < n_out for k in described["offloaded_outputs"]):
+            raise ValueError("an offloaded leaf index out of range")
+    return described

@@ -25,20 +25,24 @@ from shardc.cost.cluster import Cluster
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Partial, to_partition_spec
 from shardc.pipeline.schedule import Pipeline
-from shardc.plan.codec import (
-    FIELDS,
-    FIELDS_V2,
-    ColumnReader,
-    InPlaceReader,
-    PlanFormatError,
-    reading_field,
-)
+from shardc.plan.codec import layout_reader, parsed, program_fields, reading_field
 
 __all__ = ["OpPlan", "Plan", "Predicted", "Reshard", "fingerprint", "unreduced"]
 
 
 @dataclass(frozen=True)
 class Predicted:
+    """What a plan is predicted to cost per step and device.
+
+    Attributes:
+        comm_time: Seconds of communication per step.
+        compute_time: Seconds of compute per step.
+        comm_bytes: Wire bytes per device per step.
+        peak_memory: Peak bytes per device.
+        feed_time: Seconds feeding the inputs not carried between steps to the devices.
+        host_time: Seconds moving offloaded state to the devices and back, serially.
+    """
+
     comm_time: float  # seconds per step
     compute_time: float
     comm_bytes: float  # wire bytes per device per step
@@ -48,11 +52,28 @@ class Predicted:
 
     @property
     def step_time(self) -> float:
+        """Seconds per step: communication, compute, feed and host memory, serially."""
         return self.comm_time + self.compute_time + self.feed_time + self.host_time
 
 
 @dataclass(frozen=True)
 class OpPlan:
+    """One op's strategy in a plan: its inputs' and outputs' layouts and their cost.
+
+    Attributes:
+        id: The op's id in the traced program.
+        prim: Its primitive's name.
+        types: Its inputs' and outputs' types, ``"f32[8,16],f32[16,32]->f32[8,32]"``.
+        ins: The layout each input is read in.
+        outs: The layout each output is made in.
+        compute_time: Seconds of its compute.
+        comm_time: Seconds converting its inputs.
+        reads: The value id of each input, -1 for a constant.
+        writes: The value id of each output.
+        source: The user's line that made it (``path:line``); "" if unknown.
+        where: Its equation in the traced jaxpr, outermost call first; () if unknown.
+    """
+
     id: int
     prim: str
     types: str  # "f32[8,16],f32[16,32]->f32[8,32]"
@@ -70,6 +91,7 @@ class OpPlan:
 
     @property
     def strategy(self) -> str:
+        """Its strategy per mesh axis, ``"S(0),B->S(0) | B,S(1)->S(1)"``."""
         axes = range(len(self.outs[0]) if self.outs else 0)
         return " | ".join(",".join(str(nd.sbps[a]) for nd in self.ins) + "->" +
                           ",".join(str(nd.sbps[a]) for nd in self.outs) for a in axes)
@@ -77,6 +99,22 @@ class OpPlan:
 
 @dataclass(frozen=True)
 class Reshard:
+    """A conversion a plan runs: one value from one layout to another, and its cost.
+
+    Attributes:
+        value: The value's id.
+        consumer: The reading op's id, ``-1 - j`` for result ``j``, None for the value's
+            settling.
+        src: The layout converted from.
+        dst: The layout converted to.
+        time: Seconds per step.
+        wire_bytes: Wire bytes per device per step.
+        collectives: Its collectives, ``"all-reduce@gpu"``.
+        collective_bytes: Wire bytes per device of each collective.
+        combined: Per collective, the tuple collective XLA combines it into (an index its
+            members share), -1 where it runs alone; () in older plans.
+    """
+
     value: int
     consumer: int | None  # op id, -1 - j for graph output j, None: the value's settling
     src: NdSbp
@@ -97,9 +135,18 @@ def _stable(params: dict) -> str:
 
 
 def fingerprint(graph: Graph) -> str:
-    """A digest of the program a plan is for: the inputs' types, and per op its primitive,
-    params, which values it reads (numbered in definition order; constants by type, and
-    by value when scalar) and its outputs' types."""
+    """A digest of the program a plan is for.
+
+    It covers the inputs' types, and per op its primitive, params, which values it reads
+    (numbered in definition order; constants by type, and by value when scalar) and its
+    outputs' types.
+
+    Args:
+        graph: The traced program.
+
+    Returns:
+        16 hex digits.
+    """
     h = hashlib.sha1()
     number: dict[int, int] = {}
 
@@ -122,11 +169,42 @@ def fingerprint(graph: Graph) -> str:
 
 
 def unreduced(nd: NdSbp) -> NdSbp:
+    """``nd`` with every partial sum reduced (broadcast)."""
     return NdSbp(tuple(B if isinstance(s, Partial) else s for s in nd.sbps))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Plan:
+    """A placement plan: every value's layout, every op's strategy and what it costs.
+
+    Made by ``step.plan(*args)``; saved and read with :meth:`to_json` / :meth:`from_json`.
+
+    Attributes:
+        mesh_axes: ``(name, size)`` per mesh axis.
+        cluster: The cluster the plan is priced on.
+        inputs: The layout of each flat input leaf.
+        outputs: The layout of each flat output leaf.
+        values: Value id -> its layout as its producer makes it.
+        ops: Each op's strategy.
+        reshards: Each conversion the plan runs.
+        predicted: The predicted step and peak memory.
+        solver: The search's statistics and choices (status, timings, what it weighed).
+        fingerprint: The digest of the program the plan is for (:func:`fingerprint`).
+        input_ranks: The rank of each flat input leaf.
+        output_ranks: The rank of each flat output leaf.
+        settled: Value id -> the layout its uses read it from, where it settles.
+        input_ids: The value id of each flat input leaf.
+        input_types: The type of each flat input leaf, ``"f32[8,16]"``.
+        output_types: The type of each flat output leaf.
+        input_names: The user's name of each flat input leaf (``state.params.w``).
+        output_names: The user's name of each flat output leaf (``out[1]``).
+        remat: The forward segments whose activations are recomputed in the backward.
+        segments: The program's forward segments.
+        pipeline: The pipeline the layer stacks run as; None: none.
+        offloaded: Input leaves kept in host memory between steps.
+        offloaded_outputs: Output leaves (their new state) written to host memory.
+    """
+
     mesh_axes: tuple[tuple[str, int], ...]
     cluster: Cluster
     inputs: tuple[NdSbp, ...]  # per flat input leaf
@@ -164,14 +242,27 @@ class Plan:
 
     @property
     def axis_names(self) -> tuple[str, ...]:
+        """The mesh's axis names."""
         return tuple(n for n, _ in self.mesh_axes)
 
     @property
     def axis_sizes(self) -> tuple[int, ...]:
+        """The mesh's axis sizes."""
         return tuple(s for _, s in self.mesh_axes)
 
     def named(self, input_names, output_names) -> Plan:
-        """This plan with the user's names of its input and output leaves (one each)."""
+        """This plan with the user's names of its input and output leaves.
+
+        Args:
+            input_names: One name per flat input leaf.
+            output_names: One name per flat output leaf.
+
+        Returns:
+            The plan (itself when the names are its own).
+
+        Raises:
+            ValueError: When the counts differ from the plan's leaves.
+        """
         input_names, output_names = tuple(input_names), tuple(output_names)
         if len(input_names) != len(self.inputs) or len(output_names) != len(self.outputs):
             raise ValueError(f"named: {len(input_names)} input / {len(output_names)} output "
@@ -182,41 +273,73 @@ class Plan:
         return dataclasses.replace(self, input_names=input_names, output_names=output_names)
 
     def input_name(self, k: int) -> str:
+        """The name of input leaf ``k`` (``input k`` where the plan has none)."""
         return self.input_names[k] if self.input_names else f"input {k}"
 
     def output_name(self, j: int) -> str:
+        """The name of output leaf ``j`` (``output j`` where the plan has none)."""
         return self.output_names[j] if self.output_names else f"output {j}"
 
     def input_specs(self) -> list[PartitionSpec]:
+        """The PartitionSpec of each flat input leaf."""
         return [to_partition_spec(nd, r, self.axis_names)
                 for nd, r in zip(self.inputs, self.input_ranks)]
 
     def output_specs(self) -> list[PartitionSpec]:
+        """The PartitionSpec of each flat output leaf."""
         return [to_partition_spec(nd, r, self.axis_names)
                 for nd, r in zip(self.outputs, self.output_ranks)]
 
     def explain(self, max_rows: int | None = 60, top: int = 10, compiled=None,
                 mesh=None, margins=None) -> str:
-        """The plan in the user's names: the PartitionSpec of every argument and result leaf,
-        the per-op table (repeated layers folded, each row's source line), the costliest
-        reshards; with ``margins`` (``step.margins(*args)``) the predicted step of generic
-        data-parallel / FSDP / Megatron / DP x TP layouts beside this plan's; with
-        ``compiled`` (and its ``mesh``), predicted vs compiled collectives too."""
+        """The plan in the user's names, as text.
+
+        The PartitionSpec of every argument and result leaf, the per-op table (repeated
+        layers folded, each row's source line) and the costliest reshards.
+
+        Args:
+            max_rows: The most op rows shown; None: all.
+            top: The costliest reshards shown.
+            compiled: A ``jax.stages.Compiled`` of the plan's program: predicted vs
+                compiled collectives too.
+            mesh: The mesh ``compiled`` runs on.
+            margins: ``step.margins(*args)``: generic data-parallel / FSDP / Megatron /
+                DP x TP layouts' predicted steps beside this plan's.
+
+        Returns:
+            The report's text.
+        """
         return str(self.report(max_rows, top, compiled, mesh, margins))
 
     def report(self, max_rows: int | None = 60, top: int = 10, compiled=None, mesh=None,
                margins=None):
-        """:meth:`explain` as a :class:`shardc.report.tables.Report`: ``str()`` is the text, a rich
-        console renders it as tables, a notebook as HTML."""
+        """:meth:`explain` as a Report.
+
+        Args:
+            max_rows: As for :meth:`explain`.
+            top: As for :meth:`explain`.
+            compiled: As for :meth:`explain`.
+            mesh: As for :meth:`explain`.
+            margins: As for :meth:`explain`.
+
+        Returns:
+            A :class:`shardc.report.tables.Report`: ``str()`` is the text, a rich console
+            renders it as tables, a notebook as HTML.
+        """
         from shardc.report.explain import explain_report
 
         check = self.verify(compiled, mesh) if compiled is not None else None
         return explain_report(self, max_rows, top, margins, check)
 
     def plot(self, path: str | None = None):
-        """The per-op layout per mesh axis and the compute / communication split
-        (:func:`shardc.report.plot.plot_plan`, matplotlib); saved to ``path`` if given. Returns
-        the ``matplotlib.figure.Figure``."""
+        """Draw the per-op layouts and the compute / communication split.
+
+        Args:
+            path: Where to save the figure; None: not saved.
+
+        Returns:
+            The ``matplotlib.figure.Figure`` (:func:`shardc.report.plot.plot_plan`).
+        """
         from shardc.report.plot import plot_plan
 
         return plot_plan(self, path)
@@ -225,19 +348,31 @@ class Plan:
         return self.report(max_rows=30)._repr_html_()
 
     def verify(self, compiled, mesh=None):
-        """Predicted vs compiled collectives of ``compiled`` (a ``jax.stages.Compiled``)."""
+        """Predicted vs compiled collectives.
+
+        Args:
+            compiled: A ``jax.stages.Compiled`` of the plan's program.
+            mesh: The mesh it runs on.
+
+        Returns:
+            The comparison (:func:`shardc.inspect.verify.verify`); ``.table()`` prints it.
+        """
         from shardc.inspect.verify import verify
 
         return verify(self, compiled, mesh)
 
     # ---- JSON ---------------------------------------------------------------------------------
     def to_json(self) -> str:
-        """The plan as JSON (version 2): every layout written once, in a table the values,
-        ops and reshards index, and the ops and reshards as columns. A large program's plan
-        holds a few dozen distinct layouts and a few hundred distinct type strings over
-        thousands of ops, so this is a third of the size of writing each in place, and
-        reading it (:meth:`from_json`, on every ``use_plan`` of a saved plan) builds each
-        layout once instead of parsing it per use."""
+        """The plan as JSON (version 2).
+
+        Every layout is written once, in a table the values, ops and reshards index, and
+        the ops and reshards as columns: a large program's plan holds few distinct layouts
+        and type strings over many ops, so the file is smaller than one writing each in
+        place, and reading it builds each layout once.
+
+        Returns:
+            The JSON text (:meth:`from_json` reads it back).
+        """
         layouts: dict[NdSbp, int] = {}
         strings: dict[str, int] = {}
 
@@ -296,40 +431,22 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        """Read a plan saved with :meth:`to_json`, in this version's format or version 1's
-        (each layout written in place); a damaged file raises :class:`PlanFormatError`
-        naming the field that is missing or wrong."""
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise PlanFormatError(f"not valid JSON ({exc.msg} at line {exc.lineno}, column "
-                                  f"{exc.colno}); was the file truncated or edited?") from exc
-        if not isinstance(d, dict):
-            raise PlanFormatError(f"expected a JSON object, got {type(d).__name__}")
-        version = d.get("version")
-        if version not in (1, 2):
-            raise PlanFormatError(f"unknown plan version {version!r}; expected 1 or 2")
-        missing = [k for k in FIELDS + (FIELDS_V2 if version == 2 else ()) if k not in d]
-        if missing:
-            raise PlanFormatError(f"missing field(s) {missing}")
+        """Read a plan saved with :meth:`to_json`.
+
+        Args:
+            text: The JSON, in this version's format or version 1's (each layout written
+                in place).
+
+        Returns:
+            The plan.
+
+        Raises:
+            PlanFormatError: For a damaged file, naming the field missing or wrong.
+        """
+        d, version = parsed(text)
         with reading_field("mesh_axes"):
             mesh_axes = tuple((str(n), int(s)) for n, s in d["mesh_axes"])
-        n_axes = len(mesh_axes)
-
-        def nd(x) -> NdSbp:
-            out = NdSbp.from_json(x)
-            if len(out) != n_axes:
-                raise ValueError(f"{x} has {len(out)} mesh axes, the plan's mesh {n_axes}")
-            return out
-
-        if version == 2:
-            with reading_field("layouts"):
-                table = [nd(x) for x in d["layouts"]]
-            with reading_field("strings"):
-                strings = [str(s) for s in d["strings"]]
-            read = ColumnReader(table, strings)
-        else:
-            read = InPlaceReader(nd)
+        read = layout_reader(d, version, len(mesh_axes))
         with reading_field("cluster"):
             cluster = Cluster.from_json(d["cluster"])
         with reading_field("inputs"):
@@ -351,37 +468,9 @@ class Plan:
             output_ranks = tuple(int(r) for r in d["output_ranks"])
             if len(input_ranks) != len(inputs) or len(output_ranks) != len(outputs):
                 raise ValueError("one rank per input and per output")
-        # what a plan saved before these fields existed lacks is left empty
-        described = {}
-        for key, per in (("input_ids", inputs), ("input_types", inputs),
-                         ("output_types", outputs), ("input_names", inputs),
-                         ("output_names", outputs)):
-            with reading_field(key):
-                got = tuple(d.get(key, ()))
-                if got and len(got) != len(per):
-                    raise ValueError(f"{len(got)} entries for {len(per)} leaves")
-                described[key] = tuple(int(x) for x in got) if key == "input_ids" else \
-                    tuple(str(x) for x in got)
-        with reading_field("remat"):  # a plan saved before remat was a choice recomputes nothing
-            described["remat"] = tuple(int(k) for k in d.get("remat", ()))
-            described["segments"] = int(d.get("segments", 0))
-            if any(not 0 <= k < described["segments"] for k in described["remat"]):
-                raise ValueError(f"segments {list(described['remat'])} of "
-                                 f"{described['segments']}")
-        with reading_field("pipeline"):  # a plan saved before pipelines runs none
-            pipe = d.get("pipeline")
-            described["pipeline"] = Pipeline.from_json(pipe) if pipe is not None else None
-        with reading_field("offloaded"):  # a plan saved before offloading keeps all on device
-            off = d.get("offloaded") or {}
-            described["offloaded"] = tuple(int(k) for k in off.get("inputs", ()))
-            described["offloaded_outputs"] = tuple(int(k) for k in off.get("outputs", ()))
-            if any(not 0 <= k < len(inputs) for k in described["offloaded"]) or any(
-                    not 0 <= k < len(outputs) for k in described["offloaded_outputs"]):
-                raise ValueError("an offloaded leaf index out of range")
+        described = program_fields(d, len(inputs), len(outputs))
         return cls(mesh_axes=mesh_axes, cluster=cluster, inputs=inputs, outputs=outputs,
                    values=values, settled=settled, ops=ops, reshards=reshards,
                    predicted=predicted, solver=dict(d["solver"]),
                    fingerprint=str(d["fingerprint"]), input_ranks=input_ranks,
                    output_ranks=output_ranks, **described)
-
-

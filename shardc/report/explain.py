@@ -392,6 +392,35 @@ def explain_report(plan, max_rows: int | None = 60, top: int = 10, margins=None,
     """The plan as a :class:`Report`: totals, the argument and result tables, the per-op
     table, the costliest reshards; with ``margins`` (:class:`shardc.tradeoff.baselines.Margins`) the
     generic layouts priced beside it, with ``verification`` predicted vs compiled."""
+    blocks = _summary(plan) + _search_notes(plan)
+    if margins is not None:
+        blocks.append(margins.table())
+    blocks += _coverage(plan.ops)
+    blocks += _control_flow(plan.ops)
+    blocks += argument_table(plan)
+    names = _Names(plan)
+    blocks.append(op_table(plan, names, max_rows))
+    kinds = Counter(c for r in plan.reshards for c in r.collectives)
+    blocks.append(textwrap.fill(
+        "collectives planned: " + (", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))
+                                   or "none"), width=100, subsequent_indent="  ",
+        break_on_hyphens=False))
+    if plan.reshards:
+        blocks.append(Table(
+            f"top {min(top, len(plan.reshards))} resharding edges:",
+            ("value", "read by", "from", "to", "collectives", "time", "wire bytes"),
+            tuple((*_edge(plan, names, r), "+".join(r.collectives), fmt_time(r.time),
+                   fmt_bytes(r.wire_bytes))
+                  for r in sorted(plan.reshards, key=lambda r: -r.time)[:top]),
+            align="<<<<<>>", indent=2))
+    if verification is not None:
+        blocks.append(verification.table())
+    return Report(tuple(blocks))
+
+
+def _summary(plan) -> list:
+    """The report's head: the solver, the predicted step and peak, and what the plan does
+    beyond layouts (offloading, a budget's check, overlap, remat, a pipeline)."""
     p = plan.predicted
     mesh = mesh_label(plan.mesh_axes)
     blocks: list = [
@@ -419,6 +448,13 @@ def explain_report(plan, max_rows: int | None = 60, top: int = 10, margins=None,
                       f"{', '.join(map(str, plan.remat))}) instead of keeping them")
     if plan.pipeline is not None:
         blocks.append(_pipeline(plan))
+    return blocks
+
+
+def _search_notes(plan) -> list:
+    """What the planner weighed beside the plan: pipelines passed over, the meshes and
+    compiled programs it ranked, the seeds' predictions."""
+    blocks = []
     rejected = plan.solver.get("pipeline", {}).get("rejected") or \
         plan.solver.get("pipeline_rejected")
     if rejected:
@@ -453,29 +489,7 @@ def explain_report(plan, max_rows: int | None = 60, top: int = 10, margins=None,
             ", overlapped" if plan.cluster.overlap else "") + "): " + ", ".join(
             f"{name} {fmt_time(t)}" for name, t in sorted(seeds.items(), key=lambda kv: kv[1]))
             + f"; this plan {fmt_time(_ranked(plan))}")
-    if margins is not None:
-        blocks.append(margins.table())
-    blocks += _coverage(plan.ops)
-    blocks += _control_flow(plan.ops)
-    blocks += argument_table(plan)
-    names = _Names(plan)
-    blocks.append(op_table(plan, names, max_rows))
-    kinds = Counter(c for r in plan.reshards for c in r.collectives)
-    blocks.append(textwrap.fill(
-        "collectives planned: " + (", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))
-                                   or "none"), width=100, subsequent_indent="  ",
-        break_on_hyphens=False))
-    if plan.reshards:
-        blocks.append(Table(
-            f"top {min(top, len(plan.reshards))} resharding edges:",
-            ("value", "read by", "from", "to", "collectives", "time", "wire bytes"),
-            tuple((*_edge(plan, names, r), "+".join(r.collectives), fmt_time(r.time),
-                   fmt_bytes(r.wire_bytes))
-                  for r in sorted(plan.reshards, key=lambda r: -r.time)[:top]),
-            align="<<<<<>>", indent=2))
-    if verification is not None:
-        blocks.append(verification.table())
-    return Report(tuple(blocks))
+    return blocks
 
 
 def _edge(plan, names, r) -> tuple[str, str, str, str]:

@@ -33,7 +33,12 @@ __all__ = ["FixedFn", "has_rule", "is_pinned", "LayoutError", "NoRuleWarning", "
 
 @dataclass(frozen=True, slots=True)
 class Signature:
-    """SBPs of every input and output of an op along one mesh axis."""
+    """SBPs of every input and output of an op along one mesh axis.
+
+    Attributes:
+        ins: The SBP of each input.
+        outs: The SBP of each output.
+    """
 
     ins: tuple[Sbp, ...]
     outs: tuple[Sbp, ...]
@@ -44,12 +49,19 @@ class Signature:
         return any(not isinstance(s, Broadcast) for s in self.outs)
 
     def __str__(self) -> str:
+        """``"S(0),B->S(0)"``."""
         return f"{','.join(map(str, self.ins))}->{','.join(map(str, self.outs))}"
 
 
 @dataclass(frozen=True, slots=True)
 class Strategy:
-    """One nd placement of an op: input/output NdSbps and per-device FLOPs."""
+    """One nd placement of an op.
+
+    Attributes:
+        ins: The NdSbp of each input.
+        outs: The NdSbp of each output.
+        flops: FLOPs per device.
+    """
 
     ins: tuple[NdSbp, ...]
     outs: tuple[NdSbp, ...]
@@ -57,6 +69,7 @@ class Strategy:
 
     @property
     def name(self) -> str:
+        """The strategy per mesh axis, ``"S(0),B->S(0) | B,S(1)->S(1)"``."""
         parts = []
         for axis in range(len(self.outs[0]) if self.outs else 0):
             ins = ",".join(str(nd.sbps[axis]) for nd in self.ins)
@@ -89,18 +102,40 @@ def _registrar(table: dict, names: Sequence[str], flops: FlopsFn | None):
 
 
 def register(*names: str, flops: FlopsFn | None = None):
-    """Decorator: ``@register("add", "sub")`` makes the function the rule of those primitives."""
+    """Register the decorated function as the sharding rule of primitives.
+
+    ``@register("add", "sub")`` makes the function the rule of those primitives: given an
+    :class:`~shardc.ir.graph.Op`, it returns the op's 1-D :class:`Signature` s.
+
+    Args:
+        *names: The primitives' names.
+        flops: The primitives' FLOP count, ``flops(op) -> float``; None keeps theirs.
+
+    Returns:
+        The decorator; it returns the function unchanged.
+    """
     return _registrar(_RULES, names, flops)
 
 
 def register_fixed(*names: str, flops: FlopsFn | None = None):
-    """Decorator: the function gives the nd placements a user fixed for these primitives
+    """Register the rule of primitives whose placement the user fixed.
+
+    The decorated function gives the nd placements a user fixed for these primitives
     (``with_sharding_constraint``, ``shard_map`` regions), which the planner keeps as they
-    are. It raises :class:`LayoutError` when the mesh cannot express them."""
+    are; it raises :class:`LayoutError` when the mesh cannot express them.
+
+    Args:
+        *names: The primitives' names.
+        flops: The primitives' FLOP count, ``flops(op) -> float``; None keeps theirs.
+
+    Returns:
+        The decorator; it returns the function unchanged.
+    """
     return _registrar(_FIXED, names, flops)
 
 
 def has_rule(name: str) -> bool:
+    """Whether primitive ``name`` has a rule (its own or a fixed placement)."""
     return name in _RULES or name in _FIXED
 
 
@@ -110,10 +145,12 @@ def is_pinned(op: Op) -> bool:
 
 
 def registered() -> list[str]:
+    """The names of the primitives with a rule, sorted."""
     return sorted(_RULES)
 
 
 def replicated_signature(op: Op) -> Signature:
+    """The signature broadcasting every input and output of ``op``."""
     return Signature((B,) * len(op.inputs), (B,) * len(op.outputs))
 
 
@@ -129,9 +166,15 @@ _SHOWN: dict = {}
 
 
 def warn_missing(ops: Sequence[Op]) -> None:
-    """One :class:`NoRuleWarning` per primitive without a rule among ``ops`` (called once
-    per plan), pointing at the user's line that made its first op, else at the first caller
-    outside shardc; shown once per primitive and line in a process (:data:`_SHOWN`)."""
+    """Warn once per primitive without a rule among ``ops``.
+
+    Called once per plan. Each :class:`NoRuleWarning` points at the user's line that made
+    the primitive's first op, else at the first caller outside shardc; it shows once per
+    primitive and line in a process (:data:`_SHOWN`).
+
+    Args:
+        ops: The program's ops.
+    """
     first: dict[str, Op] = {}
     for op in ops:
         first.setdefault(op.name, op)
@@ -156,8 +199,18 @@ def _caller() -> tuple[str, int]:
 
 
 def signatures(op: Op) -> list[Signature]:
-    """The 1-D signatures of ``op`` (deduplicated, all-broadcast first); only the
-    replicated one for a primitive without a rule."""
+    """The 1-D signatures of ``op``.
+
+    Args:
+        op: The op.
+
+    Returns:
+        Its rule's signatures, deduplicated, all-broadcast first; only the replicated one
+        for a primitive without a rule.
+
+    Raises:
+        ValueError: When the rule returns a signature of the wrong arity.
+    """
     rule = _RULES.get(op.name)
     if rule is None:
         sigs: Sequence[Signature] = ()
@@ -177,19 +230,29 @@ def signatures(op: Op) -> list[Signature]:
 
 def strategies(op: Op, axis_sizes: Sequence[int], axis_names: Sequence[str] | None = None,
                consume_partial: bool = False) -> list[Strategy]:
-    """nd strategies of ``op`` on a mesh with ``axis_sizes``: product of 1-D signatures,
-    keeping only even splits. Constant inputs are never partial.
+    """The nd strategies of ``op`` on a mesh with ``axis_sizes``.
 
-    An op carrying a layout the user fixed (:func:`register_fixed`) has exactly that
-    placement when ``axis_names`` are given (:class:`LayoutError` if the mesh cannot
-    express it); without names it is planned by its rule like any other op.
+    The product of its 1-D signatures, keeping only even splits; constant inputs are never
+    partial. Lowering on Auto mesh axes cannot keep a value unreduced across ops (XLA
+    reduces a partial result before its next use), so a plan must not count on reading
+    one; ops may still *produce* partial values.
 
-    ``consume_partial=False`` drops signatures that take a partial input, except the P -> P
-    of ops that pass partial values through (:attr:`shardc.ir.prims.Prim.passes_partial`):
-    lowering on Auto mesh axes cannot keep a value unreduced across ops (XLA reduces a
-    partial result before its next use; an add of two partials becomes two all-reduces), so
-    a plan must not count on it. Ops may still *produce* partial values (and a sum over
-    dims of size 1 passes them, as a reshape does: :func:`shardc.ir.prims.passes_partial`)."""
+    Args:
+        op: The op.
+        axis_sizes: The mesh's axis sizes.
+        axis_names: The mesh's axis names: an op carrying a layout the user fixed
+            (:func:`register_fixed`) then has exactly that placement; None plans it by
+            its rule like any other op.
+        consume_partial: Keep signatures that read a partial input; False keeps only the
+            P -> P of ops that pass partial values through
+            (:func:`shardc.ir.prims.passes_partial`).
+
+    Returns:
+        The strategies, each with its per-device FLOPs.
+
+    Raises:
+        LayoutError: When the mesh cannot express a fixed layout.
+    """
     total = op_flops(op)
     if axis_names is not None and op.name in _FIXED:
         return [Strategy(tuple(ins), tuple(outs), total)

@@ -1,31 +1,14 @@
 """Checkpoints of a sharded train state and its plan, that restore onto another mesh.
 
-A thin layer over Orbax's ``CheckpointManager`` (``orbax-checkpoint``, the ``train``
-extra): each saved step is one directory holding the state (Orbax's standard pytree
-format: every process writes its own shards) and the plan it was trained with (JSON).
-Saves are asynchronous (``save`` returns once the arrays are copied off the devices; the
-files are written in the background) and atomic (Orbax writes a temporary directory and
-renames it when every file is in place, so a crash mid-save leaves no step that
-:meth:`Checkpoints.latest_step` returns).
-
-Restoring reads each device's shard of each array straight into the shardings asked for
-(``ShapeDtypeStruct``s carrying ``NamedSharding``s: the new plan's, from
-``step.input_shardings(...)``), on whatever mesh they name: another device count or mesh
-shape than the one saved from. No array is gathered whole on one device or host.
-
-Each committed checkpoint is sealed: process 0 writes ``shardc-seal.json`` into its
-directory, naming every file and its size, once Orbax has committed it (:meth:`wait`,
-:meth:`close`, and the next :meth:`save`). :meth:`restore_newest` restores the newest step
-whose files all match its seal; a newest step truncated, with a file deleted, or never
-sealed (the job died between the commit and the seal) is reported in one warning naming
-it and the step used instead, and deleted so that training saves it again. The check
-reads only the file system, so every process of a job reaches the same verdict; the
-processes meet (two barriers) only around deleting a damaged step.
+A thin layer over Orbax's ``CheckpointManager`` (the ``train`` extra): each step is one
+directory holding the state (every process writes its own shards) and the plan (JSON).
+Saves are asynchronous and atomic. Restores read each device's shard straight into the
+shardings asked for, on any mesh: no array is gathered whole. Each committed step is
+sealed (``shardc-seal.json``: its files and sizes); :meth:`Checkpoints.restore_newest`
+falls back past a damaged or unsealed step and deletes it::
 
     ckpt = Checkpoints("/ckpt")
-    step = shardc.auto_shard(train_step, mesh=mesh)
-    state_sh, _ = step.input_shardings(abstract_state, abstract_batch)[0]
-    found = ckpt.restore_newest(abstract_state, state_sh)
+    found = ckpt.restore_newest(abstract_state, state_shardings)
     start, state = (found.step, found.state) if found else (0, init())
     for i in range(start + 1, n + 1):
         state, loss = step(state, batch_for(i))
@@ -61,7 +44,13 @@ log = logging.getLogger("shardc")
 
 
 class Restored(NamedTuple):
-    """What :meth:`Checkpoints.restore_newest` found: the step, its state and its meta."""
+    """What :meth:`Checkpoints.restore_newest` found.
+
+    Attributes:
+        step: The checkpoint's step.
+        state: The state, placed as asked.
+        meta: The meta saved with it.
+    """
 
     step: int
     state: Any
@@ -69,11 +58,21 @@ class Restored(NamedTuple):
 
 
 class Checkpoints:
-    """Numbered checkpoints in ``directory`` (created if missing); the ``max_to_keep``
-    newest are kept (None: all). Every process of a job makes one with the same directory
-    and calls ``save`` / ``restore`` together."""
+    """Numbered checkpoints of a sharded state in ``directory``.
+
+    Every process of a job makes one with the same directory and calls ``save`` /
+    ``restore`` together. Usable as a context manager (closed on exit).
+
+    Args:
+        directory: Where the checkpoints live (created if missing).
+        max_to_keep: The newest checkpoints kept; None: all.
+
+    Raises:
+        ValueError: For a ``max_to_keep`` that is not a positive integer or None.
+    """
 
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3):
+        """Open (or create) the checkpoints in ``directory``; see the class's Args."""
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
             raise ValueError(f"max_to_keep must be a positive integer or None (keep all), got "
                              f"{max_to_keep!r}")
@@ -84,10 +83,20 @@ class Checkpoints:
                                                  enable_async_checkpointing=True))
 
     def save(self, step: int, state, plan: Plan, meta: dict | None = None) -> None:
-        """Start saving ``state`` (a pytree of arrays), the ``plan`` that made it and
-        ``meta`` (JSON: a data loader's position, say) as checkpoint ``step``; returns once
-        the arrays are off the devices (the step may donate or overwrite them). A step
-        already saved is an error."""
+        """Start saving ``state``, its plan and ``meta`` as checkpoint ``step``.
+
+        Returns once the arrays are off the devices (the step may then donate or
+        overwrite them); the files are written in the background.
+
+        Args:
+            step: The checkpoint's number.
+            state: A pytree of arrays.
+            plan: The plan that made it.
+            meta: JSON-ready facts to keep beside it (a data loader's position, say).
+
+        Raises:
+            ValueError: When checkpoint ``step`` already exists.
+        """
         if step in self._manager.all_steps():
             raise ValueError(f"checkpoint {step} already exists in {self.directory}; save "
                              "each step once (resume from latest_step() + 1)")
@@ -110,13 +119,26 @@ class Checkpoints:
         return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
+        """The steps of every checkpoint in the directory."""
         return list(self._manager.all_steps())
 
     def restore(self, abstract, shardings=None, step: int | None = None):
-        """The state saved at ``step`` (default: the latest), each array placed as asked:
-        ``abstract`` is a pytree like the state of ``ShapeDtypeStruct``s (or arrays) with
-        a ``sharding`` each, or with ``shardings`` a matching pytree of shardings (the
-        new plan's: ``step.input_shardings(...)``)."""
+        """The state saved at ``step``, placed as asked.
+
+        Args:
+            abstract: A pytree like the state of ``ShapeDtypeStruct``s (or arrays), each
+                with a ``sharding`` unless ``shardings`` gives them.
+            shardings: A matching pytree of shardings (the new plan's:
+                ``step.input_shardings(...)``); None: those of ``abstract``.
+            step: The checkpoint; None: the latest.
+
+        Returns:
+            The state, each array read shard by shard onto its devices.
+
+        Raises:
+            ValueError: When an array has no sharding.
+            FileNotFoundError: When there is no such checkpoint.
+        """
         step = self._step(step)
         if shardings is not None:
             abstract = jax.tree.map(
@@ -137,20 +159,21 @@ class Checkpoints:
         return restored[_STATE]
 
     def restore_newest(self, abstract, shardings=None) -> Restored | None:
-        """The newest checkpoint whose files match its seal, restored as :meth:`restore`
-        does, with its step and meta; None when there is no checkpoint. Damaged or unsealed
-        newer steps are named in one warning and deleted (by process 0). Every process
-        calls it.
+        """The newest intact checkpoint, restored.
+
+        The newest checkpoint whose files match its seal, restored as :meth:`restore`
+        does. Damaged or unsealed newer steps are named in one warning and deleted (by
+        process 0). Every process calls it.
 
         Args:
-            abstract: the state's pytree of ``ShapeDtypeStruct``s (or arrays).
-            shardings: a matching pytree of shardings, unless ``abstract`` carries them.
+            abstract: The state's pytree of ``ShapeDtypeStruct``s (or arrays).
+            shardings: A matching pytree of shardings, unless ``abstract`` carries them.
 
         Returns:
             ``Restored(step, state, meta)``, or None when the directory has no checkpoint.
 
         Raises:
-            RuntimeError: checkpoints exist but none is complete.
+            RuntimeError: Checkpoints exist but none is complete.
         """
         steps = sorted(self._manager.all_steps(), reverse=True)
         if not steps:
@@ -176,7 +199,7 @@ class Checkpoints:
         """What is wrong with checkpoint ``step``'s files against its seal.
 
         Args:
-            step: a step of :meth:`all_steps`.
+            step: A step of :meth:`all_steps`.
 
         Returns:
             The problem in words (a file missing, truncated or grown, the seal missing or
@@ -200,7 +223,14 @@ class Checkpoints:
         return None
 
     def meta(self, step: int | None = None) -> dict:
-        """The meta saved with checkpoint ``step`` (default: the latest); {} if none."""
+        """The meta saved with checkpoint ``step``.
+
+        Args:
+            step: The checkpoint; None: the latest.
+
+        Returns:
+            The meta; {} if none was saved.
+        """
         step = self._step(step)
         if not os.path.isdir(os.path.join(self._path(step), _META)):
             return {}
@@ -209,7 +239,14 @@ class Checkpoints:
         return dict(restored[_META])
 
     def plan(self, step: int | None = None) -> Plan:
-        """The plan saved with checkpoint ``step`` (default: the latest)."""
+        """The plan saved with checkpoint ``step``.
+
+        Args:
+            step: The checkpoint; None: the latest.
+
+        Returns:
+            The plan.
+        """
         step = self._step(step)
         restored = self._manager.restore(step, args=ocp.args.Composite(**{
             _PLAN: ocp.args.JsonRestore()}))
@@ -221,17 +258,21 @@ class Checkpoints:
         self._manager.close()
 
     def __enter__(self) -> Checkpoints:
+        """The checkpoints, closed on exit."""
         return self
 
     def __exit__(self, *exc) -> None:
+        """:meth:`close`."""
         self.close()
 
     def _path(self, step: int) -> str:
         return os.path.join(self.directory, str(step))
 
     def _seal(self, step: int) -> None:
-        """Write checkpoint ``step``'s seal: every file under it and its size (atomically:
-        a temporary file renamed into place)."""
+        """Write checkpoint ``step``'s seal: every file under it and its size.
+
+        Written atomically: a temporary file renamed into place.
+        """
         root = self._path(step)
         sizes = {os.path.relpath(os.path.join(d, f), root): os.path.getsize(os.path.join(d, f))
                  for d, _, files in os.walk(root) for f in files}
@@ -241,8 +282,11 @@ class Checkpoints:
         os.replace(tmp, os.path.join(root, SEAL))
 
     def _drop(self, steps: list[int]) -> None:
-        """Delete damaged checkpoints: process 0, once every process has judged them (each
-        reached the same verdict from the same files) and before any lists them again."""
+        """Delete damaged checkpoints (process 0).
+
+        Once every process has judged them (each reached the same verdict from the same
+        files) and before any lists them again.
+        """
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 

@@ -1,22 +1,16 @@
-"""Running a planned step under ``jax.distributed``: one process per host, every process
-executing the same plan on the global mesh.
+"""Running a planned step under ``jax.distributed``.
 
-Every process plans for itself; plans are deterministic when they run to their end
-(:func:`shardc.auto_shard`'s ``time_limit``), so they agree when the processes plan the same
-program with the same cluster and options. :func:`agree` makes sure they run the same one:
-every process's :func:`plan_digest` is gathered to all (``multihost_utils.process_allgather``).
-Where the digests differ but the program is the same (a process priced another
-cluster, or a memory budget's search stopped at its time limit on a loaded host), every
-process adopts process 0's plan (``multihost_utils.broadcast_one_to_all`` of its JSON), with
-one warning: any plan of the program runs correctly, and processes running different plans
-would wait on each other's collectives forever. Different programs raise
-:class:`PlanMismatchError` on every process at once, before a step runs. ``auto_shard`` calls
-it for each plan it adopts when ``jax.process_count() > 1``.
+One process per host, every process executing the same plan on the global mesh. Every
+process plans for itself; plans are deterministic when their search runs to its end, so
+they agree when the processes plan the same program with the same cluster and options.
+:func:`agree` makes sure they run the same one (``auto_shard`` calls it for each plan it
+adopts when ``jax.process_count() > 1``): where the processes' plans differ but the program
+is the same, every process adopts process 0's, with one warning; different programs raise
+:class:`PlanMismatchError` on every process at once, before a step runs.
 
-:func:`global_batch` assembles global arrays from each process's part of the batch
-(``jax.make_array_from_process_local_data``) in the shardings the plan gives them
-(:meth:`shardc.AutoSharded.input_shardings`); :func:`process_slice` says which part of a
-global array a process's data loader should read.
+:func:`global_batch` assembles global arrays from each process's part of the batch in the
+shardings the plan gives them (:meth:`shardc.AutoSharded.input_shardings`);
+:func:`process_slice` says which part of a global array a process's data loader reads.
 """
 
 from __future__ import annotations
@@ -39,8 +33,17 @@ class PlanMismatchError(RuntimeError):
 
 
 def plan_digest(plan: Plan) -> str:
-    """A digest of what a plan runs: its program fingerprint, mesh, cluster, every value's
-    layout and every op's strategy (not the solver's statistics, such as its run time)."""
+    """A digest of what a plan runs.
+
+    It covers the program fingerprint, mesh, cluster, every value's layout and every op's
+    strategy, not the solver's statistics (such as its run time).
+
+    Args:
+        plan: The plan.
+
+    Returns:
+        16 hex digits.
+    """
     d = json.loads(plan.to_json())
     d.pop("solver")
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
@@ -67,10 +70,19 @@ def _from_process_0(text: str) -> str:
 
 
 def agree(plan: Plan) -> Plan:
-    """The plan every process runs: ``plan`` where all processes hold the same one, else
-    process 0's (one warning); :class:`PlanMismatchError` on every process where they plan
-    different programs. ``plan`` itself in a single process. Every process must
-    call it (a collective)."""
+    """The plan every process runs.
+
+    Every process must call it (a collective); in a single process it returns ``plan``.
+
+    Args:
+        plan: This process's plan.
+
+    Returns:
+        ``plan`` where all processes hold the same one, else process 0's (one warning).
+
+    Raises:
+        PlanMismatchError: On every process, where they planned different programs.
+    """
     if jax.process_count() == 1:
         return plan
     digests = _gathered(plan_digest(plan))
@@ -95,12 +107,21 @@ def agree(plan: Plan) -> Plan:
 
 
 def global_batch(local, shardings, global_shapes=None):
-    """Global arrays from this process's part of each input: ``local`` a pytree of host
-    arrays (this process's rows), ``shardings`` the matching pytree of shardings (the
-    plan's, from ``step.input_shardings(...)``), ``global_shapes`` optionally the matching
-    pytree of global shapes (else inferred from the sharding: each process's part
-    concatenated along the dimensions split across processes). Every process calls it
-    with its own part."""
+    """Global arrays from this process's part of each input.
+
+    Every process calls it with its own part.
+
+    Args:
+        local: A pytree of host arrays: this process's rows.
+        shardings: The matching pytree of shardings (the plan's, from
+            ``step.input_shardings(...)``).
+        global_shapes: The matching pytree of global shapes; None: inferred from the
+            shardings (each process's part concatenated along the dimensions split across
+            processes).
+
+    Returns:
+        The pytree of global arrays.
+    """
     if global_shapes is None:
         return jax.tree.map(jax.make_array_from_process_local_data, shardings, local)
     return jax.tree.map(jax.make_array_from_process_local_data, shardings, local,
@@ -108,8 +129,19 @@ def global_batch(local, shardings, global_shapes=None):
 
 
 def process_slice(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> tuple[slice, ...]:
-    """The block of a global array of ``shape`` that this process's devices hold under
-    ``sharding``: the rows its data loader reads for :func:`global_batch`."""
+    """The block of a global array this process's devices hold.
+
+    Args:
+        sharding: The array's sharding.
+        shape: The array's global shape.
+
+    Returns:
+        One slice per dimension: the rows this process's data loader reads for
+        :func:`global_batch`.
+
+    Raises:
+        ValueError: Where the process's devices hold non-adjacent parts of a dimension.
+    """
     index = sharding.addressable_devices_indices_map(tuple(shape))
     block = []
     for d, n in enumerate(shape):

@@ -371,13 +371,22 @@ def check_cost_graph(cg: CostGraph) -> None:
       non-negative cost matrix;
     * every memory point holds live nodes only, one byte count per choice.
     """
+    sizes = [len(ch) for ch in cg.choices]
+    _check_nodes(cg, sizes)
+    _check_follows(cg, sizes)
+    live = set(cg.live)
+    _check_edges(cg, sizes, live)
+    _check_memory(cg, sizes, live)
+
+
+def _check_nodes(cg: CostGraph, sizes: list[int]) -> None:
+    """Each node's ref, choices and costs, and the order (:func:`check_cost_graph`)."""
     n = len(cg.choices)
     if len(cg.refs) != n or len(cg.cost) != n:
         raise CostGraphError(f"{n} choice lists but {len(cg.refs)} refs and {len(cg.cost)} "
                              "cost vectors: every node needs one of each")
     # the costs' values are tested on all nodes (edges) at once; the search that names the
     # first one broken runs only when one is (a frontier checks every graph it cuts)
-    sizes = [len(ch) for ch in cg.choices]
     i = next((i for i in range(n) if not sizes[i] or np.shape(cg.cost[i]) != (sizes[i],)),
              None)
     if i is not None:
@@ -392,11 +401,16 @@ def check_cost_graph(cg: CostGraph) -> None:
         raise CostGraphError(f"order must list each of the {n} nodes once, got "
                              f"{len(cg.order)} entries ({len(set(cg.order))} distinct)")
 
-    def wrong_map(v: int, u: int, f: np.ndarray) -> CostGraphError:
-        return CostGraphError(f"node {v} follows {u} with a choice map of length {len(f)} "
-                              f"into {sizes[v]} choices; it must map each of "
-                              f"{u}'s {sizes[u]} choices to one of {v}'s")
 
+def _wrong_map(v: int, u: int, f: np.ndarray, sizes: list[int]) -> CostGraphError:
+    return CostGraphError(f"node {v} follows {u} with a choice map of length {len(f)} "
+                          f"into {sizes[v]} choices; it must map each of "
+                          f"{u}'s {sizes[u]} choices to one of {v}'s")
+
+
+def _check_follows(cg: CostGraph, sizes: list[int]) -> None:
+    """Each follower's leader and choice map (:func:`check_cost_graph`)."""
+    n = len(cg.choices)
     # the leaders and the maps' lengths are plain ints, each tested in turn; the maps'
     # entries all at once (a pinned copy of GPT-2's graph has 5,700 followers), the search
     # naming the first broken one running only when one is
@@ -405,14 +419,17 @@ def check_cost_graph(cg: CostGraph) -> None:
         if not (0 <= u < n) or u == v:
             raise CostGraphError(f"node {v} follows {u}, which is not another node")
         if len(f) != sizes[u]:
-            raise wrong_map(v, u, f)
+            raise _wrong_map(v, u, f, sizes)
     if maps:
         entries = np.concatenate([f for _, (_, f) in maps])
         bounds = np.repeat([sizes[v] for v, _ in maps], [len(f) for _, (_, f) in maps])
         if np.any(entries < 0) or np.any(entries >= bounds):
-            raise wrong_map(*next((v, u, f) for v, (u, f) in maps
-                                  if np.any(f < 0) or np.any(f >= sizes[v])))
-    live = set(cg.live)
+            raise _wrong_map(*next((v, u, f) for v, (u, f) in maps
+                                   if np.any(f < 0) or np.any(f >= sizes[v])), sizes)
+
+
+def _check_edges(cg: CostGraph, sizes: list[int], live: set[int]) -> None:
+    """Each edge's ends and cost matrix (:func:`check_cost_graph`)."""
     for k, e in enumerate(cg.edges):
         if e.u not in live or e.v not in live:
             raise CostGraphError(f"edge {k} ({e.u} -> {e.v}, value {e.value}) touches a node "
@@ -428,6 +445,10 @@ def check_cost_graph(cg: CostGraph) -> None:
         k, e = next((k, e) for k, e in enumerate(cg.edges)
                     if not _finite_non_negative([e.cost.ravel()]))
         raise CostGraphError(f"edge {k} ({e.u} -> {e.v}): costs must be finite and >= 0")
+
+
+def _check_memory(cg: CostGraph, sizes: list[int], live: set[int]) -> None:
+    """Each memory point's nodes and byte counts (:func:`check_cost_graph`)."""
     for t, point in enumerate(cg.memory):
         stray = point.keys() - live
         if stray:

@@ -5,9 +5,8 @@ with equal edge costs share a group (row groups X_p of the producer, column grou
 the consumer); every edge gets continuous pair variables ``e[p, q] >= 0`` with both
 marginals fixed, ``Σ_q e[p, q] = X_p`` and ``Σ_p e[p, q] = Y_q``, priced ``R[p, q]``
 (Alpa's formulation on groups). Its LP relaxation is tight on layout problems: on the
-folded GPT-2 quotients and the 2-layer GPT's graphs the LP solution is integral, found in
-0.2-0.35 s with the model built, where CP-SAT took 4-18 s to prove the same optimum on
-the same model (in its earlier form, with weaker big-M edges). Memory: at every
+zoo's graphs the LP solution is integral, found far sooner than CP-SAT proved the same
+optimum (docs/design-notes.md). Memory: at every
 sampled program point ``Σ_i Σ_a m[i, a]·s[i, a] <= budget`` (KiB, rounded up).
 
 The model is built as one sparse matrix (no per-term Python expressions). Its LP
@@ -39,10 +38,14 @@ from shardc.solve.costgraph import CostGraph
 if TYPE_CHECKING:
     from ortools.linear_solver.python import model_builder_helper as mbh
 
-__all__ = ["BISECTIONS", "DOUBLINGS", "GAP", "IlpResult", "INTEGRALITY", "LAMBDA_FLOOR",
-           "LP_PRESOLVE", "MAX_NODES", "POLISH_SWEEPS", "problem_size", "SCALE_RANGE",
-           "solve_ilp"]
+__all__ = ["BISECTIONS", "DEFAULT_TIME_LIMIT", "DOUBLINGS", "GAP", "IlpResult", "INTEGRALITY",
+           "LAMBDA_FLOOR", "LP_PRESOLVE", "MAX_NODES", "POLISH_SWEEPS", "problem_size",
+           "SCALE_RANGE", "solve_ilp"]
 
+#: the default wall-clock guard on each solve (seconds): every option that takes a
+#: ``time_limit`` (``auto_shard``'s, :class:`shardc.solve.search.SolveOptions`', the CLI's)
+#: defaults to this one
+DEFAULT_TIME_LIMIT = 10.0
 #: costs are scaled so the largest becomes this many units (HiGHS's tolerances are absolute
 #: around 1e-6..1e-9; a 1e-6 share of the largest cost is far below any plan difference)
 SCALE_RANGE = 1e6
@@ -53,18 +56,15 @@ GAP = 1e-7
 #: work (the tight relaxation closes at the root on every graph measured)
 MAX_NODES = 2_000
 #: HiGHS presolve for the LP relaxation: off. The pair-variable LPs have little for it to
-#: remove, and dual simplex without it solved the 12-layer GPT-2's quotient LPs (~10k
-#: terms) in 72-95 ms against 115-123 ms with it, to the same optimum (measured here)
+#: remove, and dual simplex without it solves them sooner, to the same optimum
 LP_PRESOLVE = "off"
 #: how far from 0 or 1 an LP value may be and still count as integral
 INTEGRALITY = 1e-6
 #: Lagrangian search of a budgeted model (:class:`_Budgeted`): doublings of the multiplier
 #: scale ``t`` until a relaxation's plan fits, then bisections between it and the last
 #: that did not; sweeps of single-node moves polishing each plan. One bisection: four
-#: planned the same plans at four budgets each of GPT-2 small (12 layers), the quick Llama,
-#: MoE, MLP and WRN on (2, 4), and the 1B Llama's bench plans under its budget (the repair
-#: and polish of every relaxation's plan settle what the further bisections refined), in
-#: 55-90% of the time (measured here)
+#: planned the same plans on the zoo's models (the repair and polish of every relaxation's
+#: plan settle what the further bisections refined), in less time
 DOUBLINGS = 24
 BISECTIONS = 1
 POLISH_SWEEPS = 20
@@ -140,7 +140,8 @@ class _Rows:
             shape=(self.n, n_vars))
 
 
-def solve_ilp(cg: CostGraph, *, time_limit: float = 10.0, memory_budget: float | None = None,
+def solve_ilp(cg: CostGraph, *, time_limit: float = DEFAULT_TIME_LIMIT,
+              memory_budget: float | None = None,
               hint: dict[int, int] | None = None, free: Sequence[int] | None = None,
               relaxation_only: bool = False, log: bool = False) -> IlpResult:
     """Solve for the live nodes in ``free`` (default: all), the others held at ``hint``.
@@ -154,6 +155,46 @@ def solve_ilp(cg: CostGraph, *, time_limit: float = 10.0, memory_budget: float |
     if free is not None and hint is None:
         raise ValueError("solve_ilp(free=...) needs hint= for the nodes held fixed")
     t0 = time.perf_counter()
+    live, hint, unary, merged = _reduce(cg, free, hint)
+    if not live:
+        return IlpResult(hint, "OPTIMAL", time.perf_counter() - t0)
+    biggest = max([float(np.max(c)) for c in unary.values()] +
+                  [float(np.max(c)) for c in merged.values()] + [1e-30])
+    unit = biggest / SCALE_RANGE
+    base, objective, rows, n_vars = _structure(live, unary, merged, unit)
+    n_struct = rows.n  # the one-hot and pair rows; the memory rows follow
+    if memory_budget is not None and not _memory_rows(cg, rows, base, hint, set(live),
+                                                      memory_budget):
+        return IlpResult(None, "INFEASIBLE", time.perf_counter() - t0)
+    n_choice = base[live[-1]] + len(unary[live[-1]])
+    lo, hi = rows.bounds()
+    matrix = rows.matrix(n_vars)
+    cost = np.concatenate(objective)
+    name, values, duals = _solve(_model(cost, lo, hi, matrix), None, time_limit, log)
+    if name == "OPTIMAL" and not _integral(values[:n_choice]):
+        if relaxation_only:
+            return IlpResult(None, "FRACTIONAL", time.perf_counter() - t0)
+        if rows.n > n_struct:  # memory rows: their Lagrangian, not branch and bound
+            plan = _Budgeted(live, base, objective[:len(live)],
+                             {(u, v): m / unit for (u, v), m in merged.items()},
+                             matrix[n_struct:, :n_choice].toarray(), hi[n_struct:])
+            choice = plan.search(cost, lo[:n_struct], hi[:n_struct], matrix[:n_struct],
+                                 np.abs(duals[n_struct:]), values, hint, time_limit)
+            return IlpResult(None if choice is None else {**hint, **choice}, "LAGRANGIAN",
+                             time.perf_counter() - t0)
+        name, values, _ = _solve(_model(cost, lo, hi, matrix), n_choice, time_limit, log)
+    if values is None:
+        return IlpResult(None, name, time.perf_counter() - t0)
+    x = dict(hint)
+    x.update({i: int(np.argmax(values[base[i]:base[i] + len(unary[i])])) for i in live})
+    return IlpResult(x, name, time.perf_counter() - t0)
+
+
+def _reduce(cg: CostGraph, free: Sequence[int] | None, hint: dict[int, int] | None
+            ) -> tuple[list[int], dict[int, int], dict[int, np.ndarray], dict]:
+    """The nodes to solve (live, more than one choice), the hint with the others held, each
+    node's own costs (its edges to held nodes folded in) and the edges between solved nodes
+    (parallel ones summed)."""
     live = list(cg.live if free is None else free)
     hint = dict(hint or {})
     for i in live:
@@ -171,12 +212,13 @@ def solve_ilp(cg: CostGraph, *, time_limit: float = 10.0, memory_budget: float |
             unary[e.u] += e.cost[:, hint[e.v]]
         elif e.v in inside:
             unary[e.v] += e.cost[hint[e.u], :]
-    if not live:
-        return IlpResult(hint, "OPTIMAL", time.perf_counter() - t0)
-    biggest = max([float(np.max(c)) for c in unary.values()] +
-                  [float(np.max(c)) for c in merged.values()] + [1e-30])
-    unit = biggest / SCALE_RANGE
+    return live, hint, unary, merged
 
+
+def _structure(live: list[int], unary: dict, merged: dict, unit: float
+               ) -> tuple[dict[int, int], list[np.ndarray], _Rows, int]:
+    """The model's choice variables (each node's first column in ``base``), its objective
+    blocks, and its one-hot and pair rows (the pair variables follow the choices)."""
     base, n_vars = {}, 0
     for i in live:
         base[i] = n_vars
@@ -203,46 +245,29 @@ def solve_ilp(cg: CostGraph, *, time_limit: float = 10.0, memory_budget: float |
             np.concatenate([np.ones(e.size), -np.ones(len(ri)), np.ones(e.size),
                             -np.ones(len(ci))]),
             n_p + n_g, 0.0, 0.0)
-    n_struct = rows.n  # the one-hot and pair rows; the memory rows follow
-    if memory_budget is not None:
-        kib = 1024.0
-        for point in cg.memory:
-            const, cols, vals = 0.0, [], []
-            for i, vec in point.items():
-                vq = np.ceil(np.asarray(vec) / kib)
-                if i in inside:
-                    cols.append(base[i] + np.arange(len(vq)))
-                    vals.append(vq)
-                else:
-                    const += float(vq[hint[i]])
-            if cols:
-                rows.add(np.concatenate(cols), np.concatenate(vals), -np.inf,
-                         memory_budget // kib - const)
-            elif const > memory_budget // kib:
-                return IlpResult(None, "INFEASIBLE", time.perf_counter() - t0)
+    return base, objective, rows, n_vars
 
-    n_choice = base[live[-1]] + len(unary[live[-1]])
-    lo, hi = rows.bounds()
-    matrix = rows.matrix(n_vars)
-    cost = np.concatenate(objective)
-    name, values, duals = _solve(_model(cost, lo, hi, matrix), None, time_limit, log)
-    if name == "OPTIMAL" and not _integral(values[:n_choice]):
-        if relaxation_only:
-            return IlpResult(None, "FRACTIONAL", time.perf_counter() - t0)
-        if rows.n > n_struct:  # memory rows: their Lagrangian, not branch and bound
-            plan = _Budgeted(live, base, objective[:len(live)],
-                             {(u, v): m / unit for (u, v), m in merged.items()},
-                             matrix[n_struct:, :n_choice].toarray(), hi[n_struct:])
-            choice = plan.search(cost, lo[:n_struct], hi[:n_struct], matrix[:n_struct],
-                                 np.abs(duals[n_struct:]), values, hint, time_limit)
-            return IlpResult(None if choice is None else {**hint, **choice}, "LAGRANGIAN",
-                             time.perf_counter() - t0)
-        name, values, _ = _solve(_model(cost, lo, hi, matrix), n_choice, time_limit, log)
-    if values is None:
-        return IlpResult(None, name, time.perf_counter() - t0)
-    x = dict(hint)
-    x.update({i: int(np.argmax(values[base[i]:base[i] + len(unary[i])])) for i in live})
-    return IlpResult(x, name, time.perf_counter() - t0)
+
+def _memory_rows(cg: CostGraph, rows: _Rows, base: dict[int, int], hint: dict[int, int],
+                 inside: set[int], memory_budget: float) -> bool:
+    """Add a row per memory point holding it to the budget (KiB, rounded up); False where
+    the held nodes alone exceed it at some point (no plan fits)."""
+    kib = 1024.0
+    for point in cg.memory:
+        const, cols, vals = 0.0, [], []
+        for i, vec in point.items():
+            vq = np.ceil(np.asarray(vec) / kib)
+            if i in inside:
+                cols.append(base[i] + np.arange(len(vq)))
+                vals.append(vq)
+            else:
+                const += float(vq[hint[i]])
+        if cols:
+            rows.add(np.concatenate(cols), np.concatenate(vals), -np.inf,
+                     memory_budget // kib - const)
+        elif const > memory_budget // kib:
+            return False
+    return True
 
 
 def _model(cost: np.ndarray, lo: np.ndarray, hi: np.ndarray, matrix: sparse.csr_matrix

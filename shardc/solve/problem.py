@@ -124,6 +124,28 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
     moved to the devices and their new state back each step (:func:`input_cost`), held on
     the devices only while used (:func:`shardc.solve.lifetimes.offloaded_spans`)."""
     axis_sizes, axis_names = tuple(axis_sizes), tuple(axis_names)
+    cg, share = _empty(graph, axis_sizes, axis_names, cluster, ties, fixed, resident,
+                       combiner, share, offloaded)
+    _add_inputs(cg, fixed, share.layouts)
+    wiring = _Wiring(cg, share, combiner)
+    shared = wiring.shared_values()
+    _add_ops(cg, wiring, fixed, share)
+    _add_settles(cg, wiring, shared)
+    _add_loops(cg, wiring)
+    after = {cg.producer[val.id][0]: [] for val in shared}
+    for val in shared:
+        after[cg.producer[val.id][0]].append(cg.settle[val.id])
+    cg.order = [j for i in range(wiring.first_settle) for j in (i, *after.get(i, ()))]
+    _add_outputs(cg, wiring, ties, fixed)
+    cg.memory = memory_points(cg)
+    return cg
+
+
+def _empty(graph: Graph, axis_sizes: tuple[int, ...], axis_names: tuple[str, ...],
+           cluster: Cluster, ties, fixed: Fixed, resident, combiner: Combiner,
+           share: BuildShare | None, offloaded) -> tuple[CostGraph, BuildShare]:
+    """The cost graph with no nodes yet, its state and pins set, and the share to build with
+    (a new one where none is given; one made for another mesh is refused)."""
     if share is None:
         share = BuildShare(axis_sizes, axis_names, cluster, combiner)
     elif share.key != (axis_sizes, axis_names, cluster, combiner):
@@ -141,8 +163,13 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
                          f"{sorted(cg.offloaded - carried)}")
     cg.ties = list(ties)
     cg.fixed = fixed
-    layouts = share.layouts
-    for k, v in enumerate(graph.inputs):
+    return cg, share
+
+
+def _add_inputs(cg: CostGraph, fixed: Fixed, layouts: dict) -> None:
+    """A node per graph input: its pinned layout, the allowed ones, or every even one."""
+    axis_sizes = cg.axis_sizes
+    for k, v in enumerate(cg.graph.inputs):
         cg.producer[v.id] = (len(cg.choices), 0)
         if k in fixed.inputs:
             cg.choices.append([fixed.inputs[k]])
@@ -159,57 +186,76 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
             cg.choices.append(layouts[v.shape])
         cg.refs.append(v)
         cg.cost.append(input_cost(cg, k, cg.choices[-1]))
-    matrices = share.matrices  # identical edges (repeated layers) share one cost matrix
 
-    def edge_matrix(src_owner: list, slot: int, src, dst_owner: list, k: int, dst, nbytes,
-                    a_scale):
-        return by_lists(matrices, (src_owner, dst_owner), (slot, k, nbytes, a_scale),
-                        cg.reshard_matrix, src, dst, nbytes, a_scale)
 
-    def own_matrix(u: int, slot: int, w: int, val: Value) -> np.ndarray:
+class _Wiring:
+    """How a build reads values: from a shared value's settle node or its producer, through
+    conversion matrices shared by identical edges (repeated layers share one)."""
+
+    def __init__(self, cg: CostGraph, share: BuildShare, combiner: Combiner):
+        graph = cg.graph
+        self.cg, self.layouts, self.matrices = cg, share.layouts, share.matrices
+        self.scale = alpha_scales(graph, combiner)
+        self.ties_in = loop_ties(graph)
+        self.first_settle = len(graph.inputs) + len(graph.ops)
+        self.runs = graph.runs()
+        self.folded = graph.constants()
+
+    def shared_values(self) -> list[Value]:
+        """The values read more than once (each gets a settle node, numbered in
+        ``cg.settle``)."""
+        graph, uses = self.cg.graph, {}
+        # a carry's exit reads the loop-carried value as made (:func:`carry_exit`), so it
+        # does not make that value shared: an accumulator read once in the body may stay
+        # partial
+        read = [v for op in graph.ops if not carry_exit(op) for _, v in reads(op)] + \
+            [v for _, v in self.ties_in]
+        for val in read + list(graph.outputs):
+            if not val.is_const:
+                uses[val.id] = uses.get(val.id, 0) + 1
+        shared = [v for v in graph.values() if uses.get(v.id, 0) > 1]
+        self.cg.settle = {v.id: self.first_settle + k for k, v in enumerate(shared)}
+        return shared
+
+    def source(self, val: Value) -> tuple[int, int]:
+        """(node, slot) its uses read ``val`` from: its settle node, else its producer."""
+        cg = self.cg
+        return (cg.settle[val.id], 0) if val.id in cg.settle else cg.producer[val.id]
+
+    def own_matrix(self, u: int, slot: int, w: int, val: Value) -> np.ndarray:
         """The matrix converting ``val`` from ``(u, slot)``'s layouts to node ``w``'s own
-        (a settle's, a tied input's), kept as :func:`edge_matrix` keeps an op's reads."""
-        a_scale = scale.get(val.id, 1.0)
-        return by_lists(matrices, (cg.choices[u], cg.choices[w]),
+        (a settle's, a tied input's), kept as an op's reads are."""
+        cg, a_scale = self.cg, self.scale.get(val.id, 1.0)
+        return by_lists(self.matrices, (cg.choices[u], cg.choices[w]),
                         (slot, "own", val.nbytes, a_scale),
                         lambda: cg.reshard_matrix(cg.out_sbps(u, slot), cg.choices[w],
                                                   val.nbytes, a_scale))
 
-    scale = alpha_scales(graph, combiner)
-    ties_in = loop_ties(graph)
-    uses: dict[int, int] = {}
-    # a carry's exit reads the loop-carried value as made (:func:`carry_exit`), so it does
-    # not make that value shared: an accumulator read once in the body may stay partial
-    read = [v for op in graph.ops if not carry_exit(op) for _, v in reads(op)] + \
-        [v for _, v in ties_in]
-    for val in read + list(graph.outputs):
-        if not val.is_const:
-            uses[val.id] = uses.get(val.id, 0) + 1
-    shared = [v for v in graph.values() if uses.get(v.id, 0) > 1]
-    first_settle = len(graph.inputs) + len(graph.ops)
-    cg.settle = {v.id: first_settle + k for k, v in enumerate(shared)}
+    def fix(self, u: int, slot: int, val: Value, dst: list) -> np.ndarray:
+        """The matrix converting ``val`` from ``(u, slot)``'s layouts to ``dst``."""
+        return self.cg.reshard_matrix(self.cg.out_sbps(u, slot), dst, val.nbytes,
+                                      self.scale.get(val.id, 1.0))
 
-    def source(val: Value) -> tuple[int, int]:
-        """(node, slot) its uses read ``val`` from: its settle node, else its producer."""
-        return (cg.settle[val.id], 0) if val.id in cg.settle else cg.producer[val.id]
-
-    runs = graph.runs()
-    folded = graph.constants()
-
-    def edge(u: int, slot: int, val: Value, v: int, k: int, dst, dst_owner, times: int
-             ) -> Edge:
+    def edge(self, u: int, slot: int, val: Value, v: int, k: int, dst, dst_owner,
+             times: int) -> Edge:
         """The edge reading ``val`` from ``(u, slot)`` into node ``v``'s slot ``k``, its
         conversion run ``times`` per call."""
-        if u >= first_settle:
-            owner = src = _settle_choices(val, axis_sizes, layouts)
+        cg = self.cg
+        if u >= self.first_settle:
+            owner = src = _settle_choices(val, cg.axis_sizes, self.layouts)
         else:
             owner, src = cg.choices[u], cg.out_sbps(u, slot)
-        mat = edge_matrix(owner, slot, src, dst_owner, k, dst, val.nbytes,
-                          scale.get(val.id, 1.0))
-        if val.id in folded:  # a constant read partial is made so: no reduction to undo
+        a_scale = self.scale.get(val.id, 1.0)
+        mat = by_lists(self.matrices, (owner, dst_owner), (slot, k, val.nbytes, a_scale),
+                       cg.reshard_matrix, src, dst, val.nbytes, a_scale)
+        if val.id in self.folded:  # a constant read partial is made so: no reduction to undo
             mat = np.where([d.has_partial for d in dst], 0.0, mat)
         return Edge(u, v, mat * times, val, k, (u, slot))
 
+
+def _add_ops(cg: CostGraph, wiring: _Wiring, fixed: Fixed, share: BuildShare) -> None:
+    """A node per op (its strategies, their compute) and an edge per value it reads."""
+    graph, axis_sizes, axis_names = cg.graph, cg.axis_sizes, cg.axis_names
     reduced_ys = ys_exits(graph)
     ys_share = ys_shares(graph, reduced_ys)
     op_strategies = graph.memo(("strategies", axis_sizes, axis_names),
@@ -221,7 +267,7 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
         node = len(cg.choices)
         cg.choices.append(strats)
         cg.refs.append(op)
-        cg.cost.append(np.array([compute_seconds(cluster, graph, op, s.flops) * op.weight
+        cg.cost.append(np.array([compute_seconds(cg.cluster, graph, op, s.flops) * op.weight
                                  for s in strats]))
         if op.id in reduced_ys:  # a ys reduced after the loop: one all-reduce of the stack
             cg.cost[-1] = cg.cost[-1] + ys_reduction(cg, strats, op.outputs[0],
@@ -230,52 +276,57 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
             cg.producer[out.id] = (node, slot)
         for k, val in reads(op):
             if not val.is_const:
-                u, slot = cg.producer[val.id] if carry_exit(op) else source(val)
-                cg.edges.append(edge(u, slot, val, node, k, [s.ins[k] for s in strats], strats,
-                                     read_runs(runs, val, op)))
-    settling = settle_runs(graph)
+                u, slot = cg.producer[val.id] if carry_exit(op) else wiring.source(val)
+                cg.edges.append(wiring.edge(u, slot, val, node, k, [s.ins[k] for s in strats],
+                                            strats, read_runs(wiring.runs, val, op)))
+
+
+def _add_settles(cg: CostGraph, wiring: _Wiring, shared: list[Value]) -> None:
+    """A settle node per shared value, with the edge from its producer."""
+    settling = settle_runs(cg.graph)
     for val in shared:
         w = len(cg.choices)
         u, slot = cg.producer[val.id]
-        cg.choices.append(_settle_choices(val, axis_sizes, layouts))
+        cg.choices.append(_settle_choices(val, cg.axis_sizes, wiring.layouts))
         cg.refs.append(Settle(val))
         cg.cost.append(np.zeros(len(cg.choices[w])))
-        cg.edges.append(Edge(u, w, own_matrix(u, slot, w, val) * settling.get(val.id, 1),
-                             val, 0, (u, slot)))
-    for enter, val in ties_in:  # the body's carry, converted back every iteration
-        u, slot = source(val)
+        cg.edges.append(Edge(u, w, wiring.own_matrix(u, slot, w, val)
+                             * settling.get(val.id, 1), val, 0, (u, slot)))
+
+
+def _add_loops(cg: CostGraph, wiring: _Wiring) -> None:
+    """A loop body's carry converted back every iteration; a while's predicate whole."""
+    runs = wiring.runs
+    for enter, val in wiring.ties_in:  # the body's carry, converted back every iteration
+        u, slot = wiring.source(val)
         v = cg.producer[enter.outputs[0].id][0]
-        cg.edges.append(edge(u, slot, val, v, -1, [s.outs[0] for s in cg.choices[v]],
-                             cg.choices[v], runs.get(val.id, 1)))
-    whole = NdSbp((B,) * len(axis_sizes))
-    for val in loop_tests(graph):  # a while's predicate: every device runs alike
-        u, slot = source(val)
-        fix = cg.reshard_matrix(cg.out_sbps(u, slot), [whole], val.nbytes,
-                                scale.get(val.id, 1.0))
-        cg.cost[u] = cg.cost[u] + fix[:, 0] * runs.get(val.id, 1)
-    after = {cg.producer[val.id][0]: [] for val in shared}
-    for val in shared:
-        after[cg.producer[val.id][0]].append(cg.settle[val.id])
-    cg.order = [j for i in range(first_settle) for j in (i, *after.get(i, ()))]
+        cg.edges.append(wiring.edge(u, slot, val, v, -1, [s.outs[0] for s in cg.choices[v]],
+                                    cg.choices[v], runs.get(val.id, 1)))
+    whole = NdSbp((B,) * len(cg.axis_sizes))
+    for val in loop_tests(cg.graph):  # a while's predicate: every device runs alike
+        u, slot = wiring.source(val)
+        cg.cost[u] = cg.cost[u] + wiring.fix(u, slot, val, [whole])[:, 0] * runs.get(val.id, 1)
+
+
+def _add_outputs(cg: CostGraph, wiring: _Wiring, ties, fixed: Fixed) -> None:
+    """Each graph output's conversion: to its fixed layout, to its tied input's (an edge),
+    else out of partial sums."""
     tied = dict(ties)
-    for j, val in enumerate(graph.outputs):
+    for j, val in enumerate(cg.graph.outputs):
         if val.is_const:
             continue
-        u, slot = source(val)
+        u, slot = wiring.source(val)
         src = cg.out_sbps(u, slot)
         if j in fixed.outputs:  # converted to the layout its type fixes
-            fix = cg.reshard_matrix(src, [fixed.outputs[j]], val.nbytes, scale.get(val.id, 1.0))
-            cg.cost[u] = cg.cost[u] + fix[:, 0]
+            cg.cost[u] = cg.cost[u] + wiring.fix(u, slot, val, [fixed.outputs[j]])[:, 0]
         elif j in tied:
             t = tied[j]
             if t != u and (val.id not in cg.settle or cg.producer[val.id][0] != t):
-                cg.edges.append(Edge(u, t, own_matrix(u, slot, t, val), val, src=(u, slot)))
+                cg.edges.append(Edge(u, t, wiring.own_matrix(u, slot, t, val), val,
+                                     src=(u, slot)))
         else:
-            fix = cg.reshard_matrix(src, [_unreduce(s) for s in src], val.nbytes,
-                                    scale.get(val.id, 1.0))
+            fix = wiring.fix(u, slot, val, [_unreduce(s) for s in src])
             cg.cost[u] = cg.cost[u] + np.diag(fix)
-    cg.memory = memory_points(cg)
-    return cg
 
 
 def _op_strategies(graph: Graph, axis_sizes: tuple[int, ...], axis_names: tuple[str, ...],

@@ -167,24 +167,20 @@ def quotient_refine(cg: CostGraph, x: dict[int, int], memory_budget, time_limit:
         for seed in sub_mesh_seeds(q, memory_budget, time_limit):
             xq = better(q, xq, seed, memory_budget)
         # one axis at a time first, then the cross neighbourhoods from there: each stops
-        # where the other does not (the 12-layer GPT-2: axis sweeps 7.793 ms, then cross
-        # 7.272; the MoE on two nodes x 8: cross from the seed 7.124, axis sweeps 6.700,
-        # which cross keeps); and under a memory budget the axis steps' MIPs are a fraction
-        # of a cross neighbourhood's (seconds on the 70B decoder on 1024 devices)
-        # (without a budget one pass over the axes: a cross round holds every axis move)
+        # where the other does not, and under a memory budget the axis steps' MIPs are a
+        # fraction of a cross neighbourhood's (without a budget one pass over the axes: a
+        # cross round holds every axis move)
         xq, status = axis_sweeps(q, xq, memory_budget, time_limit,
                                  AXIS_ROUNDS if memory_budget is not None else 1)
         # the blocks refine the axis sweeps' plan beside the cross neighbourhoods' LP
         # (:mod:`shardc.solve.beside`: that LP is HiGHS's, the blocks mostly Python's);
-        # where a cross round moves the plan, the blocks refine the moved one after (on
-        # every solve of GPT-2's frontier the first round moved nothing)
+        # where a cross round moves the plan, the blocks refine the moved one after
         (blocked, refined), (moved, crossed) = beside(
             [partial(blocks, xq), partial(cross_sweeps, q, xq, memory_budget, time_limit)])
         xq, refined = (blocked, refined) if moved == xq else blocks(moved)
         status = f"axes {'time-limit' if 'time-limit' in (status, crossed) else status}"
     # descent on the full graph knows no budget: where it leaves the budget's rows, the
-    # expansion itself is the candidate (the 70B decoder under 80 GiB: expanded 10.45 s at
-    # 78 GiB of rows, descended 10.41 s at 159)
+    # expansion itself is the candidate
     raw = expand(cls, xq)
     y = better(cg, raw, descent.descend(cg, raw), memory_budget)
     return better(cg, x, y, memory_budget), f"folded ({status}) + {refined}"

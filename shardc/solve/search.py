@@ -29,14 +29,14 @@ from shardc.solve import descent
 from shardc.solve.collector import gc_paused
 from shardc.solve.costgraph import NOTHING_FIXED, CostGraph, Fixed
 from shardc.solve.fold import expand, quotient
-from shardc.solve.ilp import problem_size, solve_ilp
+from shardc.solve.ilp import DEFAULT_TIME_LIMIT, problem_size, solve_ilp
 from shardc.solve.memory import memory_cut, memory_profile
 from shardc.solve.problem import build
 from shardc.solve.refine import ILP_FULL_TERMS, best_of, better, quotient_refine
 from shardc.solve.reuse import Reuse, Starts, exact_peak
 
-__all__ = ["MEMORY_ROUNDS", "MemoryBudgetError", "plan_graph", "Solution", "solve",
-           "SolveOptions", "Status"]
+__all__ = ["DEFAULT_TIME_LIMIT", "MEMORY_ROUNDS", "MemoryBudgetError", "plan_graph", "Solution",
+           "solve", "SolveOptions", "Status"]
 
 MEMORY_ROUNDS = 6  # re-solves adding the worst violated program point
 
@@ -78,7 +78,7 @@ class SolveOptions:
     collective combiners."""
 
     memory_budget: float | None = None
-    time_limit: float = 10.0
+    time_limit: float = DEFAULT_TIME_LIMIT
     use_ilp: bool = True
     seeds: Mapping[str, Mapping[int, NdSbp]] = field(default_factory=dict)
     #: the combiners of the backend the plan compiles for: the collectives they join share
@@ -132,61 +132,14 @@ def solve(cg: CostGraph, options: SolveOptions = SolveOptions(), kept: Starts | 
     large = use_ilp and problem_size(cg) > ILP_FULL_TERMS  # folded, its quotient solved
     folding = (quotient(cg, kept.classes()), kept.classes()) if large else None
     x = _descent(cg, folding, memory_budget)
-    seed_plans, starts = {}, []
-    for name, layouts in options.seeds.items():
-        ends = kept.seed(layouts)  # cheapest first; under a budget the leaner may fit
-        lean = kept.seed_lean(layouts) if memory_budget is not None else None
-        if lean is not None:
-            # and its leanest completion: the cheapest ones spend bytes for time (the
-            # scanned Llama's FSDP x TP seed on (2, 4): 8.0 and 15.4 MiB, its lean
-            # completion 4.8, the lean start from every input split 5.9)
-            ends = [*ends, lean]
-        fit = [y for y in ends if memory_budget is None or kept.peak(y) <= memory_budget]
-        if ends:
-            seed_plans[name] = (fit or ends)[0]
-        starts += ends
+    seed_plans, starts = _seed_starts(kept, options.seeds, memory_budget)
     if memory_budget is not None:
         starts.append(kept.lean())
     x = best_of(cg, x, starts, memory_budget)
     t2 = time.perf_counter()
-    status, stages, found = Status.DESCENT_ONLY, "", math.inf
-    # below what the inputs alone hold no round can fit: the leanest plan reached names the
-    # budget (the frontier's first ask, 1 byte, ran every round's ILPs for nothing)
-    hopeless = memory_budget is not None and memory_budget < _floor(cg)
-    fallback = memory_budget is not None and any(kept.peak(y) <= memory_budget for y in starts)
-    for _ in range(0 if hopeless else MEMORY_ROUNDS):
-        x, status, stages = _solve_once(cg, x, memory_budget,
-                                        options.time_limit if use_ilp else None, folding)
-        if memory_budget is None:
-            break
-        profile = memory_profile(cg, cg.decode(x))
-        t = int(np.argmax(profile))
-        if profile[t] <= memory_budget:
-            break
-        found = min(found, float(profile[t]))
-        if descent.memory(cg, x) > memory_budget and fallback:
-            # no stage found a plan within the rows, and a start fits: a cut only narrows
-            # the rows, so the rounds left would find none either (GPT-2 under 1.52 GiB
-            # spent four more rounds, 8 of its 21 s, on plans of 1.79-1.81 GiB); the starts
-            # below settle it. Where none fits, the rounds go on: the leaner plans they
-            # reach name the budget the error asks for
-            break
-        cg.memory.append(memory_cut(cg, x, t, profile[t]))  # constrain it too
-        # the quotient's memory points were stale (its classes are not: costs and edges)
-        folding = (quotient(cg, kept.classes()), kept.classes()) if large else None
-        x = _descent(cg, folding, memory_budget)
-        x = best_of(cg, x, starts, memory_budget)
-    peak = exact_peak(cg, x) if memory_budget is not None else 0.0
-    if memory_budget is not None and peak > memory_budget:
-        # the sampled points let through a plan the exact profile rejects: keep the cheapest
-        # start that fits exactly (the lean plan fits any budget an error ever named)
-        peaks = [kept.peak(y) for y in starts]
-        fits = [y for y, p in zip(starts, peaks) if p <= memory_budget]
-        if not fits:
-            # named from the starts alone: they are planned again at any budget (a plan the
-            # search reached may not be), so the budget named is met when asked for
-            raise MemoryBudgetError(memory_budget, math.ceil(min(peaks)), min(found, peak))
-        x = min(fits, key=kept.objective)
+    x, status, stages, found = _rounds(cg, x, kept, starts, memory_budget,
+                                       options.time_limit if use_ilp else None, folding)
+    x = _fit_exactly(cg, x, kept, starts, memory_budget, found)
     stats = {"nodes": n_all, "live_nodes": len(cg.live), "edges": len(cg.edges),
              "merge_s": t1 - t0, "descent_s": t2 - t1, "ilp_s": time.perf_counter() - t2}
     if stages:
@@ -198,16 +151,86 @@ def solve(cg: CostGraph, options: SolveOptions = SolveOptions(), kept: Starts | 
     return Solution(cg.decode(x), status, descent.objective(cg, x), stats, seed_choices)
 
 
+def _seed_starts(kept: Starts, seeds: Mapping[str, Mapping[int, NdSbp]], memory_budget
+                 ) -> tuple[dict[str, dict[int, int]], list[dict[int, int]]]:
+    """Each seed's own plan (the cheapest that fits the budget, else the cheapest) by
+    name, and every completion of the seeds as a start."""
+    seed_plans, starts = {}, []
+    for name, layouts in seeds.items():
+        ends = kept.seed(layouts)  # cheapest first; under a budget the leaner may fit
+        lean = kept.seed_lean(layouts) if memory_budget is not None else None
+        if lean is not None:
+            # and its leanest completion: the cheapest ones spend bytes for time (a
+            # seed's cheapest completions can hold more than its lean one)
+            ends = [*ends, lean]
+        fit = [y for y in ends if memory_budget is None or kept.peak(y) <= memory_budget]
+        if ends:
+            seed_plans[name] = (fit or ends)[0]
+        starts += ends
+    return seed_plans, starts
+
+
+def _rounds(cg: CostGraph, x: dict[int, int], kept: Starts, starts: list, memory_budget,
+            time_limit: float | None, folding: tuple[CostGraph, dict[int, int]] | None
+            ) -> tuple[dict[int, int], Status, str, float]:
+    """The stages solved once, or under a budget up to :data:`MEMORY_ROUNDS` times, each
+    round constraining the worst program point over the budget; returns the plan, its
+    status and stages and the least peak over the budget seen (inf: none)."""
+    status, stages, found = Status.DESCENT_ONLY, "", math.inf
+    # below what the inputs alone hold no round can fit: the leanest plan reached names the
+    # budget (the frontier's first ask, 1 byte, would run every round's ILPs for nothing)
+    hopeless = memory_budget is not None and memory_budget < _floor(cg)
+    fallback = memory_budget is not None and any(kept.peak(y) <= memory_budget for y in starts)
+    for _ in range(0 if hopeless else MEMORY_ROUNDS):
+        x, status, stages = _solve_once(cg, x, memory_budget, time_limit, folding)
+        if memory_budget is None:
+            break
+        profile = memory_profile(cg, cg.decode(x))
+        t = int(np.argmax(profile))
+        if profile[t] <= memory_budget:
+            break
+        found = min(found, float(profile[t]))
+        if descent.memory(cg, x) > memory_budget and fallback:
+            # no stage found a plan within the rows, and a start fits: a cut only narrows
+            # the rows, so the rounds left would find none either; the starts settle it.
+            # Where none fits, the rounds go on: the leaner plans they reach name the
+            # budget the error asks for
+            break
+        cg.memory.append(memory_cut(cg, x, t, profile[t]))  # constrain it too
+        # the quotient's memory points were stale (its classes are not: costs and edges)
+        if folding is not None:
+            folding = (quotient(cg, kept.classes()), kept.classes())
+        x = _descent(cg, folding, memory_budget)
+        x = best_of(cg, x, starts, memory_budget)
+    return x, status, stages, found
+
+
+def _fit_exactly(cg: CostGraph, x: dict[int, int], kept: Starts, starts: list,
+                 memory_budget, found: float) -> dict[int, int]:
+    """``x``, or where its exact memory profile exceeds the budget the cheapest start that
+    fits exactly; :class:`MemoryBudgetError` where none does."""
+    peak = exact_peak(cg, x) if memory_budget is not None else 0.0
+    if memory_budget is not None and peak > memory_budget:
+        # the sampled points let through a plan the exact profile rejects: keep the cheapest
+        # start that fits exactly (the lean plan fits any budget an error ever named)
+        peaks = [kept.peak(y) for y in starts]
+        fits = [y for y, p in zip(starts, peaks) if p <= memory_budget]
+        if not fits:
+            # named from the starts alone: they are planned again at any budget (a plan the
+            # search reached may not be), so the budget named is met when asked for
+            raise MemoryBudgetError(memory_budget, math.ceil(min(peaks)), min(found, peak))
+        x = min(fits, key=kept.objective)
+    return x
+
+
 def _descent(cg: CostGraph, folding: tuple[CostGraph, dict[int, int]] | None,
              memory_budget) -> dict[int, int]:
     """Coordinate descent's plan of ``cg``: from its starts on the graph itself, or, when
     folding at least halves it, on the repeated-layer quotient (a layer's work, not the
-    program's: 0.8 of the 12-layer GPT-2's 4.5 s of planning was descent on the full
-    graph), expanded and refined on the full graph. The quotient's stages settle the plan
-    from there (:func:`quotient_refine`); the start only leads them. Where folding ties
+    program's), expanded and refined on the full graph. The quotient's stages settle the
+    plan from there (:func:`quotient_refine`); the start only leads them. Where folding ties
     little (a scanned model: its layers are one body already), the graph's own descent
-    costs no more and leads better: the 70B decoder on (128, 8) planned to 10.49 s per
-    step from it, 10.61 s from the quotient's."""
+    costs no more and leads better."""
     if folding is None or 2 * len(folding[0].live) > len(cg.live):
         return descent.solve(cg, memory_budget)
     q, cls = folding

@@ -1,23 +1,13 @@
-"""``@shardc.auto_shard``: trace, plan, lower and run a JAX function on a mesh, as a drop-in
-for ``jax.jit``.
+"""``@shardc.auto_shard``: trace, plan, lower and run a JAX function on a mesh.
 
-The function is called like ``jax.jit(fn)``: positional and keyword arguments, static ones
-by position (negative too) or name, donated ones, weak-typed Python scalars. Tracing,
-planning and compiling are cached per abstract signature (the tree of the dynamic
-arguments, each leaf's shape, dtype and weak type, the static values, and the input layouts
-the plan must keep), so a second call with the same shapes re-uses the plan and the
-executable. A steady-state call skips even that lookup: it goes straight to the last
-executable of its statics and argument names through ``jax.jit``'s own C++ dispatch, which
-checks the arguments' pytree, types and placements (``shardc bench --calls``: within a few
-microseconds of ``jax.jit``); a call that executable was not made for takes the full path.
-The function is traced as ``jax.jit`` traces it: under the caller's mesh context, its errors
-naming its own source line and argument paths. A saved plan (``use_plan``) skips the
-solver: tracing and compiling only.
-
-Arguments already placed elsewhere than the plan wants are moved (one transfer each,
-reported once), or, with ``keep_input_shardings=True`` (or ``in_shardings=``), kept: the
-plan is made around them. A ``with_sharding_constraint`` the user wrote is a fixed layout
-of the plan. On a mesh with Explicit axes, results come back typed on that mesh.
+A drop-in for ``jax.jit``, called like it (static, donated and keyword arguments, weak
+types). Tracing, planning and compiling are cached per abstract signature (the dynamic
+arguments' tree, shapes, dtypes and weak types, the static values, the input layouts the
+plan keeps); a steady-state call goes straight to its executable through ``jax.jit``'s
+dispatch. A saved plan (``use_plan``) skips the solver. Arguments placed elsewhere than the
+plan wants are moved (reported once), or kept with ``keep_input_shardings=True`` (or
+``in_shardings=``): the plan is made around them. A ``with_sharding_constraint`` the user
+wrote is a fixed layout of the plan; on a mesh with Explicit axes, results come back typed.
 """
 
 from __future__ import annotations
@@ -47,6 +37,7 @@ from shardc.rules.fixed import on_mesh
 from shardc.runtime.multihost import agree
 from shardc.solve.collector import gc_paused
 from shardc.solve.costgraph import Fixed
+from shardc.solve.ilp import DEFAULT_TIME_LIMIT
 from shardc.step.adopt import use_plan
 from shardc.step.ahead import jit_for, typed_leaves
 from shardc.step.cache import PlanCache
@@ -408,74 +399,59 @@ class AutoSharded:
 
 def auto_shard(fn: Callable | None = None, *, mesh: Mesh | AbstractMesh,
                cluster: Cluster | None = None, memory_budget: float | None = None,
-               time_limit: float = 10.0, seeds=None, mesh_search: bool = False,
-               in_shardings=None,
-               keep_input_shardings: bool | None = None,
+               time_limit: float = DEFAULT_TIME_LIMIT, seeds=None, mesh_search: bool = False,
+               in_shardings=None, keep_input_shardings: bool | None = None,
                static_argnums=None, static_argnames=None, donate_argnums=None,
                donate_argnames=None, cache_dir: str | None = None,
                while_trips: int = DEFAULT_WHILE_TRIPS, pipeline: Pipeline | bool | None = None,
                rank_compiled: int = 0, offload: bool = True):
-    """Plan and run ``fn`` sharded over ``mesh``, called like ``jax.jit(fn)``. Usable as
-    ``@auto_shard(mesh=...)``. On a ``jax.sharding.AbstractMesh`` (a shape and axis names,
-    no devices: a cluster larger than this machine) the function plans only: ``plan``,
-    ``input_shardings`` and ``use_plan`` work, and lowering or calling raises
-    :class:`NeedsDevicesError`; the plan runs where a concrete mesh of the same shape
-    adopts it (``use_plan``).
+    """Plan and run ``fn`` sharded over ``mesh``, called like ``jax.jit(fn)``.
 
-    ``cluster`` prices the plan (default: every mesh axis an H100 NVLink link, see
-    :class:`shardc.Cluster`); ``memory_budget`` caps per-device bytes; ``time_limit`` is a
-    wall-clock guard on the ILP stages of the search, in seconds (every stage normally runs
-    to its end, so the plan is the same on every machine and under any load; a stage the
-    guard cuts keeps its best plan and the plan's status says ``time-limit``; 0 runs
-    coordinate descent alone). ``seeds`` are
-    hand-written plans to start from, ``{name: in_shardings}`` (PartitionSpecs per dynamic
-    argument, as for ``jax.jit``): the plan's predicted cost is never above theirs, and
-    ``plan.explain()`` lists what each costs. ``mesh_search`` also plans the other logical
-    views of the mesh's devices (:func:`shardc.tradeoff.views.views`: for ``(node=2, gpu=8)`` also
-    ``(16,)``, ``(4, 4)`` and ``(8, 2)``, each axis priced at the links it crosses), runs
-    the cheapest, and records each view's predicted step in ``plan.solver["mesh_search"]``;
-    it multiplies planning time by the number of views (4 for 16 devices).
+    Usable as ``@auto_shard(mesh=...)``. The search runs to its end, so the plan is the same
+    on every machine and under any load.
 
-    ``in_shardings`` (as for ``jax.jit``: a PartitionSpec or None per dynamic positional
-    argument, or per subtree) fixes those inputs' layouts; ``keep_input_shardings=True``
-    fixes every argument that arrives placed on this mesh (a committed array, or a
-    ``ShapeDtypeStruct`` with a sharding) to its placement; it is the default on a mesh
-    with Explicit axes, where a placement is part of the argument's type (and results get
-    the types ``jax.jit`` would give them). Otherwise a placed argument is moved to the
-    plan's layout (logged once). ``static_argnums`` / ``static_argnames`` /
-    ``donate_argnums`` / ``donate_argnames`` mean what they mean for ``jax.jit``.
+    Args:
+        fn: The function; None returns a decorator.
+        mesh: The mesh. An ``AbstractMesh`` plans only (lowering or calling raises
+            :class:`NeedsDevicesError`); a concrete mesh of its shape runs it (``use_plan``).
+        cluster: Prices the plan; None: every axis an H100 NVLink link.
+        memory_budget: Bytes per device a plan may hold; None: no budget.
+        time_limit: Seconds, a wall-clock guard on each ILP stage (a stage it cuts keeps
+            its best plan, status ``time-limit``); 0 runs coordinate descent alone.
+        seeds: Hand-written plans to start from, ``{name: in_shardings}``: the plan is
+            never predicted slower, and ``plan.explain()`` lists each one's cost.
+        mesh_search: Also plan the other logical views of the devices
+            (:func:`shardc.tradeoff.views.views`) and run the cheapest.
+        in_shardings: As for ``jax.jit``: fixes those inputs' layouts.
+        keep_input_shardings: Fix every argument placed on this mesh to its placement;
+            None: True on a mesh with Explicit axes (else such arguments are moved).
+        static_argnums: As for ``jax.jit``.
+        static_argnames: As for ``jax.jit``.
+        donate_argnums: As for ``jax.jit``.
+        donate_argnames: As for ``jax.jit``.
+        cache_dir: Keep plans on disk, keyed by the program, argument types, mesh, cluster,
+            options and shardc version; None: ``$SHARDC_CACHE_DIR`` if set.
+        while_trips: Iterations a ``lax.while_loop`` without static bounds is planned for.
+        pipeline: A :class:`shardc.pipeline.Pipeline` runs the :func:`shardc.pipeline.layers`
+            stacks as that pipeline; False: never; None: the planner's choice
+            (:mod:`shardc.pipeline.choose`).
+        rank_compiled: With ``Cluster(overlap=True)``, compile this many of the best
+            candidates and keep the fastest compiled one; 0: the estimate alone.
+        offload: Where the budget binds, state may live in host memory between steps.
 
-    ``cache_dir`` (else ``$SHARDC_CACHE_DIR``) keeps plans on disk keyed by the program,
-    its argument types, the mesh, the cluster, these options and the shardc version
-    (:mod:`shardc.step.cache`): another process planning the same program loads the plan
-    instead of solving. Plans are deterministic (see ``time_limit``), so the loaded plan is
-    the one it would make.
+    Returns:
+        An :class:`AutoSharded` step, or a decorator making one when ``fn`` is None.
 
-    ``while_trips`` is how many iterations a ``lax.while_loop`` whose bounds are not
-    static (a decode loop that stops at an end token) is planned for; loops with static
-    bounds (``fori_loop``) are planned for their own count.
-
-    ``pipeline``: a :class:`shardc.pipeline.Pipeline` runs the function's layer stacks,
-    written with :func:`shardc.pipeline.layers` (a drop-in for ``jax.lax.scan``), as that
-    pipeline over its mesh axis (:mod:`shardc.pipeline.lowering`), and the plan records it;
-    ``False`` forbids pipelining; None (the default) leaves it to the planner: where the
-    function has such a stack, the cheapest pipeline that saves 5% of the unpipelined step
-    and fits ``memory_budget`` runs (:mod:`shardc.pipeline.choose`; ``plan.explain()``
-    shows it, ``step.pipeline_choice(*args)`` says what was priced and why).
-
-    ``rank_compiled``: with ``Cluster(overlap=True)`` (the GPU and TPU presets) the plan
-    is chosen by its estimated overlapped step (:func:`shardc.plan.overlap.ranking_time`);
-    a positive count also compiles that many of the best candidates by the estimate on a
-    concrete mesh and keeps the fastest compiled program, overlapped
-    (:mod:`shardc.step.ranking`; ``plan.solver["compiled_ranking"]``): a check that pays
-    their compiles. Without overlap nothing is compiled. ``offload``: where the budget
-    binds, state such as an optimizer's moments may live in host memory between steps
-    (:mod:`shardc.step.offload`); False keeps everything on the devices.
+    Raises:
+        TypeError: For a ``pipeline`` that is not a Pipeline, False or None.
+        ValueError: For an option out of its range (named in the message).
     """
-    options = Options(cluster if cluster is not None else DEFAULT_CLUSTER, memory_budget,
-                      time_limit, named_seeds(seeds), mesh_search, in_shardings,
-                      keep_input_shardings, cache_dir, while_trips, pipeline, rank_compiled,
-                      offload)
+    options = Options(cluster=cluster if cluster is not None else DEFAULT_CLUSTER,
+                      memory_budget=memory_budget, time_limit=time_limit,
+                      seeds=named_seeds(seeds), mesh_search=mesh_search,
+                      in_shardings=in_shardings, keep_input_shardings=keep_input_shardings,
+                      cache_dir=cache_dir, while_trips=while_trips, pipeline=pipeline,
+                      rank_compiled=rank_compiled, offload=offload)
 
     def wrap(f):
         return AutoSharded(f, mesh, options, Convention.of(
@@ -486,15 +462,33 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh | AbstractMesh,
 
 
 def pareto(fn: Callable, *args, mesh: Mesh, budgets: int = BUDGETS, **options) -> Frontier:
-    """The time-memory frontier of ``fn`` on these arguments (arrays or ShapeDtypeStructs):
-    ``auto_shard(fn, mesh=mesh, **options).pareto(*args)``. Keyword arguments of ``fn``
-    go through ``auto_shard(...).pareto`` instead."""
+    """The time-memory frontier of ``fn`` on these arguments.
+
+    Args:
+        fn: The function; keyword arguments go through ``auto_shard(...).pareto``.
+        *args: Its positional arguments (arrays or ShapeDtypeStructs).
+        mesh: The mesh to plan on.
+        budgets: Fixed budgets searched besides the gaps.
+        **options: :func:`auto_shard`'s options.
+
+    Returns:
+        ``auto_shard(fn, mesh=mesh, **options).pareto(*args)``: the :class:`Frontier`.
+    """
     return auto_shard(fn, mesh=mesh, **options).pareto(*args, budgets=budgets)
 
 
 def device_sweep(fn: Callable, *args, mesh: Mesh | AbstractMesh,
                  memory_budget: float | None = None, **options) -> DeviceSweep:
-    """The best plan of ``fn`` on these arguments for each device count that divides
-    ``mesh`` (:meth:`AutoSharded.device_sweep`): ``auto_shard(fn, mesh=mesh,
-    **options).device_sweep(*args, memory_budget=memory_budget)``."""
+    """The best plan of ``fn`` on these arguments for each device count that divides ``mesh``.
+
+    Args:
+        fn: The function.
+        *args: Its positional arguments (arrays or ShapeDtypeStructs).
+        mesh: The mesh (or AbstractMesh) whose device counts are swept.
+        memory_budget: Bytes per device; None: the options' budget, else device memory.
+        **options: :func:`auto_shard`'s options.
+
+    Returns:
+        ``auto_shard(fn, mesh=mesh, **options).device_sweep(*args)``: the DeviceSweep.
+    """
     return auto_shard(fn, mesh=mesh, **options).device_sweep(*args, memory_budget=memory_budget)

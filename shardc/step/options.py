@@ -1,6 +1,8 @@
-"""What ``auto_shard`` is asked for besides the function (one frozen :class:`Options`
-record, checked at construction), the mesh it plans on (every axis Auto), and the error for
-running on an AbstractMesh."""
+"""What ``auto_shard`` is asked for besides the function.
+
+One frozen :class:`Options` record, checked at construction; the mesh it plans on (every
+axis Auto); and the error for running on an AbstractMesh.
+"""
 
 from __future__ import annotations
 
@@ -14,13 +16,21 @@ from shardc.cost.cluster import DEFAULT_CLUSTER, Cluster
 from shardc.ir.trace import DEFAULT_WHILE_TRIPS
 from shardc.pipeline.schedule import Pipeline
 from shardc.report.explain import mesh_label
+from shardc.solve.ilp import DEFAULT_TIME_LIMIT
 
 __all__ = ["auto_mesh", "NeedsDevicesError", "Options", "platform_of"]
 
 
 def auto_mesh(mesh: Mesh | AbstractMesh) -> Mesh | AbstractMesh:
-    """The same devices (or, for an AbstractMesh, the same shape) and axes with every axis
-    Auto (what sharding constraints need)."""
+    """The same mesh with every axis Auto (what sharding constraints need).
+
+    Args:
+        mesh: A mesh, or an AbstractMesh.
+
+    Returns:
+        The same devices (for an AbstractMesh, the same shape) and axes, every axis Auto;
+        ``mesh`` itself where they already are.
+    """
     types = getattr(mesh, "axis_types", None)
     if types is not None and all(t == AxisType.Auto for t in types):
         return mesh
@@ -44,14 +54,37 @@ class NeedsDevicesError(ValueError):
             "step.use_plan(plan, *args)")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Options:
-    """Everything ``auto_shard`` is asked for besides the function and its mesh (see
-    :func:`auto_shard` for each field)."""
+    """Everything ``auto_shard`` is asked for besides the function and its mesh.
+
+    Keyword-only; each field is :func:`shardc.auto_shard`'s argument of the same name
+    (its ``Args`` say what each means).
+
+    Attributes:
+        cluster: The cluster the plan is priced on.
+        memory_budget: Bytes per device a plan may hold; None: no budget.
+        time_limit: Seconds, the wall-clock guard on each ILP solve.
+        seeds: Hand-written plans to start from, by name.
+        mesh_search: Also plan the other logical views of the mesh's devices.
+        in_shardings: Layouts fixed for the arguments, as for ``jax.jit``.
+        keep_input_shardings: Keep the placement of arguments already on the mesh; None:
+            True on a mesh with Explicit axes.
+        cache_dir: Where plans are kept on disk; None: ``$SHARDC_CACHE_DIR`` if set.
+        while_trips: Iterations a while loop without static bounds is planned for.
+        pipeline: A Pipeline to run; False: none; None: the planner's choice.
+        rank_compiled: Under overlap, how many of the best candidates are compiled and
+            ranked by their compiled programs.
+        offload: Where a budget binds, state may live in host memory.
+
+    Raises:
+        TypeError: For a ``pipeline`` that is none of those.
+        ValueError: For a value out of its range (named in the message).
+    """
 
     cluster: Cluster = DEFAULT_CLUSTER
     memory_budget: float | None = None
-    time_limit: float = 10.0
+    time_limit: float = DEFAULT_TIME_LIMIT
     seeds: Mapping[str, Any] = field(default_factory=dict)
     mesh_search: bool = False
     in_shardings: Any = None
@@ -63,6 +96,7 @@ class Options:
     offload: bool = True  # where a budget binds, state may live in host memory
 
     def __post_init__(self):
+        """Check the fields (see Raises)."""
         if not (self.pipeline is None or self.pipeline is False
                 or isinstance(self.pipeline, Pipeline)):
             raise TypeError(f"pipeline must be a shardc.pipeline.Pipeline, False (never "
@@ -86,6 +120,12 @@ class Options:
 
 
 def platform_of(mesh: Mesh | AbstractMesh) -> str | None:
-    """The platform of the mesh's devices (what ``platform_index`` conds resolve for);
-    None on an abstract mesh: the default backend's."""
+    """The platform of the mesh's devices (what ``platform_index`` conds resolve for).
+
+    Args:
+        mesh: A mesh, or an AbstractMesh.
+
+    Returns:
+        The platform's name; None on an abstract mesh (the default backend's).
+    """
     return None if isinstance(mesh, AbstractMesh) else mesh.devices.flat[0].platform

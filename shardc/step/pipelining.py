@@ -232,6 +232,7 @@ def choice_options(step, tr: TracedCall, views: bool):
     opts = step.options
     schedules = SCHEDULES if has_stack(tr.traced.jaxpr, loss=True) else \
         tuple(s for s in SCHEDULES if s != "1f1b")
-    return ChoiceOptions(opts.memory_budget, opts.time_limit, schedules, views=views,
+    return ChoiceOptions(memory_budget=opts.memory_budget, time_limit=opts.time_limit,
+                         schedules=schedules, views=views,
                          pipeline=opts.pipeline, combiner=combiner_for(platform_of(step.mesh)),
                          stack=has_stack(tr.traced.jaxpr))

@@ -261,7 +261,8 @@ def solve_views(step, tr: TracedCall, candidates: list[View],
         try:
             own = None  # the view's own cost graph (the first search's)
             for k, search in enumerate(objectives(step.mesh, view.cluster)):
-                sopts = SolveOptions(opts.memory_budget, opts.time_limit, seeds=seeds_here,
+                sopts = SolveOptions(memory_budget=opts.memory_budget,
+                                     time_limit=opts.time_limit, seeds=seeds_here,
                                      combiner=search.combiner, offloaded=tr.offloaded)
                 try:
                     mine, costs, assembled, cg = _view_plan(step, tr, view, sopts,

@@ -1,15 +1,12 @@
-"""The time-memory frontier: the plans no other plan beats on both predicted step time and
-predicted peak memory per device.
+"""The time-memory frontier's search: the plans no other plan beats on time and memory.
 
-TensorOpt's point is that no single plan is right: with few devices memory binds, with many
-time does. :func:`sweep` plans a program at no budget (the fastest plan) and at the
-smallest budget a plan was found for (the leanest), places hand-written and its own plans'
-layouts at several remat levels (forward segments' activations recomputed in the backward
-pass, :mod:`shardc.ir.remat`), and searches the gaps those leave (and, if asked, budgets
-spaced between the ends); the non-dominated plans form a :class:`Frontier`, each a full
-:class:`shardc.Plan` that runs (``step.use_plan(plan, ...)``). ``step.pareto(*args)`` and
-:func:`shardc.pareto` call it. TensorOpt's other axis, the best plan on each sub-mesh of
-the devices, is :mod:`shardc.tradeoff.sweep`.
+No single plan is right (TensorOpt): with few devices memory binds, with many time does.
+:func:`sweep` plans a program at no budget (the fastest plan) and at the smallest budget a
+plan was found for (the leanest), places hand-written and its own plans' layouts at several
+remat levels (:mod:`shardc.ir.remat`), and searches the gaps those leave; the
+non-dominated plans form a :class:`Frontier`, each a full :class:`shardc.Plan` that runs
+(``step.use_plan(plan, ...)``). ``step.pareto(*args)`` and :func:`shardc.pareto` call it;
+the best plan on each sub-mesh of the devices is :mod:`shardc.tradeoff.sweep`.
 
 References:
   TensorOpt (Cai et al., TPDS 2022) §3: the Pareto set of (time, memory) strategies.
@@ -38,9 +35,8 @@ log = logging.getLogger("shardc")
 BUDGETS = 0
 """Budgets searched at points spaced geometrically between the leanest and the fastest plan's
 peaks (besides those two). None by default: the gaps the placements leave are searched
-anyway (:meth:`_Sweep.fill`, at most ``budgets +`` :data:`SEARCHES`), and on GPT-2 small (2x4) six
-fixed budgets took 40 of the frontier's 75 s for a staircase faster by 7-14% at three
-points, by at most 1.3% elsewhere (measured here)."""
+anyway (:meth:`_Sweep.fill`, at most ``budgets +`` :data:`SEARCHES`), at a fraction of
+fixed budgets' planning time (docs/design-notes.md)."""
 GAP = 0.1
 """The widest gap between neighbouring plans :func:`sweep` leaves where it finds a plan: this
 fraction of the frontier's memory range."""
@@ -49,7 +45,7 @@ FILLS = 12
 where they land nothing in it)."""
 SEARCHES = 9
 """Searches into the gaps at most, besides one per budget: where placements land in a gap,
-none is spent (GPT-2 small on 2x4 needs one)."""
+none is spent."""
 
 
 Layouts = Mapping[int, NdSbp]
@@ -58,17 +54,25 @@ Layouts = Mapping[int, NdSbp]
 
 @dataclass(frozen=True)
 class Sources:
-    """What :func:`sweep` plans a frontier from. ``solve(budget, remat)``: the fastest plan
-    of the program recomputing the forward segments ``remat`` within ``budget`` bytes per
-    device (None: no budget; :class:`MemoryBudgetError` when none fits).
-    ``place(remat, layouts)``: that program's plan around each of ``layouts`` (by name;
-    input layouts on the physical mesh), placed without a search (as a seed is).
-    ``layouts``: hand-written input layouts the frontier must not lose to (the generic
-    layouts of :mod:`shardc.tradeoff.baselines`, the user's seeds); ``segments``: the program's
-    forward segments (:mod:`shardc.ir.remat`); ``inputs``, ``shapes``: its graph inputs'
-    bytes and shapes; ``optimizer``: the inputs only its update reads
-    (:func:`shardc.tradeoff.baselines.optimizer_state`); ``mesh``: the physical mesh's axes (a
-    plan on another view lends no layouts)."""
+    """What :func:`sweep` plans a frontier from.
+
+    Attributes:
+        solve: ``solve(budget, remat)``, the fastest plan of the program recomputing the
+            forward segments ``remat`` within ``budget`` bytes per device (None: no budget);
+            raises :class:`MemoryBudgetError` when none fits.
+        place: ``place(remat, layouts)``, that program's plan around each of ``layouts``
+            (by name; input layouts on the physical mesh), placed without a search.
+        layouts: Hand-written input layouts the frontier must not lose to (the generic
+            layouts of :mod:`shardc.tradeoff.baselines`, the user's seeds).
+        segments: The program's forward segments (:mod:`shardc.ir.remat`).
+        inputs: Its graph inputs' bytes.
+        shapes: Its graph inputs' shapes.
+        optimizer: The inputs only its update reads
+            (:func:`shardc.tradeoff.baselines.optimizer_state`).
+        mesh: The physical mesh's axes (a plan on another view lends no layouts).
+        offloaded: As ``solve``, the program keeping state in host memory
+            (:mod:`shardc.step.offload`); None where nothing may be offloaded.
+    """
 
     solve: Callable[..., Plan]
     place: Callable[[tuple[int, ...], Mapping[str, Layouts]], Sequence[Plan]] = \
@@ -85,22 +89,34 @@ class Sources:
 
 
 def sweep(sources: Sources, budgets: int = BUDGETS) -> Frontier:
-    """The non-dominated plans among: the fastest plan (no budget) and the leanest (the
+    """The time-memory frontier of a program's sources.
+
+    The non-dominated plans among: the fastest plan (no budget) and the leanest (the
     smallest budget one was found for), of the program as written and of the one that
     recomputes every forward segment; the hand-written layouts' plans and the fastest
     plan's layouts at a few remat choices, so no hand-written layout lies below the
-    staircase; plans at ``budgets`` budgets spaced geometrically between the leanest and
-    the fastest peaks; and plans that fill each gap between neighbours wider than
-    :data:`GAP` of the frontier's memory range (:meth:`_Sweep.fill`). The remat choices are
-    the greedy's (:func:`shardc.ir.remat.prefixes`: segments by bytes saved per recomputed
-    FLOP); each budget takes the one :meth:`_Sweep.choose` picks for it. Below them, the
-    leanest plans keeping state in host memory (``sources.offloaded``), where leaner."""
+    staircase; plans at fixed budgets; plans that fill each gap between neighbours wider
+    than :data:`GAP` of the frontier's memory range (:meth:`_Sweep.fill`); and below them
+    the leanest plans keeping state in host memory, where leaner. The remat choices are the
+    greedy's (:func:`shardc.ir.remat.prefixes`: segments by bytes saved per recomputed
+    FLOP); each budget takes the one :meth:`_Sweep.choose` picks for it.
+
+    Args:
+        sources: What to plan from.
+        budgets: Budgets searched at points spaced geometrically between the leanest and
+            the fastest peaks.
+
+    Returns:
+        The frontier, leanest first.
+    """
     return _Sweep(sources, budgets).run()
 
 
 class _Sweep:
-    """The bookkeeping of one :func:`sweep`: the plans found, and the remat choices'
-    bytes, to pick one per budget (:meth:`choose`)."""
+    """The bookkeeping of one :func:`sweep`.
+
+    The plans found, and the remat choices' bytes, to pick one per budget (:meth:`choose`).
+    """
 
     def __init__(self, sources: Sources, budgets: int):
         self.src, self.budgets = sources, budgets
@@ -116,8 +132,10 @@ class _Sweep:
         self.device_floor = -math.inf  # below it, plans keep state in host memory (offload)
 
     def found(self, what: str, plan: Plan | None) -> Plan | None:
-        """Keep ``plan`` and say so at INFO (``shardc pareto`` prints these lines: a large
-        model's frontier takes minutes)."""
+        """Keep ``plan`` and log it at INFO.
+
+        ``shardc pareto`` prints these lines: a large model's frontier takes minutes.
+        """
         self.tried += 1
         self.total = max(self.total, self.tried)
         if plan is not None:
@@ -139,8 +157,11 @@ class _Sweep:
             f", {len(self.chain[k])} segments recomputed" if k else ""), plan)
 
     def _offloaded(self, budget: float) -> Plan:
-        """The plan keeping state in host memory within ``budget``: recomputing nothing,
-        else every segment (:func:`shardc.step.solving.offloaded_plans`' order)."""
+        """The plan keeping state in host memory within ``budget``.
+
+        Recomputing nothing, else every segment (:func:`shardc.step.solving.offloaded_plans`'
+        order).
+        """
         try:
             return self.src.offloaded(budget, ())
         except MemoryBudgetError:
@@ -149,9 +170,12 @@ class _Sweep:
             return self.src.offloaded(budget, self.chain[-1])
 
     def place(self, k: int, layouts: Mapping[str, Layouts]) -> list[Plan]:
-        """The plans of the program recomputing ``chain[k]`` around ``layouts``, but for
+        """The plans recomputing ``chain[k]`` around ``layouts``.
+
+        The plans of the program recomputing ``chain[k]`` around ``layouts``, but for
         those placed before (the cheap fills of neighbouring gaps often land on the same
-        layouts)."""
+        layouts).
+        """
         fresh = {}
         for name, lay in layouts.items():
             key = (k, frozenset(lay.items()))
@@ -167,15 +191,13 @@ class _Sweep:
         self.fast[0] = self.found("no budget", src.solve(None))
         if n:
             self.fast[n] = self.found(f"{n} segments recomputed", src.solve(None, self.chain[n]))
-        # searched, not placed from the leanest remat plan's layouts: the scanned Llama's
-        # leanest plan recomputes nothing (1.10 GiB, 61.7 ms; recomputing its three
-        # segments, 1.12 GiB and 72.4 ms). Not searched where its peak (the search's first,
-        # cheap ask names it) is no leaner than the fastest plan recomputing every segment:
-        # a plan between those two is what the budgets and the gaps' fills look for
-        # (GPT-2 small on (2, 4): 2.94 GiB against 2.62, 3.5 of the frontier's 35 s). A
-        # heuristic, not an exact saving: such a plan faster than that remat plan would be
-        # on the staircase, and is left to the fills (GPT-2's and the Llama's staircases
-        # are the same; its peak stands in for the plan's where ``choose`` reads it)
+        # searched, not placed from the leanest remat plan's layouts: a model's leanest plan
+        # may recompute nothing. Not searched where its peak (the search's first, cheap ask
+        # names it) is no leaner than the fastest plan recomputing every segment: a plan
+        # between those two is what the budgets and the gaps' fills look for. A heuristic,
+        # not an exact saving: such a plan faster than that remat plan would be on the
+        # staircase, and is left to the fills (its peak stands in for the plan's where
+        # ``choose`` reads it)
         lean, self.lean_peak = _leanest(src.solve, (), _peak(self.fast[n]) if n else math.inf)
         if lean is None:
             self.total -= 1
@@ -206,10 +228,13 @@ class _Sweep:
         return Frontier(non_dominated(self.plans))
 
     def offload(self, n: int) -> None:
-        """The leanest plans keeping state in host memory, recomputing nothing and every
-        segment, where leaner than every plan found on the devices; from here on a budget
+        """The leanest plans keeping state in host memory.
+
+        Recomputing nothing and every segment, where leaner than every plan found on the
+        devices; from here on a budget
         below those (``device_floor``) is planned with state in host memory
-        (:meth:`solve`), as ``auto_shard`` plans it."""
+        (:meth:`solve`), as ``auto_shard`` plans it.
+        """
         if self.src.offloaded is None:
             return
         floor = self.device_floor = min(map(_peak, self.plans))
@@ -223,13 +248,15 @@ class _Sweep:
                 floor = peak
 
     def choose(self, budget: float) -> int:
-        """The remat choice to plan ``budget`` with: where recomputing saves bytes more
-        cheaply (in step time per byte, between the fastest plans with none and every
-        segment recomputed) than sharding more does (between the fastest and the leanest
-        plan recomputing every segment), the least recomputed whose fastest plan is
-        estimated to fit (else all); otherwise the least recomputed whose leanest plan is.
-        Peaks are estimated by interpolating the two ends in the bytes each choice stops
-        holding."""
+        """The remat choice to plan ``budget`` with.
+
+        Where recomputing saves bytes more cheaply (in step time per byte, between the
+        fastest plans with none and every segment recomputed) than sharding more does
+        (between the fastest and the leanest plan recomputing every segment), the least
+        recomputed whose fastest plan is estimated to fit (else all); otherwise the least
+        recomputed whose leanest plan is. Peaks are estimated by interpolating the two ends
+        in the bytes each choice stops holding.
+        """
         n = len(self.chain) - 1
         if not n:
             return 0
@@ -247,25 +274,28 @@ class _Sweep:
         return next((k for k in range(n + 1) if est(ends, k) <= budget), n)
 
     def fill(self) -> None:
-        """Plan into each gap between neighbouring plans ``a`` (leaner) and ``b`` wider than
-        :data:`GAP` of the memory range, widest first: once cheaply, ``b``'s layouts
+        """Plan into each gap between neighbouring plans.
+
+        Each gap between ``a`` (leaner) and ``b`` wider than :data:`GAP` of the memory range,
+        widest first: once cheaply, ``b``'s layouts
         recomputing enough more segments to reach the gap's middle, and where that lands
         nothing in the gap, ``b``'s layouts partly replaced by ``a``'s (:meth:`_mixed`);
         where none lands in the gap, a search
         at the middle's budget. A search that finds no plan in the gap shows that none
         below its budget beats ``a`` (as far as the search sees), so the gap left to
         explore is its upper part: searches split it until what is left is narrower than
-        :data:`GAP`. At most :data:`FILLS` tries and ``budgets +`` :data:`SEARCHES` searches."""
+        :data:`GAP`. At most :data:`FILLS` tries and ``budgets +`` :data:`SEARCHES` searches.
+        """
         cheap_tried: set[tuple[float, float]] = set()
         explored: list[tuple[float, float]] = []  # (peak, budget): nothing better between
         searches = 0
 
         def floor(a: Plan, b: Plan) -> float:
-            """Where the unexplored part of the gap from ``a`` to ``b`` starts: the explored
-            stretches chained from ``a``'s peak (a search that lands below where the
-            unexplored part started explores on from there: the scanned Llama's search at
-            3.14 GiB landed at 2.69, was read as not joining the stretch before, and was
-            asked again four times)."""
+            """Where the unexplored part of the gap from ``a`` to ``b`` starts.
+
+            The explored stretches chained from ``a``'s peak: a search that lands below
+            where the unexplored part started explores on from there.
+            """
             at = _peak(a)
             while True:
                 nxt = max([hi for lo, hi in explored if lo <= at and at < hi < _peak(b)],
@@ -308,9 +338,12 @@ class _Sweep:
             explored.append((start if plan is None else min(_peak(plan), start), budget))
 
     def _more_remat(self, b: Plan, middle: float) -> list[Plan]:
-        """``b``'s layouts on the program recomputing the fewest more segments (greedy
+        """``b``'s layouts on a program recomputing more segments.
+
+        ``b``'s layouts on the program recomputing the fewest more segments (greedy
         order) estimated to bring its peak to ``middle``, at the rate the fastest plans'
-        peaks fall per byte a segment stops holding."""
+        peaks fall per byte a segment stops holding.
+        """
         n, k = len(self.chain) - 1, self.at.get(b.remat)
         if not n or k is None or k == n or _peak(self.fast[n]) >= _peak(self.fast[0]):
             return []
@@ -327,12 +360,14 @@ class _Sweep:
                 dict(enumerate(plan.inputs))}
 
     def _mixed(self, a: Plan, b: Plan) -> list[Plan]:
-        """``b``'s input layouts partly replaced by ``a``'s, on ``b``'s program: ``a``'s
-        layouts of some inputs, until half the bytes per device ``a``'s save over ``b``'s
-        (the largest savings first; and the optimizer's slots first, ZeRO's trade: the
-        update alone reads them); and ``a``'s layouts over some of the mesh axes only,
-        ``b``'s over the rest (sharded within a node and replicated across, as HSDP is),
-        where that splits every input evenly."""
+        """``b``'s input layouts partly replaced by ``a``'s.
+
+        On ``b``'s program: ``a``'s layouts of some inputs, until half the bytes per device
+        ``a``'s save over ``b``'s (the largest savings first; and the optimizer's slots
+        first, ZeRO's trade: the update alone reads them); and ``a``'s layouts over some of
+        the mesh axes only, ``b``'s over the rest (sharded within a node and replicated
+        across, as HSDP is), where that splits every input evenly.
+        """
         k = self.at.get(b.remat)
         if k is None or not self._own(a) or not self._own(b) or not self.src.shapes:
             return []
@@ -380,9 +415,12 @@ def _time(plan: Plan) -> float:
 
 def _leanest(solve: Callable[..., Plan], remat: tuple[int, ...], above: float = math.inf
              ) -> tuple[Plan | None, float]:
-    """The plan at the smallest budget one was found for (the search's leanest peak where
-    planning at it succeeds, else the lean start's, which always does) and its peak; no
-    plan, and the peak the search named, where that is ``above`` or more."""
+    """The leanest plan and its peak.
+
+    The plan at the smallest budget one was found for (the search's leanest peak where
+    planning at it succeeds, else the lean start's, which always does); no plan, and the
+    peak the search named, where that is ``above`` or more.
+    """
     try:
         plan = solve(1.0, remat)  # no plan fits a byte: the error names the leanest found
         return plan, _peak(plan)

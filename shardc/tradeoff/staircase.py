@@ -1,6 +1,8 @@
-"""The time-memory frontier as a record: the plans no other plan beats on both predicted step
-time and predicted peak memory per device (:class:`Frontier`, which
-:func:`shardc.tradeoff.frontier.sweep` makes), its table and its plot."""
+"""The time-memory frontier as a record, its table and its plot.
+
+The plans no other plan beats on both predicted step time and predicted peak memory per
+device (:class:`Frontier`, which :func:`shardc.tradeoff.frontier.sweep` makes).
+"""
 
 from __future__ import annotations
 
@@ -19,17 +21,27 @@ __all__ = ["Frontier", "non_dominated", "recomputes"]
 
 @dataclass(frozen=True)
 class Frontier(Sequence[Plan]):
-    """Non-dominated plans, leanest first (so step time falls along them): a sequence of
-    :class:`shardc.Plan` (``frontier[0]`` the leanest, ``frontier[-1]`` the fastest,
-    ``len``, iteration, slicing to a tuple), also held as ``plans``."""
+    """Non-dominated plans, leanest first (so step time falls along them).
+
+    A sequence of :class:`shardc.Plan`: ``frontier[0]`` is the leanest, ``frontier[-1]``
+    the fastest; ``len``, iteration, and slicing to a tuple.
+
+    Attributes:
+        plans: The plans, leanest first.
+
+    Raises:
+        ValueError: At construction, without a plan.
+    """
 
     plans: tuple[Plan, ...]
 
     def __post_init__(self):
+        """Check there is a plan."""
         if not self.plans:
             raise ValueError("a frontier holds at least one plan")
 
     def __len__(self) -> int:
+        """The number of plans."""
         return len(self.plans)
 
     @overload
@@ -39,24 +51,36 @@ class Frontier(Sequence[Plan]):
     def __getitem__(self, k: slice) -> tuple[Plan, ...]: ...
 
     def __getitem__(self, k):
+        """Plan ``k``, or a tuple of plans for a slice."""
         return self.plans[k]
 
     def __iter__(self) -> Iterator[Plan]:
+        """The plans, leanest first."""
         return iter(self.plans)
 
     def points(self) -> list[tuple[float, float]]:
-        """(predicted step seconds, predicted peak bytes per device) of each plan."""
+        """Each plan's point: (predicted step seconds, predicted peak bytes per device)."""
         return [(p.predicted.step_time, p.predicted.peak_memory) for p in self.plans]
 
     def pick(self, memory_budget: float) -> Plan:
-        """The fastest plan whose predicted peak fits ``memory_budget`` (bytes per device);
-        :class:`MemoryBudgetError` naming the leanest plan's peak if none does."""
+        """The fastest plan whose predicted peak fits ``memory_budget``.
+
+        Args:
+            memory_budget: Bytes per device.
+
+        Returns:
+            The plan.
+
+        Raises:
+            MemoryBudgetError: Naming the leanest plan's peak, if none fits.
+        """
         fits = [p for p in self.plans if p.predicted.peak_memory <= memory_budget]
         if not fits:
             raise MemoryBudgetError(memory_budget, math.ceil(self.plans[0].predicted.peak_memory))
         return min(fits, key=lambda p: p.predicted.step_time)
 
     def table(self) -> str:
+        """The plans as a table: step, peak, what each recomputes and offloads, its mesh."""
         rows = ["predicted step   peak per device       recomputes   in host memory   mesh"]
         for p in self.plans:
             host = f"{len(p.offloaded)} leaves" if p.offloaded else "-"
@@ -66,14 +90,25 @@ class Frontier(Sequence[Plan]):
         return "\n".join(rows)
 
     def __str__(self) -> str:
+        """:meth:`table`."""
         return self.table()
 
     def plot(self, path: str | None = None, experts: Mapping[str, tuple[float, float]] | None
              = None, ax=None):
-        """Time against memory: the frontier as a staircase of its plans, and ``experts``
-        (name -> (step seconds, peak bytes), e.g. hand-written plans priced on the same
-        cluster) as labelled points on the same axes. Saved to ``path`` if given; returns
-        the matplotlib Axes."""
+        """Plot time against memory: the frontier as a staircase of its plans.
+
+        Args:
+            path: Where to save the figure; None: not saved.
+            experts: Name -> (step seconds, peak bytes) of other plans (hand-written ones
+                priced on the same cluster, say), drawn as labelled points.
+            ax: The matplotlib Axes to draw on; None: a new figure's.
+
+        Returns:
+            The matplotlib Axes.
+
+        Raises:
+            ImportError: Without matplotlib.
+        """
         try:
             from matplotlib.figure import Figure
         except ImportError as exc:
@@ -112,14 +147,26 @@ class Frontier(Sequence[Plan]):
 
 
 def recomputes(plan: Plan) -> str:
-    """``"3/24 segments"``: the forward segments whose activations ``plan`` recomputes in
-    the backward pass; ``"-"`` when it keeps them all."""
+    """The forward segments ``plan`` recomputes in the backward pass, ``"3/24 segments"``.
+
+    Args:
+        plan: The plan.
+
+    Returns:
+        The count of its segments; ``"-"`` when it keeps every activation.
+    """
     return f"{len(plan.remat)}/{plan.segments} segments" if plan.remat else "-"
 
 
 def non_dominated(plans: list[Plan]) -> tuple[Plan, ...]:
-    """The plans no other plan beats on both time and memory (ties keep the first), leanest
-    first."""
+    """The plans no other plan beats on both time and memory, leanest first.
+
+    Args:
+        plans: The candidates.
+
+    Returns:
+        The non-dominated plans (of ties, the first).
+    """
     ordered = sorted(plans, key=lambda p: (p.predicted.peak_memory, p.predicted.step_time))
     out: list[Plan] = []
     for p in ordered:

@@ -1,6 +1,8 @@
-"""The device sweep: the best plan of a step on each device count that divides its mesh,
-each planned on an AbstractMesh of the sub-mesh with its axes priced at the links they have in
-the whole mesh."""
+"""The device sweep: the best plan of a step on each device count that divides its mesh.
+
+Each count is planned on an AbstractMesh of the sub-mesh, its axes priced at the links they
+have in the whole mesh.
+"""
 
 from __future__ import annotations
 
@@ -24,9 +26,21 @@ __all__ = ["DeviceCount", "DeviceSweep", "device_counts", "device_sweep"]
 
 def device_sweep(step, *args, memory_budget: float | None = None, **kwargs
                  ) -> DeviceSweep:
-    """:meth:`AutoSharded.device_sweep <shardc.step.auto_shard.AutoSharded.device_sweep>`
-    of ``step``: each count planned by a copy of the step on an AbstractMesh of its
-    sub-mesh."""
+    """Plan ``step`` on each device count that divides its mesh.
+
+    What :meth:`AutoSharded.device_sweep <shardc.step.auto_shard.AutoSharded.device_sweep>`
+    runs: each count planned by a copy of the step on an AbstractMesh of its sub-mesh.
+
+    Args:
+        step: An ``auto_shard`` step.
+        *args: Its arguments (arrays or ShapeDtypeStructs).
+        memory_budget: Bytes per device; None: the step's budget, else its cluster's
+            device memory.
+        **kwargs: Its keyword arguments.
+
+    Returns:
+        The sweep, fewest devices first.
+    """
     budget = memory_budget if memory_budget is not None else (
         step.options.memory_budget or step.options.cluster.device_memory)
     cluster = step.options.cluster
@@ -55,14 +69,21 @@ def device_sweep(step, *args, memory_budget: float | None = None, **kwargs
 
 def device_counts(shape: Sequence[int], names: Sequence[str]
                   ) -> list[tuple[int, tuple[int, ...], tuple[str, ...]]]:
-    """``(devices, sub-mesh shape, its axis names)`` for each device count that divides the
-    mesh, fewest first: the first devices in row-major order, so a count fills the inner
-    (fastest) axes before the outer ones (4 of ``(node=2, gpu=4)`` is ``(node=1, gpu=4)``).
-    Every axis keeps its name, at size 1 where the count leaves it: the program's own
-    ``with_sharding_constraint`` may name any of the mesh's axes, and a spec naming an axis
-    of size 1 places the value as if it named none. A count whose devices are not a whole
-    block of inner axes is skipped (6 of ``(2, 4)``: it divides nothing, as does no count
-    that is not a divisor)."""
+    """The sub-meshes of each device count that divides the mesh.
+
+    A count takes the first devices in row-major order, so it fills the inner (fastest)
+    axes before the outer ones (4 of ``(node=2, gpu=4)`` is ``(node=1, gpu=4)``). Every
+    axis keeps its name, at size 1 where the count leaves it: the program's own
+    ``with_sharding_constraint`` may name any of the mesh's axes. A count whose devices are
+    not a whole block of inner axes is skipped (6 of ``(2, 4)``).
+
+    Args:
+        shape: The mesh's axis sizes.
+        names: The mesh's axis names.
+
+    Returns:
+        ``(devices, sub-mesh shape, its axis names)`` per count, fewest first.
+    """
     n = math.prod(shape)
     out = []
     for k in range(1, n + 1):
@@ -85,8 +106,14 @@ def device_counts(shape: Sequence[int], names: Sequence[str]
 
 @dataclass(frozen=True)
 class DeviceCount:
-    """The best plan on ``devices`` devices (the sub-mesh ``mesh``), within the sweep's
-    budget; ``plan`` is None when none fits, and ``needed`` the leanest plan's peak."""
+    """The best plan on ``devices`` devices, within the sweep's budget.
+
+    Attributes:
+        devices: The device count.
+        mesh: The sub-mesh, ``(name, size)`` per axis.
+        plan: The best plan; None when none fits.
+        needed: Where none fits, the leanest plan's peak (bytes per device).
+    """
 
     devices: int
     mesh: tuple[tuple[str, int], ...]
@@ -95,26 +122,38 @@ class DeviceCount:
 
     @property
     def fits(self) -> bool:
+        """Whether a plan fits the budget on this count."""
         return self.plan is not None
 
 
 @dataclass(frozen=True)
 class DeviceSweep:
-    """One :class:`DeviceCount` per device count that divides the mesh, fewest first, each
-    planned within ``memory_budget`` bytes per device."""
+    """The best plan on each device count that divides the mesh, fewest first.
+
+    Attributes:
+        counts: One :class:`DeviceCount` per count, fewest first.
+        memory_budget: The budget each was planned within, bytes per device.
+    """
 
     counts: tuple[DeviceCount, ...]
     memory_budget: float
 
     def fewest(self) -> DeviceCount:
-        """The fewest devices on which a plan fits the budget; :class:`MemoryBudgetError`
-        naming the leanest plan on all of them if none does."""
+        """The fewest devices on which a plan fits the budget.
+
+        Returns:
+            That count's :class:`DeviceCount`.
+
+        Raises:
+            MemoryBudgetError: Naming the leanest plan on all the devices, if none fits.
+        """
         for c in self.counts:
             if c.fits:
                 return c
         raise MemoryBudgetError(self.memory_budget, self.counts[-1].needed)
 
     def table(self) -> str:
+        """The counts as a table: mesh, predicted step, peak and whether it fits."""
         rows = ["devices   mesh                  predicted step   peak per device   fits "
                 f"{fmt_bytes(self.memory_budget)}"]
         for c in self.counts:
@@ -128,4 +167,5 @@ class DeviceSweep:
         return "\n".join(rows)
 
     def __str__(self) -> str:
+        """:meth:`table`."""
         return self.table()
