@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from jax.sharding import PartitionSpec
 
 from shardc.cost.cluster import Cluster
+from shardc.errors import PlanError, PlanFormatError
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Partial, to_partition_spec
 from shardc.pipeline.schedule import Pipeline
@@ -30,7 +31,6 @@ from shardc.plan.codec import (
     FIELDS_V2,
     ColumnReader,
     InPlaceReader,
-    PlanFormatError,
     reading_field,
 )
 
@@ -169,9 +169,9 @@ class Plan:
         """This plan with the user's names of its input and output leaves (one each)."""
         input_names, output_names = tuple(input_names), tuple(output_names)
         if len(input_names) != len(self.inputs) or len(output_names) != len(self.outputs):
-            raise ValueError(f"named: {len(input_names)} input / {len(output_names)} output "
-                             f"names for a plan of {len(self.inputs)} inputs and "
-                             f"{len(self.outputs)} outputs")
+            raise PlanError(f"named: {len(input_names)} input / {len(output_names)} output "
+                            f"names for a plan of {len(self.inputs)} inputs and "
+                            f"{len(self.outputs)} outputs")
         if (input_names, output_names) == (self.input_names, self.output_names):
             return self  # a plan reused for another call of the same names stays one object
         return dataclasses.replace(self, input_names=input_names, output_names=output_names)
@@ -312,7 +312,7 @@ class Plan:
         def nd(x) -> NdSbp:
             out = NdSbp.from_json(x)
             if len(out) != n_axes:
-                raise ValueError(f"{x} has {len(out)} mesh axes, the plan's mesh {n_axes}")
+                raise PlanFormatError(f"{x} has {len(out)} mesh axes, the plan's mesh {n_axes}")
             return out
 
         if version == 2:
@@ -343,7 +343,7 @@ class Plan:
             input_ranks = tuple(int(r) for r in d["input_ranks"])
             output_ranks = tuple(int(r) for r in d["output_ranks"])
             if len(input_ranks) != len(inputs) or len(output_ranks) != len(outputs):
-                raise ValueError("one rank per input and per output")
+                raise PlanFormatError("one rank per input and per output")
         # what a plan saved before these fields existed lacks is left empty
         described = {}
         for key, per in (("input_ids", inputs), ("input_types", inputs),
@@ -352,15 +352,15 @@ class Plan:
             with reading_field(key):
                 got = tuple(d.get(key, ()))
                 if got and len(got) != len(per):
-                    raise ValueError(f"{len(got)} entries for {len(per)} leaves")
+                    raise PlanFormatError(f"{len(got)} entries for {len(per)} leaves")
                 described[key] = tuple(int(x) for x in got) if key == "input_ids" else \
                     tuple(str(x) for x in got)
         with reading_field("remat"):  # a plan saved before remat was a choice recomputes nothing
             described["remat"] = tuple(int(k) for k in d.get("remat", ()))
             described["segments"] = int(d.get("segments", 0))
             if any(not 0 <= k < described["segments"] for k in described["remat"]):
-                raise ValueError(f"segments {list(described['remat'])} of "
-                                 f"{described['segments']}")
+                raise PlanFormatError(f"segments {list(described['remat'])} of "
+                                      f"{described['segments']}")
         with reading_field("pipeline"):  # a plan saved before pipelines runs none
             pipe = d.get("pipeline")
             described["pipeline"] = Pipeline.from_json(pipe) if pipe is not None else None

@@ -34,6 +34,7 @@ import numpy as np
 from shardc.cost.cluster import Cluster
 from shardc.cost.combine import XLA_CPU
 from shardc.cost.comm import Conversion, conversion
+from shardc.errors import CostGraphError as CostGraphError
 from shardc.ir.graph import Graph, Op, Value
 from shardc.ir.prims import facts
 from shardc.ir.sbp import Broadcast, NdSbp, Split
@@ -350,10 +351,6 @@ class CostGraph:
                     vec = point.pop(u)[g]
                     point[v] = point[v] + vec if v in point else vec
         self.edges = [e for es in outs_of.values() for e in es]
-
-
-class CostGraphError(ValueError):
-    """A cost graph breaks one of the invariants :func:`check_cost_graph` names."""
 
 
 def check_cost_graph(cg: CostGraph) -> None:

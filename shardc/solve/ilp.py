@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import scipy.sparse as sparse
 
+from shardc.errors import OptionsError
 from shardc.solve.beside import beside
 from shardc.solve.costgraph import CostGraph
 
@@ -152,7 +153,7 @@ def solve_ilp(cg: CostGraph, *, time_limit: float = 10.0, memory_budget: float |
     relaxation is fractional, return status ``FRACTIONAL`` (no assignment) instead of
     solving the MIP."""
     if free is not None and hint is None:
-        raise ValueError("solve_ilp(free=...) needs hint= for the nodes held fixed")
+        raise OptionsError("solve_ilp(free=...) needs hint= for the nodes held fixed")
     t0 = time.perf_counter()
     live = list(cg.live if free is None else free)
     hint = dict(hint or {})

@@ -34,6 +34,7 @@ import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from shardc.cost.cluster import DEFAULT_CLUSTER, Cluster
+from shardc.errors import OptionsTypeError
 from shardc.ir.sbp import to_partition_spec
 from shardc.ir.trace import DEFAULT_WHILE_TRIPS, Traced, rematerialized, trace
 from shardc.lower.emit import explicit_axes
@@ -61,6 +62,7 @@ from shardc.step.calling import (
     place,
     placement,
 )
+from shardc.step.explaining import explain
 from shardc.step.margins import compare
 from shardc.step.names import input_names, output_names
 from shardc.step.options import NeedsDevicesError, Options, auto_mesh, platform_of
@@ -93,10 +95,10 @@ class AutoSharded:
     def __init__(self, fn: Callable, mesh: Mesh | AbstractMesh, options: Options,
                  convention: Convention):
         if not isinstance(mesh, Mesh | AbstractMesh):
-            raise TypeError(f"auto_shard needs a jax.sharding.Mesh, or an AbstractMesh to plan "
-                            f"without the devices, got {type(mesh).__name__}; make one with "
-                            "jax.make_mesh((2, 4), ('node', 'gpu')) or "
-                            "jax.sharding.AbstractMesh((16, 8), ('node', 'gpu'))")
+            raise OptionsTypeError(
+                f"auto_shard needs a jax.sharding.Mesh, or an AbstractMesh to plan without the "
+                f"devices, got {type(mesh).__name__}; make one with jax.make_mesh((2, 4), "
+                "('node', 'gpu')) or jax.sharding.AbstractMesh((16, 8), ('node', 'gpu'))")
         #: planning needs the mesh's shape and axis names only; an AbstractMesh plans for
         #: devices that are not here, and lowering or running raises NeedsDevicesError
         self.abstract = isinstance(mesh, AbstractMesh)
@@ -130,8 +132,6 @@ class AutoSharded:
         avals = tuple((a.shape, str(a.dtype), a.weak_type) for a in call.avals(self.fn))
         kept = tuple(sorted(kept_layouts(self, call).items())) if self.keep else ()
         return call.tree, avals, call.statics, kept
-
-
 
     def _traced(self, call: Call, remat: tuple[int, ...] = ()) -> tuple[Any, TracedCall]:
         """The call's signature key and its traced program; with ``remat``, the program
@@ -228,7 +228,6 @@ class AutoSharded:
                 return plan
         return None
 
-
     # ---- execution -------------------------------------------------------------------------
     def mesh_for(self, plan: Plan) -> Mesh | AbstractMesh:
         """The mesh ``plan`` runs on: this function's mesh (its Auto version), or the view of
@@ -310,6 +309,11 @@ class AutoSharded:
         if not self.abstract:  # on an AbstractMesh nothing runs, so nothing is moved
             self._report_moves(call, self._in_shardings(tr, plan), key)
         return plan
+
+    def explain(self, *args, **kwargs) -> str:
+        """``plan.explain()`` of the plan for these arguments (planned if need be); with
+        none, of the plan this step made (:func:`shardc.step.explaining.explain`)."""
+        return explain(self, args, kwargs)
 
     def pareto(self, *args, budgets: int = BUDGETS, **kwargs) -> Frontier:
         """The time-memory frontier for these arguments (:mod:`shardc.tradeoff.frontier`):

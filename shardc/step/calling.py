@@ -25,6 +25,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding
 
+from shardc.errors import ArgumentsError, SignatureError
+
 try:  # how JAX names a traced function and its arguments in its errors
     from jax._src.api_util import debug_info as _debug_info
 except ImportError:  # another JAX: its errors then name shardc's wrapper
@@ -55,9 +57,9 @@ def _check_argnums(params: list[inspect.Parameter], nums: tuple[int, ...], what:
         return
     n = sum(p.kind in _POSITIONAL for p in params)
     if -min(nums) > n or max(nums) >= n:
-        raise ValueError(f"Jitted function has {what}_argnums={nums}, but only accepts {n} "
-                         f"positional arguments; give {what}_argnums within "
-                         f"range({-n}, {n}), or {what}_argnames by parameter name")
+        raise SignatureError(f"Jitted function has {what}_argnums={nums}, but only accepts {n} "
+                             f"positional arguments; give {what}_argnums within "
+                             f"range({-n}, {n}), or {what}_argnames by parameter name")
 
 
 def _infer(sig: inspect.Signature | None, nums, names, what: str
@@ -72,8 +74,8 @@ def _infer(sig: inspect.Signature | None, nums, names, what: str
     if names:
         unknown = [n for n in names if n not in sig.parameters]
         if unknown and not any(p.kind == p.VAR_KEYWORD for p in params):
-            raise ValueError(f"{what}_argnames {unknown} are not parameters of the function "
-                             f"(it takes {list(sig.parameters)})")
+            raise SignatureError(f"{what}_argnames {unknown} are not parameters of the function "
+                                 f"(it takes {list(sig.parameters)})")
     pos_kw = [(i, p.name) for i, p in enumerate(params)
               if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD]
     names = tuple(dict.fromkeys((*names, *(n for i, n in pos_kw if i in nums))))
@@ -101,8 +103,8 @@ class Convention:
         d_nums, d_names = _infer(sig, donate_argnums, donate_argnames, "donate")
         both = set(s_names) & set(d_names) | set(i for i in s_nums if i >= 0) & set(d_nums)
         if both:
-            raise ValueError(f"arguments {sorted(map(str, both))} are both static and "
-                             "donated; a static argument is not a buffer to donate")
+            raise SignatureError(f"arguments {sorted(map(str, both))} are both static and "
+                                 "donated; a static argument is not a buffer to donate")
         return cls(s_nums, s_names, d_nums, d_names)
 
     def dynamic(self, args: Sequence, kwargs: dict) -> tuple[tuple, tuple, dict]:
@@ -130,9 +132,9 @@ class Convention:
         try:
             hash(statics)
         except TypeError as exc:
-            raise TypeError(f"static arguments must be hashable, as for jax.jit: {exc}; "
-                            "make them dynamic, or pass a hashable value (a tuple, not a "
-                            "list)") from exc
+            raise ArgumentsError(f"static arguments must be hashable, as for jax.jit: {exc}; "
+                                 "make them dynamic, or pass a hashable value (a tuple, not a "
+                                 "list)") from exc
         donated = {position(i) for i in self.donate_argnums if -n <= i < n}
         donate_pos = tuple(sorted(i - sum(1 for j in static_pos if j < i)
                                   for i in donated if i not in static_pos))
@@ -211,7 +213,7 @@ class Call:
                 dbg = self.debug_info(fn)
                 path = dbg.arg_names[k] if dbg is not None and dbg.arg_names else \
                     self.leaf_names()[k]
-                raise TypeError(
+                raise ArgumentsError(
                     f"Error interpreting argument to {_short(fn)} as an abstract array. The "
                     f"problematic value is of type {type(x)} ({_short(x)}) and was passed to "
                     f"the function at path {path}.\nThis typically means that a jit-wrapped "

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import overload
 
 from shardc.cost.units import fmt_bytes, fmt_time
+from shardc.errors import PlanError
 from shardc.ir.remat import Segment, prefixes
 from shardc.ir.sbp import NdSbp
 from shardc.plan.record import Plan
@@ -63,7 +64,7 @@ class Frontier(Sequence[Plan]):
 
     def __post_init__(self):
         if not self.plans:
-            raise ValueError("a frontier holds at least one plan")
+            raise PlanError("a frontier holds at least one plan")
 
     def __len__(self) -> int:
         return len(self.plans)
