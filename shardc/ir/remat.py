@@ -149,11 +149,11 @@ def segments(closed) -> tuple[Segment, ...]:
         if len(live) <= 1:
             cuts.append(i)
     runs, start = [], 0
-    for c in cuts:
-        run = [i for i in fwd[start:] if i <= c]
-        start += len(run)
-        if run:
-            runs.append(run)
+    for c in cuts:  # fwd ascends: each run is the slice up to its cut
+        end = bisect.bisect_right(fwd, c, lo=start)
+        if end > start:
+            runs.append(fwd[start:end])
+        start = end
     out = []
     for run in runs:
         mine = set(run)

@@ -25,14 +25,14 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding
 
-from shardc.errors import ArgumentsError, SignatureError
+from shardc.errors import ArgumentsError, DonatedArgumentError, SignatureError
 
 try:  # how JAX names a traced function and its arguments in its errors
     from jax._src.api_util import debug_info as _debug_info
 except ImportError:  # another JAX: its errors then name shardc's wrapper
     _debug_info = None
 
-__all__ = ["Call", "Convention", "Dispatch", "Miss", "abstract_leaf", "dispatch_key",
+__all__ = ["Call", "Convention", "Dispatch", "Miss", "abstract_leaf", "check_live", "dispatch_key",
            "misplaced", "place", "placement"]
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -306,6 +306,7 @@ class Dispatch:
     jitted: Callable
     kw_names: tuple[str, ...]
     tree: Any  # the treedef of the dynamic arguments ((positional, ...), {keyword: ...})
+    donated: tuple[int, ...] = ()  # the donated ones, positional then keyword by name
 
     @classmethod
     def of(cls, jitted: Callable, call: Call, shardings: Sequence[NamedSharding],
@@ -326,10 +327,13 @@ class Dispatch:
 
         in_shardings = (*dyn_args, *(dyn_kwargs[k] for k in kw_names))
         return cls(jax.jit(positional, in_shardings=in_shardings, out_shardings=out_shardings,
-                           donate_argnums=donate), kw_names, call.tree)
+                           donate_argnums=donate), kw_names, call.tree, donate)
 
     def __call__(self, dyn_args: Sequence, dyn_kwargs: dict):
-        return self.jitted(*dyn_args, *(dyn_kwargs[k] for k in self.kw_names))
+        xs = (*dyn_args, *(dyn_kwargs[k] for k in self.kw_names))
+        if self.donated:  # a deleted buffer crashes a multi-device execute on CPU
+            check_live(xs, self.donated, len(dyn_args), self.kw_names)
+        return self.jitted(*xs)
 
     def missed(self, exc: Exception, dyn_args: Sequence, dyn_kwargs: dict) -> bool:
         """Whether ``exc``, raised calling this Dispatch with these arguments, means the call
@@ -340,6 +344,37 @@ class Dispatch:
         return isinstance(exc, ValueError) and (
             str(exc).startswith(_NOT_FITTING)
             or jax.tree.structure((tuple(dyn_args), dyn_kwargs)) != self.tree)
+
+
+def check_live(xs: Sequence, donated: Sequence[int], n_args: int,
+               kw_names: Sequence[str]) -> None:
+    """Refuse a call whose donated arguments hold an array an earlier call donated.
+
+    Args:
+        xs: the dynamic arguments, positional then keyword (in ``kw_names`` order).
+        donated: the indices in ``xs`` of the donated ones.
+        n_args: how many of ``xs`` are positional.
+        kw_names: the keyword ones' names.
+
+    Raises:
+        DonatedArgumentError: naming the argument leaf whose buffer is deleted, as
+            ``jax.jit`` does ("Buffer has been deleted or donated"), and the fix.
+    """
+    for i in donated:
+        for x in jax.tree.leaves(xs[i]):
+            try:
+                if not x.is_deleted():
+                    continue
+            except AttributeError:  # not an array: jax.jit's own checks name it
+                continue
+            where = f"args[{i}]" if i < n_args else f"kwargs[{kw_names[i - n_args]!r}]"
+            path = next(jax.tree_util.keystr(p) for p, leaf in
+                        jax.tree_util.tree_flatten_with_path(xs[i])[0] if leaf is x)
+            raise DonatedArgumentError(
+                f"Buffer has been deleted or donated: the dynamic argument {where}{path} "
+                f"({x.dtype}{list(x.shape)}) was donated (donate_argnums / donate_argnames) "
+                "to an earlier call, which deleted it. Pass that call's result instead (new "
+                "state = step(state)), or leave the argument out of donate_argnums")
 
 
 def _type(x) -> tuple:
