@@ -26,7 +26,7 @@ __all__ = ["DEVICES", "LEAVES", "REPEATS", "FirstCall", "compare", "markdown", "
 
 LEAVES = 2000
 DEVICES = 16  # simulated CPU devices; the mesh is node=2 x gpu=4 of the first 8
-REPEATS = 2  # fresh processes per side, alternating; each side keeps its fastest
+REPEATS = 3  # fresh processes per side, alternating; each side keeps its fastest
 WIDTH = 16
 
 
@@ -140,7 +140,20 @@ def _worker(which: str, leaves: int, specs_path: str) -> dict:
 
 
 def run_one(which: str, leaves: int, specs_path: str) -> FirstCall:
-    """One side's first call in a fresh Python process (:func:`_worker`)."""
+    """One side's first call in a fresh Python process (:func:`_worker`).
+
+    Args:
+        which: ``"shardc"`` (plans, then writes its plan's shardings to ``specs_path``) or
+            ``"jit"`` (reads them).
+        leaves: the step's parameter leaves (two per layer).
+        specs_path: where the shardc side writes, and the jit side reads, the shardings.
+
+    Returns:
+        The side's time and memory.
+
+    Raises:
+        BenchError: the process failed (its standard error's end in the message).
+    """
     done = subprocess.run([sys.executable, "-m", "shardc.bench.first_call", which,
                            str(leaves), specs_path], capture_output=True, text=True)
     if done.returncode:
@@ -152,8 +165,17 @@ def run_one(which: str, leaves: int, specs_path: str) -> FirstCall:
 
 
 def compare(leaves: int = LEAVES, repeats: int = REPEATS, say=print) -> list[FirstCall]:
-    """Both sides' first calls, ``repeats`` fresh processes each in alternating order (the
-    shardc side first: the jit side reads its plan's shardings); each side's fastest."""
+    """Both sides' first calls, each in fresh processes, in alternating order (the shardc
+    side first: the jit side reads its plan's shardings).
+
+    Args:
+        leaves: the step's parameter leaves.
+        repeats: processes per side; each side keeps its fastest.
+        say: where each process's line goes.
+
+    Returns:
+        ``[shardc, jit]``, each side's fastest first call.
+    """
     best: dict[str, FirstCall] = {}
     with tempfile.TemporaryDirectory(prefix="shardc-first-call-") as tmp:
         specs = str(Path(tmp) / "specs.json")
@@ -168,7 +190,16 @@ def compare(leaves: int = LEAVES, repeats: int = REPEATS, say=print) -> list[Fir
 
 
 def markdown(calls: list[FirstCall], leaves: int, repeats: int) -> list[str]:
-    """The first-call section of ``calls.md``."""
+    """The first-call section of ``calls.md``.
+
+    Args:
+        calls: ``[shardc, jit]`` as :func:`compare` returns them.
+        leaves: the step's parameter leaves.
+        repeats: processes per side the figures are the fastest of.
+
+    Returns:
+        The section's lines.
+    """
     mine, jit = calls
     gib = 2**30
     return ["", "## First call", "",

@@ -62,7 +62,7 @@ from shardc.step.calling import (
     place,
     placement,
 )
-from shardc.step.explaining import explain
+from shardc.step.explaining import explain as explain_step
 from shardc.step.margins import compare
 from shardc.step.names import input_names, output_names
 from shardc.step.options import NeedsDevicesError, Options, auto_mesh, platform_of
@@ -310,10 +310,7 @@ class AutoSharded:
             self._report_moves(call, self._in_shardings(tr, plan), key)
         return plan
 
-    def explain(self, *args, **kwargs) -> str:
-        """``plan.explain()`` of the plan for these arguments (planned if need be); with
-        none, of the plan this step made (:func:`shardc.step.explaining.explain`)."""
-        return explain(self, args, kwargs)
+    explain = explain_step  # step.explain(*args): plan.explain() for these arguments
 
     def pareto(self, *args, budgets: int = BUDGETS, **kwargs) -> Frontier:
         """The time-memory frontier for these arguments (:mod:`shardc.tradeoff.frontier`):

@@ -10,14 +10,14 @@ from shardc.errors import PlanError
 __all__ = ["explain"]
 
 
-def explain(step, args: tuple, kwargs: dict) -> str:
-    """What ``step.plan(*args, **kwargs).explain()`` prints.
+def explain(step, *args, **kwargs) -> str:
+    """What ``step.plan(*args, **kwargs).explain()`` returns: ``AutoSharded.explain``.
 
     Args:
         step: the :class:`~shardc.step.auto_shard.AutoSharded` step.
-        args: its positional arguments (arrays or ``ShapeDtypeStruct``s), as for a call;
-            none: the plan the step already made (it has made one, for one signature).
-        kwargs: its keyword arguments.
+        *args: its positional arguments (arrays or ``ShapeDtypeStruct``s), as for a call;
+            none (and no keyword ones): the plan the step already made, for one signature.
+        **kwargs: its keyword arguments.
 
     Returns:
         The plan's explanation: every argument and result leaf's PartitionSpec, the per-op
