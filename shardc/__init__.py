@@ -20,6 +20,7 @@ from shardc.errors import (
     NeedsDevicesError,
     NoRuleWarning,
     NoStackError,
+    NotFoundError,
     OptionsError,
     OptionsTypeError,
     PipelineError,
@@ -54,9 +55,9 @@ __all__ = ["ArgumentsError", "AutoSharded", "B", "BenchError", "Broadcast", "Cal
            "Cluster", "CostGraphError", "DeviceSweep", "DonatedArgumentError",
            "Frontier", "GraphError", "HloError", "LayoutError", "MemoryBudgetError",
            "MeshAxisError", "NdSbp", "NeedsDevicesError", "NoRuleWarning",
-           "NoStackError", "Options", "OptionsError", "OptionsTypeError", "Partial",
-           "Pipeline", "PipelineError", "Plan", "PlanError", "PlanFormatError",
-           "PlanMismatchError", "Predicted", "ProgramError", "ShardcError",
-           "ShardcWarning", "SignatureError", "Split", "auto_shard", "device_sweep",
-           "pareto", "errors", "register", "rules"]
+           "NoStackError", "NotFoundError", "Options", "OptionsError",
+           "OptionsTypeError", "Partial", "Pipeline", "PipelineError", "Plan",
+           "PlanError", "PlanFormatError", "PlanMismatchError", "Predicted",
+           "ProgramError", "ShardcError", "ShardcWarning", "SignatureError", "Split",
+           "auto_shard", "device_sweep", "errors", "pareto", "register", "rules"]
 

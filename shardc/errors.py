@@ -11,12 +11,13 @@ import math
 from collections.abc import Iterable
 
 __all__ = [
-    "ArgumentsError", "CalibrationError", "CheckpointCorruptError", "CheckpointError",
-    "CheckpointNotFoundError", "CostGraphError", "DonatedArgumentError", "GraphError",
-    "HloError", "LayoutError", "MemoryBudgetError", "MeshAxisError", "NeedsDevicesError",
-    "NoRuleWarning", "NoStackError", "OptionsError", "OptionsTypeError", "PipelineError",
-    "PlanError", "PlanFormatError", "PlanMismatchError", "ProgramError", "ShardcError",
-    "ShardcWarning", "SignatureError", "BenchError", "closest", "fmt_bytes",
+    "ArgumentsError", "BenchError", "CalibrationError", "CheckpointCorruptError",
+    "CheckpointError", "CheckpointNotFoundError", "CostGraphError", "DonatedArgumentError",
+    "GraphError", "HloError", "LayoutError", "MemoryBudgetError", "MeshAxisError",
+    "NeedsDevicesError", "NoRuleWarning", "NoStackError", "NotFoundError", "OptionsError",
+    "OptionsTypeError", "PipelineError", "PlanError", "PlanFormatError",
+    "PlanMismatchError", "ProgramError", "ShardcError", "ShardcWarning", "SignatureError",
+    "closest", "fmt_bytes",
 ]
 
 
@@ -170,7 +171,11 @@ class CheckpointError(ShardcError, ValueError):
     """A checkpoint that cannot be saved or restored as asked."""
 
 
-class CheckpointNotFoundError(ShardcError, FileNotFoundError):
+class NotFoundError(ShardcError, FileNotFoundError):
+    """Nothing shardc can read where it was pointed: no bench results, no checkpoint."""
+
+
+class CheckpointNotFoundError(NotFoundError):
     """No checkpoint of the step asked for (or none at all) in the directory."""
 
 

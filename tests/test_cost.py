@@ -128,3 +128,11 @@ def test_a_dim_split_over_two_axes_gathers_its_minor_axis_first():
     # a slice may only add the minor axis of a dim: (B, S(0)) -> (S(0), S(0)) regathers
     c = conversion(NdSbp((B, S(0))), NdSbp((S(0), S(0))), SIZES, NAMES, slow_a)
     assert c.layouts == (NdSbp((B, B)), NdSbp((S(0), S(0))))
+
+
+def test_a_preset_takes_one_axis_by_its_name():
+    from shardc import Cluster
+
+    assert Cluster.nvlink_node("gpu") == Cluster.nvlink_node(("gpu",))
+    assert Cluster.tpu_v4("x") == Cluster.tpu_v4(("x",))
+    assert "gpu" in Cluster.nvlink_node("gpu").axis_bandwidth

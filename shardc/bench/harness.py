@@ -195,7 +195,7 @@ def _fill_compiled(cell: Cell, compiled, mesh, cluster, batch) -> None:
     cell.compiled_comm_s = cost.comm_time
     cell.compiled_compute_s = cost.compute_time
     cell.compiled_feed_s = feed
-    cell.compiled_s = cost.comm_time + cost.compute_time + feed
+    cell.compiled_s = cost.comm_time + cost.compute_time + cost.host_time + feed
     cell.compiled_overlap_s = cost.overlapped_time + feed
     cell.wire_bytes = cost.wire_bytes
     cell.collectives = dict(cost.counts)
@@ -284,7 +284,8 @@ def run_shardc(zm: ZooModel, preset: Preset, which: str, check: bool,
         saved.append(time.perf_counter() - t0)
         return compiled
 
-    runs = TIMING_RUNS if compiler == "cpu" else GPU_TIMING_RUNS
+    # the quick matrix is a smoke test: one timing of the saved plan against jax.jit
+    runs = 1 if which == "quick" else TIMING_RUNS if compiler == "cpu" else GPU_TIMING_RUNS
     for k in range(runs):  # the saved plan first in even runs, jax.jit in odd ones
         if k % 2:
             jitted.append(jit_seconds(mod.build_step(cfg), args, plan, view))

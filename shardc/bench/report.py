@@ -1,4 +1,5 @@
-"""Benchmark results as Markdown, JSON and a PNG plot."""
+"""Benchmark results as Markdown, JSON and a PNG plot; `python -m shardc.bench.report DIR`
+writes DIR's results.md and results.png again from its results.json, measuring nothing."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
+from shardc.bench import legend
+from shardc.bench.figure import draw
 from shardc.bench.harness import (
     GPU_TIMING_RUNS,
     MEMORY_MARGIN,
@@ -16,9 +19,10 @@ from shardc.bench.harness import (
     planned_for,
     shardc_method,
 )
+from shardc.errors import NotFoundError
 
-__all__ = ["ROBUST", "load", "markdown", "merge", "plot", "pricing_rows", "robust_bounds",
-           "summary", "write"]
+__all__ = ["figure_panels", "ROBUST", "load", "markdown", "merge", "plot", "pricing_rows",
+           "rewrite", "robust_bounds", "summary", "write"]
 
 
 def _ms(x: float | None) -> str:
@@ -287,8 +291,11 @@ def markdown(cells: list[Cell], commands: list[str], header: str = "") -> str:
              "against `memory_analysis()` (arguments + outputs + temporaries - aliased); "
              "*saved plan* the wall time of running a saved plan (`use_plan`, lower, "
              "compile: no solver) over tracing once plus `jax.jit` lowering and compiling "
-             f"the same program with the plan's shardings (each the fastest of {TIMING_RUNS} "
-             "runs).\n", *_gpu_compiled(cells),
+             "the same program with the plan's shardings (" + (
+                 "one run of each, the quick matrix's" if any("--quick" in c for c in commands)
+                 else f"each the fastest of {TIMING_RUNS} runs") + ").\n",
+             *_gpu_compiled(cells), *_figure(cells),
+             *legend.markdown([c.method for c in cells]),
              "## Summary\n",
              "| model | preset | shardc ms | shardc mesh | best of N experts | its mesh | "
              "expert ms | shardc / expert | predicted vs compiled comm | collective counts "
@@ -337,6 +344,16 @@ def markdown(cells: list[Cell], commands: list[str], header: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
+def _figure(cells: list[Cell]) -> list[str]:
+    """The figure :func:`plot` draws beside this page, where it has a panel."""
+    if not figure_panels(cells)[1]:
+        return []
+    return ["![shardc / best expert per cell, one panel per pricing](results.png)\n",
+            "`results.png`: per cell, shardc's plan made for each pricing over the best "
+            "expert under the same pricing (a log axis; left of 1.0 shardc is faster; a dot "
+            "marks the default plan where it differs).\n"]
+
+
 def _gpu_compiled(cells: list[Cell]) -> list[str]:
     """What differs where XLA:GPU compiled the cells (``shardc bench --compiler gpu``)."""
     if not any(c.compiler == "gpu" for c in cells):
@@ -379,37 +396,39 @@ def _memory_bound(rows: list[dict]) -> list[str]:
     return [*out, ""]
 
 
+def figure_panels(cells: list[Cell]) -> tuple[list[str], list[dict]]:
+    """The bench figure's data, ``(labels, panels)``: a ``"model  preset"`` label per cell
+    and, per pricing of :func:`pricing_rows` serial and overlapped, a panel: its ``title``
+    and per label the ratios of shardc's plan made for that pricing (``planned``) and of its
+    default plan (``default``) over the best fitting expert so priced (None: missing).
+    Results made before the pricings give a serial and an overlapped panel of
+    :func:`summary`'s ratios."""
+    rows = [r for r in pricing_rows(cells) if r["serial_expert_s"]]
+    if not rows:  # results made before the pricings: as compiled
+        rows = summary(cells)
+        labels = [f"{r['model']}  {r['preset']}" for r in rows]
+        out = [{"title": title, "planned": [r[key] for r in rows],
+                "default": [r[key] for r in rows]}
+               for title, key in (("serial", "ratio"), ("overlapped", "overlap_ratio"))]
+        return labels, [p for p in out if any(p["planned"])]
+    labels = list(dict.fromkeys(f"{r['model']}  {r['preset']}" for r in rows))
+    by = {(f"{r['model']}  {r['preset']}", r["pricing"]): r for r in rows}
+    out = []
+    for pricing in (p for p in PRICINGS if any(r["pricing"] == p for r in rows)):
+        for mode, what in (("serial", "serial"), ("overlap", "overlapped")):
+            got = [by.get((label, pricing), {}) for label in labels]
+            out.append({"title": f"{pricing}, {what}",
+                        "planned": [g.get(f"{mode}_planned_ratio") for g in got],
+                        "default": [g.get(f"{mode}_default_ratio") for g in got]})
+    return labels, [p for p in out if any(p["planned"]) or any(p["default"])]
+
+
 def plot(cells: list[Cell], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    groups: dict[tuple[str, str], list[Cell]] = defaultdict(list)
-    for c in cells:
-        if c.compiled_s:
-            groups[(c.model, c.preset)].append(c)
-    if not groups:
-        return
-    models = list(dict.fromkeys(m for m, _ in groups))
-    presets = list(dict.fromkeys(p for _, p in groups))
-    fig, axes = plt.subplots(len(models), len(presets), squeeze=False,
-                             figsize=(3.2 * len(presets), 3.0 * len(models)))
-    for ax in axes.flat:
-        ax.set_visible(False)
-    for (model, preset), cs in groups.items():
-        ax = axes[models.index(model)][presets.index(preset)]
-        ax.set_visible(True)
-        names = [c.method for c in cs]
-        vals = [c.compiled_s * 1e3 for c in cs]
-        colors = ["tab:red" if n == "shardc" else "tab:gray" for n in names]
-        ax.bar(range(len(cs)), vals, color=colors)
-        ax.set_xticks(range(len(cs)), names, rotation=60, ha="right", fontsize=7)
-        ax.set_title(f"{model} / {preset}", fontsize=8)
-        ax.set_ylabel("compiled step (ms)", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    """The bench figure (:mod:`shardc.bench.figure`): shardc / best expert per cell, one
+    panel per pricing, into ``path``; nothing where no cell has a ratio."""
+    labels, panels = figure_panels(cells)
+    if panels:
+        draw(labels, panels, path)
 
 
 def load(out: Path) -> tuple[list[Cell], list[str]]:
@@ -439,3 +458,20 @@ def write(cells: list[Cell], out: Path, commands: list[str], header: str = "",
     if plot_png:
         plot(cells, png)
     return [md, js, png]
+
+
+def rewrite(out: Path) -> list[Path]:
+    """Write ``results.md`` and ``results.png`` in ``out`` again from its ``results.json``,
+    measuring nothing (after a change to the report or the figure)."""
+    cells, commands = load(out)
+    if not cells:
+        raise NotFoundError(f"no bench results in {out / 'results.json'}; run shardc bench "
+                            "first")
+    return write(cells, out, commands)
+
+
+if __name__ == "__main__":  # python -m shardc.bench.report [DIR]: the report from DIR's results
+    import sys
+
+    for written in rewrite(Path(sys.argv[1] if len(sys.argv) > 1 else "docs/benchmarks")):
+        print(f"wrote {written}")

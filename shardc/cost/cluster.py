@@ -277,8 +277,10 @@ class Cluster:
 
     # ---- presets -----------------------------------------------------------------------
     @classmethod
-    def nvlink_node(cls, axis_names: Sequence[str] = ("gpu",)) -> Cluster:
-        """One 8-GPU H100 node: every mesh axis runs over NVLink."""
+    def nvlink_node(cls, axis_names: Sequence[str] | str = ("gpu",)) -> Cluster:
+        """One 8-GPU H100 node: every mesh axis runs over NVLink (``axis_names``: the
+        mesh's axes, or one axis's name)."""
+        axis_names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
         return cls({a: NVLINK_BW for a in axis_names}, {a: NVLINK_LAT for a in axis_names},
                    axis_link={a: "nvlink" for a in axis_names}, overlap=True)
 
@@ -311,9 +313,10 @@ class Cluster:
                    overlap=True)
 
     @classmethod
-    def tpu_v4(cls, axis_names: Sequence[str] = ("x", "y")) -> Cluster:
+    def tpu_v4(cls, axis_names: Sequence[str] | str = ("x", "y")) -> Cluster:
         """A TPU v4 slice: every mesh axis an ICI torus axis (1 µs per hop: Austin et al.,
-        "How to Scale Your Model", 2025)."""
+        "How to Scale Your Model", 2025; ``axis_names``: the mesh's axes, or one's name)."""
+        axis_names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
         return cls({a: TPU_V4_ICI_BW for a in axis_names}, {a: 1e-6 for a in axis_names},
                    device_flops=TPU_V4_FLOPS, device_memory=TPU_V4_MEMORY,
                    axis_link={a: "ici" for a in axis_names}, kernels=None, overlap=True)

@@ -120,10 +120,14 @@ class CompiledCost:
     times: tuple[float, ...] = ()
     runs: tuple[int, ...] = ()
     overlapped_time: float | None = None
+    #: the arguments and results in host memory moved over the host link, each way
+    #: (:func:`host_memory_bytes` at ``Cluster.host_bandwidth``); in ``time`` and
+    #: ``overlapped_time`` in full
+    host_time: float = 0.0
 
     @property
     def time(self) -> float:
-        return self.comm_time + self.compute_time
+        return self.comm_time + self.compute_time + self.host_time
 
 
 # ---- the CPU reduce-scatter pattern ----------------------------------------------------------
@@ -311,12 +315,37 @@ def _analysed_flops(compiled: Any) -> float | None:
 
 def compiled_peak_memory(compiled: Any) -> float | None:
     """``temp + argument + output - alias`` bytes per device from
-    ``compiled.memory_analysis()``; None when unavailable."""
+    ``compiled.memory_analysis()``, less the arguments and results in host memory (where
+    the backend counts them with the device's: XLA:CPU, whose "device" is the host);
+    None when unavailable."""
     stats = compiled.memory_analysis()
     if stats is None:
         return None
+    host = 0.0
+    if not (stats.host_argument_size_in_bytes or stats.host_output_size_in_bytes):
+        host = host_memory_bytes(_hlo_text(compiled))
     return float(stats.temp_size_in_bytes + stats.argument_size_in_bytes
-                 + stats.output_size_in_bytes - stats.alias_size_in_bytes)
+                 + stats.output_size_in_bytes - stats.alias_size_in_bytes) - host
+
+
+#: an array shape of the entry computation's layout in host memory (memory space 5)
+_HOST_ARRAY = re.compile(r"([a-z]+[0-9]*\[[0-9,]*\])\{[0-9,]*:S\(5\)\}")
+
+
+def host_memory_bytes(text: str) -> float:
+    """Bytes per device of the entry computation's arguments and results placed in host
+    memory (``S(5)`` in its ``entry_computation_layout``: ``pinned_host`` shardings)."""
+    head = text.split("\n", 1)[0]
+    start = head.find("entry_computation_layout={")
+    if start < 0:
+        return 0.0
+    depth, end = 0, len(head)
+    for i in range(start + len("entry_computation_layout="), len(head)):
+        depth += {"{": 1, "}": -1}.get(head[i], 0)
+        if depth == 0:
+            end = i
+            break
+    return float(sum(shape_bytes(s) for s in _HOST_ARRAY.findall(head[start:end])))
 
 
 def price(compiled: Any, mesh: Mesh, cluster: Cluster) -> CompiledCost:
@@ -336,6 +365,7 @@ def price_all(compiled: Any, mesh: Mesh, clusters: Sequence[Cluster]) -> list[Co
     runs = tuple(every.get(c.computation, 1) for c in found)
     flops = program_flops(compiled, text, found)
     peak = compiled_peak_memory(compiled)
+    host = host_memory_bytes(text)
     out = []
     for cluster in clusters:
         seconds = tuple(collective_seconds(c, mesh, cluster) for c in found)
@@ -351,6 +381,8 @@ def price_all(compiled: Any, mesh: Mesh, clusters: Sequence[Cluster]) -> list[Co
             counts=dict(Counter(c.kind for c in found)),
             times=times,
             runs=runs,
-            overlapped_time=schedule(text, found, seconds, compute_time).time,
+            overlapped_time=schedule(text, found, seconds, compute_time).time
+            + host / cluster.host_bandwidth,
+            host_time=host / cluster.host_bandwidth,
         ))
     return out

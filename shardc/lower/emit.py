@@ -51,7 +51,8 @@ from shardc.lower.partial import (
 from shardc.lower.stacking import StackedSums, own_ops
 from shardc.pipeline.lowering import Stacks, made_by
 
-__all__ = ["conversion_steps", "evaluator", "explicit_axes", "jit_plan", "sharding"]
+__all__ = ["DEVICE", "HOST", "conversion_steps", "evaluator", "explicit_axes", "jit_plan",
+           "sharding", "to_memory"]
 
 
 def _split_whole(planned) -> bool:
@@ -122,14 +123,18 @@ class _Lowering(ControlFlow, StackedSums):
         if self.stacks is not None:  # the layer state's update, as the stages hold it
             self.free |= set(plan.solver.get("pipeline", {}).get("free", ()))
 
+    def sharding_of(self, nd: NdSbp, ndim: int) -> NamedSharding:
+        """``nd`` on the run mesh for a value of rank ``ndim`` (made once)."""
+        key = (nd, ndim)
+        sh = self.shardings.get(key)
+        if sh is None:
+            sh = self.shardings[key] = sharding(self.mesh, nd, ndim)
+        return sh
+
     def constrain(self, x, nd: NdSbp | None):
         if nd is None or nd.has_partial or not hasattr(x, "shape"):
             return x
-        key = (nd, x.ndim)
-        sh = self.shardings.get(key)
-        if sh is None:
-            sh = self.shardings[key] = sharding(self.mesh, nd, x.ndim)
-        return jax.lax.with_sharding_constraint(x, sh)
+        return jax.lax.with_sharding_constraint(x, self.sharding_of(nd, x.ndim))
 
     def convert(self, x, src: NdSbp | None, dst: NdSbp):
         """Pin each layout of the planned conversion in turn (:mod:`shardc.cost.comm`), so
@@ -395,10 +400,13 @@ def evaluator(traced: Traced, plan, mesh: Mesh) -> Callable[..., list]:
     on ``mesh`` (Auto axes) and returns the flat outputs in the plan's output layouts."""
     graph = traced.graph
     low = _Lowering(plan, mesh, graph)
+    offloaded = set(plan.offloaded)
 
     def run(*flat):
         # pin the inputs: a no-op for arguments already placed, the input layout when this
         # runs inside another transformation (jax.grad / jax.vmap / jax.jit of the step)
+        flat = [to_memory(x, low.sharding_of(nd, x.ndim), DEVICE) if k in offloaded else x
+                for k, (x, nd) in enumerate(zip(flat, plan.inputs))]
         ins = [low.settle(v.id, low.constrain(x, nd))
                for v, x, nd in zip(graph.inputs, flat, plan.inputs)]
         low.stack_top(traced.region)
@@ -413,9 +421,22 @@ def evaluator(traced: Traced, plan, mesh: Mesh) -> Callable[..., list]:
                 src = low.source(v)  # None: a free value, pinned as it comes
                 result.append(low.constrain(low._unstack(x, src), nd) if src is None
                               else low.convert(low._unstack(x, src), src, nd))
+        for j in plan.offloaded_outputs:  # the new state back to host memory
+            result[j] = to_memory(result[j], low.sharding_of(plan.outputs[j], result[j].ndim),
+                                  HOST)
         return result
 
     return run
+
+
+#: the memory kinds of a device's own memory and of the host memory it reads directly
+DEVICE, HOST = "device", "pinned_host"
+
+
+def to_memory(x, sh: NamedSharding, kind: str):
+    """``x`` moved to memory ``kind`` with sharding ``sh`` inside the traced program (an
+    offloaded state leaf to the devices where read, its new state back to the host)."""
+    return jax.device_put(x, sh.with_memory_kind(kind))
 
 
 def _under(fn: Callable, mesh: Mesh) -> Callable:
@@ -457,6 +478,8 @@ def jit_plan(traced: Traced, plan, run_mesh: Mesh, out_mesh: Mesh, in_tree, out_
             raise ArgumentsError(f"auto_shard: arguments {tree} do not match the planned {in_tree}")
         return jax.tree.unflatten(out_tree, run(*leaves))
 
-    out_sh = jax.tree.unflatten(out_tree, [NamedSharding(out_mesh, s) for s in out_specs])
+    out_sh = jax.tree.unflatten(out_tree, [
+        NamedSharding(out_mesh, s, memory_kind=HOST if j in plan.offloaded_outputs else None)
+        for j, s in enumerate(out_specs)])
     return jax.jit(tree_fn, out_shardings=out_sh, donate_argnums=donate_argnums,
                    donate_argnames=donate_argnames)

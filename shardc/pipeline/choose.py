@@ -369,7 +369,7 @@ def adopt(plan: Plan, choice: Choice, graph: Graph, ties: Sequence[tuple[int, in
         best.loss_reduce - best.sample_comm
     rest = sum(op.compute_time for op in plan.ops if not layers.layer_part(op.id))
     predicted = Predicted(comm, stages + rest, sum(r.wire_bytes for r in reshards),
-                          best.peak_memory, old.feed_time)
+                          best.peak_memory, old.feed_time, old.host_time)
     record = {"reason": choice.reason, "layers": choice.layers, "step_s": best.step_time,
               "bubble_s": best.bubble, "unpipelined_s": choice.base_time,
               "permutes": best.permutes, "permute_bytes": best.permute_bytes,

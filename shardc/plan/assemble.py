@@ -246,13 +246,16 @@ def assemble(graph: Graph, cg: CostGraph, choice: Sequence[int], ties: Sequence[
     combined = _joined(graph, uses, via, pending, combiner, reshards)
     reshards, ops, comm = _combine(reshards, ops, comm, combined, cluster.collective_model)
     peak = float(np.max(memory_profile(cg, choice)))  # the profile budgets are held to
-    feed = sum(float(input_cost(cg, k, [values[v.id]])[0]) for k, v in enumerate(graph.inputs))
+    moved = [float(input_cost(cg, k, [values[v.id]])[0]) for k, v in enumerate(graph.inputs)]
+    feed = sum(t for k, t in enumerate(moved) if k not in cg.offloaded)
+    host = sum(t for k, t in enumerate(moved) if k in cg.offloaded)
     return Plan(tuple(zip(names, sizes)), cluster,
                 tuple(values[v.id] for v in graph.inputs), tuple(outputs), values, tuple(ops),
-                tuple(reshards), Predicted(comm, compute, wire, peak, feed),
+                tuple(reshards), Predicted(comm, compute, wire, peak, feed, host),
                 dict(solver),
                 graph.memo("fingerprint", fingerprint), tuple(v.ndim for v in graph.inputs),
                 tuple(v.ndim for v in graph.outputs), settled,
                 tuple(v.id for v in graph.inputs), tuple(v.type_str() for v in graph.inputs),
                 tuple(v.type_str() for v in graph.outputs), remat=tuple(remat),
-                segments=segments)
+                segments=segments, offloaded=tuple(sorted(cg.offloaded)),
+                offloaded_outputs=tuple(sorted(j for j, i in ties if i in cg.offloaded)))

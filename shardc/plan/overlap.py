@@ -72,7 +72,8 @@ from shardc.inspect.schedule import Overlap, next_collective
 from shardc.ir.prims import facts
 from shardc.plan.record import OpPlan, Plan
 
-__all__ = ["chained_time", "KERNELS_UNDER_COLLECTIVE", "plan_overlap", "ranking_time"]
+__all__ = ["KERNELS_UNDER_COLLECTIVE", "chained_time", "host_exposed", "plan_overlap",
+           "ranking_time"]
 
 #: kernels XLA:GPU's latency-hiding scheduler places under each asynchronous collective: it
 #: prices a collective's start-to-done at 5000 units and a GEMM or convolution library call
@@ -407,15 +408,34 @@ def ranking_time(plan: Plan) -> float:
     through the backward pass, but issues a combined reduce-scatter first and computes
     the other gradients after it, at the step's end. On the bench's cells, compiled by
     XLA:GPU, the mean picks faster programs than either estimate alone, on average and in
-    the worst cell (docs/design-notes.md, "Overlap in the objective")."""
+    the worst cell (docs/design-notes.md, "Overlap in the objective"). Offloaded state's
+    transfers count as far as they run beside no compute (:func:`host_exposed`)."""
     if plan.cluster.overlap:
         return (plan_overlap(plan).time + plan_overlap(plan, chained=True).time) / 2 \
-            + plan.predicted.feed_time
+            + plan.predicted.feed_time + host_exposed(plan)
     return plan.predicted.step_time
+
+
+def host_exposed(plan: Plan) -> float:
+    """The seconds of ``plan``'s host-memory transfers (``Predicted.host_time``: offloaded
+    state in, its new state out, half each) that no compute hides: the way in runs on the
+    host link beside the ops before the first that reads offloaded state (XLA's host
+    offloading issues the copies asynchronously, its scheduler hoists their starts); the
+    way out follows the update at the step's end, beside nothing."""
+    if not plan.offloaded:
+        return plan.predicted.host_time
+    moved = {plan.input_ids[k] for k in plan.offloaded} if plan.input_ids else set()
+    before = 0.0
+    for op in plan.ops:
+        if moved.intersection(op.reads):
+            break
+        before += op.compute_time
+    return plan.predicted.host_time / 2 + max(0.0, plan.predicted.host_time / 2 - before)
 
 
 def chained_time(plan: Plan) -> float:
     """``plan``'s overlapped step with its gradients reduced as XLA:GPU chains them
     (:func:`plan_overlap`, ``chained``), plus the feed: the compiled ranking's second
     estimate (:func:`shardc.step.ranking.compiled_best`)."""
-    return plan_overlap(plan, chained=True).time + plan.predicted.feed_time
+    return plan_overlap(plan, chained=True).time + plan.predicted.feed_time \
+        + host_exposed(plan)

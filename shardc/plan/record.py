@@ -44,10 +44,11 @@ class Predicted:
     comm_bytes: float  # wire bytes per device per step
     peak_memory: float  # bytes per device
     feed_time: float = 0.0  # host -> device transfer of the inputs not carried between steps
+    host_time: float = 0.0  # offloaded state to the devices and back (host memory), serially
 
     @property
     def step_time(self) -> float:
-        return self.comm_time + self.compute_time + self.feed_time
+        return self.comm_time + self.compute_time + self.feed_time + self.host_time
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,10 @@ class Plan:
     segments: int = 0
     #: the pipeline the program's layer stacks run as (:mod:`shardc.pipeline`); None: none
     pipeline: Pipeline | None = None
+    #: input leaves kept in host memory (``pinned_host``) between steps, and the output
+    #: leaves (their new state) written there: indices into inputs and outputs
+    offloaded: tuple[int, ...] = ()
+    offloaded_outputs: tuple[int, ...] = ()
 
     def read_as(self, value_id: int) -> NdSbp | None:
         """The layout the uses of a value read it from: settled, else as produced."""
@@ -282,6 +287,8 @@ class Plan:
             "remat": list(self.remat),
             "segments": self.segments,
             "pipeline": self.pipeline.to_json() if self.pipeline is not None else None,
+            "offloaded": {"inputs": list(self.offloaded),
+                          "outputs": list(self.offloaded_outputs)},
         }
         d["layouts"] = [nd.to_json() for nd in layouts]
         d["strings"] = list(strings)
@@ -364,6 +371,13 @@ class Plan:
         with reading_field("pipeline"):  # a plan saved before pipelines runs none
             pipe = d.get("pipeline")
             described["pipeline"] = Pipeline.from_json(pipe) if pipe is not None else None
+        with reading_field("offloaded"):  # a plan saved before offloading keeps all on device
+            off = d.get("offloaded") or {}
+            described["offloaded"] = tuple(int(k) for k in off.get("inputs", ()))
+            described["offloaded_outputs"] = tuple(int(k) for k in off.get("outputs", ()))
+            if any(not 0 <= k < len(inputs) for k in described["offloaded"]) or any(
+                    not 0 <= k < len(outputs) for k in described["offloaded_outputs"]):
+                raise PlanFormatError("an offloaded leaf index out of range")
         return cls(mesh_axes=mesh_axes, cluster=cluster, inputs=inputs, outputs=outputs,
                    values=values, settled=settled, ops=ops, reshards=reshards,
                    predicted=predicted, solver=dict(d["solver"]),

@@ -348,6 +348,45 @@ def _budget_check(plan) -> str:
     return line
 
 
+def _offloaded(plan) -> str:
+    """The line naming the state the plan keeps in host memory."""
+    names = [plan.input_names[k] if plan.input_names else f"input {k}" for k in plan.offloaded]
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    return textwrap.fill(
+        f"offload: {len(names)} state leaves live in host memory (pinned_host) between steps, "
+        f"moved to the devices when read and back once updated "
+        f"({fmt_time(plan.predicted.host_time)} per step): {shown}. "
+        "Forbid it with auto_shard(..., offload=False).",
+        width=100, subsequent_indent="  ", break_on_hyphens=False)
+
+
+def _attention(forms: list[dict]) -> str:
+    """The lines saying how the plan splits each attention (by the user's line), per mesh
+    axis: over the batch, the heads, or the sequence (context parallelism) and in which
+    form (:mod:`shardc.plan.attention`)."""
+    by_line: dict[str, dict[str, dict[str, int]]] = {}
+    for f in forms:
+        line = by_line.setdefault(_short(f["source"]) or "attention", {})
+        for axis, form in f["axes"].items():
+            line.setdefault(axis, {}).setdefault(form, 0)
+            line[axis][form] += 1
+    rows = []
+    for source, axes in by_line.items():
+        parts = [f"{axis}: " + ", ".join(f"{form} (x{n})" if n > 1 else form
+                                         for form, n in forms_.items())
+                 for axis, forms_ in axes.items()]
+        rows.append(f"  {source}: " + "; ".join(parts))
+    sequence = any("sequence" in form for f in forms for form in f["axes"].values())
+    note = (" - the sequence is split (context parallelism); a sharding constraint on the "
+            "queries, keys and values forbids it") if sequence else ""
+    return "\n".join([f"attention, per mesh axis{note}:", *rows])
+
+
+def _short(source: str) -> str:
+    """``path/to/file.py:12`` as ``file.py:12``."""
+    return source.rsplit("/", 1)[-1]
+
+
 def explain_report(plan, max_rows: int | None = 60, top: int = 10, margins=None,
                    verification=None) -> Report:
     """The plan as a :class:`Report`: totals, the argument and result tables, the per-op
@@ -361,8 +400,14 @@ def explain_report(plan, max_rows: int | None = 60, top: int = 10, margins=None,
         + f" in {plan.solver.get('plan_s', 0.0):.2f} s",
         f"predicted step: {fmt_time(p.step_time)} = compute {fmt_time(p.compute_time)} + "
         f"comm {fmt_time(p.comm_time)} ({fmt_bytes(p.comm_bytes)} on the wire per device) + "
-        f"input feed {fmt_time(p.feed_time)}; peak memory {fmt_bytes(p.peak_memory)} per device",
+        f"input feed {fmt_time(p.feed_time)}"
+        + (f" + host memory {fmt_time(p.host_time)}" if p.host_time else "")
+        + f"; peak memory {fmt_bytes(p.peak_memory)} per device",
     ]
+    if plan.offloaded:
+        blocks.append(_offloaded(plan))
+    if plan.solver.get("attention"):
+        blocks.append(_attention(plan.solver["attention"]))
     if "budget_rounds" in plan.solver:
         blocks.append(textwrap.fill(_budget_check(plan), width=100, subsequent_indent="  ",
                                     break_on_hyphens=False))

@@ -23,7 +23,8 @@ from shardc.ir.trace import COND_ENTER, COND_EXIT, SCAN_ENTER, SCAN_EXIT
 if TYPE_CHECKING:
     from shardc.solve.costgraph import CostGraph
 
-__all__ = ["FUSING_REDUCTIONS", "fused_values", "joined", "partial_ys", "stacked_reads"]
+__all__ = ["FUSING_REDUCTIONS", "fused_values", "joined", "offloaded_spans", "partial_ys",
+           "read_points", "stacked_reads"]
 
 
 FUSING_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
@@ -85,6 +86,50 @@ def _lifetimes(cg: CostGraph) -> None:
     times) and shared, not to be changed."""
     (cg.fusion, cg.spans, cg.results, cg.read_spans, cg.settle_spans, cg.ys_spans,
      cg.stack_spans) = cg.graph.memo("lifetimes", lambda _: _spans(cg))
+    if cg.offloaded:
+        cg.spans, cg.results = offloaded_spans(cg)
+
+
+def read_points(graph: Graph) -> tuple[dict[int, int], dict[int, int]]:
+    """``(first, last)``: value id -> the program point of its first read, and of its last
+    (values no op reads absent)."""
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for t, op in enumerate(graph.ops):
+        for v in op.inputs:
+            first.setdefault(v.id, t)
+            last[v.id] = t
+    return first, last
+
+
+def offloaded_spans(cg: CostGraph) -> tuple[list, set]:
+    """The spans and result spans of ``cg`` with its offloaded inputs (``cg.offloaded``,
+    kept in host memory between steps) and the new state tied to them held on the devices
+    only while used: an offloaded input from its first read to its last (moved in before
+    it), and its tied result from the op making it to its last read there (moved out after
+    it), no longer an argument or a result buffer of the device. An offloaded input no op
+    reads holds nothing. New lists: the graph's own spans are shared."""
+    graph = cg.graph
+    first, last = read_points(graph)
+    spans = list(cg.spans)
+    for k in cg.offloaded:
+        v = graph.inputs[k]
+        _, _, node, slot, nbytes = spans[k]
+        spans[k] = (first[v.id], last[v.id], node, slot, nbytes) if v.id in first \
+            else (0, -1, node, slot, 0)
+    moved_out = {cg.producer[graph.outputs[j].id] for j, i in cg.ties if i in cg.offloaded
+                 and graph.outputs[j].id in cg.producer
+                 and graph.outputs[j].id != graph.inputs[i].id}
+    results = set(cg.results)
+    made = {v.id: t for t, op in enumerate(graph.ops) for v in op.outputs}
+    by_node = {cg.producer[v.id]: v for op in graph.ops for v in op.outputs}
+    for k in list(results):
+        start, _, node, slot, nbytes = spans[k]
+        if (node, slot) in moved_out and k >= len(graph.inputs):
+            v = by_node[(node, slot)]
+            results.discard(k)
+            spans[k] = (start, max(made[v.id], last.get(v.id, made[v.id])), node, slot, nbytes)
+    return spans, results
 
 
 def _spans(cg: CostGraph) -> tuple:

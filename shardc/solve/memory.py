@@ -197,7 +197,7 @@ def memory_profile(cg: CostGraph, choice: Sequence[int]) -> np.ndarray:
     made_at: dict[tuple[int, int], int] = {}  # (node, slot) making a value -> its temporary
     for k, (start, end, node, slot, nbytes) in enumerate(cg.spans):
         b = nbytes * cg.out_sbp(node, slot, choice[node]).shard_fraction(cg.axis_sizes)
-        if k < nin or k in cg.results:
+        if (k < nin and k not in cg.offloaded) or k in cg.results:
             held += b
             if k >= nin:
                 results.append((b, start))

@@ -63,10 +63,14 @@ def feed_time(v: Value, nd: NdSbp, axis_sizes: Sequence[int], cluster: Cluster,
 
 def input_cost(cg: CostGraph, k: int, layouts: Sequence[NdSbp]) -> np.ndarray:
     """What passing graph input ``k`` costs each call in each of ``layouts``: nothing for
-    the state (tied or resident: it stays on the devices), the conversion from where it
+    the state (tied or resident: it stays on the devices) unless offloaded (its way to
+    the devices and back each step), the conversion from where it
     is for an argument already placed on the mesh (:attr:`Fixed.placed`), else the host
     feed of its shard."""
     v = cg.graph.inputs[k]
+    if k in cg.offloaded:  # to the devices and its new state back, at the host link's rate
+        return np.array([2 * feed_time(v, nd, cg.axis_sizes, cg.cluster, False)
+                         for nd in layouts])
     if k in cg.carried or k in cg.resident:
         return np.zeros(len(layouts))
     if k in cg.fixed.placed:
@@ -110,14 +114,16 @@ class BuildShare:
 def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cluster: Cluster,
           ties: Sequence[tuple[int, int]] = (), *, fixed: Fixed = NOTHING_FIXED,
           resident: Collection[int] = (), combiner: Combiner = XLA_CPU,
-          share: BuildShare | None = None) -> CostGraph:
+          share: BuildShare | None = None, offloaded: Collection[int] = ()) -> CostGraph:
     """Build the cost graph. ``ties`` pairs (output index, input index) whose layouts should
     agree (a train step's new state feeds the next step's state). ``fixed`` pins graph
     inputs and outputs to one layout each. The tied inputs and the ``resident`` ones stay
     on the devices between calls; every other input pays its host feed. ``combiner``: the
     backend's, whose combined collectives share latencies (:func:`alpha_scales`).
     ``share``: what other builds on this mesh, cluster and backend computed
-    (:class:`BuildShare`)."""
+    (:class:`BuildShare`). ``offloaded``: tied inputs kept in host memory between steps,
+    moved to the devices and their new state back each step (:func:`input_cost`), held on
+    the devices only while used (:func:`shardc.solve.lifetimes.offloaded_spans`)."""
     axis_sizes, axis_names = tuple(axis_sizes), tuple(axis_names)
     if share is None:
         share = BuildShare(axis_sizes, axis_names, cluster, combiner)
@@ -130,6 +136,10 @@ def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cl
     carried = {i for _, i in ties}
     cg.carried = carried
     cg.resident = set(resident)
+    cg.offloaded = frozenset(offloaded)
+    if not cg.offloaded <= carried:
+        raise OptionsError(f"build: only state tied to an output can be offloaded, not inputs "
+                           f"{sorted(cg.offloaded - carried)}")
     cg.ties = list(ties)
     cg.fixed = fixed
     layouts = share.layouts

@@ -152,15 +152,16 @@ class Reuse:
 
     def _merged(self, graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str],
                 cluster: Cluster, ties: Sequence[tuple[int, int]], fixed: Fixed,
-                resident: Collection[int], combiner: Combiner) -> tuple[CostGraph, Starts]:
+                resident: Collection[int], combiner: Combiner,
+                offloaded: frozenset[int] = frozenset()) -> tuple[CostGraph, Starts]:
         """The problem's merged cost graph, built and merged on the first call, and its
         :class:`Starts`: not to be changed (callers take copies)."""
         held, key = _problem_key(graph, axis_sizes, axis_names, cluster, ties, fixed, resident)
-        key = (*key, combiner)
+        key = (*key, combiner, frozenset(offloaded))
         hit = self._built.get(key)
         if hit is None:
             cg = build(graph, axis_sizes, axis_names, cluster, ties, fixed=fixed,
-                       resident=resident, combiner=combiner,
+                       resident=resident, combiner=combiner, offloaded=offloaded,
                        share=self.share(axis_sizes, axis_names, cluster, combiner))
             cg.merge_followers()
             hit = self._built[key] = (held, cg, Starts(cg))
@@ -189,12 +190,13 @@ class Reuse:
 
     def cost_graph(self, graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str],
                    cluster: Cluster, ties: Sequence[tuple[int, int]], fixed: Fixed,
-                   resident: Collection[int], combiner: Combiner = XLA_CPU
-                   ) -> tuple[CostGraph, Starts]:
+                   resident: Collection[int], combiner: Combiner = XLA_CPU,
+                   offloaded: frozenset[int] = frozenset()) -> tuple[CostGraph, Starts]:
         """A copy of the problem's merged cost graph that a solve may add memory cuts to,
-        and its :class:`Starts` (``combiner``: the backend's, as :func:`build` takes it)."""
+        and its :class:`Starts` (``combiner``: the backend's, as :func:`build` takes it;
+        ``offloaded``: as :func:`build` takes it)."""
         cg, starts = self._merged(graph, axis_sizes, axis_names, cluster, ties, fixed,
-                                  resident, combiner)
+                                  resident, combiner, offloaded)
         return dataclasses.replace(cg, memory=list(cg.memory)), starts
 
 

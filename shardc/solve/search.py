@@ -55,6 +55,8 @@ class SolveOptions:
     #: the combiners of the backend the plan compiles for: the collectives they join share
     #: latencies in the objective (:func:`shardc.cost.combine.alpha_scales`)
     combiner: Combiner = XLA_CPU
+    #: state inputs kept in host memory between steps (input indices; tied inputs only)
+    offloaded: frozenset[int] = frozenset()
 
 
 class Status(enum.StrEnum):
@@ -187,7 +189,8 @@ def _floor(cg: CostGraph) -> float:
     """Bytes per device no plan goes below: every graph input held for the whole step
     (:func:`shardc.solve.memory.memory_profile`), each at its most split layout."""
     return sum(nbytes * min(nd.shard_fraction(cg.axis_sizes) for nd in cg.out_sbps(node, slot))
-               for _, _, node, slot, nbytes in cg.spans[:len(cg.graph.inputs)])
+               for k, (_, _, node, slot, nbytes) in enumerate(cg.spans[:len(cg.graph.inputs)])
+               if k not in cg.offloaded)
 
 
 def _solve_once(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: float | None,
@@ -225,11 +228,11 @@ def plan_graph(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str
     t0 = time.perf_counter()
     if reuse is None:
         cg = build(graph, axis_sizes, axis_names, cluster, ties, fixed=fixed,
-                   resident=resident, combiner=options.combiner)
+                   resident=resident, combiner=options.combiner, offloaded=options.offloaded)
         kept = None
     else:
         cg, kept = reuse.cost_graph(graph, axis_sizes, axis_names, cluster, ties, fixed,
-                                    resident, options.combiner)
+                                    resident, options.combiner, options.offloaded)
     build_s = time.perf_counter() - t0
     sol = solve(cg, options, kept)
     return cg, dataclasses.replace(sol, stats={**sol.stats, "build_s": build_s})

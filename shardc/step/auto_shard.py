@@ -34,10 +34,9 @@ import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from shardc.cost.cluster import DEFAULT_CLUSTER, Cluster
-from shardc.errors import OptionsTypeError
 from shardc.ir.sbp import to_partition_spec
 from shardc.ir.trace import DEFAULT_WHILE_TRIPS, Traced, rematerialized, trace
-from shardc.lower.emit import explicit_axes
+from shardc.lower.emit import HOST, explicit_axes
 from shardc.pipeline.lowering import NoStackError
 from shardc.pipeline.routing import scans_as_layers
 from shardc.pipeline.runtime import check_axis
@@ -65,7 +64,7 @@ from shardc.step.calling import (
 from shardc.step.explaining import explain as explain_step
 from shardc.step.margins import compare
 from shardc.step.names import input_names, output_names
-from shardc.step.options import NeedsDevicesError, Options, auto_mesh, platform_of
+from shardc.step.options import NeedsDevicesError, Options, auto_mesh, check_mesh, platform_of
 from shardc.step.pareto import frontier
 from shardc.step.pipelining import choice_options, pipelined
 from shardc.step.ranking import program_key
@@ -94,11 +93,7 @@ class AutoSharded:
 
     def __init__(self, fn: Callable, mesh: Mesh | AbstractMesh, options: Options,
                  convention: Convention):
-        if not isinstance(mesh, Mesh | AbstractMesh):
-            raise OptionsTypeError(
-                f"auto_shard needs a jax.sharding.Mesh, or an AbstractMesh to plan without the "
-                f"devices, got {type(mesh).__name__}; make one with jax.make_mesh((2, 4), "
-                "('node', 'gpu')) or jax.sharding.AbstractMesh((16, 8), ('node', 'gpu'))")
+        check_mesh(mesh)
         #: planning needs the mesh's shape and axis names only; an AbstractMesh plans for
         #: devices that are not here, and lowering or running raises NeedsDevicesError
         self.abstract = isinstance(mesh, AbstractMesh)
@@ -243,16 +238,18 @@ class AutoSharded:
 
     def _in_shardings(self, tr: TracedCall, plan: Plan) -> list[NamedSharding]:
         mesh = self._out_mesh(plan)
-        return [NamedSharding(mesh, to_partition_spec(nd, v.ndim, mesh.axis_names))
-                for nd, v in zip(plan.inputs, tr.traced.graph.inputs)]
+        return [NamedSharding(mesh, to_partition_spec(nd, v.ndim, mesh.axis_names),
+                              memory_kind=HOST if k in plan.offloaded else None)
+                for k, (nd, v) in enumerate(zip(plan.inputs, tr.traced.graph.inputs))]
 
     def _out_shardings(self, tr: TracedCall, plan: Plan) -> Any:
         """The result pytree's shardings under ``plan`` (of ``tr``'s program): on the user's
         mesh, with its axis types (the types ``jax.jit`` gives the results)."""
         mesh = self._out_mesh(plan)
         return jax.tree.unflatten(tr.traced.out_tree, [
-            NamedSharding(mesh, to_partition_spec(nd, v.ndim, mesh.axis_names))
-            for nd, v in zip(plan.outputs, tr.traced.graph.outputs)])
+            NamedSharding(mesh, to_partition_spec(nd, v.ndim, mesh.axis_names),
+                          memory_kind=HOST if j in plan.offloaded_outputs else None)
+            for j, (nd, v) in enumerate(zip(plan.outputs, tr.traced.graph.outputs))])
 
     def _exec(self, call: Call) -> tuple[Callable, list[NamedSharding], Any]:
         if self.abstract:
@@ -413,7 +410,7 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh | AbstractMesh,
                static_argnums=None, static_argnames=None, donate_argnums=None,
                donate_argnames=None, cache_dir: str | None = None,
                while_trips: int = DEFAULT_WHILE_TRIPS, pipeline: Pipeline | bool | None = None,
-               rank_compiled: int = 0):
+               rank_compiled: int = 0, offload: bool = True):
     """Plan and run ``fn`` sharded over ``mesh``, called like ``jax.jit(fn)``. Usable as
     ``@auto_shard(mesh=...)``. On a ``jax.sharding.AbstractMesh`` (a shape and axis names,
     no devices: a cluster larger than this machine) the function plans only: ``plan``,
@@ -467,11 +464,14 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh | AbstractMesh,
     a positive count also compiles that many of the best candidates by the estimate on a
     concrete mesh and keeps the fastest compiled program, overlapped
     (:mod:`shardc.step.ranking`; ``plan.solver["compiled_ranking"]``): a check that pays
-    their compiles. Without overlap nothing is compiled.
+    their compiles. Without overlap nothing is compiled. ``offload``: where the budget
+    binds, state such as an optimizer's moments may live in host memory between steps
+    (:mod:`shardc.step.offload`); False keeps everything on the devices.
     """
     options = Options(cluster if cluster is not None else DEFAULT_CLUSTER, memory_budget,
                       time_limit, named_seeds(seeds), mesh_search, in_shardings,
-                      keep_input_shardings, cache_dir, while_trips, pipeline, rank_compiled)
+                      keep_input_shardings, cache_dir, while_trips, pipeline, rank_compiled,
+                      offload)
 
     def wrap(f):
         return AutoSharded(f, mesh, options, Convention.of(

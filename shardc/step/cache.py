@@ -75,6 +75,7 @@ class PlanCache:
             "mesh_search": options.mesh_search,
             "while_trips": options.while_trips,
             "rank_compiled": options.rank_compiled,
+            "offload": options.offload,
             "seeds": {name: sorted((k, str(nd)) for k, nd in layouts.items())
                       for name, layouts in sorted(seeds.items())},
             "ties": [list(t) for t in ties],

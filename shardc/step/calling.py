@@ -270,8 +270,15 @@ def place(leaves: Sequence, shardings: Sequence[NamedSharding]) -> list:
     several = jax.process_count() > 1
     return [jax.device_put(x, want) if isinstance(x, jax.Array)
             and (have := placement(x)) is not None and not _same(have, want, x.ndim)
-            or several and isinstance(x, np.ndarray)
+            or several and isinstance(x, np.ndarray) or _to_host(x, want)
             else x for x, want in zip(leaves, shardings)]
+
+
+def _to_host(x, want: NamedSharding) -> bool:
+    """Whether ``x`` is an array the plan keeps in host memory that is not there yet
+    (``jax.jit`` moves no argument between memory kinds: it refuses the call)."""
+    return want.memory_kind == "pinned_host" and isinstance(x, jax.Array) and not \
+        isinstance(x, jax.core.Tracer) and x.sharding.memory_kind != "pinned_host"
 
 
 class Miss(Exception):  # noqa: N818 (a signal, not an error the user sees)

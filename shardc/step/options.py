@@ -16,7 +16,24 @@ from shardc.errors import OptionsError, OptionsTypeError
 from shardc.ir.trace import DEFAULT_WHILE_TRIPS
 from shardc.pipeline.schedule import Pipeline
 
-__all__ = ["auto_mesh", "NeedsDevicesError", "Options", "platform_of"]
+__all__ = ["auto_mesh", "check_mesh", "NeedsDevicesError", "Options", "platform_of"]
+
+
+def check_mesh(mesh) -> None:
+    """Refuse what is no mesh.
+
+    Args:
+        mesh: what ``auto_shard`` was given as its mesh.
+
+    Raises:
+        OptionsTypeError: ``mesh`` is neither a ``jax.sharding.Mesh`` nor an
+            ``AbstractMesh``; the message says how to make one.
+    """
+    if not isinstance(mesh, Mesh | AbstractMesh):
+        raise OptionsTypeError(f"auto_shard needs a jax.sharding.Mesh, or an AbstractMesh to "
+                               f"plan without the devices, got {type(mesh).__name__}; make one "
+                               "with jax.make_mesh((2, 4), ('node', 'gpu')) or "
+                               "jax.sharding.AbstractMesh((16, 8), ('node', 'gpu'))")
 
 
 def auto_mesh(mesh: Mesh | AbstractMesh) -> Mesh | AbstractMesh:
@@ -47,6 +64,7 @@ class Options:
     while_trips: int = DEFAULT_WHILE_TRIPS
     pipeline: Pipeline | bool | None = None  # None: the planner's choice; False: never
     rank_compiled: int = 0  # under overlap: the best candidates compiled and ranked so
+    offload: bool = True  # where a budget binds, state may live in host memory
 
     def __post_init__(self):
         if not (self.pipeline is None or self.pipeline is False

@@ -1,6 +1,7 @@
 """The step's time-memory frontier: its plans at no budget, at the leanest budget and between,
-recomputing forward segments as budgets need, beside the generic layouts' plans
-(:func:`shardc.tradeoff.frontier.sweep` makes the staircase)."""
+recomputing forward segments as budgets need, beside the generic layouts' plans, and below
+them the leanest plans keeping state in host memory (:func:`shardc.tradeoff.frontier.sweep`
+makes the staircase)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from shardc.plan.record import Plan
 from shardc.solve.collector import gc_paused
 from shardc.solve.reuse import Reuse
 from shardc.step.margins import state_inputs
+from shardc.step.offload import offloadable
 from shardc.step.solving import problem, solve_views
 from shardc.tradeoff.frontier import (
     BUDGETS,
@@ -53,6 +55,13 @@ def frontier(step, *args, budgets: int = BUDGETS, **kwargs) -> Frontier:
         return step._named(call, rtr, solve_views(step, rtr, candidates, seeds, opts,
                                                         reuse))
 
+    moved = offloadable(tr) if step.options.offload else frozenset()
+
+    def offloaded(budget: float | None, remat: tuple[int, ...] = ()) -> Plan:
+        opts = dataclasses.replace(step.options, memory_budget=budget, rank_compiled=0)
+        rtr = dataclasses.replace(step._traced(call, remat)[1], offloaded=moved)
+        return step._named(call, rtr, solve_views(step, rtr, candidates, seeds, opts, reuse))
+
     def place(remat: tuple[int, ...], layouts: Mapping[str, Mapping[int, NdSbp]]
               ) -> list[Plan]:
         """The program recomputing ``remat`` placed around each of ``layouts``."""
@@ -67,4 +76,4 @@ def frontier(step, *args, budgets: int = BUDGETS, **kwargs) -> Frontier:
     return sweep(Sources(solve, place, {} if physical is None else seeds[physical],
                          tr.traced.segments, inputs,
                          tuple(tuple(v.shape) for v in graph.inputs), frozenset(optimizer),
-                         tuple(zip(names, sizes))), budgets)
+                         tuple(zip(names, sizes)), offloaded if moved else None), budgets)

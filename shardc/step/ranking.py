@@ -76,7 +76,7 @@ def compiled_time(step, tr: TracedCall, plan: Plan) -> float:
     compiled, mesh = compiled_program(step, tr, plan)
     cost = price(compiled, mesh, plan.cluster)
     step_time = cost.overlapped_time if plan.cluster.overlap else cost.time
-    return step_time + plan.predicted.feed_time
+    return step_time + plan.predicted.feed_time  # the host-memory moves: in cost's times
 
 
 def compiled_row(step, tr: TracedCall, plan: Plan) -> dict:

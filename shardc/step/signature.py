@@ -72,6 +72,8 @@ class TracedCall:
     #: inputs that stay on the devices from call to call besides the tied state
     #: (:func:`resident_inputs`): no host feed is charged for them
     resident: frozenset[int] = frozenset()
+    #: tied inputs planned in host memory between calls (:mod:`shardc.step.offload`)
+    offloaded: frozenset[int] = frozenset()
 
 
 def pins_layouts(tr: TracedCall) -> bool:

@@ -19,6 +19,7 @@ from shardc.cost.units import fmt_bytes
 from shardc.ir.remat import levels
 from shardc.ir.sbp import NdSbp
 from shardc.plan.assemble import assemble
+from shardc.plan.attention import attention_forms
 from shardc.plan.overlap import ranking_time
 from shardc.plan.record import Plan
 from shardc.rules.registry import has_rule, warn_missing
@@ -27,6 +28,7 @@ from shardc.solve.reuse import Reuse
 from shardc.solve.search import MemoryBudgetError, SolveOptions, plan_graph
 from shardc.step.ahead import compile_ahead
 from shardc.step.calling import Call
+from shardc.step.offload import offloadable
 from shardc.step.options import Options, platform_of
 from shardc.step.ranking import compiled_best
 from shardc.step.seeds import view_seeds
@@ -141,16 +143,18 @@ def fastest(step, call: Call, tr: TracedCall, candidates: list[View],
     slower than the plan at no budget), the programs recomputing forward segments are
     planned too (:func:`shardc.ir.remat.levels`: all of them, then the half that saves
     the most bytes per recomputed FLOP), and the fastest plan that fits wins; the error
-    names the smallest peak any of them reached."""
+    names the smallest peak any of them reached. Where none fits, state read in a short
+    stretch of the step may live in host memory (:func:`offloaded_plans`)."""
     recomputed = levels(tr.traced.segments)
     budget = opts.memory_budget
+    moved = offloadable(tr) if opts.offload and budget is not None else frozenset()
     try:
         plan = solve_views(step, tr, candidates, seeds, opts, reuse)
     except MemoryBudgetError as exc:
-        if budget is None or not recomputed:
+        if budget is None or not (recomputed or moved):
             raise
         plan, failure = None, exc
-    if budget is None or not recomputed:
+    if budget is None or not (recomputed or moved) or plan is not None and not recomputed:
         return plan
     if plan is not None:
         free = solve_views(step, tr, candidates, seeds,
@@ -169,9 +173,38 @@ def fastest(step, call: Call, tr: TracedCall, candidates: list[View],
                 failure = MemoryBudgetError(budget, min(failure.needed, again.needed),
                                             min(failure.found, again.found))
             break
+    if not fits and moved:  # below the leanest plan on the devices: state in host memory
+        fits, lean = offloaded_plans(step, call, tr, candidates, seeds, opts, reuse, moved)
+        if lean is not None:
+            failure = MemoryBudgetError(budget, min(failure.needed, lean.needed),
+                                        min(failure.found, lean.found))
     if not fits:
         raise failure
     return min(fits, key=ranking_time)
+
+
+def offloaded_plans(step, call: Call, tr: TracedCall, candidates: list[View],
+                    seeds: list[dict[str, dict[int, NdSbp]]], opts: Options,
+                    reuse: Reuse | None, moved: frozenset[int]
+                    ) -> tuple[list[Plan], MemoryBudgetError | None]:
+    """The plans keeping the state ``moved`` in host memory (:mod:`shardc.step.offload`)
+    that fit ``opts.memory_budget``: with every activation kept, and where none fits so,
+    with every forward segment recomputed. Where neither fits, no plan and the error
+    naming the leanest either reached (what the budget's error names, these being leaner
+    than any plan on the devices)."""
+    failure = None
+    for remat in ((), *levels(tr.traced.segments)[:1]):
+        here = tr if not remat else step._traced(call, remat)[1]
+        log.info("shardc: the budget %s binds; planning with %d state leaves in host memory"
+                 "%s", fmt_bytes(opts.memory_budget), len(moved),
+                 " and every forward segment recomputed" if remat else "")
+        try:
+            return [solve_views(step, dataclasses.replace(here, offloaded=moved), candidates,
+                                seeds, opts, reuse)], None
+        except MemoryBudgetError as exc:
+            failure = exc if failure is None else MemoryBudgetError(
+                exc.budget, min(exc.needed, failure.needed), min(exc.found, failure.found))
+    return [], failure
 
 
 def leanest(step, call: Call, tr: TracedCall, candidates: list[View],
@@ -229,7 +262,7 @@ def solve_views(step, tr: TracedCall, candidates: list[View],
             own = None  # the view's own cost graph (the first search's)
             for k, search in enumerate(objectives(step.mesh, view.cluster)):
                 sopts = SolveOptions(opts.memory_budget, opts.time_limit, seeds=seeds_here,
-                                     combiner=search.combiner)
+                                     combiner=search.combiner, offloaded=tr.offloaded)
                 try:
                     mine, costs, assembled, cg = _view_plan(step, tr, view, sopts,
                                                             is_physical, reuse, search, own)
@@ -261,6 +294,9 @@ def solve_views(step, tr: TracedCall, candidates: list[View],
     if best.cluster.overlap and opts.rank_compiled and not step.abstract:
         best = compiled_best(step, tr, [best] + pool, opts.rank_compiled)
     solver = {**best.solver, "plan_s": time.perf_counter() - t0}
+    forms = attention_forms(tr.traced.graph, best)
+    if forms:  # how each attention is split (explain() shows it)
+        solver["attention"] = forms
     if best.cluster.overlap:  # the step it was ranked by (explain() shows it)
         solver["overlapped_s"] = ranking_time(best)
     if priced:

@@ -21,17 +21,15 @@ import contextlib
 import itertools
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import overload
 
 from shardc.cost.units import fmt_bytes, fmt_time
-from shardc.errors import PlanError
 from shardc.ir.remat import Segment, prefixes
 from shardc.ir.sbp import NdSbp
 from shardc.plan.record import Plan
-from shardc.report.explain import mesh_label
 from shardc.solve.search import MemoryBudgetError
+from shardc.tradeoff.staircase import Frontier, non_dominated
 
 __all__ = ["BUDGETS", "FILLS", "Frontier", "GAP", "SEARCHES", "Sources", "sweep"]
 
@@ -52,114 +50,6 @@ where they land nothing in it)."""
 SEARCHES = 9
 """Searches into the gaps at most, besides one per budget: where placements land in a gap,
 none is spent (GPT-2 small on 2x4 needs one)."""
-
-
-@dataclass(frozen=True)
-class Frontier(Sequence[Plan]):
-    """Non-dominated plans, leanest first (so step time falls along them): a sequence of
-    :class:`shardc.Plan` (``frontier[0]`` the leanest, ``frontier[-1]`` the fastest,
-    ``len``, iteration, slicing to a tuple), also held as ``plans``."""
-
-    plans: tuple[Plan, ...]
-
-    def __post_init__(self):
-        if not self.plans:
-            raise PlanError("a frontier holds at least one plan")
-
-    def __len__(self) -> int:
-        return len(self.plans)
-
-    @overload
-    def __getitem__(self, k: int) -> Plan: ...
-
-    @overload
-    def __getitem__(self, k: slice) -> tuple[Plan, ...]: ...
-
-    def __getitem__(self, k):
-        return self.plans[k]
-
-    def __iter__(self) -> Iterator[Plan]:
-        return iter(self.plans)
-
-    def points(self) -> list[tuple[float, float]]:
-        """(predicted step seconds, predicted peak bytes per device) of each plan."""
-        return [(p.predicted.step_time, p.predicted.peak_memory) for p in self.plans]
-
-    def pick(self, memory_budget: float) -> Plan:
-        """The fastest plan whose predicted peak fits ``memory_budget`` (bytes per device);
-        :class:`MemoryBudgetError` naming the leanest plan's peak if none does."""
-        fits = [p for p in self.plans if p.predicted.peak_memory <= memory_budget]
-        if not fits:
-            raise MemoryBudgetError(memory_budget, math.ceil(self.plans[0].predicted.peak_memory))
-        return min(fits, key=lambda p: p.predicted.step_time)
-
-    def table(self) -> str:
-        rows = ["predicted step   peak per device       recomputes   mesh"]
-        for p in self.plans:
-            rows.append(f"{fmt_time(p.predicted.step_time):>14}   "
-                        f"{fmt_bytes(p.predicted.peak_memory):>15}   {recomputes(p):>14}   "
-                        f"{mesh_label(p.mesh_axes)}")
-        return "\n".join(rows)
-
-    def __str__(self) -> str:
-        return self.table()
-
-    def plot(self, path: str | None = None, experts: Mapping[str, tuple[float, float]] | None
-             = None, ax=None):
-        """Time against memory: the frontier as a staircase of its plans, and ``experts``
-        (name -> (step seconds, peak bytes), e.g. hand-written plans priced on the same
-        cluster) as labelled points on the same axes. Saved to ``path`` if given; returns
-        the matplotlib Axes."""
-        try:
-            from matplotlib.figure import Figure
-        except ImportError as exc:
-            raise ImportError("Frontier.plot needs matplotlib: pip install 'shardc[bench]'") \
-                from exc
-        if ax is None and path is not None:  # a figure of its own: the backend is left alone
-            ax = Figure(figsize=(6, 4)).subplots()
-        elif ax is None:
-            import matplotlib.pyplot as plt
-
-            _, ax = plt.subplots(figsize=(6, 4))
-        mib = 2.0 ** 20
-        t = [s * 1e3 for s, _ in self.points()]
-        m = [b / mib for _, b in self.points()]
-        ax.step(m, t, where="post", color="C0", alpha=0.5)
-        kept = [k for k, p in enumerate(self.plans) if not p.remat]
-        again = [k for k, p in enumerate(self.plans) if p.remat]
-        for idx, marker, label in ((kept, "o", "shardc frontier"),
-                                   (again, "s", "shardc frontier, with remat")):
-            if idx:
-                ax.scatter([m[k] for k in idx], [t[k] for k in idx], marker=marker, color="C0",
-                           label=label, zorder=3)
-        for name, (s, b) in sorted((experts or {}).items()):
-            ax.scatter([b / mib], [s * 1e3], marker="x", color="C3", zorder=3)
-            ax.annotate(name, (b / mib, s * 1e3), textcoords="offset points", xytext=(4, 4),
-                        fontsize=8)
-        ax.set_xlabel("predicted peak memory per device (MiB)")
-        ax.set_ylabel("predicted step (ms)")
-        ax.legend(loc="upper right")
-        if path is not None:
-            ax.figure.tight_layout()
-            ax.figure.savefig(path, dpi=120)
-        return ax
-
-
-def recomputes(plan: Plan) -> str:
-    """``"3/24 segments"``: the forward segments whose activations ``plan`` recomputes in
-    the backward pass; ``"-"`` when it keeps them all."""
-    return f"{len(plan.remat)}/{plan.segments} segments" if plan.remat else "-"
-
-
-def non_dominated(plans: list[Plan]) -> tuple[Plan, ...]:
-    """The plans no other plan beats on both time and memory (ties keep the first), leanest
-    first."""
-    ordered = sorted(plans, key=lambda p: (p.predicted.peak_memory, p.predicted.step_time))
-    out: list[Plan] = []
-    for p in ordered:
-        if not out or p.predicted.step_time < out[-1].predicted.step_time:
-            out.append(p)
-    return tuple(out)
 
 
 Layouts = Mapping[int, NdSbp]
@@ -189,6 +79,9 @@ class Sources:
     shapes: tuple[tuple[int, ...], ...] = ()
     optimizer: frozenset[int] = frozenset()
     mesh: tuple[tuple[str, int], ...] = ()
+    #: as ``solve``, the program keeping state in host memory (:mod:`shardc.step.offload`);
+    #: None where nothing may be offloaded
+    offloaded: Callable[..., Plan] | None = None
 
 
 def sweep(sources: Sources, budgets: int = BUDGETS) -> Frontier:
@@ -200,7 +93,8 @@ def sweep(sources: Sources, budgets: int = BUDGETS) -> Frontier:
     the fastest peaks; and plans that fill each gap between neighbours wider than
     :data:`GAP` of the frontier's memory range (:meth:`_Sweep.fill`). The remat choices are
     the greedy's (:func:`shardc.ir.remat.prefixes`: segments by bytes saved per recomputed
-    FLOP); each budget takes the one :meth:`_Sweep.choose` picks for it."""
+    FLOP); each budget takes the one :meth:`_Sweep.choose` picks for it. Below them, the
+    leanest plans keeping state in host memory (``sources.offloaded``), where leaner."""
     return _Sweep(sources, budgets).run()
 
 
@@ -219,6 +113,7 @@ class _Sweep:
         self.lean_peak = math.inf  # recomputing nothing: the leanest peak, searched or named
         self.placed: set[tuple[int, frozenset]] = set()  # (remat choice, input layouts)
         self.tried, self.total = 0, 2 + budgets + 2 * bool(sources.segments)
+        self.device_floor = -math.inf  # below it, plans keep state in host memory (offload)
 
     def found(self, what: str, plan: Plan | None) -> Plan | None:
         """Keep ``plan`` and say so at INFO (``shardc pareto`` prints these lines: a large
@@ -234,11 +129,24 @@ class _Sweep:
 
     def solve(self, what: str, budget: float, k: int) -> Plan | None:
         try:
-            plan = self.src.solve(budget, self.chain[k])
+            if budget < self.device_floor:  # as auto_shard plans it: no plan on the devices
+                plan = self._offloaded(budget)
+            else:
+                plan = self.src.solve(budget, self.chain[k])
         except MemoryBudgetError:
             plan = None  # the sampled memory points let no plan through at this budget
         return self.found(f"{what} {fmt_bytes(budget)}" + (
             f", {len(self.chain[k])} segments recomputed" if k else ""), plan)
+
+    def _offloaded(self, budget: float) -> Plan:
+        """The plan keeping state in host memory within ``budget``: recomputing nothing,
+        else every segment (:func:`shardc.step.solving.offloaded_plans`' order)."""
+        try:
+            return self.src.offloaded(budget, ())
+        except MemoryBudgetError:
+            if len(self.chain) == 1:
+                raise
+            return self.src.offloaded(budget, self.chain[-1])
 
     def place(self, k: int, layouts: Mapping[str, Layouts]) -> list[Plan]:
         """The plans of the program recomputing ``chain[k]`` around ``layouts``, but for
@@ -293,8 +201,26 @@ class _Sweep:
                 self.total -= 1  # the budget does not bind this choice's fastest plan
                 continue
             self.solve("budget", budget, k)
+        self.offload(n)
         self.fill()
         return Frontier(non_dominated(self.plans))
+
+    def offload(self, n: int) -> None:
+        """The leanest plans keeping state in host memory, recomputing nothing and every
+        segment, where leaner than every plan found on the devices; from here on a budget
+        below those (``device_floor``) is planned with state in host memory
+        (:meth:`solve`), as ``auto_shard`` plans it."""
+        if self.src.offloaded is None:
+            return
+        floor = self.device_floor = min(map(_peak, self.plans))
+        for k in ((0, n) if n else (0,)):
+            self.total += 1
+            plan, peak = _leanest(self.src.offloaded, self.chain[k], floor)
+            self.found(f"the leanest with state in host memory{', ' if k else ''}"
+                       f"{f'{n} segments recomputed' if k else ''}",
+                       plan if plan is not None and peak < floor else None)
+            if plan is not None and peak < floor:
+                floor = peak
 
     def choose(self, budget: float) -> int:
         """The remat choice to plan ``budget`` with: where recomputing saves bytes more

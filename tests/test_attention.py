@@ -1,0 +1,139 @@
+"""Attention split over the sequence (context parallelism): found in the program, its form
+named per mesh axis, and each form's compiled step equal to ``jax.jit``'s."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import shardc
+from shardc.ir.trace import trace
+from shardc.models import llama
+from shardc.plan.attention import find_attention
+
+T, D, HEADS, KV, DH = 128, 64, 8, 2, 8
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:8])
+
+
+def _attention(params, x, pin=None):
+    heads, kv = params["q"].shape[1] // DH, params["k"].shape[1] // DH
+    """Causal grouped-query attention (keys and values repeated to the query heads);
+    ``pin(name, value)`` may constrain the projections (``made``), the queries, keys,
+    values and scores."""
+    pin = pin or (lambda name, v: v)
+    b, t, _ = x.shape
+    q = pin("q", pin("made", x @ params["q"]).reshape(b, t, heads, DH))
+    k = pin("made", x @ params["k"]).reshape(b, t, kv, DH)
+    v = pin("made", x @ params["v"]).reshape(b, t, kv, DH)
+    k = pin("k", jnp.repeat(k, heads // kv, axis=2))
+    v = pin("v", jnp.repeat(v, heads // kv, axis=2))
+    scores = pin("scores", jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(DH))
+    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+    probs = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1)
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, heads * DH)
+    return out @ params["o"]
+
+
+def _args(heads=HEADS, kv=KV):
+    ks = jax.random.split(jax.random.key(0), 5)
+    params = {"q": jax.random.normal(ks[0], (D, heads * DH)) / 8,
+              "k": jax.random.normal(ks[1], (D, kv * DH)) / 8,
+              "v": jax.random.normal(ks[2], (D, kv * DH)) / 8,
+              "o": jax.random.normal(ks[3], (heads * DH, D)) / 8}
+    return params, jax.random.normal(ks[4], (1, T, D))
+
+
+def _grad_step(pin=None):
+    def step(params, x):
+        return jax.value_and_grad(lambda p: jnp.sum(_attention(p, x, pin) ** 2))(params)
+    return step
+
+
+def _pins(mesh, layouts):
+    def pin(name, v):
+        spec = layouts.get(name)
+        return v if spec is None else jax.lax.with_sharding_constraint(
+            v, NamedSharding(mesh, spec))
+    return pin
+
+
+def _forms(plan) -> set[str]:
+    return {form for f in plan.solver.get("attention", ()) for form in f["axes"].values()}
+
+
+def _equal(step, fn, args):
+    want, got = jax.jit(fn)(*args), step(*args)
+    scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(want[1]))
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(want[1]), jax.tree.leaves(got[1])):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_attention_is_found_as_users_write_it_and_as_jax_writes_it():
+    params, x = _args()
+    assert len(find_attention(trace(lambda p, x: _attention(p, x), params, x).graph)) == 1
+
+    def library(params, x):
+        b, t, _ = x.shape
+        q = (x @ params["q"]).reshape(b, t, HEADS, DH)
+        k = (x @ params["k"]).reshape(b, t, KV, DH)
+        v = (x @ params["v"]).reshape(b, t, KV, DH)
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+    assert len(find_attention(trace(library, params, x).graph)) == 1
+    mlp = trace(lambda p, x: jax.nn.log_softmax(x @ p["q"]) @ p["o"], params, x).graph
+    assert find_attention(mlp) == []  # a softmax between two matmuls without heads
+
+
+@pytest.mark.parametrize("form, layouts, collective", [
+    ("sequence, K/V all-gathered", {"q": P(None, "d"), "k": P(), "v": P(),
+                                    "scores": P(None, None, "d")}, "all-gather"),
+    ("sequence, all-to-all to heads", {"q": P(None, None, "d"), "k": P(None, None, "d"),
+                                       "v": P(None, None, "d"), "scores": P(None, "d"),
+                                       "made": P(None, "d")},
+     "all-to-all"),
+], ids=["all-gather", "all-to-all"])
+def test_each_sequence_form_runs_as_jax_jit(mesh, form, layouts, collective):
+    params, x = _args()
+    x_spec = NamedSharding(mesh, P(None, "d"))  # the layer's input split along the sequence
+    fn = _grad_step(_pins(mesh, layouts))
+    step = shardc.auto_shard(fn, mesh=mesh, in_shardings=(None, P(None, "d")))
+    args = (params, jax.device_put(x, x_spec))
+    plan = step.plan(*args)
+    assert form in _forms(plan), plan.solver.get("attention")
+    assert "attention, per mesh axis - the sequence is split" in plan.explain()
+    assert collective in step.lower(*args).compile().as_text()
+    _equal(step, fn, args)
+
+
+def test_the_planner_splits_the_sequence_where_memory_binds(mesh):
+    params, x = _args(heads=2, kv=1)  # fewer heads than devices: splitting them is not enough
+    fn = _grad_step()
+    free = shardc.auto_shard(fn, mesh=mesh).plan(params, x)
+    step = shardc.auto_shard(fn, mesh=mesh, memory_budget=free.predicted.peak_memory / 4)
+    plan = step.plan(params, x)
+    assert any(f.startswith("sequence") for f in _forms(plan)), plan.solver.get("attention")
+    _equal(step, fn, (params, x))
+
+
+def test_a_decoder_at_batch_one_splits_its_sequence_over_every_device(mesh):
+    cfg = llama.LlamaConfig(seq_len=256, batch=1, n_layers=2)
+    fn, (state, batch) = llama.make_train_step(cfg)
+    free = shardc.auto_shard(fn, mesh=mesh).plan(state, batch)
+    step = shardc.auto_shard(fn, mesh=mesh, memory_budget=free.predicted.peak_memory / 3)
+    plan = step.plan(state, batch)
+    assert plan.predicted.peak_memory <= free.predicted.peak_memory / 3
+    tokens = [k for k, n in enumerate(plan.input_names) if n.endswith("tokens")]
+    assert [str(plan.inputs[k]) for k in tokens] == ["(S(1))"]  # along the sequence
+    assert any(f.startswith("sequence") for f in _forms(plan)), plan.solver.get("attention")
+    want, got = jax.jit(fn)(state, batch), step(state, batch)
+    np.testing.assert_allclose(float(got[1]), float(want[1]), rtol=1e-5)
