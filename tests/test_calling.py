@@ -259,3 +259,48 @@ def test_the_calls_bench_table_marks_each_row_against_the_target():
             line.startswith("| 1000")]
     assert rows == ["| 20 | 100 us | 150 us | 1.50x | 160 us | yes |",
                     "| 1000 | 1000 us | 1200 us | 1.20x | 1150 us | no |"]
+
+
+#: a donated argument passed again, in a process of its own: on several CPU devices JAX's
+#: dispatch of a deleted buffer ends the process (SIGSEGV), so a crash fails the test
+#: instead of the suite; ``which`` picks shardc's step or single-device jax.jit's
+_DONATED_AGAIN = """
+import sys, jax, jax.numpy as jnp
+jax.config.update("jax_num_cpu_devices", 8)
+import shardc
+mesh = jax.make_mesh((8,), ("data",))
+f = lambda state, x: {"w": state["w"] * 2.0 + x, "b": state["b"] + 1.0}
+if sys.argv[1] == "jit":
+    step, put = jax.jit(f, donate_argnums=0), jax.device_put
+else:
+    step = shardc.auto_shard(f, mesh=mesh, donate_argnums=0, time_limit=2.0)
+    put = lambda a: jax.device_put(a, jax.NamedSharding(mesh, jax.P("data")))
+state = {"w": put(jnp.ones((64, 32))), "b": put(jnp.ones((64,)))}
+x = put(jnp.ones((64, 32)))
+state2 = step(state, x)
+again = [step(state2, x)]  # the result is fine to pass (and donate) again
+try:
+    step(state, x)
+except Exception as exc:
+    print("RAISED", type(exc).__name__, isinstance(exc, ValueError), exc)
+"""
+
+
+def _donated_again(which: str) -> str:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _DONATED_AGAIN, which], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, f"{which}: exit {done.returncode}\n{done.stderr[-2000:]}"
+    raised = [line for line in done.stdout.splitlines() if line.startswith("RAISED")]
+    assert raised, f"{which}: calling again with the donated state raised nothing"
+    return raised[0]
+
+
+def test_a_donated_argument_passed_again_raises_jax_jits_error():
+    want = _donated_again("jit")  # single-device jax.jit's refusal
+    got = _donated_again("shardc")
+    assert "Buffer has been deleted or donated" in want
+    assert got.startswith("RAISED DonatedArgumentError True Buffer has been deleted or donated")
+    assert "args[0]['b']" in got and "donate_argnums" in got  # the leaf and the fix

@@ -38,6 +38,8 @@ import importlib.util
 import os
 from contextlib import contextmanager
 
+from shardc.errors import BenchError, OptionsError
+
 __all__ = ["H100_TARGET", "PLUGINS", "gpu_devices", "install_hint", "plugin"]
 
 #: an H100 SXM5 80 GB as XLA's GPU compiler describes its target (References)
@@ -110,11 +112,11 @@ def gpu_devices(hosts: int = 1, per_host: int = 8, target: str = H100_TARGET) ->
     one slice of ``hosts`` hosts, for ahead-of-time compiles (module doc). Raises a
     RuntimeError naming the install when the CUDA plugin is absent."""
     if hosts < 1 or per_host < 1:
-        raise ValueError(f"gpu_devices: hosts={hosts}, per_host={per_host}; both must be >= 1")
+        raise OptionsError(f"gpu_devices: hosts={hosts}, per_host={per_host}; both must be >= 1")
     name = plugin()
     if name is None:
-        raise RuntimeError("compiling for GPUs on this machine needs JAX's CUDA plugin and "
-                           "ptxas (no GPU or CUDA driver): " + install_hint())
+        raise BenchError("compiling for GPUs on this machine needs JAX's CUDA plugin and "
+                         "ptxas (no GPU or CUDA driver): " + install_hint())
     from jax.experimental import topologies
 
     def describe():

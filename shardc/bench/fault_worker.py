@@ -39,6 +39,8 @@ import threading
 import time
 import traceback
 
+from shardc.errors import BenchError
+
 #: the exit status of a process whose checkpoint found no space (sysexits.h's EX_TEMPFAIL:
 #: a temporary failure, try again)
 NO_SPACE = 75
@@ -130,8 +132,8 @@ class Job:
             self.say("restored", s=time.perf_counter() - t, step=0, next_batch=1)
             return None, 0, 1
         if found.meta.get("next_batch") != found.step + 1:
-            raise RuntimeError(f"checkpoint {found.step} holds loader position "
-                               f"{found.meta.get('next_batch')}, not {found.step + 1}")
+            raise BenchError(f"checkpoint {found.step} holds loader position "
+                             f"{found.meta.get('next_batch')}, not {found.step + 1}")
         self.say("restored", s=time.perf_counter() - t, step=found.step,
                  next_batch=found.meta["next_batch"])
         return found.state, found.step, found.meta["next_batch"]

@@ -20,6 +20,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from shardc.errors import BenchError, OptionsError
+
 __all__ = ["CAMPAIGN", "EVERY", "KINDS", "Fault", "campaign", "checks", "markdown", "schedule",
            "summary", "write"]
 
@@ -90,7 +92,7 @@ def schedule(seed: int, counts: dict[str, int], steps: int, every: int) -> list[
         if kind in AT_SAVE:
             at = -(-at // every) * every
         if at >= steps:
-            raise ValueError(f"{len(kinds)} faults do not fit in {steps} steps every {every}")
+            raise OptionsError(f"{len(kinds)} faults do not fit in {steps} steps every {every}")
         out.append(Fault(kind, at, rng.randrange(2)))
         last = at or last
     return out
@@ -235,8 +237,8 @@ def campaign(work: str | os.PathLike, faults: list[Fault], steps: int, every: in
     launches, pending, fired, processes, back_at = [], list(faults), [], 2, 0
     while not launches or not _finished(launches[-1]):
         if len(launches) > 2 * len(faults) + 10:
-            raise RuntimeError(f"the job has not finished after {len(launches)} launches; "
-                               f"see the logs under {work / 'faulted'}")
+            raise BenchError(f"the job has not finished after {len(launches)} launches; "
+                             f"see the logs under {work / 'faulted'}")
         newest = _newest(ckpt)
         if processes == 1 and newest >= back_at:
             processes = 2  # the host is back

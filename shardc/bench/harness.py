@@ -37,6 +37,7 @@ from shardc.bench.experts import (
 )
 from shardc.bench.numerics import step_close
 from shardc.bench.zoo import PRESETS, ZOO, Preset, ZooModel
+from shardc.errors import BenchError, OptionsError
 from shardc.inspect.hlo import price_all
 from shardc.plan.record import Plan
 from shardc.report.explain import mesh_label
@@ -133,10 +134,10 @@ def make_mesh(preset: Preset, compiler: str = "cpu"):
                              axis_types=(AxisType.Auto,) * len(preset.mesh_shape),
                              devices=_gpus(preset.hosts, n // preset.hosts))
     if compiler != "cpu":
-        raise ValueError(f"compiler {compiler!r}: choose one of {COMPILERS}")
+        raise OptionsError(f"compiler {compiler!r}: choose one of {COMPILERS}")
     if len(jax.devices()) < n:
-        raise RuntimeError(f"preset {preset.name} needs {n} devices, JAX sees "
-                           f"{len(jax.devices())}; run `shardc bench` (it simulates 16)")
+        raise BenchError(f"preset {preset.name} needs {n} devices, JAX sees "
+                         f"{len(jax.devices())}; run `shardc bench` (it simulates 16)")
     return jax.make_mesh(preset.mesh_shape, preset.axis_names,
                          axis_types=(AxisType.Auto,) * len(preset.mesh_shape),
                          devices=jax.devices()[:n])

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from shardc.errors import BenchError
+
 __all__ = ["ATOL", "GRAD_RTOL", "mismatches", "RTOL", "step_close", "ULPS"]
 
 #: the plain tolerance of every result: ``|got - want| <= ATOL + RTOL * |want|``
@@ -62,7 +64,7 @@ def mismatches(got, want, lr: float = 0.0, *, rtol: float = RTOL,
     """
     flat, tree = jax.tree_util.tree_flatten_with_path(want)
     if jax.tree.structure(got) != tree:
-        raise ValueError(f"results differ in structure: {jax.tree.structure(got)} "
+        raise BenchError(f"results differ in structure: {jax.tree.structure(got)} "
                          f"against {tree}")
     bounds = _update_bounds(flat, lr)
     out = []

@@ -22,6 +22,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from shardc.errors import BenchError
+
 __all__ = ["CASES", "FRONTIER_CASES", "LOOP_PRESETS", "DescentGap", "FrontierCase",
            "LoopForms", "PlanningCase", "descent_gaps", "fresh", "markdown", "measure",
            "measure_fresh", "measure_frontier", "measure_frontier_fresh",
@@ -93,7 +95,7 @@ def fresh(call: str, what: str, setup: str = "", module: str = "planning") -> di
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=False)
     if done.returncode:
-        raise RuntimeError(f"planning {what} failed:\n{done.stderr}")
+        raise BenchError(f"planning {what} failed:\n{done.stderr}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -173,7 +175,7 @@ def measure_loop_forms(preset: str) -> LoopForms:
         "shardc-scanned" if scan else "shardc-unrolled") for scan in (True, False)}
     for cell in got.values():
         if cell.compiled_s is None:
-            raise RuntimeError(f"{cell.method} on {preset} did not compile")
+            raise BenchError(f"{cell.method} on {preset} did not compile")
     return LoopForms(preset, got[True].predicted_s * 1e3, got[True].compiled_s * 1e3,
                      got[False].predicted_s * 1e3, got[False].compiled_s * 1e3,
                      got[True].plan_s, got[False].plan_s)

@@ -19,6 +19,7 @@ from shardc.bench.harness import (
     planned_for,
     shardc_method,
 )
+from shardc.errors import NotFoundError
 
 __all__ = ["figure_panels", "ROBUST", "load", "markdown", "merge", "plot", "pricing_rows",
            "rewrite", "robust_bounds", "summary", "write"]
@@ -464,7 +465,8 @@ def rewrite(out: Path) -> list[Path]:
     measuring nothing (after a change to the report or the figure)."""
     cells, commands = load(out)
     if not cells:
-        raise FileNotFoundError(f"no bench results in {out / 'results.json'}")
+        raise NotFoundError(f"no bench results in {out / 'results.json'}; run shardc bench "
+                            "first")
     return write(cells, out, commands)
 
 

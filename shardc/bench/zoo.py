@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardc.cost.cluster import Cluster
+from shardc.errors import OptionsError
 
 __all__ = ["DEFAULT_PRESETS", "Preset", "PRESETS", "REFERENCE_DEVICES", "SMALL_DEVICE_MEMORY",
            "ZOO", "ZooModel"]
@@ -99,8 +100,8 @@ class ZooModel:
         if which == "tiny" or devices == REFERENCE_DEVICES:
             return cfg
         if (cfg.batch * devices) % REFERENCE_DEVICES:
-            raise ValueError(f"{self.name}: batch {cfg.batch} for {REFERENCE_DEVICES} devices "
-                             f"does not scale to {devices}")
+            raise OptionsError(f"{self.name}: batch {cfg.batch} for {REFERENCE_DEVICES} devices "
+                               f"does not scale to {devices}")
         return dataclasses.replace(cfg, batch=cfg.batch * devices // REFERENCE_DEVICES)
 
 

@@ -202,7 +202,8 @@ def _bench_parser(sub) -> None:
                    help="--faults: the job's steps (a checkpoint every 10)")
     b.add_argument("--calls", action="store_true",
                    help="time a steady-state call against jax.jit's at 20, 200 and 1,000 "
-                        "argument leaves (docs/benchmarks/calls.md)")
+                        "argument leaves, and the first call of a 2,000-leaf step "
+                        "(docs/benchmarks/calls.md)")
     b.add_argument("--scale", action="store_true",
                    help="plan a 70B-class decoder for 128x8 and 8x16x8 H100s (abstract meshes) "
                         "beside HSDP and FSDP x TP, into scale.{md,json}")

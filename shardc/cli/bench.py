@@ -57,15 +57,21 @@ def _bench_scale(out) -> None:
 
 
 def _bench_calls(out) -> None:
-    from shardc.bench import calls
+    from shardc.bench import calls, first_call
 
     cases = []
     for leaves in calls.LEAVES:
         print(f"calling with {leaves} argument leaves ...", flush=True)
         cases.append(calls.measure(leaves))
+    print(f"calling with {calls.DONATED} leaves, donated ...", flush=True)
+    cases.append(calls.measure(calls.DONATED, donated=True))
+    print(f"first calls of a {first_call.LEAVES}-leaf step, each in a fresh process ...",
+          flush=True)
+    first = first_call.markdown(first_call.compare(say=lambda s: print(s, flush=True)),
+                                first_call.LEAVES, first_call.REPEATS)
     command = ("shardc bench " + " ".join(sys.argv[2:])).strip()
-    path = calls.write(cases, out, command)
-    print(calls.markdown(cases, command))
+    path = calls.write(cases, out, command, first)
+    print(calls.markdown(cases, command, first))
     print(f"wrote {path}")
 
 

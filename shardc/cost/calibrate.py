@@ -62,6 +62,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardc.cost.collectives import Group, seconds
+from shardc.errors import CalibrationError as CalibrationError
+from shardc.errors import OptionsError, OptionsTypeError
 
 #: the models :func:`measure` fits, in the order a tie goes
 FIT_MODELS = ("alpha-beta", "ring")
@@ -76,10 +78,6 @@ WIRE_FACTOR: dict[str, Callable[[int], float]] = {
     "all-gather": lambda n: float(n - 1),
     "all-to-all": lambda n: (n - 1) / n,
 }
-
-
-class CalibrationError(RuntimeError):
-    """The measurements do not determine a link (its time does not grow with size)."""
 
 
 @dataclass(frozen=True)
@@ -98,14 +96,14 @@ class CalibrateOptions:
     def __post_init__(self):
         object.__setattr__(self, "sizes", tuple(sorted(set(self.sizes))))
         if len(self.sizes) < 2 or any(not isinstance(s, int) or s < 16 for s in self.sizes):
-            raise ValueError(f"CalibrateOptions: sizes must hold at least two distinct message "
-                             f"sizes in bytes, each >= 16, got {self.sizes!r}; e.g. "
-                             "(1024, 16384, 262144, 1048576)")
+            raise OptionsError(f"CalibrateOptions: sizes must hold at least two distinct message "
+                               f"sizes in bytes, each >= 16, got {self.sizes!r}; e.g. "
+                               "(1024, 16384, 262144, 1048576)")
         for name in ("reps", "chain", "matmul_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
-                raise ValueError(f"CalibrateOptions: {name} must be a positive integer, "
-                                 f"got {v!r}")
+                raise OptionsError(f"CalibrateOptions: {name} must be a positive integer, "
+                                   f"got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -159,9 +157,9 @@ def measure(mesh: Mesh, opts: CalibrateOptions
     device with where that figure came from; the same on every process. What
     :meth:`shardc.cost.cluster.Cluster.calibrate` makes its Cluster of."""
     if not isinstance(mesh, Mesh):
-        raise TypeError(f"calibrate needs a jax.sharding.Mesh of the devices to measure, got "
-                        f"{type(mesh).__name__}; make one with jax.make_mesh((2, 4), "
-                        "('node', 'gpu'))")
+        raise OptionsTypeError(f"calibrate needs a jax.sharding.Mesh of the devices to measure, "
+                               f"got {type(mesh).__name__}; make one with jax.make_mesh((2, 4), "
+                               "('node', 'gpu'))")
     timed = [(axis, kind, size) for axis, n in mesh.shape.items() if n > 1
              for kind in WIRE_FACTOR for size in opts.sizes]
     memory, source = _device_memory(mesh)

@@ -22,6 +22,7 @@ from functools import lru_cache
 from shardc.cost.calibrate import FIT_MODELS, AxisFit, CalibrateOptions, measure
 from shardc.cost.collectives import COLLECTIVE_MODELS, LINK_KINDS, Group, seconds
 from shardc.cost.kernels import KERNEL_MODELS
+from shardc.errors import MeshAxisError, OptionsError, closest
 
 __all__ = ["Calibration", "Cluster", "CROSS_POD_BW", "CROSS_POD_LAT", "DEFAULT_CLUSTER",
            "ETH_BW", "ETH_LAT", "H100_MEMORY", "H100_TF32_FLOPS", "IB_BW", "IB_LAT",
@@ -116,38 +117,38 @@ class Cluster:
                     "host_bandwidth": self.host_bandwidth}
         for k, v in positive.items():
             if not _number(v) or not v > 0:
-                raise ValueError(f"Cluster: {k} must be positive (a number of bytes/s, FLOP/s "
-                                 f"or bytes), got {v!r}")
+                raise OptionsError(f"Cluster: {k} must be positive (a number of bytes/s, FLOP/s "
+                                   f"or bytes), got {v!r}")
         latencies = {**{f"axis_latency[{a!r}]": v for a, v in self.axis_latency.items()},
                      "default_latency": self.default_latency,
                      "node_latency": self.node_latency}
         for k, v in latencies.items():
             if not _number(v) or not v >= 0:
-                raise ValueError(f"Cluster: {k} must be seconds >= 0, got {v!r}")
+                raise OptionsError(f"Cluster: {k} must be seconds >= 0, got {v!r}")
         links = {**{f"axis_link[{a!r}]": v for a, v in self.axis_link.items()},
                  "default_link": self.default_link, "node_link": self.node_link}
         for k, v in links.items():
             if v not in LINK_KINDS:
-                raise ValueError(f"Cluster: {k} must be one of {LINK_KINDS}, got {v!r}")
+                raise OptionsError(f"Cluster: {k} must be one of {LINK_KINDS}, got {v!r}")
         if self.node_link in ("net", "ici"):
-            raise ValueError(f"Cluster: node_link is the link inside a node ('nvlink' or "
-                             f"'pcie'), got {self.node_link!r}")
+            raise OptionsError(f"Cluster: node_link is the link inside a node ('nvlink' or "
+                               f"'pcie'), got {self.node_link!r}")
         for a, v in self.axis_nodes.items():
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"Cluster: axis_nodes[{a!r}] must be a whole number of "
-                                 f"nodes >= 1, got {v!r}")
+                raise OptionsError(f"Cluster: axis_nodes[{a!r}] must be a whole number of "
+                                   f"nodes >= 1, got {v!r}")
         if self.kernels is not None and self.kernels not in KERNEL_MODELS:
-            raise ValueError(f"Cluster: kernels names a measured kernel model, one of "
-                             f"{sorted(KERNEL_MODELS)}, or None to price compute as FLOPs "
-                             f"over device_flops * utilization; got {self.kernels!r}")
+            raise OptionsError(f"Cluster: kernels names a measured kernel model, one of "
+                               f"{sorted(KERNEL_MODELS)}, or None to price compute as FLOPs "
+                               f"over device_flops * utilization; got {self.kernels!r}")
         if not isinstance(self.overlap, bool):
-            raise ValueError(f"Cluster: overlap must be True or False, got {self.overlap!r}")
+            raise OptionsError(f"Cluster: overlap must be True or False, got {self.overlap!r}")
         if self.collective_model not in COLLECTIVE_MODELS:
-            raise ValueError(f"Cluster: collective_model must be one of {COLLECTIVE_MODELS}, "
-                             f"got {self.collective_model!r}")
+            raise OptionsError(f"Cluster: collective_model must be one of {COLLECTIVE_MODELS}, "
+                               f"got {self.collective_model!r}")
         if not _number(self.utilization) or not 0 < self.utilization <= 1:
-            raise ValueError(f"Cluster: utilization is the share of device_flops that kernels "
-                             f"reach, in (0, 1]; got {self.utilization!r} (0.5 is typical)")
+            raise OptionsError(f"Cluster: utilization is the share of device_flops that kernels "
+                               f"reach, in (0, 1]; got {self.utilization!r} (0.5 is typical)")
 
     def __hash__(self):
         """The hash of :meth:`key`."""
@@ -237,23 +238,38 @@ class Cluster:
         return seconds("collective-permute", g, float(nbytes), self.collective_model)
 
     def check_axes(self, axis_names: Sequence[str]) -> None:
-        """Check that every axis the cluster names is one of the mesh's.
+        """Refuse a cluster that prices axes the mesh does not have.
 
         Args:
-            axis_names: The mesh's axis names.
+            axis_names: the mesh's axis names.
 
         Raises:
-            ValueError: Naming the axes the mesh does not have.
+            MeshAxisError: naming each axis the mesh lacks and the mesh axis closest to it,
+                or, where the cluster prices more axes than the mesh has (a multi-node
+                preset on a one-axis mesh), the preset that fits the mesh.
         """
-        unknown = (set(self.axis_bandwidth) | set(self.axis_latency) | set(self.axis_link)
-                   | set(self.axis_nodes))
-        unknown -= set(axis_names)
-        if unknown:
-            raise ValueError(
-                f"Cluster names mesh axes {sorted(unknown)} that the mesh {list(axis_names)} "
-                "does not have; key axis_bandwidth/axis_latency/axis_link/axis_nodes by the "
-                "mesh's axis names"
-            )
+        named = (set(self.axis_bandwidth) | set(self.axis_latency) | set(self.axis_link)
+                 | set(self.axis_nodes))
+        unknown = sorted(named - set(axis_names))
+        if not unknown:
+            return
+        names = list(axis_names)
+        close = "".join(f"; {a!r}{closest(a, names)}" for a in unknown if closest(a, names))
+        raise MeshAxisError(
+            f"Cluster names mesh axes {unknown} that the mesh {names} does not have{close}; "
+            "key axis_bandwidth/axis_latency/axis_link/axis_nodes by the mesh's axis names"
+            f"{self._preset_hint(names) if not close else ''}")
+
+    def _preset_hint(self, names: list[str]) -> str:
+        """The preset that prices a mesh of ``names``, for :meth:`check_axes`."""
+        if len(names) == 1:
+            return (f", or use a preset for one axis: Cluster.nvlink_node({tuple(names)!r}) "
+                    "(the devices of one node over NVLink; Cluster.multi_node() is for a "
+                    "(node, gpu) mesh)")
+        if "net" in self.axis_link.values():
+            return (f", or name the preset's axes after the mesh's: Cluster.multi_node("
+                    f"node_axis={names[0]!r}, gpu_axis={names[-1]!r})")
+        return f", or use Cluster.nvlink_node({tuple(names)!r})"
 
     def to_json(self) -> dict:
         """The cluster as a JSON-ready dict (:meth:`from_json` reads it back)."""

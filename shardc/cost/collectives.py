@@ -70,6 +70,8 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from shardc.errors import OptionsError
+
 __all__ = ["COLLECTIVE_MODELS", "Group", "LINK_KINDS", "seconds", "wire_factor"]
 
 #: the models a Cluster may name (see the module doc)
@@ -136,7 +138,7 @@ def wire_factor(kind: str, n: int) -> float:
     factors = {"all-reduce": 2 * f, "all-gather": f, "reduce-scatter": f, "all-to-all": f,
                "collective-permute": 1.0}
     if kind not in factors:
-        raise ValueError(f"unknown collective kind {kind!r}; expected one of {sorted(factors)}")
+        raise OptionsError(f"unknown collective kind {kind!r}; expected one of {sorted(factors)}")
     return factors[kind]
 
 
@@ -246,4 +248,4 @@ def seconds(kind: str, group: Group, nbytes: float, model: str = "nccl",
         return _ring(kind, group, nbytes, share)
     if model == "nccl":
         return _nccl(kind, group, nbytes, share)
-    raise ValueError(f"unknown collective model {model!r}; expected one of {COLLECTIVE_MODELS}")
+    raise OptionsError(f"unknown collective model {model!r}; expected one of {COLLECTIVE_MODELS}")

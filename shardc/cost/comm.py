@@ -238,7 +238,7 @@ def _plain_steps(b: _Builder, src: NdSbp, dst: NdSbp) -> None:
                 heapq.heappush(heap, (*key, tick, nxt))
                 tick += 1
     if goal not in best:
-        raise ValueError(f"no plain conversion from {src} to {dst}; please report this")
+        raise AssertionError(f"no plain conversion from {src} to {dst}; please report this")
     path = []
     node = goal
     while node != start:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 from jax.sharding import Mesh
 
+from shardc.errors import HloError
 from shardc.inspect.hlotext import Instruction
 
 __all__ = ["group_axes", "group_spans", "Groups", "instruction_groups", "parse_replica_groups"]
@@ -35,8 +36,8 @@ def _iota(dims: Sequence[int], perm: Sequence[int] | None) -> np.ndarray:
     if not perm:
         return arr
     if sorted(perm) != list(range(len(dims))):
-        raise ValueError(f"iota transpose T{tuple(perm)} is not a permutation of the "
-                         f"{len(dims)} reshape dims {list(dims)}")
+        raise HloError(f"iota transpose T{tuple(perm)} is not a permutation of the "
+                       f"{len(dims)} reshape dims {list(dims)}")
     return arr.transpose(perm)
 
 
@@ -50,8 +51,8 @@ def _iota_groups(m: re.Match) -> Groups:
     dims = _ints(m.group(3))
     perm = _ints(m.group(4)) if m.group(4) else None
     if math.prod(dims) != n_groups * size:
-        raise ValueError(f"iota replica groups {m.group(0)!r}: {n_groups}x{size} groups "
-                         f"but {math.prod(dims)} devices")
+        raise HloError(f"iota replica groups {m.group(0)!r}: {n_groups}x{size} groups "
+                       f"but {math.prod(dims)} devices")
     return tuple(tuple(int(d) for d in row) for row in _iota(dims, perm).reshape(n_groups, size))
 
 
@@ -67,9 +68,9 @@ def _mesh_device_ids(spec: str | None, n: int) -> np.ndarray:
     elif re.fullmatch(r"[\d,\s]+", spec):
         ids = np.array(_ints(spec))
     else:
-        raise ValueError(f"unrecognised mesh device_ids=({spec})")
+        raise HloError(f"unrecognised mesh device_ids=({spec})")
     if ids.size != n:
-        raise ValueError(f"mesh device_ids=({spec}) has {ids.size} ids, mesh has {n} devices")
+        raise HloError(f"mesh device_ids=({spec}) has {ids.size} ids, mesh has {n} devices")
     return ids.ravel()
 
 
@@ -102,14 +103,14 @@ def _mesh_refs(m: re.Match) -> tuple[list[int], list[tuple[int, int, int]]]:
     """Axis sizes of a mesh spelling and its braced refs as ``(axis, pre_size, size)``."""
     axes = re.findall(r"'?([^'=,\s]+)'?\s*=\s*(\d+)", m.group(1))
     if not axes:
-        raise ValueError(f"mesh replica groups {m.group(0)!r} name no axes")
+        raise HloError(f"mesh replica groups {m.group(0)!r} name no axes")
     names = [a for a, _ in axes]
     sizes = [int(n) for _, n in axes]
     refs = []
     for name, pre, size in re.findall(r"'?([^',:\s{}]+)'?(?::\((\d+)\)(\d+))?", m.group(3)):
         if name not in names:
-            raise ValueError(f"mesh replica groups {m.group(0)!r} group over unknown axis "
-                             f"{name!r}; mesh axes are {names}")
+            raise HloError(f"mesh replica groups {m.group(0)!r} group over unknown axis "
+                           f"{name!r}; mesh axes are {names}")
         dim = names.index(name)
         refs.append((dim, int(pre), int(size)) if pre else (dim, 1, sizes[dim]))
     return sizes, refs
@@ -150,8 +151,8 @@ def parse_replica_groups(spelling: str, num_devices: int) -> Groups:
         return _iota_groups(m)
     if m := _MESH.match(text):
         return _mesh_groups(m)
-    raise ValueError(f"unrecognised replica_groups spelling {text[:160]!r}; expected "
-                     "{{..},..}, [g,s]<=[dims]T(perm) or mesh[..], device_ids=(..) {axes}")
+    raise HloError(f"unrecognised replica_groups spelling {text[:160]!r}; expected "
+                   "{{..},..}, [g,s]<=[dims]T(perm) or mesh[..], device_ids=(..) {axes}")
 
 
 def _permute_groups(pairs: Sequence[tuple[int, int]]) -> Groups:
@@ -175,7 +176,7 @@ def instruction_groups(instr: Instruction, num_devices: int) -> Groups:
     if instr.opcode.startswith("collective-permute"):
         m = _PAIRS.search(instr.attrs)
         if m is None:
-            raise ValueError(f"{instr.opcode} %{instr.name} has no source_target_pairs")
+            raise HloError(f"{instr.opcode} %{instr.name} has no source_target_pairs")
         ints = _ints(m.group(1))
         return _permute_groups(list(zip(ints[::2], ints[1::2])))
     at = instr.attrs.find("replica_groups=")
@@ -184,7 +185,7 @@ def instruction_groups(instr: Instruction, num_devices: int) -> Groups:
     try:
         return parse_replica_groups(instr.attrs[at:], num_devices)
     except ValueError as e:
-        raise ValueError(f"{instr.opcode} %{instr.name}: {e}") from None
+        raise HloError(f"{instr.opcode} %{instr.name}: {e}") from None
 
 
 def group_spans(groups: Groups, mesh: Mesh) -> tuple[tuple[str, int], ...]:
@@ -209,8 +210,8 @@ def group_axes(groups: Groups, mesh: Mesh) -> tuple[str, ...] | None:
     for g in groups:
         bad = [d for d in g if not 0 <= d < n]
         if bad:
-            raise ValueError(f"replica group {g} names device ids {bad} outside the mesh's "
-                             f"{n} devices (shape {dict(mesh.shape)})")
+            raise HloError(f"replica group {g} names device ids {bad} outside the mesh's "
+                           f"{n} devices (shape {dict(mesh.shape)})")
         coords = np.array(np.unravel_index(list(g), shape)).T
         varying.append(frozenset(i for i in range(len(shape)) if len(set(coords[:, i])) > 1))
     axes = frozenset().union(*varying)

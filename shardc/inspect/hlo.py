@@ -72,6 +72,7 @@ from jax.sharding import Mesh
 
 from shardc.cost import comm
 from shardc.cost.cluster import Cluster
+from shardc.errors import OptionsTypeError
 from shardc.inspect.collective import HloCollective
 from shardc.inspect.groups import group_axes, group_spans, instruction_groups
 from shardc.inspect.hlotext import (
@@ -214,12 +215,12 @@ def _hlo_text(compiled_or_text: Any) -> str:
         return compiled_or_text
     as_text = getattr(compiled_or_text, "as_text", None)
     if as_text is None:
-        raise TypeError("collectives() needs HLO text or a jax Compiled (with .as_text()), "
-                        f"got {type(compiled_or_text).__name__}")
+        raise OptionsTypeError("collectives() needs HLO text or a jax Compiled (with .as_text()), "
+                               f"got {type(compiled_or_text).__name__}")
     text = as_text()
     if not isinstance(text, str):
-        raise TypeError(f"{type(compiled_or_text).__name__}.as_text() returned "
-                        f"{type(text).__name__}, not HLO text")
+        raise OptionsTypeError(f"{type(compiled_or_text).__name__}.as_text() returned "
+                               f"{type(text).__name__}, not HLO text")
     return text
 
 
@@ -307,8 +308,8 @@ def _analysed_flops(compiled: Any) -> float | None:
     elif isinstance(analysis, list | tuple):
         entries = analysis
     else:
-        raise TypeError(f"cost_analysis() returned {type(analysis).__name__}, "
-                        "expected a dict or a list of dicts")
+        raise OptionsTypeError(f"cost_analysis() returned {type(analysis).__name__}, "
+                               "expected a dict or a list of dicts")
     return float(sum(e.get("flops", 0.0) for e in entries if e))
 
 

@@ -13,6 +13,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from shardc.errors import HloError
+
 __all__ = ["Computation", "Instruction", "leaves", "parse_module", "result_shapes",
            "shape_bytes", "shape_tree", "ShapeTree"]
 
@@ -66,7 +68,7 @@ def _closing(text: str, start: int) -> int:
             depth -= 1
             if depth == 0:
                 return i
-    raise ValueError(f"unbalanced parentheses in HLO line: {text[:200]!r}")
+    raise HloError(f"unbalanced parentheses in HLO line: {text[:200]!r}")
 
 
 def _split_top(text: str) -> list[str]:
@@ -126,7 +128,7 @@ def parse_module(text: str) -> dict[str, Computation]:
             if instr is not None:
                 current.add(instr)
     if not comps:
-        raise ValueError(f"no HLO computations found in text starting {text[:120]!r}")
+        raise HloError(f"no HLO computations found in text starting {text[:120]!r}")
     return comps
 
 
@@ -148,7 +150,7 @@ def shape_tree(text: str) -> ShapeTree:
         return tuple(shape_tree(p) for p in _split_top(text[1:-1]))
     m = _LEAF.match(text)
     if m is None:
-        raise ValueError(f"unrecognised HLO shape {text!r}")
+        raise HloError(f"unrecognised HLO shape {text!r}")
     return m.group(0)
 
 
@@ -162,10 +164,10 @@ def shape_bytes(shape: str) -> int:
     """Bytes of one array shape string such as ``"f32[32,256]"`` (layout optional)."""
     m = _LEAF.match(shape.strip())
     if m is None:
-        raise ValueError(f"unrecognised HLO array shape {shape!r}")
+        raise HloError(f"unrecognised HLO array shape {shape!r}")
     dtype, dims = m.groups()
     if dtype not in _DTYPE_BITS:
-        raise ValueError(f"unknown HLO element type {dtype!r} in shape {shape!r}")
+        raise HloError(f"unknown HLO element type {dtype!r} in shape {shape!r}")
     n = math.prod(int(d.strip().removeprefix("<=")) for d in dims.split(",") if d.strip())
     return math.ceil(n * _DTYPE_BITS[dtype] / 8)
 
@@ -176,7 +178,7 @@ def result_shapes(opcode: str, shape: str) -> tuple[str, ...]:
     tree = shape_tree(shape)
     if opcode.endswith("-start") and opcode != "all-reduce-start":
         if isinstance(tree, str) or len(tree) < 2:
-            raise ValueError(f"{opcode} result {shape!r} is not an (operand, result, ...) tuple")
+            raise HloError(f"{opcode} result {shape!r} is not an (operand, result, ...) tuple")
         tree = tree[1]
     return leaves(tree)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import re
 
+from shardc.errors import HloError
 from shardc.inspect.hlotext import Computation, Instruction, parse_module
 
 __all__ = ["ELEMENTWISE", "branches", "called_flops", "instruction_flops", "loop_extra_flops",
@@ -149,7 +150,7 @@ def multiplicity(hlo_text: str) -> dict[str, int]:
 def _entry(hlo_text: str) -> str:
     m = re.search(r"^ENTRY\s+%?([^\s(]+)", hlo_text, re.MULTILINE)
     if m is None:
-        raise ValueError("no ENTRY computation in the HLO text")
+        raise HloError("no ENTRY computation in the HLO text")
     return m.group(1)
 
 

@@ -365,8 +365,8 @@ def schedule(hlo_text: str, collectives: Sequence[HloCollective], seconds: Seque
     ``compute_time`` the serial pricing's compute seconds, spread over the instructions by
     their FLOPs."""
     if len(seconds) != len(collectives):
-        raise ValueError(f"schedule: {len(seconds)} times for {len(collectives)} "
-                         "collectives; give one time per collective, in the same order")
+        raise AssertionError(f"schedule: {len(seconds)} times for {len(collectives)} "
+                             "collectives; give one time per collective, in the same order")
     comps = parse_module(hlo_text)
     per: dict[str, dict[str, float]] = defaultdict(dict)
     for c, t in zip(collectives, seconds):  # a split all-reduce is one instruction

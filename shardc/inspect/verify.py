@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 from jax.sharding import Mesh
 
+from shardc.errors import OptionsError
+
 __all__ = ["KindRow", "KINDS", "Verification", "planned", "verify"]
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -109,8 +111,8 @@ def verify(plan, compiled, mesh: Mesh | None = None) -> Verification:
     from shardc.inspect.hlo import price
 
     if mesh is None:
-        raise ValueError("verify needs the mesh the program was compiled for: "
-                         "plan.verify(compiled, mesh)")
+        raise OptionsError("verify needs the mesh the program was compiled for: "
+                           "plan.verify(compiled, mesh)")
     cost = price(compiled, mesh, plan.cluster)
     planned_n, planned_b = planned(plan)
     comp_n: dict[str, int] = defaultdict(int)

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from shardc.errors import GraphError as GraphError
+
 __all__ = ["check_graph", "format_graph", "Graph", "GraphError", "Op", "Value"]
 
 #: jaxpr-style short names of dtypes
@@ -215,10 +217,6 @@ def format_graph(graph: Graph, annotate: dict[int, str] | None = None) -> str:
         lines.append(f"    {lhs}{op.name}{_format_params(op.params)} {ins}{times}")
     lines.append("  in (" + ", ".join(repr(v) for v in graph.outputs) + ") }")
     return "\n".join(lines)
-
-
-class GraphError(ValueError):
-    pass
 
 
 def _same_type(a: Value, b: Value) -> bool:

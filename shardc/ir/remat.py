@@ -33,6 +33,7 @@ References:
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -149,11 +150,11 @@ def segments(closed) -> tuple[Segment, ...]:
         if len(live) <= 1:
             cuts.append(i)
     runs, start = [], 0
-    for c in cuts:
-        run = [i for i in fwd[start:] if i <= c]
-        start += len(run)
-        if run:
-            runs.append(run)
+    for c in cuts:  # fwd ascends: each run is the slice up to its cut
+        end = bisect.bisect_right(fwd, c, lo=start)
+        if end > start:
+            runs.append(fwd[start:end])
+        start = end
     out = []
     for run in runs:
         mine = set(run)
@@ -186,11 +187,12 @@ def segments(closed) -> tuple[Segment, ...]:
     freed = sorted([(max(uses[v]), _nbytes(v)) for s in out for v in _res(jaxpr, s)] +
                    [(i, sum(_nbytes(v) for b in e.params["jaxpr"].eqns for v in b.outvars))
                     for i, e in enumerate(eqns) if e.primitive is REMAT and _backward(e)])
-    kept = [s for s in out if _pays(s, first_bwd[s.index], freed)]
+    upto = list(itertools.accumulate((b for _, b in freed), initial=0))  # bytes freed
+    kept = [s for s in out if _pays(s, first_bwd[s.index], freed, upto)]
     return tuple(Segment(k, s.eqns, s.residuals, s.kept, s.flops) for k, s in enumerate(kept))
 
 
-def _pays(seg: Segment, first: int, freed: list[tuple[int, int]]) -> bool:
+def _pays(seg: Segment, first: int, freed: list[tuple[int, int]], upto: list[int]) -> bool:
     """Recomputing ``seg`` can lower the step's peak: by the backward's first read of its
     residuals (``first``, where the recomputation runs), at least as many bytes as it
     recomputes were freed since the backward began (``freed``: (program point, bytes),
@@ -200,8 +202,9 @@ def _pays(seg: Segment, first: int, freed: list[tuple[int, int]]) -> bool:
     before anything is freed only adds its own values and its gate's copies to that peak.
     This leaves out the segment whose backward runs first (the loss: nothing is free yet)
     and the next when the loss frees less than it recomputes (a log-softmax over the
-    logits: recomputed, a toy language model's step compiled 8 MiB more on one device)."""
-    free = sum(b for t, b in freed[:bisect.bisect_left(freed, (first, -1))])
+    logits: recomputed, a toy language model's step compiled 8 MiB more on one device).
+    ``upto[k]``: the bytes of ``freed``'s first ``k`` entries."""
+    free = upto[bisect.bisect_left(freed, (first, -1))]
     return 0 < seg.kept <= free
 
 

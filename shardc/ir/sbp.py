@@ -23,6 +23,8 @@ from typing import Union
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from shardc.errors import LayoutError, MeshAxisError, closest
+
 __all__ = ["B", "Broadcast", "device_pieces", "from_partition_spec", "NdSbp", "P", "parse_sbp",
            "Partial", "replicated", "S", "Sbp", "shared_dim_splits", "Split", "to_partition_spec",
            "WHOLE"]
@@ -198,7 +200,7 @@ def parse_sbp(text: str) -> Sbp:
         return Partial(text[2:-1])
     if text.startswith("S(") and text.endswith(")"):
         return Split(int(text[2:-1]))
-    raise ValueError(f"cannot parse SBP {text=}; expected B, P, P(op) or S(dim)")
+    raise LayoutError(f"cannot parse SBP {text=}; expected B, P, P(op) or S(dim)")
 
 
 def to_partition_spec(nd: NdSbp, ndim: int, axis_names: Sequence[str]) -> PartitionSpec:
@@ -208,7 +210,7 @@ def to_partition_spec(nd: NdSbp, ndim: int, axis_names: Sequence[str]) -> Partit
     partial value is described by its split axes only (the reduction is XLA's to place).
     """
     if len(nd) != len(axis_names):
-        raise ValueError(f"NdSbp {nd} has {len(nd)} axes but the mesh has {list(axis_names)}")
+        raise LayoutError(f"NdSbp {nd} has {len(nd)} axes but the mesh has {list(axis_names)}")
     entries: list[list[str]] = [[] for _ in range(ndim)]
     for s, name in zip(nd.sbps, axis_names):
         if isinstance(s, Split):
@@ -232,9 +234,11 @@ def from_partition_spec(spec: PartitionSpec, ndim: int, axis_names: Sequence[str
         names = (entry,) if isinstance(entry, str) else tuple(entry)
         order = [axis_names.index(n) for n in names if n in axis_names]
         if len(order) != len(names):
-            raise ValueError(f"{spec=} names axes not in the mesh {list(axis_names)}")
+            bad = next(n for n in names if n not in axis_names)
+            raise MeshAxisError(f"{spec=} names axis {bad!r}, not in the mesh "
+                                f"{list(axis_names)}{closest(bad, axis_names)}")
         if order != sorted(order):
-            raise ValueError(
+            raise LayoutError(
                 f"{spec=} splits dim {dim} over {names} out of mesh order; "
                 f"write them as {tuple(axis_names[i] for i in sorted(order))}"
             )

@@ -35,6 +35,7 @@ from typing import Any
 import jax
 from jax.extend import core as jcore
 
+from shardc.errors import GraphError, OptionsError
 from shardc.ir.flops import op_flops
 from shardc.ir.graph import Graph, Op, Value, check_graph
 from shardc.ir.prims import facts
@@ -104,8 +105,8 @@ class Region:
         self.jaxpr = jaxpr
         self.steps = tuple(steps)
         if len(self.steps) != len(jaxpr.eqns):
-            raise ValueError(f"Region: {len(self.steps)} steps for {len(jaxpr.eqns)} "
-                             "equations; the trace must record one per equation")
+            raise AssertionError(f"Region: {len(self.steps)} steps for {len(jaxpr.eqns)} "
+                                 "equations; the trace must record one per equation")
 
 
 @dataclass(frozen=True)
@@ -204,7 +205,7 @@ def platform_branch(eqn, index: Value, platforms: frozenset[str]) -> int | None:
     for k, names in enumerate(choices):
         if names is None or platforms & set(names):
             return k
-    raise ValueError(f"{eqn.primitive.name}: no branch of this platform-dependent code "
+    raise GraphError(f"{eqn.primitive.name}: no branch of this platform-dependent code "
                      f"runs on {sorted(platforms)} (branches for {choices}); plan on a mesh "
                      "of a platform it supports")
 
@@ -458,8 +459,8 @@ def rematerialized(traced: Traced, remat: Sequence[int]) -> Traced:
     bad = [k for k in remat if not 0 <= k < len(traced.segments)]
     if bad:
         n = len(traced.segments)
-        raise ValueError(f"remat segment(s) {bad} do not exist: this program has {n} "
-                         f"segment{'' if n == 1 else 's'} that can be recomputed")
+        raise OptionsError(f"remat segment(s) {bad} do not exist: this program has {n} "
+                           f"segment{'' if n == 1 else 's'} that can be recomputed")
     closed = rematerialize(traced.jaxpr, traced.segments, remat)
     graph, region = _build(closed, traced.platform, traced.while_trips)
     return dataclasses.replace(traced, graph=graph, region=region, remat=remat)

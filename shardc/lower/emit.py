@@ -34,6 +34,7 @@ from jax.extend import core as jcore
 from jax.sharding import AxisType, Mesh, NamedSharding
 
 from shardc.cost.comm import conversion
+from shardc.errors import ArgumentsError
 from shardc.ir.flow import carry_exit, loop_ties, reads, unrolled_sums
 from shardc.ir.prims import facts
 from shardc.ir.remat import is_gate
@@ -474,7 +475,7 @@ def jit_plan(traced: Traced, plan, run_mesh: Mesh, out_mesh: Mesh, in_tree, out_
     def tree_fn(*args: Any, **kwargs: Any):
         leaves, tree = jax.tree.flatten((args, kwargs))
         if tree != in_tree:
-            raise TypeError(f"auto_shard: arguments {tree} do not match the planned {in_tree}")
+            raise ArgumentsError(f"auto_shard: arguments {tree} do not match the planned {in_tree}")
         return jax.tree.unflatten(out_tree, run(*leaves))
 
     out_sh = jax.tree.unflatten(out_tree, [

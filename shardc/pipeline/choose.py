@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from shardc.cost.cluster import Cluster
 from shardc.cost.combine import XLA_CPU, Combiner
 from shardc.cost.units import fmt_time
+from shardc.errors import MeshAxisError, OptionsError, PipelineError, closest
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Split
 from shardc.pipeline.cost import PipelinePrice, price
@@ -83,14 +84,14 @@ class ChoiceOptions:
 
     def __post_init__(self):
         if not 0 <= self.min_gain < 1:
-            raise ValueError(f"ChoiceOptions(min_gain={self.min_gain}): a share of the "
-                             "step in [0, 1)")
+            raise OptionsError(f"ChoiceOptions(min_gain={self.min_gain}): a share of the "
+                               "step in [0, 1)")
         unknown = set(self.schedules) - set(SCHEDULES)
         if unknown:
-            raise ValueError(f"ChoiceOptions(schedules=...): {sorted(unknown)} are not "
-                             f"schedules; use some of {SCHEDULES}")
+            raise OptionsError(f"ChoiceOptions(schedules=...): {sorted(unknown)} are not "
+                               f"schedules; use some of {SCHEDULES}")
         if self.max_virtual < 1:
-            raise ValueError(f"ChoiceOptions(max_virtual={self.max_virtual}): need >= 1")
+            raise OptionsError(f"ChoiceOptions(max_virtual={self.max_virtual}): need >= 1")
 
     def budget(self, cluster: Cluster) -> float:
         """Bytes per device a stage may hold: ``memory_budget``, else the cluster's."""
@@ -157,24 +158,25 @@ def _check_request(p: Pipeline, sizes: Sequence[int], names: Sequence[str],
     """A requested pipeline fits the mesh, the layers, the batch and the program (1F1B
     needs a stack's loss: ``schedules``), else the error names the fix."""
     if p.schedule not in schedules:
-        raise ValueError(f"{p}: 1F1B runs each micro-batch's backward right after its "
-                         "forward, so the loss must be inside the pipeline: write the stack "
-                         "and its loss as shardc.pipeline.layers_loss(layer_fn, loss_fn, "
-                         "carry, stacked_params, head, targets), or use schedule='gpipe'")
+        raise PipelineError(f"{p}: 1F1B runs each micro-batch's backward right after its "
+                            "forward, so the loss must be inside the pipeline: write the stack "
+                            "and its loss as shardc.pipeline.layers_loss(layer_fn, loss_fn, "
+                            "carry, stacked_params, head, targets), or use schedule='gpipe'")
     if p.axis not in names:
-        raise ValueError(f"{p}: axis {p.axis!r} is not a mesh axis; use one of {list(names)}")
+        raise MeshAxisError(f"{p}: axis {p.axis!r} is not a mesh axis{closest(p.axis, names)}; "
+                            f"use one of {list(names)}")
     size = sizes[list(names).index(p.axis)]
     if p.stages != size:
-        raise ValueError(f"{p}: axis {p.axis!r} has {size} devices; stages={size}")
+        raise PipelineError(f"{p}: axis {p.axis!r} has {size} devices; stages={size}")
     if layers.length % (p.stages * p.virtual):
         per = (f" (here virtual dividing {layers.length // p.stages})"
                if layers.length % p.stages == 0 else "")
-        raise ValueError(f"{p}: {layers.length} layers do not split into {p.stages} stages "
-                         f"x {p.virtual} virtual stages of equal size; pick stages x virtual "
-                         f"dividing {layers.length}{per}")
+        raise PipelineError(f"{p}: {layers.length} layers do not split into {p.stages} stages "
+                            f"x {p.virtual} virtual stages of equal size; pick stages x virtual "
+                            f"dividing {layers.length}{per}")
     if layers.batch % p.microbatches:
-        raise ValueError(f"{p}: the batch of {layers.batch} does not split into "
-                         f"{p.microbatches} micro-batches; pick a divisor of {layers.batch}")
+        raise PipelineError(f"{p}: the batch of {layers.batch} does not split into "
+                            f"{p.microbatches} micro-batches; pick a divisor of {layers.batch}")
 
 
 def _splits_batch(plan: Plan, layers: Layers, microbatches: int, graph: Graph) -> bool:

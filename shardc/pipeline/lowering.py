@@ -28,6 +28,8 @@ from __future__ import annotations
 import jax
 from jax.sharding import Mesh
 
+from shardc.errors import NoStackError as NoStackError
+from shardc.errors import PipelineError
 from shardc.ir.sbp import shared_dim_splits
 from shardc.ir.trace import Loop, Region
 from shardc.pipeline.onefb import pipeline_loss
@@ -36,20 +38,6 @@ from shardc.pipeline.schedule import Pipeline
 from shardc.pipeline.stack import Stack, stack_named
 
 __all__ = ["NoStackError", "Stacks", "made_by"]
-
-
-class NoStackError(ValueError):
-    """A pipeline was asked for, but the program has no layer stack to run as one."""
-
-    def __init__(self, pipeline: Pipeline):
-        super().__init__(
-            f"auto_shard(pipeline={pipeline}): the function has no layer stack to pipeline; "
-            "write the stack as shardc.pipeline.layers(layer_fn, carry, stacked_params), a "
-            "drop-in for jax.lax.scan(layer_fn, carry, stacked_params), or leave "
-            "pipeline=None (a jax.lax.scan is run as one where its layer returns no "
-            "per-layer output, closes over no traced array, treats the batch's examples "
-            "apart, draws no random bits and reads no batch size as a number; a warning "
-            "says which a scan's layer does not)")
 
 
 def batch_axes(region: Region, by_op: dict, names: tuple[str, ...], axis: str
@@ -123,7 +111,7 @@ class Stacks:
             closing.append((stack.loss.fn, stack.loss.consts, "the head or the targets"))
         for fn, n, where in closing:
             if n:
-                raise ValueError(
+                raise PipelineError(
                     f"shardc.pipeline: the function {fn.__qualname__} closes over {n} traced "
                     "array(s); a pipelined stack traces it again on micro-batches, where "
                     f"those values are gone: pass them in {where}, or leave pipeline=None")

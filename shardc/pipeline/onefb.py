@@ -58,6 +58,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from shardc.errors import PipelineError
 from shardc.pipeline.runtime import (
     at,
     carry_of,
@@ -211,12 +212,12 @@ def pipeline_loss(layer_fn: Callable, loss_fn: Callable, carry: Any, stacked_par
     :func:`~shardc.pipeline.runtime.pipeline_scan`."""
     p = pipeline
     if p.schedule != "1f1b":
-        raise ValueError(f"pipeline_loss({p}): runs schedule='1f1b'; use pipeline_scan "
-                         "for the others")
+        raise PipelineError(f"pipeline_loss({p}): runs schedule='1f1b'; use pipeline_scan "
+                            "for the others")
     batch, layers = leading(carry, "carry"), leading(stacked_params, "stacked params")
     if leading(targets, "targets") != batch:
-        raise ValueError(f"pipeline_loss: the targets' leading dim "
-                         f"{leading(targets, 'targets')} is not the carry's batch {batch}")
+        raise PipelineError(f"pipeline_loss: the targets' leading dim "
+                            f"{leading(targets, 'targets')} is not the carry's batch {batch}")
     check_pipeline(p, mesh, batch, layers)
     check_batch_axes(p, mesh, batch_axes, batch)
     m_n = p.microbatches

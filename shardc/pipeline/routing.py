@@ -16,6 +16,7 @@ from typing import Any
 import jax
 from jax.extend.core import jaxprs_in_params
 
+from shardc.errors import PipelineError
 from shardc.pipeline.fit import refusal
 from shardc.pipeline.runtime import carry_of
 from shardc.pipeline.stack import _ROUTING, _RUNNER, _SCAN, _filed, _holding, _not_routing, _refuse
@@ -139,8 +140,8 @@ def _replay(at: dict, c, w):
     shape)): :func:`_traced_at_each_size`."""
     n = jax.tree.leaves(c)[0].shape[0]
     if n not in at:
-        raise ValueError(f"a layer traced at batch sizes {sorted(at)} (its context is gone) "
-                         f"was run on {n} examples")
+        raise PipelineError(f"a layer traced at batch sizes {sorted(at)} (its context is gone) "
+                            f"was run on {n} examples")
     closed, shape = at[n]
     out = jax.core.eval_jaxpr(closed.jaxpr, closed.consts,
                               *jax.tree.leaves(c), *jax.tree.leaves(w))

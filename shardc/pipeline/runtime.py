@@ -67,6 +67,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from shardc.errors import MeshAxisError, PipelineError, closest
 from shardc.pipeline.schedule import Pipeline
 
 __all__ = ["at", "carry_of", "check_axis", "check_batch_axes", "check_pipeline", "leading",
@@ -111,8 +112,8 @@ def varying(x, axes, wide: bool = False):
 def leading(tree, what: str) -> int:
     sizes = {x.shape[0] if getattr(x, "ndim", 0) else None for x in jax.tree.leaves(tree)}
     if len(sizes) != 1 or None in sizes:
-        raise ValueError(f"pipeline_scan: every leaf of the {what} needs the same leading "
-                         f"dimension, got leading sizes {sorted(map(str, sizes))}")
+        raise PipelineError(f"pipeline_scan: every leaf of the {what} needs the same leading "
+                            f"dimension, got leading sizes {sorted(map(str, sizes))}")
     return sizes.pop()
 
 
@@ -121,12 +122,12 @@ def check_axis(pipeline: Pipeline, mesh) -> None:
     devices named ``pipeline.axis``."""
     p, shape = pipeline, dict(mesh.shape)
     if p.axis not in shape:
-        raise ValueError(f"Pipeline(axis={p.axis!r}): the mesh has axes {tuple(shape)}; name "
-                         "one of them")
+        raise MeshAxisError(f"Pipeline(axis={p.axis!r}): the mesh has axes {tuple(shape)}"
+                            f"{closest(p.axis, shape)}; name one of them")
     if shape[p.axis] != p.stages:
-        raise ValueError(f"Pipeline(stages={p.stages}) over mesh axis {p.axis!r} of size "
-                         f"{shape[p.axis]}: one stage per device of the axis; use "
-                         f"stages={shape[p.axis]}")
+        raise PipelineError(f"Pipeline(stages={p.stages}) over mesh axis {p.axis!r} of size "
+                            f"{shape[p.axis]}: one stage per device of the axis; use "
+                            f"stages={shape[p.axis]}")
 
 
 def check_pipeline(pipeline: Pipeline, mesh, batch: int, layers: int) -> None:
@@ -136,16 +137,16 @@ def check_pipeline(pipeline: Pipeline, mesh, batch: int, layers: int) -> None:
     check_axis(p, mesh)
     chunks = p.stages * p.virtual
     if layers % chunks:
-        raise ValueError(f"Pipeline(stages={p.stages}, virtual={p.virtual}) cuts {layers} "
-                         f"layers into {chunks} chunks of equal size; use a stage count "
-                         f"(times virtual stages) that divides {layers}")
+        raise PipelineError(f"Pipeline(stages={p.stages}, virtual={p.virtual}) cuts {layers} "
+                            f"layers into {chunks} chunks of equal size; use a stage count "
+                            f"(times virtual stages) that divides {layers}")
     if batch % p.microbatches:
-        raise ValueError(f"Pipeline(microbatches={p.microbatches}) cuts a batch of {batch}; "
-                         f"use a micro-batch count that divides {batch}")
+        raise PipelineError(f"Pipeline(microbatches={p.microbatches}) cuts a batch of {batch}; "
+                            f"use a micro-batch count that divides {batch}")
     if p.virtual > 1 and p.microbatches < p.stages:
-        raise ValueError(f"Pipeline(schedule='circular', microbatches={p.microbatches}, "
-                         f"stages={p.stages}): a micro-batch must be back at stage 0 before "
-                         f"its next pass is due; use microbatches >= {p.stages}")
+        raise PipelineError(f"Pipeline(schedule='circular', microbatches={p.microbatches}, "
+                            f"stages={p.stages}): a micro-batch must be back at stage 0 before "
+                            f"its next pass is due; use microbatches >= {p.stages}")
 
 
 def carry_of(layer_fn: Callable, who: str) -> Callable:
@@ -153,25 +154,26 @@ def carry_of(layer_fn: Callable, who: str) -> Callable:
     def one(c, w):
         c, ys = layer_fn(c, w)
         if ys is not None and jax.tree.leaves(ys):
-            raise ValueError(f"{who}: layer_fn returns per-layer outputs (the scan's ys); a "
-                             "layer stack carries its activations only: return (carry, "
-                             "None), or use jax.lax.scan for this loop")
+            raise PipelineError(f"{who}: layer_fn returns per-layer outputs (the scan's ys); a "
+                                "layer stack carries its activations only: return (carry, "
+                                "None), or use jax.lax.scan for this loop")
         return c
     return one
 
 
 def check_batch_axes(p: Pipeline, mesh, batch_axes, batch: int) -> None:
     shape = dict(mesh.shape)
-    bad = [a for a in batch_axes if a not in shape or a == p.axis]
+    others = tuple(a for a in shape if a != p.axis)
+    bad = [a for a in batch_axes if a not in others]
     if bad:
-        raise ValueError(f"pipeline_scan(batch_axes={tuple(batch_axes)}): {bad} are not mesh "
-                         f"axes other than the stage axis {p.axis!r}; name axes of "
-                         f"{tuple(a for a in shape if a != p.axis)}")
+        raise MeshAxisError(f"pipeline_scan(batch_axes={tuple(batch_axes)}): {bad} are not mesh "
+                            f"axes other than the stage axis {p.axis!r}; name axes of "
+                            f"{others}{closest(bad[0], others)}")
     ways = math.prod(shape[a] for a in batch_axes)
     if (batch // p.microbatches) % ways:
-        raise ValueError(f"pipeline_scan(batch_axes={tuple(batch_axes)}): a micro-batch of "
-                         f"{batch // p.microbatches} does not split {ways} ways; use fewer "
-                         "micro-batches or fewer batch axes")
+        raise PipelineError(f"pipeline_scan(batch_axes={tuple(batch_axes)}): a micro-batch of "
+                            f"{batch // p.microbatches} does not split {ways} ways; use fewer "
+                            "micro-batches or fewer batch axes")
 
 
 def at(tree, i):
@@ -303,11 +305,11 @@ def pipeline_scan(layer_fn: Callable, carry: Any, stacked_params: Any, *,
     carry no manual-axis types: the same program, its replication unchecked)."""
     p = pipeline
     if p.schedule == "1f1b":
-        raise ValueError(f"pipeline_scan({p}): 1F1B runs each micro-batch's backward right "
-                         "after its forward, so the loss must be inside the pipeline: write "
-                         "the stack and its loss as shardc.pipeline.layers_loss(layer_fn, "
-                         "loss_fn, carry, stacked_params, head, targets), or use "
-                         "schedule='gpipe'")
+        raise PipelineError(f"pipeline_scan({p}): 1F1B runs each micro-batch's backward right "
+                            "after its forward, so the loss must be inside the pipeline: write "
+                            "the stack and its loss as shardc.pipeline.layers_loss(layer_fn, "
+                            "loss_fn, carry, stacked_params, head, targets), or use "
+                            "schedule='gpipe'")
     batch, layers = leading(carry, "carry"), leading(stacked_params, "stacked params")
     check_pipeline(p, mesh, batch, layers)
     s_n, m_n, v_n = p.stages, p.microbatches, p.virtual

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardc.errors import PipelineError
+
 __all__ = ["SCHEDULES", "Pipeline"]
 
 SCHEDULES = ("gpipe", "1f1b", "circular")
@@ -49,15 +51,15 @@ class Pipeline:
     def __post_init__(self):
         """Check the fields (see Raises)."""
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"Pipeline(schedule={self.schedule!r}): use one of {SCHEDULES}")
+            raise PipelineError(f"Pipeline(schedule={self.schedule!r}): use one of {SCHEDULES}")
         if self.stages < 2:
-            raise ValueError(f"Pipeline(stages={self.stages}): a pipeline needs at least 2 "
-                             "stages; leave pipeline=None to run without one")
+            raise PipelineError(f"Pipeline(stages={self.stages}): a pipeline needs at least 2 "
+                                "stages; leave pipeline=None to run without one")
         if self.microbatches < 1:
-            raise ValueError(f"Pipeline(microbatches={self.microbatches}): need at least 1")
+            raise PipelineError(f"Pipeline(microbatches={self.microbatches}): need at least 1")
         if self.virtual < 1 or (self.virtual > 1 and self.schedule != "circular"):
-            raise ValueError(f"Pipeline(virtual={self.virtual}): virtual stages need "
-                             "schedule='circular'; use virtual=1 otherwise")
+            raise PipelineError(f"Pipeline(virtual={self.virtual}): virtual stages need "
+                                "schedule='circular'; use virtual=1 otherwise")
 
     @property
     def bubble(self) -> float:

@@ -17,6 +17,7 @@ import json
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from shardc.errors import PlanFormatError as PlanFormatError
 from shardc.ir.sbp import NdSbp
 from shardc.pipeline.schedule import Pipeline
 
@@ -74,7 +75,7 @@ class ColumnReader:
 
     def at(self, k) -> NdSbp:
         if not isinstance(k, int) or k < 0:
-            raise ValueError(f"layout index {k!r}")
+            raise PlanFormatError(f"layout index {k!r}")
         return self.table[k]
 
     def layouts(self, xs) -> tuple[NdSbp, ...]:
@@ -92,15 +93,15 @@ class ColumnReader:
         """The number of rows of the table ``d`` (its columns by name), checking that it
         has the ``required`` columns and that all have as many rows."""
         if not isinstance(d, dict):
-            raise TypeError(f"expected columns by name, got {type(d).__name__}")
+            raise PlanFormatError(f"expected columns by name, got {type(d).__name__}")
         missing = [k for k in required if k not in d]
         if missing:
-            raise KeyError(missing[0])
+            raise PlanFormatError(f"no column {missing[0]!r}")
         n = len(d[required[0]])
         bad = [k for k, col in d.items() if len(col) != n]
         if bad:
-            raise ValueError(f"columns of unequal lengths ({required[0]} {n} rows, {bad[0]} "
-                             f"{len(d[bad[0]])})")
+            raise PlanFormatError(f"columns of unequal lengths ({required[0]} {n} rows, {bad[0]} "
+                                  f"{len(d[bad[0]])})")
         return n
 
     def ops(self, d, op_plan: Callable[..., Row]) -> tuple[Row, ...]:
@@ -130,14 +131,6 @@ class ColumnReader:
                     d["collectives"], d["collective_bytes"], combined, strict=True))
 
 
-class PlanFormatError(ValueError):
-    """A plan file that cannot be read; the message names the field."""
-
-    def __init__(self, what: str):
-        super().__init__(f"cannot read the plan: {what}. Plan again and save it with "
-                         "plan.to_json()")
-
-
 FIELDS = ("mesh_axes", "cluster", "inputs", "outputs", "input_ranks", "output_ranks",
            "values", "ops", "reshards", "predicted", "solver", "fingerprint")
 FIELDS_V2 = ("layouts", "strings")  # the tables a version 2 plan's fields index
@@ -148,6 +141,8 @@ def reading_field(name: str):
     """Turn what goes wrong reading field ``name`` into a :class:`PlanFormatError`."""
     try:
         yield
+    except PlanFormatError as exc:  # a reader's own refusal: named by the field
+        raise PlanFormatError(f"field {name}: {exc.what}") from exc
     except KeyError as exc:
         raise PlanFormatError(f"field {name} has no {exc.args[0]!r}") from exc
     except (TypeError, ValueError, AttributeError, IndexError) as exc:

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from jax.sharding import PartitionSpec
 
 from shardc.cost.cluster import Cluster
+from shardc.errors import PlanError, PlanFormatError
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Partial, to_partition_spec
 from shardc.pipeline.schedule import Pipeline
@@ -265,9 +266,9 @@ class Plan:
         """
         input_names, output_names = tuple(input_names), tuple(output_names)
         if len(input_names) != len(self.inputs) or len(output_names) != len(self.outputs):
-            raise ValueError(f"named: {len(input_names)} input / {len(output_names)} output "
-                             f"names for a plan of {len(self.inputs)} inputs and "
-                             f"{len(self.outputs)} outputs")
+            raise PlanError(f"named: {len(input_names)} input / {len(output_names)} output "
+                            f"names for a plan of {len(self.inputs)} inputs and "
+                            f"{len(self.outputs)} outputs")
         if (input_names, output_names) == (self.input_names, self.output_names):
             return self  # a plan reused for another call of the same names stays one object
         return dataclasses.replace(self, input_names=input_names, output_names=output_names)
@@ -467,7 +468,7 @@ class Plan:
             input_ranks = tuple(int(r) for r in d["input_ranks"])
             output_ranks = tuple(int(r) for r in d["output_ranks"])
             if len(input_ranks) != len(inputs) or len(output_ranks) != len(outputs):
-                raise ValueError("one rank per input and per output")
+                raise PlanFormatError("one rank per input and per output")
         described = program_fields(d, len(inputs), len(outputs))
         return cls(mesh_axes=mesh_axes, cluster=cluster, inputs=inputs, outputs=outputs,
                    values=values, settled=settled, ops=ops, reshards=reshards,

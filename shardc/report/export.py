@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 import re
 
+from shardc.errors import PlanError
 from shardc.ir.sbp import to_partition_spec
 from shardc.lower.emit import conversion_steps
 from shardc.report.explain import mesh_label, spec_text
@@ -125,7 +126,7 @@ def python_module(plan, source: str = "") -> str:
     plan that recomputes activations (``plan.remat``) runs a rewritten program plain code
     does not hold: refused, with the way out."""
     if plan.remat:
-        raise ValueError(
+        raise PlanError(
             f"this plan recomputes {len(plan.remat)} of {plan.segments} forward segments in "
             "the backward pass, a rewrite of the program that exported code cannot carry; "
             "run it with shardc (step.use_plan(plan, *args)), or export a plan that keeps "
@@ -182,8 +183,8 @@ def rules_module(plan, source: str = "") -> str:
     PartitionSpec, layer indices folded; results laid out otherwise than an argument, and
     anything the rules cannot say, are listed in its docstring."""
     if not plan.input_names:
-        raise ValueError("the plan has no names for its arguments (saved before names were "
-                         "recorded): plan the program again to export rules")
+        raise PlanError("the plan has no names for its arguments (saved before names were "
+                        "recorded): plan the program again to export rules")
     names = [plan.input_name(k) for k in range(len(plan.inputs))]
     rules, notes = path_rules(names, plan.input_specs())
     by_name = dict(zip(names, map(spec_text, plan.input_specs())))

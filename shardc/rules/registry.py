@@ -20,6 +20,8 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from shardc.errors import LayoutError as LayoutError
+from shardc.errors import NoRuleWarning as NoRuleWarning
 from shardc.ir.flops import FLOPS, FlopsFn, op_flops
 from shardc.ir.graph import Op
 from shardc.ir.prims import passes_partial
@@ -86,10 +88,6 @@ _RULES: dict[str, RuleFn] = {}
 _FIXED: dict[str, FixedFn] = {}
 
 
-class LayoutError(ValueError):
-    """A layout the user fixed cannot be placed on the mesh being planned."""
-
-
 def _registrar(table: dict, names: Sequence[str], flops: FlopsFn | None):
     def wrap(fn):
         for n in names:
@@ -154,10 +152,6 @@ def replicated_signature(op: Op) -> Signature:
     return Signature((B,) * len(op.inputs), (B,) * len(op.outputs))
 
 
-class NoRuleWarning(UserWarning):
-    """A primitive without a sharding rule runs replicated."""
-
-
 #: the warnings shown (Python's per-module warning registry, shardc's own): under the
 #: default filters each primitive's warning shows once per line of the user's that made it,
 #: however many step objects plan it; a change of the filters (``warnings.catch_warnings``,
@@ -219,7 +213,7 @@ def signatures(op: Op) -> list[Signature]:
     out = [replicated_signature(op)]
     for s in sigs:
         if len(s.ins) != len(op.inputs) or len(s.outs) != len(op.outputs):
-            raise ValueError(
+            raise LayoutError(
                 f"rule for {op.name!r} returned {s} with {len(s.ins)} inputs / {len(s.outs)} "
                 f"outputs, but the op has {len(op.inputs)} / {len(op.outputs)}; fix the rule"
             )

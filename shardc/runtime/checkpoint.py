@@ -26,6 +26,12 @@ from typing import Any, NamedTuple
 
 import jax
 
+from shardc.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    OptionsError,
+)
 from shardc.plan.record import Plan
 
 try:
@@ -74,8 +80,8 @@ class Checkpoints:
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3):
         """Open (or create) the checkpoints in ``directory``; see the class's Args."""
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
-            raise ValueError(f"max_to_keep must be a positive integer or None (keep all), got "
-                             f"{max_to_keep!r}")
+            raise OptionsError(f"max_to_keep must be a positive integer or None (keep all), got "
+                               f"{max_to_keep!r}")
         self.directory = os.path.abspath(os.fspath(directory))
         self._manager = ocp.CheckpointManager(
             self.directory,
@@ -98,8 +104,8 @@ class Checkpoints:
             ValueError: When checkpoint ``step`` already exists.
         """
         if step in self._manager.all_steps():
-            raise ValueError(f"checkpoint {step} already exists in {self.directory}; save "
-                             "each step once (resume from latest_step() + 1)")
+            raise CheckpointError(f"checkpoint {step} already exists in {self.directory}; save "
+                                  "each step once (resume from latest_step() + 1)")
         self.wait()  # seals the previous save (Orbax starts this one once it is committed)
         self._manager.save(step, args=ocp.args.Composite(**{
             _STATE: ocp.args.StandardSave(state),
@@ -148,10 +154,10 @@ class Checkpoints:
                     jax.tree_util.tree_leaves_with_path(abstract)
                     if not isinstance(getattr(x, "sharding", None), jax.sharding.Sharding)]
         if unplaced:
-            raise ValueError(f"restore needs a sharding for every array (to read each shard "
-                             f"onto its device), none for {unplaced[:3]} (and "
-                             f"{max(len(unplaced) - 3, 0)} more); pass shardings="
-                             "step.input_shardings(...) for the state")
+            raise CheckpointError(f"restore needs a sharding for every array (to read each shard "
+                                  f"onto its device), none for {unplaced[:3]} (and "
+                                  f"{max(len(unplaced) - 3, 0)} more); pass shardings="
+                                  "step.input_shardings(...) for the state")
         target = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), abstract)
         restored = self._manager.restore(step, args=ocp.args.Composite(**{
@@ -185,9 +191,9 @@ class Checkpoints:
                 break
             bad.append((step, problem))
         else:
-            raise RuntimeError(f"no complete checkpoint in {self.directory}: "
-                               + "; ".join(f"{s}: {p}" for s, p in bad)
-                               + ". Restore one from a backup or start afresh")
+            raise CheckpointCorruptError(f"no complete checkpoint in {self.directory}: "
+                                         + "; ".join(f"{s}: {p}" for s, p in bad)
+                                         + ". Restore one from a backup or start afresh")
         if bad:
             log.warning("shardc: %s; restoring checkpoint %d, the newest complete one",
                         "; ".join(f"checkpoint {s} in {self.directory} is unusable ({p})"
@@ -302,8 +308,8 @@ class Checkpoints:
         if step is None:
             step = self.latest_step()
             if step is None:
-                raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+                raise CheckpointNotFoundError(f"no complete checkpoint in {self.directory}")
         elif step not in self._manager.all_steps():
-            raise FileNotFoundError(f"no checkpoint {step} in {self.directory}; it has "
-                                    f"{self.all_steps()}")
+            raise CheckpointNotFoundError(f"no checkpoint {step} in {self.directory}; it has "
+                                          f"{self.all_steps()}")
         return step

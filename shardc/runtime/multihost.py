@@ -23,13 +23,11 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from shardc.errors import OptionsError
+from shardc.errors import PlanMismatchError as PlanMismatchError
 from shardc.plan.record import Plan
 
 __all__ = ["PlanMismatchError", "agree", "global_batch", "plan_digest", "process_slice"]
-
-
-class PlanMismatchError(RuntimeError):
-    """The processes of a job made different plans for the same step."""
 
 
 def plan_digest(plan: Plan) -> str:
@@ -147,8 +145,8 @@ def process_slice(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> tupl
     for d, n in enumerate(shape):
         parts = sorted({ix[d].indices(n)[:2] for ix in index.values()})
         if any(a[1] != b[0] for a, b in zip(parts, parts[1:])):
-            raise ValueError(f"this process's devices hold non-adjacent parts of dimension "
-                             f"{d} ({parts}) under {sharding}; order the mesh's devices by "
-                             "process (jax.make_mesh does) so each process holds one block")
+            raise OptionsError(f"this process's devices hold non-adjacent parts of dimension "
+                               f"{d} ({parts}) under {sharding}; order the mesh's devices by "
+                               "process (jax.make_mesh does) so each process holds one block")
         block.append(slice(parts[0][0], parts[-1][1]))
     return tuple(block)

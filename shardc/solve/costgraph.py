@@ -34,6 +34,7 @@ import numpy as np
 from shardc.cost.cluster import Cluster
 from shardc.cost.combine import XLA_CPU
 from shardc.cost.comm import Conversion, conversion
+from shardc.errors import CostGraphError as CostGraphError
 from shardc.ir.graph import Graph, Op, Value
 from shardc.ir.prims import facts
 from shardc.ir.sbp import Broadcast, NdSbp, Split
@@ -258,6 +259,7 @@ class CostGraph:
         ins_of: dict[int, list[Edge]] = {}
         outs_of: dict[int, list[Edge]] = {}
         fresh_of: dict[tuple, np.ndarray] = {}
+        at = self._memory_at()
         for e in self.edges:
             ins_of.setdefault(e.v, []).append(e)
             outs_of.setdefault(e.u, []).append(e)
@@ -316,10 +318,7 @@ class CostGraph:
                     ins_of[u] = [x for x in ins_of[u] if x is not e]
                 else:
                     outs_of[u].append(e)
-            for point in self.memory:
-                if v in point:
-                    vec = point.pop(v)[f]
-                    point[u] = point[u] + vec if u in point else vec
+            _move_memory(at, v, u, f)
         self.edges = [e for es in outs_of.values() for e in es]
         self._absorb_sources()
         self.resolved = ()
@@ -330,6 +329,7 @@ class CostGraph:
         consumer's choice is exact, since nothing else depends on it."""
         ins_of: dict[int, list[Edge]] = {}
         outs_of: dict[int, list[Edge]] = {}
+        at = self._memory_at()
         for e in self.edges:
             ins_of.setdefault(e.v, []).append(e)
             outs_of.setdefault(e.u, []).append(e)
@@ -347,15 +347,29 @@ class CostGraph:
             gone = {id(e) for e in outs}
             ins_of[v] = [e for e in ins_of.get(v, []) if id(e) not in gone]
             outs_of[u] = []
-            for point in self.memory:
-                if u in point:
-                    vec = point.pop(u)[g]
-                    point[v] = point[v] + vec if v in point else vec
+            _move_memory(at, u, v, g)
         self.edges = [e for es in outs_of.values() for e in es]
 
+    def _memory_at(self) -> dict[int, list[dict]]:
+        """Node -> the memory points that price it (an index: merging a node moves its
+        share of each such point to the node it joins)."""
+        at: dict[int, list[dict]] = {}
+        for point in {id(p): p for p in self.memory}.values():  # each point once
+            for node in point:
+                at.setdefault(node, []).append(point)
+        return at
 
-class CostGraphError(ValueError):
-    """A cost graph breaks one of the invariants :func:`check_cost_graph` names."""
+
+def _move_memory(at: dict[int, list[dict]], src: int, dst: int, pick: np.ndarray) -> None:
+    """Move ``src``'s share of every memory point pricing it onto ``dst`` (``src`` merged
+    into ``dst``, taking choice ``pick[c]`` for each choice ``c`` of ``dst``)."""
+    for point in at.pop(src, ()):
+        vec = point.pop(src)[pick]
+        if dst in point:
+            point[dst] = point[dst] + vec
+        else:
+            point[dst] = vec
+            at.setdefault(dst, []).append(point)
 
 
 def check_cost_graph(cg: CostGraph) -> None:

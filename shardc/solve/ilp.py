@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import scipy.sparse as sparse
 
+from shardc.errors import OptionsError
 from shardc.solve.beside import beside
 from shardc.solve.costgraph import CostGraph
 
@@ -153,7 +154,7 @@ def solve_ilp(cg: CostGraph, *, time_limit: float = DEFAULT_TIME_LIMIT,
     relaxation is fractional, return status ``FRACTIONAL`` (no assignment) instead of
     solving the MIP."""
     if free is not None and hint is None:
-        raise ValueError("solve_ilp(free=...) needs hint= for the nodes held fixed")
+        raise OptionsError("solve_ilp(free=...) needs hint= for the nodes held fixed")
     t0 = time.perf_counter()
     live, hint, unary, merged = _reduce(cg, free, hint)
     if not live:

@@ -288,18 +288,19 @@ def host(temps: list[tuple[int, int, float]], results: list[tuple[float, int]]
     each into the smallest buffer that takes it."""
     order = sorted(range(len(results)), key=lambda j: results[j][0])
     sizes = [results[j][0] for j in order]
+    written = [results[j][1] for j in order]  # the point each buffer's result is made
     busy: list[list[tuple[int, int]]] = [[] for _ in order]  # each buffer's held spans
     out = []
     for first, last, b in sorted(temps, key=lambda x: -x[2]):
-        j = bisect.bisect_left(sizes, b)
-        while j < len(order):
+        start, key = bisect.bisect_left(sizes, b), (first, -1)
+        for j in range(start, len(order)):
+            if written[j] <= last:
+                continue
             spans = busy[j]
-            p = bisect.bisect_left(spans, (first, -1))
-            if results[order[j]][1] > last and (p == len(spans) or spans[p][0] > last) \
-                    and (p == 0 or spans[p - 1][1] < first):
+            p = bisect.bisect_left(spans, key)
+            if (p == len(spans) or spans[p][0] > last) and (p == 0 or spans[p - 1][1] < first):
                 spans.insert(p, (first, last))
                 break
-            j += 1
         else:
             out.append((first, last, b))
     return out

@@ -20,6 +20,7 @@ import numpy as np
 from shardc.cost.cluster import Cluster
 from shardc.cost.combine import XLA_CPU, Combiner, alpha_scales
 from shardc.cost.kernels import compute_seconds
+from shardc.errors import LayoutError, OptionsError
 from shardc.ir.flow import (
     carry_exit,
     loop_tests,
@@ -149,9 +150,9 @@ def _empty(graph: Graph, axis_sizes: tuple[int, ...], axis_names: tuple[str, ...
     if share is None:
         share = BuildShare(axis_sizes, axis_names, cluster, combiner)
     elif share.key != (axis_sizes, axis_names, cluster, combiner):
-        raise ValueError(f"build: a BuildShare made for {share.key[:2]} and its cluster and "
-                         f"combiner, asked for {(axis_sizes, axis_names)}: make one per mesh, "
-                         "cluster and combiner")
+        raise OptionsError(f"build: a BuildShare made for {share.key[:2]} and its cluster and "
+                           f"combiner, asked for {(axis_sizes, axis_names)}: make one per mesh, "
+                           "cluster and combiner")
     cg = CostGraph(graph, axis_sizes, axis_names, cluster, combined=combiner.kinds,
                    conversions=share.conversions, agreements=share.agreements)
     carried = {i for _, i in ties}
@@ -159,8 +160,8 @@ def _empty(graph: Graph, axis_sizes: tuple[int, ...], axis_names: tuple[str, ...
     cg.resident = set(resident)
     cg.offloaded = frozenset(offloaded)
     if not cg.offloaded <= carried:
-        raise ValueError(f"build: only state tied to an output can be offloaded, not inputs "
-                         f"{sorted(cg.offloaded - carried)}")
+        raise OptionsError(f"build: only state tied to an output can be offloaded, not inputs "
+                           f"{sorted(cg.offloaded - carried)}")
     cg.ties = list(ties)
     cg.fixed = fixed
     return cg, share
@@ -176,9 +177,9 @@ def _add_inputs(cg: CostGraph, fixed: Fixed, layouts: dict) -> None:
         elif k in fixed.among:
             allowed = [nd for nd in fixed.among[k] if nd.fits(v.shape, axis_sizes)]
             if not allowed:
-                raise ValueError(f"Fixed.among[{k}]: none of the layouts given for input {k} "
-                                 f"({v.type_str()}) fits it on a mesh of {axis_sizes}; give "
-                                 "at least one that divides its shape")
+                raise LayoutError(f"Fixed.among[{k}]: none of the layouts given for input {k} "
+                                  f"({v.type_str()}) fits it on a mesh of {axis_sizes}; give "
+                                  "at least one that divides its shape")
             cg.choices.append(allowed)
         else:
             if v.shape not in layouts:

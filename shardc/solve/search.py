@@ -22,7 +22,7 @@ import numpy as np
 
 from shardc.cost.cluster import Cluster
 from shardc.cost.combine import XLA_CPU, Combiner
-from shardc.cost.units import fmt_bytes
+from shardc.errors import MemoryBudgetError as MemoryBudgetError
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import NdSbp
 from shardc.solve import descent
@@ -39,35 +39,6 @@ __all__ = ["DEFAULT_TIME_LIMIT", "MEMORY_ROUNDS", "MemoryBudgetError", "plan_gra
            "solve", "SolveOptions", "Status"]
 
 MEMORY_ROUNDS = 6  # re-solves adding the worst violated program point
-
-
-class MemoryBudgetError(ValueError):
-    """No plan fits ``memory_budget``; ``needed`` is the smallest budget (bytes per device)
-    for which one was found: planning again with it succeeds. ``found``: the smallest peak
-    the search reached (at most ``needed``; planning at it is likely, not sure, to succeed:
-    the planner tries it before naming a budget, :func:`shardc.step.solving.solve`).
-    ``predicted``: set where plans predicted within the budget all compiled over it
-    (:func:`shardc.step.solving.compiled_within`): the predicted peak of the one whose
-    compiled peak (``found``) is the least; ``needed`` is then the budget raised by what
-    that prediction missed, an estimate."""
-
-    def __init__(self, budget: float, needed: int, found: float | None = None,
-                 predicted: float | None = None):
-        self.budget, self.needed, self.predicted = budget, needed, predicted
-        self.found = needed if found is None else min(found, needed)
-        if predicted is None:
-            why = (f"no plan fits memory_budget={fmt_bytes(budget)} per device; the leanest "
-                   f"plan found needs {fmt_bytes(needed, up=True)}")
-            fix = "Raise the budget to that, use more devices, or shrink the batch."
-        else:
-            why = (f"no plan compiles within memory_budget={fmt_bytes(budget)} per device: "
-                   f"the leanest planned under it, predicted at {fmt_bytes(predicted)}, "
-                   f"compiled to {fmt_bytes(self.found, up=True)} (XLA's memory_analysis(): "
-                   "arguments + outputs + temporaries - aliased); a budget raised by what "
-                   f"the prediction missed is about {fmt_bytes(needed, up=True)}")
-            fix = ("Raise the budget to that, recompute activations in the backward pass "
-                   "(jax.checkpoint around the layers), use more devices, or shrink the batch.")
-        super().__init__(f"{why} (memory_budget={needed}). {fix}")
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from shardc.errors import PlanError
 from shardc.plan.record import Plan, fingerprint
 from shardc.report.explain import mesh_label
 from shardc.runtime.multihost import agree
@@ -22,23 +23,23 @@ def use_plan(step, plan: Plan, *args, **kwargs) -> None:
     key, tr = step._traced(call, plan.remat)
     want = fingerprint(tr.traced.graph)
     if plan.fingerprint != want:
-        raise ValueError(f"the plan was made for a different program (fingerprint "
-                         f"{plan.fingerprint}, this one is {want}): "
-                         f"{difference(step, call, tr, plan)}; plan it again with "
-                         "step.plan(...)")
+        raise PlanError(f"the plan was made for a different program (fingerprint "
+                        f"{plan.fingerprint}, this one is {want}): "
+                        f"{difference(step, call, tr, plan)}; plan it again with "
+                        "step.plan(...)")
     here = step.mesh.shape_tuple
     # with mesh search, a plan for any view of the same devices runs on that view
     ok = plan.mesh_axes == here or (step.options.mesh_search and
                                     math.prod(plan.axis_sizes) == step.mesh.size)
     if not ok:
-        raise ValueError(f"the plan is for mesh {mesh_label(plan.mesh_axes)}, this "
-                         f"function runs on {mesh_label(here)}")
+        raise PlanError(f"the plan is for mesh {mesh_label(plan.mesh_axes)}, this "
+                        f"function runs on {mesh_label(here)}")
     planned = {o.id for o in plan.ops}
     missing = [op for op in tr.traced.graph.ops if op.id not in planned]
     if missing:
-        raise ValueError(f"the plan has no strategy for {missing[0]} (and "
-                         f"{len(missing) - 1} more): it was edited or is damaged; plan "
-                         "again")
+        raise PlanError(f"the plan has no strategy for {missing[0]} (and "
+                        f"{len(missing) - 1} more): it was edited or is damaged; plan "
+                        "again")
     plan = agree(step._named(call, tr, plan))
     step._plans[key] = plan
     step._execs.pop(key, None)

@@ -52,9 +52,10 @@ from shardc.step.calling import (
     place,
     placement,
 )
+from shardc.step.explaining import explain as explain_step
 from shardc.step.margins import compare
 from shardc.step.names import input_names, output_names
-from shardc.step.options import NeedsDevicesError, Options, auto_mesh, platform_of
+from shardc.step.options import NeedsDevicesError, Options, auto_mesh, check_mesh, platform_of
 from shardc.step.pareto import frontier
 from shardc.step.pipelining import choice_options, pipelined
 from shardc.step.ranking import program_key
@@ -83,11 +84,7 @@ class AutoSharded:
 
     def __init__(self, fn: Callable, mesh: Mesh | AbstractMesh, options: Options,
                  convention: Convention):
-        if not isinstance(mesh, Mesh | AbstractMesh):
-            raise TypeError(f"auto_shard needs a jax.sharding.Mesh, or an AbstractMesh to plan "
-                            f"without the devices, got {type(mesh).__name__}; make one with "
-                            "jax.make_mesh((2, 4), ('node', 'gpu')) or "
-                            "jax.sharding.AbstractMesh((16, 8), ('node', 'gpu'))")
+        check_mesh(mesh)
         #: planning needs the mesh's shape and axis names only; an AbstractMesh plans for
         #: devices that are not here, and lowering or running raises NeedsDevicesError
         self.abstract = isinstance(mesh, AbstractMesh)
@@ -121,8 +118,6 @@ class AutoSharded:
         avals = tuple((a.shape, str(a.dtype), a.weak_type) for a in call.avals(self.fn))
         kept = tuple(sorted(kept_layouts(self, call).items())) if self.keep else ()
         return call.tree, avals, call.statics, kept
-
-
 
     def _traced(self, call: Call, remat: tuple[int, ...] = ()) -> tuple[Any, TracedCall]:
         """The call's signature key and its traced program; with ``remat``, the program
@@ -219,7 +214,6 @@ class AutoSharded:
                 return plan
         return None
 
-
     # ---- execution -------------------------------------------------------------------------
     def mesh_for(self, plan: Plan) -> Mesh | AbstractMesh:
         """The mesh ``plan`` runs on: this function's mesh (its Auto version), or the view of
@@ -303,6 +297,8 @@ class AutoSharded:
         if not self.abstract:  # on an AbstractMesh nothing runs, so nothing is moved
             self._report_moves(call, self._in_shardings(tr, plan), key)
         return plan
+
+    explain = explain_step  # step.explain(*args): plan.explain() for these arguments
 
     def pareto(self, *args, budgets: int = BUDGETS, **kwargs) -> Frontier:
         """The time-memory frontier for these arguments (:mod:`shardc.tradeoff.frontier`):

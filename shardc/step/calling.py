@@ -25,12 +25,14 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding
 
+from shardc.errors import ArgumentsError, DonatedArgumentError, SignatureError
+
 try:  # how JAX names a traced function and its arguments in its errors
     from jax._src.api_util import debug_info as _debug_info
 except ImportError:  # another JAX: its errors then name shardc's wrapper
     _debug_info = None
 
-__all__ = ["Call", "Convention", "Dispatch", "Miss", "abstract_leaf", "dispatch_key",
+__all__ = ["Call", "Convention", "Dispatch", "Miss", "abstract_leaf", "check_live", "dispatch_key",
            "misplaced", "place", "placement"]
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -55,9 +57,9 @@ def _check_argnums(params: list[inspect.Parameter], nums: tuple[int, ...], what:
         return
     n = sum(p.kind in _POSITIONAL for p in params)
     if -min(nums) > n or max(nums) >= n:
-        raise ValueError(f"Jitted function has {what}_argnums={nums}, but only accepts {n} "
-                         f"positional arguments; give {what}_argnums within "
-                         f"range({-n}, {n}), or {what}_argnames by parameter name")
+        raise SignatureError(f"Jitted function has {what}_argnums={nums}, but only accepts {n} "
+                             f"positional arguments; give {what}_argnums within "
+                             f"range({-n}, {n}), or {what}_argnames by parameter name")
 
 
 def _infer(sig: inspect.Signature | None, nums, names, what: str
@@ -72,8 +74,8 @@ def _infer(sig: inspect.Signature | None, nums, names, what: str
     if names:
         unknown = [n for n in names if n not in sig.parameters]
         if unknown and not any(p.kind == p.VAR_KEYWORD for p in params):
-            raise ValueError(f"{what}_argnames {unknown} are not parameters of the function "
-                             f"(it takes {list(sig.parameters)})")
+            raise SignatureError(f"{what}_argnames {unknown} are not parameters of the function "
+                                 f"(it takes {list(sig.parameters)})")
     pos_kw = [(i, p.name) for i, p in enumerate(params)
               if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD]
     names = tuple(dict.fromkeys((*names, *(n for i, n in pos_kw if i in nums))))
@@ -101,8 +103,8 @@ class Convention:
         d_nums, d_names = _infer(sig, donate_argnums, donate_argnames, "donate")
         both = set(s_names) & set(d_names) | set(i for i in s_nums if i >= 0) & set(d_nums)
         if both:
-            raise ValueError(f"arguments {sorted(map(str, both))} are both static and "
-                             "donated; a static argument is not a buffer to donate")
+            raise SignatureError(f"arguments {sorted(map(str, both))} are both static and "
+                                 "donated; a static argument is not a buffer to donate")
         return cls(s_nums, s_names, d_nums, d_names)
 
     def dynamic(self, args: Sequence, kwargs: dict) -> tuple[tuple, tuple, dict]:
@@ -130,9 +132,9 @@ class Convention:
         try:
             hash(statics)
         except TypeError as exc:
-            raise TypeError(f"static arguments must be hashable, as for jax.jit: {exc}; "
-                            "make them dynamic, or pass a hashable value (a tuple, not a "
-                            "list)") from exc
+            raise ArgumentsError(f"static arguments must be hashable, as for jax.jit: {exc}; "
+                                 "make them dynamic, or pass a hashable value (a tuple, not a "
+                                 "list)") from exc
         donated = {position(i) for i in self.donate_argnums if -n <= i < n}
         donate_pos = tuple(sorted(i - sum(1 for j in static_pos if j < i)
                                   for i in donated if i not in static_pos))
@@ -211,7 +213,7 @@ class Call:
                 dbg = self.debug_info(fn)
                 path = dbg.arg_names[k] if dbg is not None and dbg.arg_names else \
                     self.leaf_names()[k]
-                raise TypeError(
+                raise ArgumentsError(
                     f"Error interpreting argument to {_short(fn)} as an abstract array. The "
                     f"problematic value is of type {type(x)} ({_short(x)}) and was passed to "
                     f"the function at path {path}.\nThis typically means that a jit-wrapped "
@@ -311,6 +313,7 @@ class Dispatch:
     jitted: Callable
     kw_names: tuple[str, ...]
     tree: Any  # the treedef of the dynamic arguments ((positional, ...), {keyword: ...})
+    donated: tuple[int, ...] = ()  # the donated ones, positional then keyword by name
 
     @classmethod
     def of(cls, jitted: Callable, call: Call, shardings: Sequence[NamedSharding],
@@ -331,10 +334,13 @@ class Dispatch:
 
         in_shardings = (*dyn_args, *(dyn_kwargs[k] for k in kw_names))
         return cls(jax.jit(positional, in_shardings=in_shardings, out_shardings=out_shardings,
-                           donate_argnums=donate), kw_names, call.tree)
+                           donate_argnums=donate), kw_names, call.tree, donate)
 
     def __call__(self, dyn_args: Sequence, dyn_kwargs: dict):
-        return self.jitted(*dyn_args, *(dyn_kwargs[k] for k in self.kw_names))
+        xs = (*dyn_args, *(dyn_kwargs[k] for k in self.kw_names))
+        if self.donated:  # a deleted buffer crashes a multi-device execute on CPU
+            check_live(xs, self.donated, len(dyn_args), self.kw_names)
+        return self.jitted(*xs)
 
     def missed(self, exc: Exception, dyn_args: Sequence, dyn_kwargs: dict) -> bool:
         """Whether ``exc``, raised calling this Dispatch with these arguments, means the call
@@ -345,6 +351,37 @@ class Dispatch:
         return isinstance(exc, ValueError) and (
             str(exc).startswith(_NOT_FITTING)
             or jax.tree.structure((tuple(dyn_args), dyn_kwargs)) != self.tree)
+
+
+def check_live(xs: Sequence, donated: Sequence[int], n_args: int,
+               kw_names: Sequence[str]) -> None:
+    """Refuse a call whose donated arguments hold an array an earlier call donated.
+
+    Args:
+        xs: the dynamic arguments, positional then keyword (in ``kw_names`` order).
+        donated: the indices in ``xs`` of the donated ones.
+        n_args: how many of ``xs`` are positional.
+        kw_names: the keyword ones' names.
+
+    Raises:
+        DonatedArgumentError: naming the argument leaf whose buffer is deleted, as
+            ``jax.jit`` does ("Buffer has been deleted or donated"), and the fix.
+    """
+    for i in donated:
+        for x in jax.tree.leaves(xs[i]):
+            try:
+                if not x.is_deleted():
+                    continue
+            except AttributeError:  # not an array: jax.jit's own checks name it
+                continue
+            where = f"args[{i}]" if i < n_args else f"kwargs[{kw_names[i - n_args]!r}]"
+            path = next(jax.tree_util.keystr(p) for p, leaf in
+                        jax.tree_util.tree_flatten_with_path(xs[i])[0] if leaf is x)
+            raise DonatedArgumentError(
+                f"Buffer has been deleted or donated: the dynamic argument {where}{path} "
+                f"({x.dtype}{list(x.shape)}) was donated (donate_argnums / donate_argnames) "
+                "to an earlier call, which deleted it. Pass that call's result instead (new "
+                "state = step(state)), or leave the argument out of donate_argnums")
 
 
 def _type(x) -> tuple:

@@ -13,12 +13,30 @@ from typing import Any
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from shardc.cost.cluster import DEFAULT_CLUSTER, Cluster
+from shardc.errors import NeedsDevicesError as NeedsDevicesError
+from shardc.errors import OptionsError, OptionsTypeError
 from shardc.ir.trace import DEFAULT_WHILE_TRIPS
 from shardc.pipeline.schedule import Pipeline
-from shardc.report.explain import mesh_label
 from shardc.solve.ilp import DEFAULT_TIME_LIMIT
 
-__all__ = ["auto_mesh", "NeedsDevicesError", "Options", "platform_of"]
+__all__ = ["auto_mesh", "check_mesh", "NeedsDevicesError", "Options", "platform_of"]
+
+
+def check_mesh(mesh) -> None:
+    """Refuse what is no mesh.
+
+    Args:
+        mesh: what ``auto_shard`` was given as its mesh.
+
+    Raises:
+        OptionsTypeError: ``mesh`` is neither a ``jax.sharding.Mesh`` nor an
+            ``AbstractMesh``; the message says how to make one.
+    """
+    if not isinstance(mesh, Mesh | AbstractMesh):
+        raise OptionsTypeError(f"auto_shard needs a jax.sharding.Mesh, or an AbstractMesh to "
+                               f"plan without the devices, got {type(mesh).__name__}; make one "
+                               "with jax.make_mesh((2, 4), ('node', 'gpu')) or "
+                               "jax.sharding.AbstractMesh((16, 8), ('node', 'gpu'))")
 
 
 def auto_mesh(mesh: Mesh | AbstractMesh) -> Mesh | AbstractMesh:
@@ -38,20 +56,6 @@ def auto_mesh(mesh: Mesh | AbstractMesh) -> Mesh | AbstractMesh:
     if isinstance(mesh, AbstractMesh):
         return AbstractMesh(mesh.axis_sizes, mesh.axis_names, axis_types=auto)
     return Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
-
-
-class NeedsDevicesError(ValueError):
-    """Lowering or running a function whose ``auto_shard`` was given an AbstractMesh: it
-    plans, but running needs devices."""
-
-    def __init__(self, mesh: AbstractMesh):
-        shape, names = tuple(mesh.axis_sizes), tuple(mesh.axis_names)
-        super().__init__(
-            f"auto_shard was given an AbstractMesh ({mesh_label(zip(names, shape))}): it "
-            "plans (step.plan, plan.explain, plan.to_json), but lowering and running need a "
-            "concrete jax.sharding.Mesh of the same shape: jax.make_mesh("
-            f"{shape!r}, {names!r}); make the step on that mesh and adopt this plan with "
-            "step.use_plan(plan, *args)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,24 +103,25 @@ class Options:
         """Check the fields (see Raises)."""
         if not (self.pipeline is None or self.pipeline is False
                 or isinstance(self.pipeline, Pipeline)):
-            raise TypeError(f"pipeline must be a shardc.pipeline.Pipeline, False (never "
-                            f"pipeline) or None (the planner's choice); got {self.pipeline!r}")
+            raise OptionsTypeError(f"pipeline must be a shardc.pipeline.Pipeline, False (never "
+                                   f"pipeline) or None (the planner's choice); got "
+                                   f"{self.pipeline!r}")
         if (not isinstance(self.while_trips, int) or isinstance(self.while_trips, bool)
                 or self.while_trips < 1):
-            raise ValueError(f"while_trips is the iterations a while loop without static "
-                             f"bounds is planned for, a whole number >= 1; got "
-                             f"{self.while_trips!r}")
+            raise OptionsError(f"while_trips is the iterations a while loop without static "
+                               f"bounds is planned for, a whole number >= 1; got "
+                               f"{self.while_trips!r}")
         if self.memory_budget is not None and not self.memory_budget > 0:
-            raise ValueError(f"memory_budget must be a positive number of bytes per device, "
-                             f"got {self.memory_budget!r}")
+            raise OptionsError(f"memory_budget must be a positive number of bytes per device, "
+                               f"got {self.memory_budget!r}")
         if (not isinstance(self.rank_compiled, int) or isinstance(self.rank_compiled, bool)
                 or self.rank_compiled < 0):
-            raise ValueError(f"rank_compiled is how many of the best candidate plans are "
-                             f"compiled and ranked by their compiled programs under "
-                             f"Cluster(overlap=True), a whole number >= 0 (0: the estimate "
-                             f"alone); got {self.rank_compiled!r}")
+            raise OptionsError(f"rank_compiled is how many of the best candidate plans are "
+                               f"compiled and ranked by their compiled programs under "
+                               f"Cluster(overlap=True), a whole number >= 0 (0: the estimate "
+                               f"alone); got {self.rank_compiled!r}")
         if not self.time_limit >= 0:
-            raise ValueError(f"time_limit must be seconds >= 0, got {self.time_limit!r}")
+            raise OptionsError(f"time_limit must be seconds >= 0, got {self.time_limit!r}")
 
 
 def platform_of(mesh: Mesh | AbstractMesh) -> str | None:

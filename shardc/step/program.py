@@ -19,11 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from shardc.errors import ProgramError as ProgramError
+
 __all__ = ["Program", "ProgramError", "load_program"]
-
-
-class ProgramError(ValueError):
-    """The program named cannot be loaded; the message says why and what to write."""
 
 
 @dataclass(frozen=True)

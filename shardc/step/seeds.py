@@ -10,6 +10,7 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
+from shardc.errors import MeshAxisError, OptionsError, OptionsTypeError, closest
 from shardc.ir.sbp import NdSbp, from_partition_spec
 from shardc.step.calling import (
     Call,
@@ -45,8 +46,14 @@ def view_seeds(step, call: Call, candidates: list[View]) -> list[dict[str, dict[
 def check_specs(specs, mesh: Mesh | AbstractMesh) -> None:
     """Refuse the PartitionSpecs of ``in_shardings`` that ``jax.jit`` refuses (an axis named
     twice: DuplicateSpecError; an axis the mesh lacks), as it does, when they are given."""
+    names = tuple(mesh.axis_names)
     for spec in jax.tree.leaves(specs, is_leaf=is_spec_leaf):
         if isinstance(spec, PartitionSpec):
+            axes = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
+            bad = [a for a in axes if a not in names]
+            if bad:
+                raise MeshAxisError(f"in_shardings: {spec} names axis {bad[0]!r}, not in the "
+                                    f"mesh {list(names)}{closest(bad[0], names)}")
             NamedSharding(mesh.abstract_mesh if isinstance(mesh, Mesh) else mesh, spec)
 
 
@@ -61,10 +68,10 @@ def named_seeds(seeds) -> dict[str, Any]:
         return {}
     if isinstance(seeds, Mapping):
         return dict(seeds)
-    raise TypeError("seeds takes {name: in_shardings}, where in_shardings holds a "
-                    "PartitionSpec (or NamedSharding) per dynamic argument, as for jax.jit; "
-                    f"got {type(seeds).__name__}. Example: seeds={{'fsdp': (state_specs, "
-                    "P('data'))}}")
+    raise OptionsTypeError("seeds takes {name: in_shardings}, where in_shardings holds a "
+                           "PartitionSpec (or NamedSharding) per dynamic argument, as for jax.jit; "
+                           f"got {type(seeds).__name__}. Example: seeds={{'fsdp': (state_specs, "
+                           "P('data'))}}")
 
 
 def seed_layouts(what: str, specs, abstract: tuple, axis_names) -> dict[int, NdSbp]:
@@ -74,13 +81,13 @@ def seed_layouts(what: str, specs, abstract: tuple, axis_names) -> dict[int, NdS
     ``in_shardings``. Keyword arguments' leaves (after the positional ones) are left free."""
     specs = tuple(specs) if isinstance(specs, list) else specs
     if not isinstance(specs, tuple) or len(specs) != len(abstract):
-        raise ValueError(f"{what}: give one entry per dynamic positional argument "
-                         f"({len(abstract)}), as a tuple, like jax.jit's in_shardings")
+        raise OptionsError(f"{what}: give one entry per dynamic positional argument "
+                           f"({len(abstract)}), as a tuple, like jax.jit's in_shardings")
     try:
         per_leaf = jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), specs,
                                 abstract, is_leaf=is_spec_leaf)
     except ValueError as exc:
-        raise ValueError(f"{what} does not match the arguments' pytree: {exc}") from exc
+        raise OptionsError(f"{what} does not match the arguments' pytree: {exc}") from exc
     leaves = jax.tree.leaves(per_leaf, is_leaf=is_spec_leaf)
     out: dict[int, NdSbp] = {}
     for k, (spec, x) in enumerate(zip(leaves, jax.tree.leaves(abstract), strict=True)):
@@ -90,5 +97,5 @@ def seed_layouts(what: str, specs, abstract: tuple, axis_names) -> dict[int, NdS
         try:
             out[k] = from_partition_spec(spec, len(x.shape), tuple(axis_names))
         except ValueError as exc:
-            raise ValueError(f"{what}, argument leaf {k} {x.shape}: {exc}") from exc
+            raise OptionsError(f"{what}, argument leaf {k} {x.shape}: {exc}") from exc
     return out

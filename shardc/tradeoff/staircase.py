@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import overload
 
 from shardc.cost.units import fmt_bytes, fmt_time
+from shardc.errors import PlanError
 from shardc.plan.record import Plan
 from shardc.report.explain import mesh_label
 from shardc.solve.search import MemoryBudgetError
@@ -38,7 +39,7 @@ class Frontier(Sequence[Plan]):
     def __post_init__(self):
         """Check there is a plan."""
         if not self.plans:
-            raise ValueError("a frontier holds at least one plan")
+            raise PlanError("a frontier holds at least one plan")
 
     def __len__(self) -> int:
         """The number of plans."""
