@@ -176,7 +176,7 @@ def layout_reader(d: dict, version: int, n_axes: int):
     def nd(x) -> NdSbp:
         out = NdSbp.from_json(x)
         if len(out) != n_axes:
-            raise ValueError(f"{x} has {len(out)} mesh axes, the plan's mesh {n_axes}")
+            raise PlanFormatError(f"{x} has {len(out)} mesh axes, the plan's mesh {n_axes}")
         return out
 
     if version == 2:
@@ -201,14 +201,14 @@ def program_fields(d: dict, n_in: int, n_out: int) -> dict:
         with reading_field(key):
             got = tuple(d.get(key, ()))
             if got and len(got) != per:
-                raise ValueError(f"{len(got)} entries for {per} leaves")
+                raise PlanFormatError(f"{len(got)} entries for {per} leaves")
             described[key] = tuple(int(x) for x in got) if key == "input_ids" else \
                 tuple(str(x) for x in got)
     with reading_field("remat"):  # a plan saved before remat was a choice recomputes nothing
         described["remat"] = tuple(int(k) for k in d.get("remat", ()))
         described["segments"] = int(d.get("segments", 0))
         if any(not 0 <= k < described["segments"] for k in described["remat"]):
-            raise ValueError(f"segments {list(described['remat'])} of "
+            raise PlanFormatError(f"segments {list(described['remat'])} of "
                              f"{described['segments']}")
     with reading_field("pipeline"):  # a plan saved before pipelines runs none
         pipe = d.get("pipeline")
@@ -219,5 +219,5 @@ def program_fields(d: dict, n_in: int, n_out: int) -> dict:
         described["offloaded_outputs"] = tuple(int(k) for k in off.get("outputs", ()))
         if any(not 0 <= k < n_in for k in described["offloaded"]) or any(
                 not 0 <= k < n_out for k in described["offloaded_outputs"]):
-            raise ValueError("an offloaded leaf index out of range")
+            raise PlanFormatError("an offloaded leaf index out of range")
     return described

@@ -146,8 +146,7 @@ class CostGraph:
     terms: dict = field(default_factory=dict)  # (srcs, dsts) -> reshard_matrix's cost terms
     carried: set = field(default_factory=set)  # input nodes tied to an output (the state)
     resident: set = field(default_factory=set)  # other inputs kept on the devices: no feed
-    #: state inputs kept in host memory between steps (:mod:`shardc.solve.lifetimes`)
-    offloaded: frozenset = frozenset()
+    offloaded: frozenset = frozenset()  # state inputs kept in host memory between steps
     settle: dict = field(default_factory=dict)  # value id -> its Settle node
     order: list = field(default_factory=list)  # every node, producers before their uses
     ties: list = field(default_factory=list)  # (output index, input index) pairs
