@@ -97,7 +97,7 @@ def fresh(call: str, what: str, setup: str = "", module: str = "planning") -> di
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-_EIGHT_DEVICES = "from shardc.cli.common import force_cpu_devices; force_cpu_devices(8); "
+_EIGHT_DEVICES = "from shardc.util.devices import force_cpu_devices; force_cpu_devices(8); "
 
 
 def measure_fresh(name: str, layers: int) -> PlanningCase:
@@ -184,7 +184,7 @@ def measure_loop_forms_fresh(preset: str) -> LoopForms:
     from shardc.bench.zoo import PRESETS
 
     return LoopForms(**fresh(f"measure_loop_forms({preset!r})", f"loop forms on {preset}",
-                              "from shardc.cli.common import force_cpu_devices; "
+                              "from shardc.util.devices import force_cpu_devices; "
                               f"force_cpu_devices({PRESETS[preset].devices}); "))
 
 

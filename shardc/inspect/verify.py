@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 from jax.sharding import Mesh
 
+from shardc.util.tables import Table
+
 __all__ = ["KindRow", "KINDS", "Verification", "planned", "verify"]
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -66,10 +68,8 @@ class Verification:
     def missing(self) -> list[KindRow]:
         return [r for r in self.rows if r.status == "missing"]
 
-    def table(self):
-        """The comparison as a :class:`shardc.report.tables.Table` (one row per kind)."""
-        from shardc.report.tables import Table
-
+    def table(self) -> Table:
+        """The comparison as a :class:`shardc.util.tables.Table` (one row per kind)."""
         return Table(
             "predicted vs compiled collectives (wire bytes per device):",
             ("kind", "planned", "MiB", "compiled", "MiB", "status"),

@@ -201,7 +201,7 @@ class Plan:
 
     def report(self, max_rows: int | None = 60, top: int = 10, compiled=None, mesh=None,
                margins=None):
-        """:meth:`explain` as a :class:`shardc.report.tables.Report`: ``str()`` is the text, a rich
+        """:meth:`explain` as a :class:`shardc.util.tables.Report`: ``str()`` is the text, a rich
         console renders it as tables, a notebook as HTML."""
         from shardc.report.explain import explain_report
 
