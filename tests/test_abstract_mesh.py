@@ -7,8 +7,8 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from helpers import assert_close
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
-from numerics import assert_close
 
 import shardc
 from shardc.cli import main
@@ -172,7 +172,7 @@ def test_a_plan_for_64_devices_compiles_to_its_predicted_collectives():
     """Where the devices can be simulated: a 4-layer Llama-style decoder planned on the
     abstract (8, 8) mesh compiles on 64 CPU devices to the collectives the plan predicts
     (communication time within 10%, every collective kind planned)."""
-    from jobs import launch
+    from helpers import launch
 
     (ended,) = launch("wide_mesh_worker.py", [[]], timeout=300)
     assert ended.code == 0, ended.stderr

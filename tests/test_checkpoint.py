@@ -8,9 +8,8 @@ import logging
 import jax
 import numpy as np
 import pytest
-from clusters import SLOW_DEVICES, SLOW_NODES
+from helpers import SLOW_DEVICES, SLOW_NODES, assert_close
 from jax.sharding import AxisType
-from numerics import assert_close
 
 import shardc
 from shardc.models import mlp

@@ -10,8 +10,7 @@ from collections import Counter
 import jax
 import numpy as np
 import pytest
-from clusters import SLOW_NODES
-from numerics import assert_close
+from helpers import SLOW_NODES, assert_close
 
 import shardc
 from shardc.cli import main

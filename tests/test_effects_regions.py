@@ -11,11 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from clusters import SLOW_DEVICES
 from flax import nnx
+from helpers import SLOW_DEVICES, assert_close
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as Ps
-from numerics import assert_close
 
 import shardc
 from shardc.inspect.hlo import collectives
@@ -24,7 +23,7 @@ MESH = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
 
 
 def shard(fn, **kw):
-    """auto_shard on slow devices (tests/clusters.py): these small steps shard there."""
+    """auto_shard on slow devices (tests/helpers.py): these small steps shard there."""
     kw.setdefault("cluster", SLOW_DEVICES)
     return shardc.auto_shard(fn, mesh=MESH, time_limit=kw.pop("time_limit", 3.0), **kw)
 

@@ -12,9 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import test_pipeline_tensor as tensor  # its MLP stack on 8 devices
+from helpers import MIB, PODS, assert_close, stack_make, stack_stacked, stack_train_step
 from jax.sharding import AxisType
-from numerics import assert_close
 
 import shardc
 from shardc.bench.experts import batch_specs, compile_expert, seed_experts, state_specs
@@ -159,17 +158,17 @@ def test_a_budget_too_small_names_the_peak_a_plan_reaches():
     planning at that peak succeeds too, and that budget plans. On an AbstractMesh: the
     search's own budgets (on devices the 6 MiB plan compiles to 6.3 MiB, and the compiled
     check raises for it: test_a_budget_binds_the_compiled_program_or_names_the_fix)."""
-    state, batch = tensor.make()
+    state, batch = stack_make()
     mesh = jax.sharding.AbstractMesh((2, 2, 2), ("stage", "data", "model"))
 
     def planned(budget):
-        return shardc.auto_shard(tensor.train_step(tensor.stacked), mesh=mesh,
-                                 cluster=tensor.PODS, memory_budget=budget,
+        return shardc.auto_shard(stack_train_step(stack_stacked), mesh=mesh,
+                                 cluster=PODS, memory_budget=budget,
                                  pipeline=False).plan(state, batch)
 
-    leaner = planned(6 * tensor.MIB).predicted.peak_memory
+    leaner = planned(6 * MIB).predicted.peak_memory
     with pytest.raises(shardc.MemoryBudgetError) as info:
-        planned(5 * tensor.MIB)
+        planned(5 * MIB)
     needed = info.value.needed
     assert needed <= 1.01 * leaner, (needed, leaner)
     assert planned(needed).predicted.peak_memory <= needed
@@ -276,24 +275,24 @@ def test_a_budget_binds_the_compiled_program_or_names_the_fix():
     (its stacked gradients leave the backward loop beside the new weights): no plan
     compiles within it, and the error names the compiled peak and a budget raised by what
     the prediction missed, under which the step compiles within that budget."""
-    state, batch = tensor.make()
+    state, batch = stack_make()
     mesh = jax.make_mesh((2, 2, 2), ("stage", "data", "model"))
 
     def step(budget):
-        return shardc.auto_shard(tensor.train_step(tensor.stacked), mesh=mesh,
-                                 cluster=tensor.PODS, memory_budget=budget, pipeline=False)
+        return shardc.auto_shard(stack_train_step(stack_stacked), mesh=mesh,
+                                 cluster=PODS, memory_budget=budget, pipeline=False)
 
     try:
-        plan = step(6 * tensor.MIB).plan(state, batch)
+        plan = step(6 * MIB).plan(state, batch)
     except shardc.MemoryBudgetError as exc:
         print(exc)
-        assert exc.predicted is not None and exc.predicted <= 6 * tensor.MIB < exc.found
+        assert exc.predicted is not None and exc.predicted <= 6 * MIB < exc.found
         assert exc.found <= exc.needed and "compiled to" in str(exc) and \
             f"memory_budget={exc.needed}" in str(exc)
         plan = step(exc.needed).plan(state, batch)
         assert plan.solver["compiled_peak"] <= exc.needed
     else:  # the memory model learnt what it missed: the plan compiles within the budget
-        assert plan.solver["compiled_peak"] <= 6 * tensor.MIB
+        assert plan.solver["compiled_peak"] <= 6 * MIB
 
 
 ROWS, WIDTH, USERS, BATCH = 262144, 64, 4096, 256

@@ -12,7 +12,7 @@ import signal
 import jax
 import numpy as np
 import pytest
-from jobs import launch
+from helpers import launch
 
 from shardc.models import mlp
 

@@ -3,8 +3,8 @@
 import jax
 import numpy as np
 import pytest
+from helpers import assert_close
 from jax.sharding import AxisType
-from numerics import assert_close
 
 import shardc
 from shardc.models import gpt, mlp

@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 import pytest
-from numerics import assert_close
+from helpers import assert_close
 
 import shardc
 from shardc.bench import harness
