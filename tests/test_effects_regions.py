@@ -189,7 +189,9 @@ def test_dropout_and_pooling_steps_compile_like_data_parallelism(make, recwarn):
     got_state, got_loss = s(state, batch)
     want_state, want_loss = jax.jit(step)(state, batch)
     np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
-    assert_close(got_state, want_state, rtol=1e-4, atol=1e-6)
+    # dropout's step is Adam's (lr 1e-3): its update bounds the parameters' difference
+    assert_close(got_state, want_state, rtol=1e-4, atol=1e-6,
+                 lr=1e-3 if make is _dropout_step else 0.0)
 
 
 def test_the_dropout_mask_is_drawn_split():
