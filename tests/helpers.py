@@ -336,6 +336,8 @@ LOOP_X = jnp.asarray(_LOOP_RNG.normal(size=(LOOP_BATCH, LOOP_WIDTH)), jnp.float3
 
 STACK_LAYERS, STACK_WIDTH, STACK_HIDDEN, STACK_BATCH = 8, 256, 1024, 64
 MIB = 2 ** 20
+#: compiled peak over the predicted one (or the budget) the memory model may miss by
+PEAK_SLACK = 1.15
 
 
 def stack_layer(c, w):

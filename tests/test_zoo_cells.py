@@ -13,6 +13,13 @@ from shardc.models import accum, mlp
 NEW = ("small", "accum")
 
 
+@pytest.fixture(autouse=True)
+def _one_timing_run(monkeypatch):
+    """A shardc cell compiles its saved plan and jax.jit's once each, not the bench's
+    TIMING_RUNS times: the tests read the timings' presence, not their minimum."""
+    monkeypatch.setattr(harness, "TIMING_RUNS", 1)
+
+
 @pytest.mark.parametrize("name", NEW)
 def test_tiny_step_under_auto_shard_equals_jit(name):
     zm = ZOO[name]
