@@ -16,3 +16,11 @@ if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files holding slow tests first, each file's tests in their own order: xdist's
+    ``--dist loadfile`` hands whole files to its workers in this order, so the long files
+    start early and the short ones fill the workers' tails."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)

@@ -7,8 +7,8 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from helpers import assert_close
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
-from numerics import assert_close
 
 import shardc
 from shardc.cli import main
@@ -69,9 +69,11 @@ def test_three_level_plan_is_no_worse_than_leaving_the_pods_idle():
     assert deep.predicted.step_time <= flat.predicted.step_time * (1 + 1e-9)
 
 
+SMALL = mlp.MLPConfig(batch=256, d_in=256, hidden=512, d_out=256, n_layers=2)
+
+
 def _small():
-    cfg = mlp.MLPConfig(batch=256, d_in=256, hidden=512, d_out=256, n_layers=2)
-    return mlp.make_train_step(cfg)
+    return mlp.make_train_step(SMALL)
 
 
 #: nodes of slow devices: the small MLP's compute outweighs NCCL's latency, so it shards
@@ -97,8 +99,8 @@ def test_a_plan_made_on_an_abstract_mesh_runs_on_a_concrete_one():
     ref_state, ref = jax.jit(step_fn)(state, data)
     np.testing.assert_allclose(float(loss), float(ref), rtol=1e-5)
     # Adam divides by the gradient's scale: a near-zero gradient summed in another order
-    # (sharded) moves its parameter by up to ~1e-4 (lr 1e-2)
-    assert_close(new_state, ref_state, rtol=1e-4, atol=1.5e-4)
+    # (sharded) moves its parameter by up to a fraction of the learning rate
+    assert_close(new_state, ref_state, lr=SMALL.learning_rate)
     # the results come back in the adopted plan's layouts
     out_specs = [x.sharding.spec for x in jax.tree.leaves((new_state, loss))]
     assert out_specs == plan.output_specs()
@@ -172,7 +174,7 @@ def test_a_plan_for_64_devices_compiles_to_its_predicted_collectives():
     """Where the devices can be simulated: a 4-layer Llama-style decoder planned on the
     abstract (8, 8) mesh compiles on 64 CPU devices to the collectives the plan predicts
     (communication time within 10%, every collective kind planned)."""
-    from jobs import launch
+    from helpers import launch
 
     (ended,) = launch("wide_mesh_worker.py", [[]], timeout=300)
     assert ended.code == 0, ended.stderr

@@ -4,14 +4,14 @@ plain jax.jit, and one-line errors for bad arguments."""
 import ast
 import importlib.util
 import json
+import os
 import textwrap
 from collections import Counter
 
 import jax
 import numpy as np
 import pytest
-from clusters import SLOW_NODES
-from numerics import assert_close
+from helpers import SLOW_NODES, assert_close
 
 import shardc
 from shardc.cli import main
@@ -249,6 +249,9 @@ def test_the_console_script_runs_main_then_leaves_the_heap_to_the_exit(monkeypat
     command, then ``gc.freeze`` (no last collection walking what it planned); ``main``
     alone, as tests and scripts call it, leaves the collector as it was."""
     import gc
+    import runpy
+    import subprocess
+    import sys
     import tomllib
     from pathlib import Path
 
@@ -262,4 +265,13 @@ def test_the_console_script_runs_main_then_leaves_the_heap_to_the_exit(monkeypat
     root = Path(__file__).resolve().parents[1]
     scripts = tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["shardc"] == "shardc.cli:command"
-    assert "command()" in (root / "shardc" / "cli" / "__main__.py").read_text()
+    # ``python -m shardc.cli`` runs the same: main, then the freeze
+    calls.clear()
+    runpy.run_module("shardc.cli", run_name="__main__")
+    assert calls == ["main", "freeze"]
+    # and, run for real, parses its arguments: a bad command is one usage error
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    bad = subprocess.run([sys.executable, "-m", "shardc.cli", "nonsense"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2, bad.stderr
+    assert "usage: shardc" in bad.stderr and "invalid choice: 'nonsense'" in bad.stderr

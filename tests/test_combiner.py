@@ -5,8 +5,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from helpers import assert_close
 from jax.sharding import AxisType
-from numerics import assert_close
 
 import shardc
 from shardc.cost.cluster import Cluster
@@ -196,7 +196,6 @@ def test_micro_batched_step_reduces_the_summed_gradients_once():
 def test_micro_batched_step_summed_apart_matches_jit():
     """The step whose micro-batches' gradients are summed apart per device (held stacked,
     ``lower/stacking.py``) and reduced once computes what ``jax.jit`` of it does."""
-    import numpy as np
 
     from shardc.models import accum
 
@@ -206,9 +205,7 @@ def test_micro_batched_step_summed_apart_matches_jit():
     plan = step.plan(state, batch)
     assert any(o.prim == "add" and o.outs[0].has_partial for o in plan.ops)
     got, want = step(state, batch), jax.jit(fn)(state, batch)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4,
-                                   atol=max(1e-5, 0.05 * cfg.learning_rate))
+    assert_close(got, want, lr=cfg.learning_rate)
 
 
 def test_xla_gpu_shares_the_latency_of_parameter_gathers():

@@ -10,10 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from clusters import SLOW_DEVICES
+from helpers import SLOW_DEVICES, assert_close
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as Ps
-from numerics import assert_close
 
 import shardc
 from shardc.inspect.hlo import price

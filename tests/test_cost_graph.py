@@ -7,7 +7,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from test_loops import X, _loss_scanned, _step
+from helpers import LOOP_X as X
+from helpers import loss_scanned as _loss_scanned
+from helpers import sgd_step as _step
 
 from shardc.cost.cluster import Cluster
 from shardc.ir.trace import trace

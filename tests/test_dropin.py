@@ -13,10 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from clusters import SLOW_DEVICES
+from helpers import SLOW_DEVICES, assert_close
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as Ps
-from numerics import assert_close
 
 import shardc
 from shardc.plan.codec import PlanFormatError
@@ -29,7 +28,7 @@ DATA = Path(__file__).parent / "data"
 
 
 def shard(fn, **kw):
-    """auto_shard on slow devices (tests/clusters.py): these small steps shard there."""
+    """auto_shard on slow devices (tests/helpers.py): these small steps shard there."""
     kw.setdefault("cluster", SLOW_DEVICES)
     return shardc.auto_shard(fn, mesh=kw.pop("mesh", AUTO), time_limit=kw.pop("time_limit", 2.0),
                              **kw)

@@ -11,11 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from clusters import SLOW_DEVICES
 from flax import nnx
+from helpers import SLOW_DEVICES, assert_close
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as Ps
-from numerics import assert_close
 
 import shardc
 from shardc.inspect.hlo import collectives
@@ -24,7 +23,7 @@ MESH = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
 
 
 def shard(fn, **kw):
-    """auto_shard on slow devices (tests/clusters.py): these small steps shard there."""
+    """auto_shard on slow devices (tests/helpers.py): these small steps shard there."""
     kw.setdefault("cluster", SLOW_DEVICES)
     return shardc.auto_shard(fn, mesh=MESH, time_limit=kw.pop("time_limit", 3.0), **kw)
 
@@ -190,7 +189,9 @@ def test_dropout_and_pooling_steps_compile_like_data_parallelism(make, recwarn):
     got_state, got_loss = s(state, batch)
     want_state, want_loss = jax.jit(step)(state, batch)
     np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
-    assert_close(got_state, want_state, rtol=1e-4, atol=1e-6)
+    # dropout's step is Adam's (lr 1e-3): its update bounds the parameters' difference
+    assert_close(got_state, want_state, rtol=1e-4, atol=1e-6,
+                 lr=1e-3 if make is _dropout_step else 0.0)
 
 
 def test_the_dropout_mask_is_drawn_split():

@@ -7,8 +7,8 @@ import re
 import jax
 import optax
 from flax import nnx
+from helpers import assert_close
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
-from numerics import assert_close
 
 from shardc.bench import harness
 from shardc.bench.experts import Expert, compile_expert, preset_experts, state_specs

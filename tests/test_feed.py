@@ -5,9 +5,9 @@ plan keeps them where they are)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+from helpers import assert_close
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as Ps
-from numerics import assert_close
 
 import shardc
 

@@ -5,16 +5,13 @@ import json
 import jax
 import numpy as np
 import pytest
+from helpers import assert_close
 from jax.sharding import AxisType
-from numerics import assert_close
 
 import shardc
 from shardc.models import mlp
 
 CFG = mlp.MLPConfig(batch=64, d_in=256, hidden=256, d_out=256, n_layers=2)
-# Adam divides each gradient element by its own magnitude: an element whose gradient is
-# near zero may move by a fraction of the learning rate under a reassociated (sharded) sum
-ADAM_ATOL = 0.05 * CFG.learning_rate
 
 
 def _mlp():
@@ -65,7 +62,9 @@ def test_the_frontier_trades_time_for_memory_and_every_point_runs(tmp_path, plan
         run.use_plan(plan, state, data)
         new_state, loss = run(state, data)
         np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
-        assert_close(new_state, ref_state, rtol=1e-4, atol=ADAM_ATOL)
+        # Adam divides each gradient element by its own magnitude: the parameters to the
+        # tolerance its update allows (shardc.bench.numerics)
+        assert_close(new_state, ref_state, lr=CFG.learning_rate)
         peaks.append(_peak(run.lower(state, data).compile()))
     assert peaks[0] < peaks[1]
 

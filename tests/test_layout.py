@@ -38,28 +38,41 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _imports(modules: dict[str, Path]) -> dict[str, set[str]]:
-    """Module -> the shardc modules it imports anywhere in its text: at the top, under
-    ``TYPE_CHECKING`` and inside functions (a circle through a lazy import is still one)."""
-    edges: dict[str, set[str]] = {}
+def _import_sites(modules: dict[str, Path]) -> dict[str, set[tuple[str, bool]]]:
+    """Module -> the shardc modules it imports anywhere in its text, each with whether the
+    import sits inside a function (a lazy import) or at module level (the top, or under
+    ``TYPE_CHECKING``)."""
+    edges: dict[str, set[tuple[str, bool]]] = {}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        tree = ast.parse(path.read_text())
+        inside = {id(n) for f in ast.walk(tree)
+                  if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                  for n in ast.walk(f)}
         found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(tree):
+            names: list[str] = []
             if isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
                     parent = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join(parent + ([node.module] if node.module else []))
-                found.update(c for c in [base] + [f"{base}.{a.name}" for a in node.names]
-                             if c in modules)
+                names = [c for c in [base] + [f"{base}.{a.name}" for a in node.names]
+                         if c in modules]
             elif isinstance(node, ast.Import):
-                found.update(a.name for a in node.names if a.name in modules)
-        found.discard(name)
-        # importing a package's module imports the package (its __init__) too; a package's
-        # own __init__ importing its modules is no circle through them
-        edges[name] = {m for m in found if not (m != name and name.startswith(m + "."))}
+                names = [a.name for a in node.names if a.name in modules]
+            # importing a package's module imports the package (its __init__) too; a
+            # package's own __init__ importing its modules is no circle through them
+            found.update((m, id(node) in inside) for m in names
+                         if m != name and not name.startswith(m + "."))
+        edges[name] = found
     return edges
+
+
+def _imports(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the shardc modules it imports anywhere in its text: at the top, under
+    ``TYPE_CHECKING`` and inside functions (a circle through a lazy import is still one)."""
+    return {name: {m for m, _ in sites} for name, sites in _import_sites(modules).items()}
 
 
 def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -126,18 +139,118 @@ def test_a_circle_is_found_where_there_is_one():
     assert _circles({"a": {"b"}, "b": set()}) == []
 
 
-@pytest.mark.parametrize("lower, upper", [
-    ("shardc.lower", "shardc.solve"),  # lowering reads a finished plan and the IR
-    ("shardc.report", "shardc.step"),  # reports read plans, never the calling surface
-    ("shardc.ir", "shardc.rules"), ("shardc.ir", "shardc.cost"), ("shardc.ir", "shardc.solve"),
-    ("shardc.cost", "shardc.solve"), ("shardc.solve", "shardc.report"),
-    ("shardc.solve", "shardc.step"), ("shardc.plan", "shardc.step"),
-])
-def test_imports_follow_the_flow(lower, upper):
-    against = sorted((m, u) for m, deps in _imports(_modules()).items()
-                     if m == lower or m.startswith(lower + ".")
-                     for u in deps if u == upper or u.startswith(upper + "."))
-    assert not against, f"{lower} must not import {upper}: {against}"
+#: Every shardc package (the zoo, ``models``, included) and top-level module, with the shardc
+#: packages it may import (docs/architecture.md, "The layers"). An entry is a package
+#: (``cost``: any of its modules) or one module (``pipeline.schedule``: that module only).
+#: Each package is listed below the ones that may import it as a whole; every package may
+#: also import BASE. ``__init__`` is ``shardc/__init__.py``, the public API.
+MAY_IMPORT: dict[str, set[str]] = {
+    "version": set(),
+    "ir": set(),
+    "rules": {"ir"},
+    "cost": {"ir"},
+    "solve": {"ir", "rules", "cost"},  # never a report or the calling surface
+    "inspect": {"ir", "cost"},  # the compiled program read back
+    # the Plan record names its pipeline (pipeline.schedule's Pipeline record)
+    "plan": {"ir", "rules", "cost", "solve", "pipeline.schedule"},
+    # lowering reads a finished plan and the IR (never the solver); a layer stack's
+    # lowering is pipeline.lowering's
+    "lower": {"ir", "rules", "cost", "pipeline.lowering"},
+    # pipelines plan their stages with the solver and price them on the devices' views
+    "pipeline": {"ir", "rules", "cost", "solve", "plan", "tradeoff.views"},
+    "report": {"ir", "rules", "cost", "lower"},  # reports read plans, never `step`
+    "tradeoff": {"ir", "rules", "cost", "solve", "plan", "report"},
+    "runtime": {"ir", "cost", "plan"},
+    "step": {"version", "ir", "rules", "cost", "solve", "inspect", "plan", "lower",
+             "pipeline", "report", "tradeoff", "runtime"},
+    "models": {"pipeline"},  # the zoo: user code, on the public pipeline helpers
+    "bench": {"ir", "rules", "cost", "solve", "inspect", "plan", "lower", "pipeline",
+              "report", "tradeoff", "runtime", "step", "models"},
+    "cli": {"version", "ir", "rules", "cost", "solve", "inspect", "plan", "lower",
+            "pipeline", "report", "tradeoff", "runtime", "step", "models", "bench"},
+    "__init__": {"version", "ir", "rules", "cost", "solve", "inspect", "plan", "lower",
+                 "pipeline", "report", "tradeoff", "runtime", "step"},
+}
+#: leaf modules every package may import; they import nothing of shardc but each other
+BASE = {"util", "errors"}
+#: imports allowed only inside a function, upward: the Plan's convenience methods
+#: (``plan.explain()``, ``plan.plot()``, ``plan.verify()``) call the reports and the
+#: verification that read plans
+INSIDE_FUNCTIONS_ONLY: dict[str, set[str]] = {
+    "plan": {"report.explain", "report.plot", "inspect.verify"},
+}
+
+
+def _unit(module: str) -> str:
+    """The MAY_IMPORT key a module belongs to: ``shardc.plan.record`` -> ``plan``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _covered(module: str, entries: set[str]) -> bool:
+    name = module.split(".", 1)[1] if "." in module else ""
+    return any(name == e or name.startswith(e + ".") for e in entries)
+
+
+def _against_the_allow_list(sites: dict[str, set[tuple[str, bool]]]) -> list[str]:
+    """Every import of another unit that MAY_IMPORT (and BASE, INSIDE_FUNCTIONS_ONLY for
+    imports inside functions) does not allow."""
+    out = []
+    for module, found in sorted(sites.items()):
+        unit = _unit(module)
+        allowed = MAY_IMPORT.get(unit, set()) | BASE
+        if unit in BASE:
+            allowed = set(BASE)
+        for target, lazy in sorted(found):
+            if _unit(target) == unit or _covered(target, allowed):
+                continue
+            if lazy and _covered(target, INSIDE_FUNCTIONS_ONLY.get(unit, set())):
+                continue
+            where = "inside a function" if lazy else "at module level"
+            out.append(f"{module} imports {target} {where}")
+    return out
+
+
+def test_every_package_has_an_allow_list():
+    units = {_unit(m) for m in _modules()}
+    listed = set(MAY_IMPORT) | BASE
+    assert units - listed == set(), (f"packages without an entry in MAY_IMPORT (say which "
+                                     f"shardc packages they may import): {units - listed}")
+    stale = set(MAY_IMPORT) - units
+    assert not stale, f"MAY_IMPORT lists packages that are gone: {stale}"
+    named = {e.split(".")[0] for entries in [*MAY_IMPORT.values(),
+                                             *INSIDE_FUNCTIONS_ONLY.values()] for e in entries}
+    assert named <= units | BASE, f"allow-lists naming no package: {named - units - BASE}"
+
+
+def test_whole_package_allowances_are_layers():
+    """A package allowed whole is below the one allowed it: those edges have no circle
+    (single modules allowed, like ``pipeline.schedule``, are the named exceptions)."""
+    edges = {u: {e for e in entries if "." not in e} for u, entries in MAY_IMPORT.items()}
+    assert _circles(edges) == []
+
+
+def test_imports_follow_the_allow_list():
+    against = _against_the_allow_list(_import_sites(_modules()))
+    assert not against, ("imports against tests/test_layout.py's MAY_IMPORT (move the "
+                         "shared piece down, docs/architecture.md):\n" + "\n".join(against))
+
+
+def test_the_allow_list_check_can_fail():
+    """An upward import is caught, at module level where only a lazy one is allowed, and
+    a leaf module may not import a layer."""
+    assert _against_the_allow_list({"shardc.ir.graph": {("shardc.solve.search", False)}})
+    assert _against_the_allow_list({"shardc.plan.overlap": {("shardc.inspect.schedule",
+                                                              False)}})
+    assert _against_the_allow_list({"shardc.plan.record": {("shardc.inspect.verify",
+                                                             False)}})
+    assert not _against_the_allow_list({"shardc.plan.record": {("shardc.inspect.verify",
+                                                                 True)}})
+    assert _against_the_allow_list({"shardc.util.tables": {("shardc.ir.sbp", False)}})
+    assert not _against_the_allow_list({"shardc.solve.ilp": {("shardc.util.tables", False),
+                                                              ("shardc.solve.fold", False)}})
+    assert _against_the_allow_list({"shardc.lower.emit": {("shardc.pipeline.choose",
+                                                            False)}})
 
 
 def test_pyproject_installs_every_package_and_only_shardc():

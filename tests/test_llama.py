@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import assert_close
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, jaxprs_in_params
 from jax.sharding import AxisType, PartitionSpec
-from numerics import assert_close
 
 import shardc
 from shardc.bench.experts import compile_expert, seed_experts, state_specs

@@ -9,11 +9,17 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
+from helpers import LOOP_BATCH as BATCH
+from helpers import LOOP_LAYERS as LAYERS
+from helpers import LOOP_WIDTH as WIDTH
+from helpers import LOOP_X as X
+from helpers import assert_close
+from helpers import loop_params as _params
+from helpers import loss_scanned as _loss_scanned
+from helpers import sgd_step as _step
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as Ps
-from numerics import assert_close
 
 import shardc
 from shardc.inspect import price
@@ -26,7 +32,6 @@ from shardc.ir.trace import trace
 MESHES = {"8": ((8,), ("x",)), "2x4": ((2, 4), ("node", "gpu")),
           "4x2": ((4, 2), ("node", "gpu"))}
 RNG = np.random.default_rng(0)
-LAYERS, WIDTH, BATCH = 4, 256, 4096
 
 
 def mesh(name):
@@ -34,40 +39,11 @@ def mesh(name):
     return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
 
 
-def _params():
-    return {"w": jnp.asarray(RNG.normal(size=(LAYERS, WIDTH, WIDTH)) / WIDTH ** 0.5,
-                             jnp.float32),
-            "b": jnp.zeros((LAYERS, WIDTH), jnp.float32)}
-
-
-def _loss_scanned(params, x):
-    def layer(h, p):
-        return jnp.tanh(h @ p["w"] + p["b"]), None
-
-    h, _ = jax.lax.scan(layer, x, params)
-    return jnp.mean(h ** 2)
-
-
 def _loss_unrolled(params, x):
     h = x
     for k in range(LAYERS):
         h = jnp.tanh(h @ params["w"][k] + params["b"][k])
     return jnp.mean(h ** 2)
-
-
-def _step(loss):
-    opt = optax.sgd(0.1)
-
-    def step(state, x):
-        value, g = jax.value_and_grad(loss)(state["params"], x)
-        u, o = opt.update(g, state["opt"], state["params"])
-        return {"params": optax.apply_updates(state["params"], u), "opt": o}, value
-
-    params = _params()
-    return step, {"params": params, "opt": opt.init(params)}
-
-
-X = jnp.asarray(RNG.normal(size=(BATCH, WIDTH)), jnp.float32)
 
 
 def test_a_scan_body_is_inlined_once_and_weighted_by_its_trip_count():
@@ -321,8 +297,9 @@ def test_per_layer_gradients_are_reduced_once_after_the_loop():
     """A batch-split backward scan's per-layer gradients leave the body partial and are
     all-reduced once after the loop (one collective for all layers), not once per layer:
     each in-loop all-reduce pays NCCL's latency. The plan's choice is the cheaper one."""
+    from helpers import SLOW_DEVICES
+
     from shardc.cost.comm import conversion
-    from tests.clusters import SLOW_DEVICES
 
     layers, width = 4, 64
     step, params = _decoder(layers, width)
@@ -353,7 +330,7 @@ def test_a_memory_budget_keeps_the_gradient_reduction_in_the_loop():
     """Reduced after the loop, a per-layer gradient is held unreduced, the whole stack on
     every device, through the loop (the memory model counts it); under a budget that does
     not hold it, the plan reduces the weights' gradient inside the loop instead."""
-    from tests.clusters import SLOW_DEVICES
+    from helpers import SLOW_DEVICES
 
     layers, width = 8, 512
     step, params = _decoder(layers, width)

@@ -1,93 +1,19 @@
 """A budget holds on the compiled program (issue 55): a plan made under a budget is
 compiled, planned again where it compiles over it, and where none compiles within it the
-error names the fix. A budget any expert's compiled program meets is never infeasible
-(issue 14): shardc plans at the leanest expert's compiled peak, XLA's compiled program fits
-it, and its step, priced like a bench cell, is no slower than the best expert that fits (on
-the unrolled Llama it no longer holds, the compiled check refusing the plan the 15% slack
-once kept; on the scanned one the search still stops short of the FSDP x TP expert's 4.53
-MiB: docs/design-notes.md, "A seed's leanest completion"). And the memory model itself: the
-predicted peak against what XLA allocates, and the values it counts no buffer for."""
+error names the fix. And the memory model itself: the values it counts no buffer for, and
+the predicted peak against what XLA allocates (the Llama's and an experts' budget:
+test_memory_experts.py)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import test_pipeline_tensor as tensor  # its MLP stack on 8 devices
+from helpers import MIB, PODS, assert_close, stack_make, stack_stacked, stack_train_step
+from helpers import PEAK_SLACK as SLACK
 from jax.sharding import AxisType
-from numerics import assert_close
 
 import shardc
-from shardc.bench.experts import batch_specs, compile_expert, seed_experts, state_specs
-from shardc.bench.harness import feed_seconds
-from shardc.inspect import price
 from shardc.models import llama
-
-MESH = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
-CLUSTER = shardc.Cluster.multi_node()
-SLACK = 1.15  # compiled peak over the budget the memory model may miss by
-
-
-def _cfg(scan: bool) -> llama.LlamaConfig:
-    # 1.4 M parameters (with Adam: 16.5 MiB of state) against 8 x 16 tokens of d 256:
-    # parameters dominate, so sharding them is what saves memory
-    return llama.LlamaConfig(vocab=512, seq_len=16, d_model=256, n_heads=4, n_kv_heads=2,
-                             d_ff=512, n_layers=2, batch=8, scan_layers=scan)
-
-
-def _priced(compiled, mesh, batch) -> tuple[float, float]:
-    """(step seconds, compiled peak bytes per device) as the bench prices a cell."""
-    cost = price(compiled, mesh, CLUSTER)
-    return cost.time + feed_seconds(compiled, batch, CLUSTER), \
-        cost.peak_memory
-
-
-@pytest.mark.slow
-def test_a_budget_the_leanest_expert_meets_plans_fits_and_is_no_slower():
-    """Under the leanest expert's compiled peak (FSDP x TP's), where no plan kept on the
-    devices compiles within it, the step keeps its optimizer state in host memory and
-    compiles within the budget, no slower than the expert, host transfers priced."""
-    cfg = _cfg(False)
-    fn, args = llama.build_step(cfg), llama.abstract_args(cfg)
-    experts, seeds = {}, {}
-    for e in seed_experts(MESH, CLUSTER):
-        _, lowered = compile_expert(fn, *args, MESH, e, llama.param_axes)
-        experts[e.name] = _priced(lowered.compile(), e.mesh(MESH), args[1])
-        view = e.mesh(MESH)
-        seeds[e.name] = (state_specs(args[0], view, e, llama.param_axes),
-                         batch_specs(args[1], view, e))
-    budget = min(peak for _, peak in experts.values())
-    assert budget < 0.5 * experts["data-parallel"][1]  # the leanest is far leaner than DP
-    best = min(t for t, peak in experts.values() if peak <= budget)
-
-    # seeded with the experts' in_shardings, as the bench seeds shardc
-    step = shardc.auto_shard(fn, mesh=MESH, cluster=CLUSTER, memory_budget=budget,
-                             seeds=seeds, time_limit=5.0)
-    try:
-        plan = step.plan(*args)
-    except shardc.MemoryBudgetError as exc:
-        assert exc.predicted is not None, exc  # refused by the compiled check, not the search
-        raise
-    assert plan.predicted.peak_memory <= budget
-    t, peak = _priced(step.lower(*args).compile(), step.mesh_for(plan), args[1])
-    print(f"budget {budget / 2**20:.3f} MiB; experts (ms, MiB): " + ", ".join(
-        f"{k} {s * 1e3:.3f} {m / 2**20:.3f}" for k, (s, m) in experts.items()) +
-        f"; shardc {t * 1e3:.3f} ms {peak / 2**20:.3f} MiB compiled, "
-        f"{plan.predicted.peak_memory / 2**20:.3f} MiB predicted")
-    assert peak <= budget, (peak, budget)
-    assert t <= best * 1.001, (t, best)
-
-
-@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
-def test_the_predicted_peak_is_what_xla_allocates(scan):
-    # the memory model against memory_analysis() (arguments + results + temporaries) on the
-    # fastest plan: within the 15% the bench holds every cell to
-    cfg = _cfg(scan)
-    fn, args = llama.build_step(cfg), llama.abstract_args(cfg)
-    step = shardc.auto_shard(fn, mesh=MESH, cluster=CLUSTER, time_limit=5.0)
-    plan = step.plan(*args)
-    _, peak = _priced(step.lower(*args).compile(), step.mesh_for(plan), args[1])
-    assert abs(plan.predicted.peak_memory / peak - 1) <= SLACK - 1, \
-        (plan.predicted.peak_memory, peak)
 
 
 def test_fused_values_hold_no_buffer():
@@ -157,17 +83,17 @@ def test_a_budget_too_small_names_the_peak_a_plan_reaches():
     planning at that peak succeeds too, and that budget plans. On an AbstractMesh: the
     search's own budgets (on devices the 6 MiB plan compiles to 6.3 MiB, and the compiled
     check raises for it: test_a_budget_binds_the_compiled_program_or_names_the_fix)."""
-    state, batch = tensor.make()
+    state, batch = stack_make()
     mesh = jax.sharding.AbstractMesh((2, 2, 2), ("stage", "data", "model"))
 
     def planned(budget):
-        return shardc.auto_shard(tensor.train_step(tensor.stacked), mesh=mesh,
-                                 cluster=tensor.PODS, memory_budget=budget,
+        return shardc.auto_shard(stack_train_step(stack_stacked), mesh=mesh,
+                                 cluster=PODS, memory_budget=budget,
                                  pipeline=False).plan(state, batch)
 
-    leaner = planned(6 * tensor.MIB).predicted.peak_memory
+    leaner = planned(6 * MIB).predicted.peak_memory
     with pytest.raises(shardc.MemoryBudgetError) as info:
-        planned(5 * tensor.MIB)
+        planned(5 * MIB)
     needed = info.value.needed
     assert needed <= 1.01 * leaner, (needed, leaner)
     assert planned(needed).predicted.peak_memory <= needed
@@ -274,24 +200,24 @@ def test_a_budget_binds_the_compiled_program_or_names_the_fix():
     (its stacked gradients leave the backward loop beside the new weights): no plan
     compiles within it, and the error names the compiled peak and a budget raised by what
     the prediction missed, under which the step compiles within that budget."""
-    state, batch = tensor.make()
+    state, batch = stack_make()
     mesh = jax.make_mesh((2, 2, 2), ("stage", "data", "model"))
 
     def step(budget):
-        return shardc.auto_shard(tensor.train_step(tensor.stacked), mesh=mesh,
-                                 cluster=tensor.PODS, memory_budget=budget, pipeline=False)
+        return shardc.auto_shard(stack_train_step(stack_stacked), mesh=mesh,
+                                 cluster=PODS, memory_budget=budget, pipeline=False)
 
     try:
-        plan = step(6 * tensor.MIB).plan(state, batch)
+        plan = step(6 * MIB).plan(state, batch)
     except shardc.MemoryBudgetError as exc:
         print(exc)
-        assert exc.predicted is not None and exc.predicted <= 6 * tensor.MIB < exc.found
+        assert exc.predicted is not None and exc.predicted <= 6 * MIB < exc.found
         assert exc.found <= exc.needed and "compiled to" in str(exc) and \
             f"memory_budget={exc.needed}" in str(exc)
         plan = step(exc.needed).plan(state, batch)
         assert plan.solver["compiled_peak"] <= exc.needed
     else:  # the memory model learnt what it missed: the plan compiles within the budget
-        assert plan.solver["compiled_peak"] <= 6 * tensor.MIB
+        assert plan.solver["compiled_peak"] <= 6 * MIB
 
 
 ROWS, WIDTH, USERS, BATCH = 262144, 64, 4096, 256

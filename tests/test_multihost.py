@@ -9,8 +9,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from helpers import launch
 from jax.sharding import AxisType
-from jobs import launch
 
 import shardc
 from shardc.models import gpt

@@ -10,8 +10,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import assert_close
 from jax.sharding import AxisType
-from numerics import assert_close
 
 import shardc
 from shardc.cost.cluster import Cluster

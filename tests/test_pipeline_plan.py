@@ -11,7 +11,7 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from numerics import assert_close
+from helpers import assert_close
 
 import shardc
 from shardc.cost.cluster import Cluster

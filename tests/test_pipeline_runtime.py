@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_close
 from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import AxisType
-from numerics import assert_close
 
 import shardc
 from shardc.inspect.hlo import collectives

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from numerics import assert_close
+from helpers import assert_close
 
 import shardc
 from shardc.cost.cluster import Cluster

@@ -7,61 +7,22 @@ collectives the plan priced (the activations' all-reduces inside the loop, once 
 micro-batch and tick) and its peak is within 15% of the predicted one; for GPipe and for
 1F1B."""
 
-import dataclasses
 
 import jax
-import jax.numpy as jnp
 import pytest
-from numerics import assert_close
+from helpers import MIB, PODS, assert_close
+from helpers import STACK_LAYERS as LAYERS
+from helpers import stack_make as make
+from helpers import stack_scanned as scanned
+from helpers import stack_stacked as stacked
+from helpers import stack_train_step as train_step
+from helpers import stack_with_loss as with_loss
 
 import shardc
 from shardc.cost.cluster import Cluster
 from shardc.inspect.hlo import collectives, compiled_peak_memory
 from shardc.inspect.loops import multiplicity
-from shardc.pipeline import Pipeline, layers, layers_loss
-
-#: pods joined by slow links over the stage axis, InfiniBand and NVLink inside, on
-#: devices of 1 TFLOP/s
-PODS = dataclasses.replace(Cluster.multi_pod("stage", "data", "model"), device_flops=1e12)
-LAYERS, WIDTH, HIDDEN, BATCH = 8, 256, 1024, 64
-MIB = 2 ** 20
-
-
-def layer(c, w):
-    """An MLP block: the width up to HIDDEN and back (Megatron's column then row split)."""
-    return c + jnp.tanh(c @ w["up"]) @ w["down"], None
-
-
-def loss_fn(y, head, targets):
-    return jnp.mean((y @ head - targets) ** 2)
-
-
-def make():
-    k = jax.random.split(jax.random.key(0), 5)
-    stacked = {"up": jax.random.normal(k[0], (LAYERS, WIDTH, HIDDEN)) / WIDTH ** 0.5,
-               "down": jax.random.normal(k[1], (LAYERS, HIDDEN, WIDTH)) / HIDDEN ** 0.5}
-    head = jax.random.normal(k[2], (WIDTH, 4)) / WIDTH ** 0.5
-    return (stacked, head), (jax.random.normal(k[3], (BATCH, WIDTH)),
-                             jax.random.normal(k[4], (BATCH, 4)))
-
-
-def train_step(stack_loss):
-    def step(state, batch):
-        value, g = jax.value_and_grad(lambda s: stack_loss(*s, *batch))(state)
-        return jax.tree.map(lambda a, b: a - 0.1 * b, state, g), value
-    return step
-
-
-def scanned(stacked, head, x, targets):
-    return loss_fn(jax.lax.scan(layer, x, stacked)[0], head, targets)
-
-
-def stacked(stacked, head, x, targets):
-    return loss_fn(layers(layer, x, stacked)[0], head, targets)
-
-
-def with_loss(stacked, head, x, targets):
-    return layers_loss(layer, loss_fn, x, stacked, head, targets)
+from shardc.pipeline import Pipeline
 
 
 @pytest.mark.parametrize("stack, pipe", [(stacked, Pipeline("stage", 2, 4)),

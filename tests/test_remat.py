@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_close
 from jax.sharding import AxisType
-from numerics import assert_close
 
 import shardc
 from shardc.ir import remat

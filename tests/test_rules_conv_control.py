@@ -15,16 +15,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
-from jax.sharding import AxisType
-from numerics import assert_close
-from test_rules_families import (
+from helpers import (
+    assert_close,
     check_signature_numerically,
     evaluate,
     f32,
     op_inputs,
     sig,
 )
+from jax import lax
+from jax.sharding import AxisType
 
 import shardc
 from shardc.ir.sbp import B, P, Split

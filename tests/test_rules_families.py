@@ -1,10 +1,6 @@
 """Rule families (shape, reduce, indexing, elementwise, dot): expected signatures are present,
-wrong ones absent, and EVERY returned signature is checked numerically on a simulated 1-D mesh.
-
-``check_signature_numerically`` shards real inputs per the signature (Split: the device's
-chunk, B: whole, P: random summands), runs the primitive per device with its params made
-local (shapes of the device's piece), reassembles per the output SBP and compares with the
-unsharded result.
+wrong ones absent, and EVERY returned signature is checked numerically on a simulated 1-D mesh
+(``check_signature_numerically`` in tests/helpers.py).
 """
 
 from __future__ import annotations
@@ -15,195 +11,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import (
+    RNG,
+    S,
+    check_all,
+    check_signature_numerically,
+    evaluate,
+    f32,
+    op_inputs,
+    sig,
+)
 
-from shardc.ir.graph import Graph, Op
-from shardc.ir.prims import BINARY, UNARY
-from shardc.ir.sbp import WHOLE, B, NdSbp, P, Partial, Sbp, Split
+from shardc.ir.sbp import WHOLE, B, NdSbp, P, Partial
 from shardc.ir.trace import trace
-from shardc.rules import Signature, signatures, strategies
-
-S = Split
-RNG = np.random.default_rng(0)
-ELEMENTWISE = set(UNARY) | set(BINARY)
-
-
-def _bind(op: Op, ins, params: dict) -> list:
-    outs = op.prim.bind(*ins, **params)
-    return list(outs) if op.prim.multiple_results else [outs]
-
-
-def evaluate(graph: Graph, args) -> dict[int, np.ndarray]:
-    """Concrete value of every Value of ``graph`` (``prim.bind`` op by op, in one jit)."""
-
-    def run(*leaves):
-        env = dict(zip((v.id for v in graph.inputs), leaves, strict=True))
-        for op in graph.ops:
-            ins = [np.asarray(v.const) if v.is_const else env[v.id] for v in op.inputs]
-            env.update(zip((v.id for v in op.outputs), _bind(op, ins, op.params), strict=True))
-        return env
-
-    return {k: np.asarray(v) for k, v in jax.jit(run)(*jax.tree.leaves(args)).items()}
-
-
-def op_inputs(fn, *args, name: str, index: int = 0) -> tuple[Op, list[np.ndarray]]:
-    """The ``index``-th op called ``name`` in ``fn``'s graph and its concrete inputs."""
-    graph = trace(fn, *args).graph
-    env = evaluate(graph, args)
-    op = [o for o in graph.ops if o.name == name][index]
-    return op, [np.asarray(v.const) if v.is_const else env[v.id] for v in op.inputs]
-
-
-def _local_shape(shape, sbp: Sbp, n: int) -> tuple[int, ...]:
-    return tuple(s // n if isinstance(sbp, Split) and sbp.dim == d else s
-                 for d, s in enumerate(shape))
-
-
-def _shard(x: np.ndarray, sbp: Sbp, n: int, rng) -> list[np.ndarray]:
-    if isinstance(sbp, Split):
-        return np.split(x, n, axis=sbp.dim)
-    if not isinstance(sbp, Partial):
-        return [x] * n
-    if x.dtype == np.bool_:
-        raise AssertionError("a bool value cannot be partial")
-    if sbp.op in ("max", "min"):  # one device holds x, the others values on its far side
-        sign = 1 if sbp.op == "max" else -1
-        return [x] + [(x - sign * np.abs(rng.normal(size=x.shape)) * (1 + np.abs(x)))
-                      .astype(x.dtype) for _ in range(n - 1)]
-    if jnp.issubdtype(x.dtype, jnp.floating):
-        finite = np.abs(x) < 1e30  # huge (mask) and non-finite entries are not split
-        scale = np.where(finite, np.abs(x), 0.0)  # relative per element: no cancellation
-        parts = [(rng.uniform(-1.0, 1.0, x.shape) * scale).astype(x.dtype)
-                 for _ in range(n - 1)]
-    else:
-        parts = [rng.integers(-5, 5, x.shape).astype(x.dtype) for _ in range(n - 1)]
-    return [x - sum(parts)] + parts  # entries not split stay whole in part 0
-
-
-def _local_params(op: Op, sig: Signature, local_ins, n: int) -> dict:
-    params = dict(op.params)
-    out_shape = _local_shape(op.outputs[0].shape, sig.outs[0], n)
-    if op.name in ("broadcast_in_dim", "iota"):
-        params["shape"] = out_shape
-    if op.name == "reshape":
-        params["new_sizes"] = out_shape
-    split0 = sig.ins[0] if op.inputs and isinstance(sig.ins[0], Split) else None
-    if split0 is not None and op.name == "slice":
-        limits = list(params["limit_indices"])
-        limits[split0.dim] = local_ins[0].shape[split0.dim]
-        params["limit_indices"] = tuple(limits)
-    if split0 is not None and "slice_sizes" in params:
-        sizes, d = list(params["slice_sizes"]), split0.dim
-        if sizes[d] == op.inputs[0].shape[d]:
-            sizes[d] = local_ins[0].shape[d]
-        params["slice_sizes"] = tuple(sizes)
-    return params
-
-
-def _assert_close(got, want, what: str) -> None:
-    got, want = np.asarray(got), np.asarray(want)
-    if not jnp.issubdtype(want.dtype, jnp.inexact):
-        np.testing.assert_array_equal(got, want, err_msg=what)
-        return
-    tol = 1e-4 if jnp.finfo(want.dtype).bits >= 32 else 3e-2
-    wide = np.complex128 if np.iscomplexobj(want) else np.float64  # complex: both parts
-    finite = np.where(np.isfinite(want), np.abs(want.astype(wide)), 0.0)
-    np.testing.assert_allclose(got.astype(wide), want.astype(wide), rtol=tol,
-                               atol=tol * (1.0 + finite.max(initial=0.0)), equal_nan=True,
-                               err_msg=what)
-
-
-def _assemble(pieces: list[np.ndarray], sbp: Sbp, what: str) -> np.ndarray:
-    if isinstance(sbp, Split):
-        return np.concatenate(pieces, axis=sbp.dim)
-    if isinstance(sbp, Partial):
-        combine = {"sum": np.add, "whole": np.add, "max": np.maximum, "min": np.minimum}[sbp.op]
-        return combine.reduce(pieces)
-    for p in pieces[1:]:
-        _assert_close(p, pieces[0], what + " (B output differs between devices)")
-    return pieces[0]
-
-
-def _masked_index(op: Op, sig: Signature) -> int | None:
-    """The index-vector position of a gather / scatter whose operand is split on a dim the
-    indices select (the masked signatures of ``rules/indexing.py``), else None."""
-    if op.name not in ("gather",) and not op.name.startswith("scatter"):
-        return None
-    if not isinstance(sig.ins[0], Split):
-        return None
-    dn = op.params["dimension_numbers"]
-    index_map = dn.start_index_map if op.name == "gather" else dn.scatter_dims_to_operand_dims
-    where = [j for j, d in enumerate(index_map) if d == sig.ins[0].dim]
-    return where[0] if where else None
-
-
-def _shift_indices(op: Op, params: dict, indices, j: int, k: int, chunk: int):
-    """Device ``k``'s indices into its shard (``chunk`` elements from ``k * chunk``): those
-    outside it made out of bounds, dropped (scatter) or read as 0 (gather)."""
-    idx = np.array(indices)
-    local = idx[..., j] - k * chunk
-    idx[..., j] = np.where((local >= 0) & (local < chunk), local, 10 * chunk)
-    params = {**params, "mode": jax.lax.GatherScatterMode.FILL_OR_DROP}
-    if op.name == "gather":
-        params["fill_value"] = 0
-    return idx, params
-
-
-def check_signature_numerically(op: Op, sig: Signature, inputs, n: int = 2,
-                                 expected=None) -> bool:
-    """Assert ``sig`` is exact for ``op`` with ``inputs`` on ``n`` simulated devices; returns
-    False (nothing checked) where ``strategies`` drops it: an uneven split or a partial
-    constant. ``expected``: the unsharded outputs, if known (else computed)."""
-    values, sbps = [*op.inputs, *op.outputs], [*sig.ins, *sig.outs]
-    if not all(NdSbp((s,)).fits(v.shape, (n,)) for s, v in zip(sbps, values, strict=True)):
-        return False
-    if any(v.is_const and isinstance(s, Partial) for v, s in zip(op.inputs, sig.ins, strict=True)):
-        return False
-    inputs = [np.asarray(x) for x in inputs]
-    rng = np.random.default_rng(1)
-    shards = [_shard(x, s, n, rng) for x, s in zip(inputs, sig.ins, strict=True)]
-    out0, sbp0 = op.outputs[0], sig.outs[0]
-    if op.name in ELEMENTWISE and isinstance(sbp0, Split):
-        # jax 0.10 elementwise ops broadcast size-1 dims implicitly: a B operand whose dim
-        # matches the split output dim is sliced locally (free, each device holds it whole)
-        for k, (v, s) in enumerate(zip(op.inputs, sig.ins, strict=True)):
-            if s == B and v.ndim == out0.ndim and v.shape[sbp0.dim] == out0.shape[sbp0.dim] > 1:
-                shards[k] = np.split(inputs[k], n, axis=sbp0.dim)
-    per_device = []
-    for k in range(n):
-        local = [sh[k] for sh in shards]
-        params = _local_params(op, sig, local, n)
-        masked = _masked_index(op, sig)
-        if masked is not None:  # a device serves the indices that fall in its shard only
-            local[1], params = _shift_indices(op, params, local[1], masked, k,
-                                              local[0].shape[sig.ins[0].dim])
-        outs = [np.asarray(o) for o in _bind(op, local, params)]
-        if op.name == "iota" and sbp0 == S(op.params["dimension"]):
-            outs[0] = outs[0] + k * outs[0].shape[sbp0.dim]  # each device offsets its slice
-        per_device.append(outs)
-    ref = expected if expected is not None else _bind(op, inputs, op.params)
-    for j, (want, sbp) in enumerate(zip(ref, sig.outs, strict=True)):
-        what = f"{op.name} {sig} output {j}"
-        got = _assemble([outs[j] for outs in per_device], sbp, what)
-        assert got.shape == np.shape(want), f"{what}: shape {got.shape} != {np.shape(want)}"
-        _assert_close(got, want, what)
-    return True
-
-
-def check_all(fn, *args, name: str, index: int = 0) -> list[Signature]:
-    """Signatures of the op; every one that fits 2 devices is verified numerically."""
-    op, ins = op_inputs(fn, *args, name=name, index=index)
-    sigs = signatures(op)
-    assert sum(check_signature_numerically(op, s, ins) for s in sigs) >= 2
-    return sigs
-
-
-def sig(ins, outs) -> Signature:
-    return Signature(tuple(ins), tuple(outs))
-
-
-def f32(*shape):
-    return jnp.asarray(RNG.normal(size=shape), jnp.float32)
-
+from shardc.rules import signatures, strategies
 
 # ---- shape -------------------------------------------------------------------------------
 

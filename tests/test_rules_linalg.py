@@ -13,12 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
-from jax._src.lax import linalg as linalg_internal  # geqrf, geqp3: no public wrapper
-from jax.sharding import AxisType
-from numerics import assert_close
-from test_rules_families import (
+from helpers import (
     RNG,
+    assert_close,
     check_all,
     check_signature_numerically,
     evaluate,
@@ -26,6 +23,9 @@ from test_rules_families import (
     op_inputs,
     sig,
 )
+from jax import lax
+from jax._src.lax import linalg as linalg_internal  # geqrf, geqp3: no public wrapper
+from jax.sharding import AxisType
 
 import shardc
 from shardc.ir.sbp import B, P, Partial, Split

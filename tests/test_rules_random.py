@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import check_signature_numerically, f32, sig
 from jax.extend.random import threefry2x32_p
 from jax.sharding import Mesh, NamedSharding
-from test_rules_families import check_signature_numerically, f32, sig
 
 from shardc.inspect.hlo import compiled_flops
 from shardc.ir.graph import Op, Value

@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import check_signature_numerically, f32, op_inputs, sig
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType
-from test_rules_families import check_signature_numerically, f32, op_inputs, sig
 
 import shardc
 from shardc.inspect.hlo import compiled_flops

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import check_all, check_signature_numerically, f32, op_inputs, sig
 from jax.sharding import AxisType
-from test_rules_families import check_all, check_signature_numerically, f32, op_inputs, sig
 
 import shardc
 from shardc.inspect.hlo import collectives

@@ -14,8 +14,8 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import check_signature_numerically, evaluate, f32, op_inputs, sig
 from jax import lax
-from test_rules_families import check_signature_numerically, evaluate, f32, op_inputs, sig
 
 from shardc.inspect.hlo import compiled_flops
 from shardc.ir.sbp import B, P, Partial, Split

@@ -12,9 +12,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import assert_close
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from numerics import assert_close
 
 from shardc.cost.cluster import Cluster
 from shardc.inspect import collectives, price

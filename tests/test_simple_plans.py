@@ -21,6 +21,7 @@ def _signature(cost) -> list:
     return sorted((c.kind, c.axes, c.result_bytes) for c in cost.collectives)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape,names,cluster,winner", [
     ((8,), ("gpu",), shardc.Cluster(), "data-parallel"),
     ((2, 4), ("node", "gpu"), shardc.Cluster.multi_node("node", "gpu"), "data-parallel-node"),

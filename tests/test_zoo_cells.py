@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 import pytest
-from numerics import assert_close
+from helpers import assert_close
 
 import shardc
 from shardc.bench import harness
@@ -11,6 +11,13 @@ from shardc.bench.zoo import PRESETS, ZOO
 from shardc.models import accum, mlp
 
 NEW = ("small", "accum")
+
+
+@pytest.fixture(autouse=True)
+def _one_timing_run(monkeypatch):
+    """A shardc cell compiles its saved plan and jax.jit's once each, not the bench's
+    TIMING_RUNS times: the tests read the timings' presence, not their minimum."""
+    monkeypatch.setattr(harness, "TIMING_RUNS", 1)
 
 
 @pytest.mark.parametrize("name", NEW)
@@ -50,8 +57,10 @@ def test_accumulation_averages_to_the_whole_batch_gradient():
     cfg = accum.AccumConfig.tiny()
     step, (state, batch) = accum.make_train_step(cfg)
     plain, _ = mlp.make_train_step(cfg)
+    # the micro-batches' sums reassociate the gradient: the parameters after Adam to the
+    # tolerance its update allows
     assert_close(jax.jit(step)(state, batch), jax.jit(plain)(state, batch), rtol=1e-4,
-                 atol=1e-6)
+                 atol=1e-6, lr=cfg.learning_rate)
     rows = np.concatenate([np.asarray(accum.micro_batch(batch, i, 4)["x"]) for i in range(4)])
     assert sorted(map(tuple, rows)) == sorted(map(tuple, np.asarray(batch["x"])))
 

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from shardc.bench.compute_fit import section, step_holdout
-from shardc.cli.common import force_cpu_devices
+from shardc.util.devices import force_cpu_devices
 
 __all__ = ["HBM_BANDWIDTH", "in_order", "main"]
 

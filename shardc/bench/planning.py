@@ -25,8 +25,8 @@ from pathlib import Path
 from shardc.errors import BenchError
 
 __all__ = ["CASES", "FRONTIER_CASES", "LOOP_PRESETS", "DescentGap", "FrontierCase",
-           "LoopForms", "PlanningCase", "descent_gaps", "fresh", "markdown", "measure",
-           "measure_fresh", "measure_frontier", "measure_frontier_fresh",
+           "LoopForms", "PlanningCase", "depth_ratios", "descent_gaps", "fresh", "markdown",
+           "measure", "measure_fresh", "measure_frontier", "measure_frontier_fresh",
            "measure_loop_forms", "measure_loop_forms_fresh", "write"]
 
 #: (model, layers): the unrolled GPT-2-small and the scanned Llama decoder, each at 12 and 48
@@ -99,7 +99,7 @@ def fresh(call: str, what: str, setup: str = "", module: str = "planning") -> di
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-_EIGHT_DEVICES = "from shardc.cli.common import force_cpu_devices; force_cpu_devices(8); "
+_EIGHT_DEVICES = "from shardc.util.devices import force_cpu_devices; force_cpu_devices(8); "
 
 
 def measure_fresh(name: str, layers: int) -> PlanningCase:
@@ -162,6 +162,16 @@ class LoopForms:
     scanned_plan_s: float
     unrolled_plan_s: float
 
+    @property
+    def predicted_ratio(self) -> float:
+        """Scanned over unrolled predicted step."""
+        return self.scanned_predicted_ms / self.unrolled_predicted_ms
+
+    @property
+    def compiled_ratio(self) -> float:
+        """Scanned over unrolled compiled step."""
+        return self.scanned_compiled_ms / self.unrolled_compiled_ms
+
 
 def measure_loop_forms(preset: str) -> LoopForms:
     """Plan, compile and price both forms on ``preset`` (the process needs its devices)."""
@@ -186,7 +196,7 @@ def measure_loop_forms_fresh(preset: str) -> LoopForms:
     from shardc.bench.zoo import PRESETS
 
     return LoopForms(**fresh(f"measure_loop_forms({preset!r})", f"loop forms on {preset}",
-                              "from shardc.cli.common import force_cpu_devices; "
+                              "from shardc.util.devices import force_cpu_devices; "
                               f"force_cpu_devices({PRESETS[preset].devices}); "))
 
 
@@ -251,6 +261,14 @@ def descent_gaps(presets: tuple[str, ...] = ("node-8", "node-2x4"),
     return out
 
 
+def depth_ratios(cases: list[PlanningCase]) -> dict[str, float]:
+    """Model -> its planning time at 48 layers over that at 12 (models with both)."""
+    by = {(c.model, c.layers): c for c in cases}
+    return {model: by[model, 48].plan_s / by[model, 12].plan_s
+            for model in dict.fromkeys(c.model for c in cases)
+            if (model, 12) in by and (model, 48) in by}
+
+
 def markdown(cases: list[PlanningCase], command: str, gaps: list[DescentGap] = (),
              loops: list[LoopForms] = (), frontiers: list[FrontierCase] = ()) -> str:
     lines = ["# Planning time", "", f"`{command}` — mesh (node=2, gpu=4), "
@@ -263,10 +281,7 @@ def markdown(cases: list[PlanningCase], command: str, gaps: list[DescentGap] = (
         lines.append(f"| {c.model} | {c.layers} | {'scanned' if c.scanned else 'unrolled'} | "
                      f"{c.plan_s:.2f} | {c.status} | {c.predicted_ms:.3f} | {c.live_nodes} |")
     lines += ["", "| model | 48 / 12 layers planning time |", "|---|---:|"]
-    by = {(c.model, c.layers): c for c in cases}
-    for model in dict.fromkeys(c.model for c in cases):
-        if (model, 12) in by and (model, 48) in by:
-            lines.append(f"| {model} | {by[model, 48].plan_s / by[model, 12].plan_s:.2f}x |")
+    lines += [f"| {model} | {ratio:.2f}x |" for model, ratio in depth_ratios(cases).items()]
     if frontiers:
         lines += ["", "## The time-memory frontier", "",
                   "`step.pareto` of each case on the same mesh (the fastest plan, the "
@@ -291,9 +306,9 @@ def markdown(cases: list[PlanningCase], command: str, gaps: list[DescentGap] = (
                   "scanned compiled (ms) | unrolled compiled (ms) | ratio | plan s scanned / "
                   "unrolled |", "|---|---:|---:|---:|---:|---:|---:|---|"]
         lines += [f"| {c.preset} | {c.scanned_predicted_ms:.3f} | {c.unrolled_predicted_ms:.3f}"
-                  f" | {c.scanned_predicted_ms / c.unrolled_predicted_ms:.3f} | "
+                  f" | {c.predicted_ratio:.3f} | "
                   f"{c.scanned_compiled_ms:.3f} | {c.unrolled_compiled_ms:.3f} | "
-                  f"{c.scanned_compiled_ms / c.unrolled_compiled_ms:.3f} | "
+                  f"{c.compiled_ratio:.3f} | "
                   f"{c.scanned_plan_s:.1f} / {c.unrolled_plan_s:.1f} |" for c in loops]
     if gaps:
         lines += ["", "## Coordinate descent and the folded stages against the ILP optimum",
@@ -316,8 +331,11 @@ def write(cases: list[PlanningCase], out: Path, command: str,
     md, js = out / "planning.md", out / "planning.json"
     md.write_text(markdown(cases, command, gaps, loops, frontiers))
     js.write_text(json.dumps({"command": command, "cases": [asdict(c) for c in cases],
+                              "depth_ratios": depth_ratios(cases),
                               "descent_gaps": [{**asdict(g), "gap": g.gap,
                                                 "staged_gap": g.staged_gap} for g in gaps],
-                              "loop_forms": [asdict(c) for c in loops],
+                              "loop_forms": [{**asdict(c), "predicted_ratio": c.predicted_ratio,
+                                              "compiled_ratio": c.compiled_ratio}
+                                             for c in loops],
                               "frontiers": [asdict(c) for c in frontiers]}, indent=1))
     return [md, js]

@@ -14,7 +14,7 @@ from pathlib import Path
 from shardc.bench.planning import fresh
 
 __all__ = ["SCALE_MESHES", "WEAK_SCALING", "ScaleCase", "measure_scale",
-           "measure_scale_fresh", "scale_markdown", "write_scale"]
+           "measure_scale_fresh", "scale_markdown", "weak_scaling", "write_scale"]
 
 
 #: Llama 3 70B's shapes (Dubey et al. 2024, "The Llama 3 Herd of Models", Table 3): 80
@@ -140,6 +140,16 @@ def measure_scale_fresh(shape: tuple[int, ...], names: tuple[str, ...],
                              f"the 70B decoder on {shape}", module="scale"))
 
 
+def weak_scaling(cases: list[ScaleCase]) -> list[tuple[ScaleCase, float]]:
+    """The cases on nodes of 8 GPUs (``node=...`` meshes), fewest devices first, each with
+    its predicted weak-scaling efficiency: the fewest devices' step over its own (none
+    where fewer than two)."""
+    weak = sorted((c for c in cases if c.mesh.startswith("node=")), key=lambda c: c.devices)
+    if len(weak) < 2:
+        return []
+    return [(c, weak[0].predicted_ms / c.predicted_ms) for c in weak]
+
+
 def scale_markdown(cases: list[ScaleCase], command: str) -> str:
     lines = ["# Planning for clusters larger than this machine", "",
              f"`{command}` — a Llama-3-70B-shaped decoder (80 scanned, remat'd layers, d 8192, "
@@ -172,9 +182,9 @@ def scale_markdown(cases: list[ScaleCase], command: str) -> str:
                   "devices such a choice is kept only where its compiled program "
                   "communicates as priced):",
                   ""] + [f"- {c.mesh}: {c.best_pipeline}" for c in piped]
-    weak = sorted((c for c in cases if c.mesh.startswith("node=")), key=lambda c: c.devices)
-    if len(weak) > 1:
-        base = weak[0]
+    weak = weak_scaling(cases)
+    if weak:
+        base = weak[0][0]
         lines += ["", "## Weak scaling", "",
                   f"The same decoder at one sequence per device, on nodes of 8 GPUs over "
                   f"InfiniBand: predicted weak-scaling efficiency = step at {base.devices} "
@@ -182,10 +192,10 @@ def scale_markdown(cases: list[ScaleCase], command: str) -> str:
                   "PaddlePaddle's adaptive training reports 91.7% for ERNIE 260B.", "",
                   "| devices | mesh | pipeline | predicted step (ms) | peak (GiB) | "
                   "efficiency | plan (s) |", "|---:|---|---|---:|---:|---:|---:|"]
-        for c in weak:
+        for c, efficiency in weak:
             lines.append(f"| {c.devices} | {c.mesh} | {c.pipeline or 'none'} | "
                          f"{c.predicted_ms:.0f} | {c.peak_gib:.1f} | "
-                         f"{base.predicted_ms / c.predicted_ms:.1%} | {c.plan_s:.1f} |")
+                         f"{efficiency:.1%} | {c.plan_s:.1f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import sys
 
-from shardc.cli.common import force_cpu_devices, needs_zoo
+from shardc.cli.common import needs_zoo
+from shardc.util.devices import force_cpu_devices
 
 __all__ = ["cmd_bench"]
 

@@ -7,7 +7,8 @@ import json
 import sys
 import time
 
-from shardc.cli.common import axes_for, device_mesh, force_cpu_devices
+from shardc.cli.common import axes_for, device_mesh
+from shardc.util.devices import force_cpu_devices
 
 __all__ = ["cmd_calibrate"]
 

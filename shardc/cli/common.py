@@ -1,6 +1,6 @@
-"""What the ``shardc`` commands share: simulated CPU devices (before JAX starts its
-backend), the ``--mesh`` / ``--axes`` / ``--cluster`` parsers, meshes abstract and real, the
-zoo models and the user's programs, a saved plan's loading, progress lines and ``show``."""
+"""What the ``shardc`` commands share: the ``--mesh`` / ``--axes`` / ``--cluster`` parsers,
+meshes abstract and real, the zoo models and the user's programs, a saved plan's loading,
+progress lines and ``show``."""
 
 from __future__ import annotations
 
@@ -12,18 +12,8 @@ import os
 import sys
 
 __all__ = ["PRESETS", "ZOO", "abstract_mesh", "axes_for", "axis_names", "cluster_of",
-           "device_mesh", "force_cpu_devices", "load_plan", "load_program", "mesh_shape",
-           "needs_zoo", "planned_step", "positive", "progress_logger", "show"]
-
-
-def force_cpu_devices(n: int) -> None:
-    """Simulate ``n`` CPU devices; must run before JAX initialises its backend."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-    import jax
-
-    jax.config.update("jax_num_cpu_devices", n)
+           "device_mesh", "load_plan", "load_program", "mesh_shape", "needs_zoo",
+           "planned_step", "positive", "progress_logger", "show"]
 
 
 def mesh_shape(text: str) -> tuple[int, ...]:
@@ -205,7 +195,7 @@ def planned_step(args, cmd: str):
 
 
 def show(report, plain: bool = False) -> None:
-    """Print a :class:`shardc.report.tables.Report`: rich tables on a terminal when rich is
+    """Print a :class:`shardc.util.tables.Report`: rich tables on a terminal when rich is
     installed (the ``bench`` extra), else (or with ``plain``, or into a pipe) plain text."""
     import importlib.util
 

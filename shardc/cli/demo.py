@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import time
 
-from shardc.cli.common import device_mesh, force_cpu_devices, needs_zoo
+from shardc.cli.common import device_mesh, needs_zoo
+from shardc.util.devices import force_cpu_devices
 
 __all__ = ["cmd_demo"]
 

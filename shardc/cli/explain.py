@@ -9,11 +9,11 @@ import sys
 from shardc.cli.common import (
     abstract_mesh,
     device_mesh,
-    force_cpu_devices,
     load_plan,
     load_program,
     show,
 )
+from shardc.util.devices import force_cpu_devices
 
 __all__ = ["cmd_explain"]
 

@@ -78,10 +78,11 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter, defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
+from shardc.cost.streams import Overlap, next_collective
 from shardc.inspect.hlotext import Computation, Instruction, leaves, parse_module, shape_tree
 from shardc.inspect.loops import (
     _dims,
@@ -98,44 +99,12 @@ if TYPE_CHECKING:
 __all__ = ["Overlap", "next_collective", "replay_flops", "schedule"]
 
 Ready = float | tuple["Ready", ...]
-K = TypeVar("K")
 
 _CALLS = re.compile(r"(?:calls|to_apply)=%?([^\s,}]+)")
 _BODY = re.compile(r"\bbody=%?([^\s,}]+)")
 _INDEX = re.compile(r"\bindex=(\d+)")
 _GEMM = re.compile(r'custom_call_target="[^"]*(?:gemm|matmul)[^"]*"', re.IGNORECASE)
 _GEMM_CONTRACT = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
-
-
-@dataclass(frozen=True, slots=True)
-class Overlap:
-    """A program (compiled, or a plan) priced with its communication overlapped: ``time``
-    seconds end to end, ``compute`` seconds of compute and ``comm`` seconds of collectives
-    run one after another (both the serial pricing's)."""
-
-    time: float
-    compute: float
-    comm: float
-
-    @property
-    def exposed(self) -> float:
-        """Communication seconds not hidden behind compute."""
-        return self.time - self.compute
-
-    @property
-    def hidden(self) -> float:
-        """Communication seconds that ran beside compute."""
-        return self.comm - self.exposed
-
-
-def next_collective(startable: Mapping[K, tuple[float, float]], free_at: float) -> K:
-    """Which collective a communication stream free at ``free_at`` runs next, of
-    ``startable`` ones by (earliest start, deadline): of those that can start by then,
-    the one needed first; when none can, the one that can soonest."""
-    now = [k for k, (t, _) in startable.items() if t <= free_at]
-    if now:
-        return min(now, key=lambda k: startable[k][1])
-    return min(startable, key=startable.__getitem__)
 
 
 def _latest(r: Ready) -> float:

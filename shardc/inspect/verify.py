@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from jax.sharding import Mesh
 
 from shardc.errors import OptionsError
+from shardc.util.tables import Table
 
 __all__ = ["KindRow", "KINDS", "Verification", "planned", "verify"]
 
@@ -68,10 +69,8 @@ class Verification:
     def missing(self) -> list[KindRow]:
         return [r for r in self.rows if r.status == "missing"]
 
-    def table(self):
-        """The comparison as a :class:`shardc.report.tables.Table` (one row per kind)."""
-        from shardc.report.tables import Table
-
+    def table(self) -> Table:
+        """The comparison as a :class:`shardc.util.tables.Table` (one row per kind)."""
         return Table(
             "predicted vs compiled collectives (wire bytes per device):",
             ("kind", "planned", "MiB", "compiled", "MiB", "status"),

@@ -29,7 +29,7 @@ them):
   its reader's own conversion, when that one ends). Conversions XLA combines into one
   collective (``Reshard.combined``) are one block, startable once every member is.
   Whenever the stream is free it runs the startable block needed first
-  (:func:`shardc.inspect.schedule.next_collective`).
+  (:func:`shardc.cost.streams.next_collective`).
 - an op starts when the stream is free and every conversion it reads has ended: the one
   made for it (``consumer``), and any conversion of a value it reads whose target layout
   is the layout it reads that value in (a conversion shared by several readers is recorded
@@ -68,7 +68,7 @@ import heapq
 import weakref
 from collections.abc import Sequence
 
-from shardc.inspect.schedule import Overlap, next_collective
+from shardc.cost.streams import Overlap, next_collective
 from shardc.ir.prims import facts
 from shardc.plan.record import OpPlan, Plan
 

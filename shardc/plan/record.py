@@ -324,7 +324,7 @@ class Plan:
             margins: As for :meth:`explain`.
 
         Returns:
-            A :class:`shardc.report.tables.Report`: ``str()`` is the text, a rich console
+            A :class:`shardc.util.tables.Report`: ``str()`` is the text, a rich console
             renders it as tables, a notebook as HTML.
         """
         from shardc.report.explain import explain_report

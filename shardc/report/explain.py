@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from shardc.cost.units import fmt_bytes, fmt_time
 from shardc.ir.trace import PACKAGE_DIR
 from shardc.report.placements import attention_lines, offloaded_line
-from shardc.report.tables import Report, Table
+from shardc.util.tables import Report, Table
 
 __all__ = ["argument_table", "explain_plan", "explain_report", "fold_repeats", "merge_names",
            "mesh_label", "op_table", "spec_text"]

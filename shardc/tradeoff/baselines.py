@@ -47,13 +47,13 @@ from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Split
 from shardc.plan.assemble import assemble
 from shardc.plan.record import Plan, Predicted
-from shardc.report.tables import Table
 from shardc.solve import descent
 from shardc.solve.collector import gc_paused
 from shardc.solve.costgraph import NOTHING_FIXED, Fixed
 from shardc.solve.problem import build
 from shardc.solve.reuse import Reuse
 from shardc.solve.search import Status
+from shardc.util.tables import Table
 
 __all__ = ["Baseline", "Margins", "generic_layouts", "layout_plan", "margins", "optimizer_state"]
 
