@@ -225,13 +225,14 @@ def test_an_update_under_cond_keeps_its_state_sharded(kind):
 def _leanest(step, *args) -> float:
     with pytest.raises(MemoryBudgetError) as err:
         shardc.auto_shard(step, mesh=mesh8(), time_limit=3.0, memory_budget=2 ** 20,
-                          cluster=SLOW_DEVICES).plan(*args)
+                          cluster=SLOW_DEVICES, offload=False).plan(*args)
     return err.value.needed
 
 
 def test_multisteps_plans_under_the_plain_steps_budget():
     """MultiSteps' update under a ``cond`` plans at the plain step's leanest budget plus
-    its accumulated gradients (read and written: two copies, sharded); planned as one
+    its accumulated gradients (read and written: two copies, sharded), all on the devices
+    (offload, which would lower the plain step's leanest budget, forbidden); planned as one
     opaque op, the cond held its whole state replicated (113 MB predicted against 34)."""
     params = _mlp_params()
     plain, multi = optax.adam(1e-3), optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2)
@@ -239,7 +240,7 @@ def test_multisteps_plans_under_the_plain_steps_budget():
     extra = 2 * sum(v.nbytes for v in jax.tree.leaves(params)) / 8
     budget = 1.05 * (base + extra)
     s = shardc.auto_shard(_optimizer_step(multi), mesh=mesh8(), time_limit=3.0,
-                          memory_budget=budget, cluster=SLOW_DEVICES)
+                          memory_budget=budget, cluster=SLOW_DEVICES, offload=False)
     plan = s.plan(params, multi.init(params), X)
     assert plan.predicted.peak_memory <= budget
 

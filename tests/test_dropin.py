@@ -453,7 +453,7 @@ def _edited_ops(text: str, **columns) -> str:
     (lambda t: _edited(t, inputs=[0, 99]), "inputs"),  # an index past the layout table
     (lambda t: _edited(t, layouts=[["B"]]), "layouts"),  # a layout of another mesh
     (lambda t: _edited(t, ops=[{"id": 0}]), "ops"),  # rows, not columns
-    (lambda t: _edited_ops(t, id=[0, 1, 2]), "ops is malformed: columns of unequal"),
+    (lambda t: _edited_ops(t, id=[0, 1, 2]), "field ops: columns of unequal"),
 ])
 def test_a_damaged_plan_file_names_the_field(damage, field):
     text = shard(lambda w, x: x @ w).plan(W, X).to_json()
