@@ -228,24 +228,23 @@ class _Sweep:
         return Frontier(non_dominated(self.plans))
 
     def offload(self, n: int) -> None:
-        """The leanest plans keeping state in host memory.
+        """The leanest plan keeping state in host memory.
 
-        Recomputing nothing and every segment, where leaner than every plan found on the
-        devices; from here on a budget
+        Recomputing every segment (the leanest such plan; one recomputing none was never
+        leaner than the devices' leanest on the programs measured, and cost as much to
+        search), where leaner than every plan found on the devices; from here on a budget
         below those (``device_floor``) is planned with state in host memory
-        (:meth:`solve`), as ``auto_shard`` plans it.
+        (:meth:`solve`), as ``auto_shard`` plans it, and the gap up to them is filled as
+        any other (:meth:`fill`).
         """
         if self.src.offloaded is None:
             return
         floor = self.device_floor = min(map(_peak, self.plans))
-        for k in ((0, n) if n else (0,)):
-            self.total += 1
-            plan, peak = _leanest(self.src.offloaded, self.chain[k], floor)
-            self.found(f"the leanest with state in host memory{', ' if k else ''}"
-                       f"{f'{n} segments recomputed' if k else ''}",
-                       plan if plan is not None and peak < floor else None)
-            if plan is not None and peak < floor:
-                floor = peak
+        self.total += 1
+        plan, peak = _leanest(self.src.offloaded, self.chain[n], floor)
+        self.found("the leanest with state in host memory"
+                   + (f", {n} segments recomputed" if n else ""),
+                   plan if plan is not None and peak < floor else None)
 
     def choose(self, budget: float) -> int:
         """The remat choice to plan ``budget`` with.
