@@ -117,18 +117,17 @@ def offloaded_spans(cg: CostGraph) -> tuple[list, set]:
         _, _, node, slot, nbytes = spans[k]
         spans[k] = (first[v.id], last[v.id], node, slot, nbytes) if v.id in first \
             else (0, -1, node, slot, 0)
-    moved_out = {cg.producer[graph.outputs[j].id] for j, i in cg.ties if i in cg.offloaded
-                 and graph.outputs[j].id in cg.producer
-                 and graph.outputs[j].id != graph.inputs[i].id}
+    made = cg.fusion[2]  # value id -> the program point making it (:func:`_spans`)
+    moved_out = {cg.producer[out.id]: out.id for j, i in cg.ties if i in cg.offloaded
+                 and (out := graph.outputs[j]).id in cg.producer
+                 and out.id != graph.inputs[i].id}  # (node, slot) -> the new state's id
     results = set(cg.results)
-    made = {v.id: t for t, op in enumerate(graph.ops) for v in op.outputs}
-    by_node = {cg.producer[v.id]: v for op in graph.ops for v in op.outputs}
     for k in list(results):
         start, _, node, slot, nbytes = spans[k]
-        if (node, slot) in moved_out and k >= len(graph.inputs):
-            v = by_node[(node, slot)]
+        vid = moved_out.get((node, slot))
+        if vid is not None and k >= len(graph.inputs):
             results.discard(k)
-            spans[k] = (start, max(made[v.id], last.get(v.id, made[v.id])), node, slot, nbytes)
+            spans[k] = (start, max(made[vid], last.get(vid, made[vid])), node, slot, nbytes)
     return spans, results
 
 
