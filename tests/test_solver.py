@@ -10,6 +10,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as Ps
 
 import shardc
+import shardc.step.signature
 from shardc.cost.cluster import Cluster
 from shardc.cost.units import fmt_time
 from shardc.ir.sbp import B, NdSbp, P, Split
@@ -302,7 +303,7 @@ def test_a_replicated_state_seed_all_reduces_its_gradients():
     all-reduced once, not reduce-scattered and re-gathered for the replicated update."""
     step_fn, state, data, mesh = _mlp_2x2()
     t = trace(step_fn, state, data)
-    ties = shardc.step.auto_shard.tie_outputs(t.in_tree.children(), t.out_tree, t.graph)
+    ties = shardc.step.signature.tie_outputs(t.in_tree.children(), t.out_tree, t.graph)
     cg = build(t.graph, (4,), ("x",), Cluster(), ties)
     cg.merge_followers()
     n_state = len(jax.tree.leaves(state))
@@ -326,7 +327,7 @@ def test_an_fsdp_seed_keeps_the_batch_split_and_gathers_the_weights():
     cfg, mod = zm.config("tiny"), zm.load()
     state, batch = mod.abstract_args(cfg)
     t = trace(mod.build_step(cfg), state, batch)
-    ties = shardc.step.auto_shard.tie_outputs(t.in_tree.children(), t.out_tree, t.graph)
+    ties = shardc.step.signature.tie_outputs(t.in_tree.children(), t.out_tree, t.graph)
     cg = build(t.graph, (8,), ("x",), Cluster.nvlink_node(("x",)), ties)
     cg.merge_followers()
     layouts = {k: NdSbp((Split(0),)) for k in range(len(t.graph.inputs))}

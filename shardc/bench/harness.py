@@ -48,6 +48,7 @@ from shardc.tradeoff.views import views
 __all__ = ["Cell", "cells", "expert_seeds", "experts",
            "feed_seconds", "GPU_TIMING_RUNS", "jit_seconds", "make_mesh", "MEMORY_MARGIN",
            "PLANNED", "planned_and_compiled", "planned_for", "planning_budget", "PRICINGS",
+           "QUICK_METHODS",
            "run_cell", "run_expert", "run_shardc", "shardc_method", "TIMING_RUNS", "traits"]
 
 MEMORY_MARGIN = 0.2
@@ -56,6 +57,10 @@ the error of its predicted peak against the compiled one. The zoo's worst under-
 is -14.9% (vit on 2nodes-2x8, docs/benchmarks/cpu-compiled/results.md; llama-1b's cells: +8.9% and
 -9.0%), so a plan predicted within 0.8 of the device memory compiles within 0.94 of it."""
 TIMING_RUNS = 5
+"""Saved-plan and ``jax.jit`` compile timings are each the fastest of this many runs,
+interleaved, which goes first alternating: on a shared machine one compile of the same
+program varies by a fifth, and with three runs one or two of the twelve cells, a different
+one each time, came out a fifth slower than ``jax.jit`` from that noise alone."""
 GPU_TIMING_RUNS = 1
 """Saved-plan and ``jax.jit`` compile timings under XLA:GPU: one run each (its compiles take
 several times XLA:CPU's: the GPT bench model's FSDP step 28 s; :mod:`shardc.bench.deviceless`)."""
@@ -72,10 +77,10 @@ the default plan (the presets' own pricing: NCCL's model, overlapped, as the GPU
 plan by default); ``shardc+serial`` plans for NCCL's model with communication serial;
 ``shardc@ring``, ``shardc@alpha-beta`` plan with the other collective models, serially, and
 ``+overlap`` with ``Cluster(overlap=True)``."""
-"""Saved-plan and ``jax.jit`` compile timings are each the fastest of this many runs,
-interleaved, which goes first alternating: on a shared machine one compile of the same
-program varies by a fifth, and with three runs one or two of the twelve cells, a different
-one each time, came out a fifth slower than ``jax.jit`` from that noise alone."""
+QUICK_METHODS = ("shardc", "shardc+serial")
+"""shardc's methods in the quick matrix (``shardc bench --quick``, a smoke test): the default
+plan and the serial one against every expert; the plans made for the other pricings
+(:data:`PLANNED`) are the full matrix's."""
 
 
 @dataclass
@@ -284,8 +289,9 @@ def run_shardc(zm: ZooModel, preset: Preset, which: str, check: bool,
         saved.append(time.perf_counter() - t0)
         return compiled
 
-    # the quick matrix is a smoke test: one timing of the saved plan against jax.jit
-    runs = 1 if which == "quick" else TIMING_RUNS if compiler == "cpu" else GPU_TIMING_RUNS
+    # the quick matrix is a smoke test (and tiny configs a test's): one timing of the saved
+    # plan against jax.jit
+    runs = 1 if which != "bench" else TIMING_RUNS if compiler == "cpu" else GPU_TIMING_RUNS
     for k in range(runs):  # the saved plan first in even runs, jax.jit in odd ones
         if k % 2:
             jitted.append(jit_seconds(mod.build_step(cfg), args, plan, view))

@@ -167,7 +167,8 @@ def _bench_parser(sub) -> None:
     """``shardc bench``'s arguments."""
     b = sub.add_parser("bench", help="shardc vs expert plans on the compiled programs")
     b.add_argument("--quick", action="store_true",
-                   help="small models (the default presets); numerics checked for shardc only")
+                   help="small models (the default presets), shardc's default and serial "
+                   "plans against every expert; numerics checked for shardc only")
     b.add_argument("--models", default=None, help="comma-separated, e.g. gpt,moe")
     b.add_argument("--presets", default=None, help="comma-separated, e.g. node-8,2nodes-2x8 "
                    "(default: each model's own, node-8 and 2nodes-2x8 but deep's "

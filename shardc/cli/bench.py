@@ -126,7 +126,8 @@ def cmd_bench(args) -> None:
         if name not in known:
             sys.exit(f"shardc bench: unknown {name!r}; choose from {sorted(known)}")
     which = "quick" if args.quick else "bench"
-    methods = args.methods.split(",") if args.methods else None
+    methods = args.methods.split(",") if args.methods else \
+        [*harness.QUICK_METHODS, "experts"] if args.quick else None
     todo = harness.cells(models, presets, methods)
     if not todo:
         sys.exit("shardc bench: no cells match; check --models / --presets / --methods")

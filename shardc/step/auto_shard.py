@@ -12,11 +12,9 @@ wrote is a fixed layout of the plan; on a mesh with Explicit axes, results come 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,28 +23,20 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from shardc.cost.cluster import DEFAULT_CLUSTER, Cluster
 from shardc.ir.sbp import to_partition_spec
-from shardc.ir.trace import DEFAULT_WHILE_TRIPS, Traced, rematerialized, trace
+from shardc.ir.trace import DEFAULT_WHILE_TRIPS
 from shardc.lower.emit import HOST, explicit_axes
-from shardc.pipeline.lowering import NoStackError
-from shardc.pipeline.routing import scans_as_layers
 from shardc.pipeline.runtime import check_axis
 from shardc.pipeline.schedule import Pipeline
-from shardc.pipeline.stack import has_stack
-from shardc.plan.record import Plan, fingerprint
-from shardc.rules.fixed import on_mesh
-from shardc.runtime.multihost import agree
+from shardc.plan.record import Plan
 from shardc.solve.collector import gc_paused
-from shardc.solve.costgraph import Fixed
 from shardc.solve.ilp import DEFAULT_TIME_LIMIT
 from shardc.step.adopt import use_plan
 from shardc.step.ahead import jit_for, typed_leaves
-from shardc.step.cache import PlanCache
 from shardc.step.calling import (
     Call,
     Convention,
     Dispatch,
     Miss,
-    abstract_leaf,
     dispatch_key,
     misplaced,
     place,
@@ -54,20 +44,15 @@ from shardc.step.calling import (
 )
 from shardc.step.explaining import explain as explain_step
 from shardc.step.margins import compare
-from shardc.step.names import input_names, output_names
-from shardc.step.options import NeedsDevicesError, Options, auto_mesh, check_mesh, platform_of
+from shardc.step.options import NeedsDevicesError, Options, auto_mesh, check_mesh
 from shardc.step.pareto import frontier
-from shardc.step.pipelining import choice_options, pipelined
+from shardc.step.pipelining import choice_options
+from shardc.step.planned import Planned
 from shardc.step.ranking import program_key
 from shardc.step.seeds import check_specs, named_seeds
 from shardc.step.signature import (
     TracedCall,
-    fixed_layouts,
-    kept_layouts,
-    resident_inputs,
-    tie_outputs,
 )
-from shardc.step.solving import problem
 from shardc.tradeoff.frontier import BUDGETS, Frontier
 from shardc.tradeoff.sweep import DeviceSweep
 from shardc.tradeoff.sweep import device_sweep as sweep_devices
@@ -78,12 +63,16 @@ __all__ = ["AutoSharded", "auto_shard", "device_sweep", "pareto"]
 log = logging.getLogger("shardc")
 
 
-class AutoSharded:
-    """The callable ``auto_shard`` returns: call it like ``jax.jit(fn)``; ``plan`` /
-    ``lower`` / ``use_plan`` take the same arguments (arrays or ``ShapeDtypeStruct``s)."""
+class AutoSharded(Planned):
+    """The callable ``auto_shard`` returns: call it like ``jax.jit(fn)``.
+
+    ``plan``, ``lower``, ``use_plan`` and the other methods take the same arguments as a
+    call (arrays or ``ShapeDtypeStruct``s).
+    """
 
     def __init__(self, fn: Callable, mesh: Mesh | AbstractMesh, options: Options,
                  convention: Convention):
+        """Made by :func:`auto_shard`, which checks and records the options."""
         check_mesh(mesh)
         #: planning needs the mesh's shape and axis names only; an AbstractMesh plans for
         #: devices that are not here, and lowering or running raises NeedsDevicesError
@@ -113,117 +102,25 @@ class AutoSharded:
         check_specs(options.in_shardings, self.mesh)
         functools.update_wrapper(self, fn)
 
-    # ---- tracing and planning, cached per abstract signature ---------------------------------
-    def _key(self, call: Call) -> tuple:
-        avals = tuple((a.shape, str(a.dtype), a.weak_type) for a in call.avals(self.fn))
-        kept = tuple(sorted(kept_layouts(self, call).items())) if self.keep else ()
-        return call.tree, avals, call.statics, kept
-
-    def _traced(self, call: Call, remat: tuple[int, ...] = ()) -> tuple[Any, TracedCall]:
-        """The call's signature key and its traced program; with ``remat``, the program
-        that recomputes those forward segments (:mod:`shardc.ir.remat`)."""
-        key = self._key(call)
-        if remat:
-            rkey = (key, tuple(sorted(set(remat))))
-            hit = self._traces.get(rkey)
-            if hit is None:
-                base = self._traced(call)[1]
-                hit = dataclasses.replace(base, traced=self._own(
-                    rematerialized(base.traced, remat)))
-                self._traces[rkey] = hit
-            return key, hit
-        hit = self._traces.get(key)
-        if hit is None:
-            t0 = time.perf_counter()
-            # unless pipelines are forbidden, the function's plain scans over layers are
-            # stacks too (a pipeline asked for runs them; else the planner may)
-            pipe = self.options.pipeline
-            routing = contextlib.nullcontext() if pipe is False else \
-                scans_as_layers(asked=isinstance(pipe, Pipeline))
-            with gc_paused(), routing:
-                traced = self._own(trace(call.function(self.fn),
-                                         *map(abstract_leaf, call.leaves),
-                                         platform=platform_of(self.mesh),
-                                         while_trips=self.options.while_trips))
-            ties = tie_outputs(call.arg_trees(), traced.out_tree, traced.graph)
-            hit = TracedCall(traced, tuple(ties), fixed_layouts(self, call),
-                          resident_inputs(call.arg_trees(), ties))
-            self._traces[key] = hit
-            log.debug("shardc: traced %s in %.2f s", getattr(self.fn, "__name__", "fn"),
-                      time.perf_counter() - t0)
-        return key, hit
-
-    def _own(self, traced: Traced) -> Traced:
-        """``traced`` with the user's constraints on another mesh of these devices read on
-        this one (:func:`shardc.rules.fixed.on_mesh`)."""
-        if not self.abstract:
-            on_mesh(traced.graph.ops, self.mesh)
-        return traced
-
-    @gc_paused()
-    def _plan(self, call: Call) -> tuple[Any, TracedCall, Plan]:
-        """The call's key, its plan, and the program the plan runs (the traced one, or the
-        one recomputing the segments the plan chose)."""
-        key, tr = self._traced(call)
-        plan = self._plans.get(key)
-        if plan is None:
-            pipe = self.options.pipeline  # asked for: the plan runs it
-            if isinstance(pipe, Pipeline) and not has_stack(tr.traced.jaxpr):
-                raise NoStackError(pipe)  # when planned, not when first run
-            plan = self._compatible(key, tr.fixed) or self._cached_or_solved(tr, call)
-            if isinstance(pipe, Pipeline) and plan.pipeline != pipe:
-                plan = dataclasses.replace(plan, pipeline=pipe)
-            # under jax.distributed: every process runs the same plan (process 0's)
-            plan = agree(self._named(call, tr, plan))
-            self._plans[key] = plan
-        if plan.remat:
-            _, tr = self._traced(call, plan.remat)
-        return key, tr, plan
-
-    def _named(self, call: Call, tr: TracedCall, plan: Plan) -> Plan:
-        """``plan`` naming this call's argument and result leaves (``plan.explain()``)."""
-        return plan.named(input_names(self.fn, call), output_names(tr.traced.out_tree))
-
-    def _cached_or_solved(self, tr: TracedCall, call: Call) -> Plan:
-        """The plan from the disk cache (``cache_dir``), else solved and stored there."""
-        candidates, seeds = problem(self, call, tr)
-        store = PlanCache.at(self.options.cache_dir)
-        if store is None:
-            return pipelined(self, call, tr, candidates, seeds)
-        program = fingerprint(tr.traced.graph)
-        flat = {f"{view.label}: {name}": layouts
-                for view, named in zip(candidates, seeds) for name, layouts in named.items()}
-        key = store.key(program, tr.traced.graph.inputs, self.mesh, self.options, flat,
-                        tr.ties, tr.fixed, tr.resident)
-        plan = store.load(key, lambda p: fingerprint(self._traced(call, p.remat)[1].traced.graph))
-        if plan is None:
-            plan = pipelined(self, call, tr, candidates, seeds)
-            store.save(key, plan)
-        return plan
-
-    def _compatible(self, key, fixed: Fixed) -> Plan | None:
-        """A plan made for the same shapes that already has the layouts ``fixed`` asks for:
-        the results of a step fed back in as its next arguments (kept, on a mesh with
-        Explicit axes) need no second solve."""
-        if not fixed:
-            return None
-        for k, plan in self._plans.items():
-            if k[:3] == key[:3] and \
-                    all(plan.inputs[i] == nd for i, nd in fixed.inputs.items()) and \
-                    all(plan.outputs[j] == nd for j, nd in fixed.outputs.items()):
-                return plan
-        return None
-
     # ---- execution -------------------------------------------------------------------------
     def mesh_for(self, plan: Plan) -> Mesh | AbstractMesh:
-        """The mesh ``plan`` runs on: this function's mesh (its Auto version), or the view of
-        its devices the mesh search chose (``plan.mesh_axes``); abstract when this function's
-        mesh is."""
+        """The mesh ``plan`` runs on.
+
+        Args:
+            plan: A plan of this step.
+
+        Returns:
+            This function's mesh (its Auto version), or the view of its devices the mesh
+            search chose (``plan.mesh_axes``); abstract when this function's mesh is.
+        """
         return View(plan.axis_sizes, plan.axis_names, plan.cluster).mesh(self.mesh)
 
     def _out_mesh(self, plan: Plan) -> Mesh:
-        """Where results are placed: the user's mesh (with its axis types) unless the plan
-        runs on another view of its devices."""
+        """Where results are placed.
+
+        The user's mesh (with its axis types) unless the plan runs on another view of its
+        devices.
+        """
         same = plan.mesh_axes == self.mesh.shape_tuple
         return self.user_mesh if same else self.mesh_for(plan)
 
@@ -234,8 +131,10 @@ class AutoSharded:
                 for k, (nd, v) in enumerate(zip(plan.inputs, tr.traced.graph.inputs))]
 
     def _out_shardings(self, tr: TracedCall, plan: Plan) -> Any:
-        """The result pytree's shardings under ``plan`` (of ``tr``'s program): on the user's
-        mesh, with its axis types (the types ``jax.jit`` gives the results)."""
+        """The result pytree's shardings under ``plan`` (of ``tr``'s program).
+
+        On the user's mesh, with its axis types (the types ``jax.jit`` gives the results).
+        """
         mesh = self._out_mesh(plan)
         return jax.tree.unflatten(tr.traced.out_tree, [
             NamedSharding(mesh, to_partition_spec(nd, v.ndim, mesh.axis_names),
@@ -252,9 +151,12 @@ class AutoSharded:
         return jitted, self._in_shardings(tr, plan), key
 
     def _call(self, args: tuple, kwargs: dict):
-        """The full path of a call: its signature's plan and executable (traced, planned
-        and compiled on its first call), placed arguments moved where the plan wants them;
-        the executable's :class:`Dispatch` becomes the fast path of calls like it."""
+        """The full path of a call.
+
+        Its signature's plan and executable (traced, planned and compiled on its first
+        call), placed arguments moved where the plan wants them; the executable's
+        :class:`Dispatch` becomes the fast path of calls like it.
+        """
         call = self.convention.split(args, kwargs)
         jitted, shardings, key = self._exec(call)
         self._report_moves(call, shardings, key)
@@ -291,7 +193,15 @@ class AutoSharded:
 
     # ---- public surface ---------------------------------------------------------------------
     def plan(self, *args, **kwargs) -> Plan:
-        """The plan for these arguments (arrays or ShapeDtypeStructs); nothing is executed."""
+        """The plan for these arguments (arrays or ShapeDtypeStructs); nothing runs.
+
+        Args:
+            *args: As for a call.
+            **kwargs: As for a call.
+
+        Returns:
+            The :class:`Plan`, made on the first request per signature and kept.
+        """
         call = self.convention.split(args, kwargs)
         key, tr, plan = self._plan(call)
         if not self.abstract:  # on an AbstractMesh nothing runs, so nothing is moved
@@ -301,42 +211,81 @@ class AutoSharded:
     explain = explain_step  # step.explain(*args): plan.explain() for these arguments
 
     def pareto(self, *args, budgets: int = BUDGETS, **kwargs) -> Frontier:
-        """The time-memory frontier for these arguments (:mod:`shardc.tradeoff.frontier`):
-        plans at no memory budget, at the smallest one a plan was found for, at ``budgets`` budgets
-        between and in the gaps they leave, recomputing forward segments' activations as
-        the budget needs, and the generic layouts' plans (:mod:`shardc.tradeoff.baselines`, which
-        also seed every search, with the ``seeds`` option's); the non-dominated ones, each
-        a plan ``use_plan`` runs. Nothing is cached:
-        ``step.use_plan(frontier.pick(budget), *args)`` adopts one."""
+        """The time-memory frontier for these arguments (:mod:`shardc.tradeoff.frontier`).
+
+        Plans at no memory budget, at the smallest one a plan was found for, at ``budgets``
+        budgets between and in the gaps they leave, recomputing forward segments'
+        activations or keeping state in host memory as the budget needs, and the generic
+        layouts' plans (:mod:`shardc.tradeoff.baselines`); the non-dominated ones, each a
+        plan ``use_plan`` runs. Nothing is cached:
+        ``step.use_plan(frontier.pick(budget), *args)`` adopts one.
+
+        Args:
+            *args: As for a call.
+            budgets: Fixed budgets searched besides the gaps.
+            **kwargs: As for a call.
+
+        Returns:
+            The :class:`Frontier`.
+        """
         return frontier(self, *args, budgets=budgets, **kwargs)
 
     def margins(self, *args, **kwargs):
-        """The plan for these arguments beside generic data-parallel, FSDP, Megatron and
-        DP x TP layouts (:mod:`shardc.tradeoff.baselines`): on a mesh with devices each compiled and
-        priced from its HLO, the plan's program too; on an abstract mesh estimated on the
-        plan's cost model. ``plan.explain(margins=step.margins(*args))`` prints them."""
+        """The plan for these arguments beside generic layouts.
+
+        Data-parallel, FSDP, Megatron and DP x TP (:mod:`shardc.tradeoff.baselines`): on a
+        mesh with devices each compiled and priced from its HLO, the plan's program too; on
+        an abstract mesh estimated on the plan's cost model.
+        ``plan.explain(margins=step.margins(*args))`` prints them.
+
+        Args:
+            *args: As for a call.
+            **kwargs: As for a call.
+
+        Returns:
+            The margins, one per layout (:func:`shardc.step.margins.compare`).
+        """
         return compare(self, *args, **kwargs)
 
     def device_sweep(self, *args, memory_budget: float | None = None, **kwargs
                      ) -> DeviceSweep:
-        """The best plan for these arguments on each device count that divides the mesh
-        (:func:`shardc.tradeoff.sweep.device_counts`: the first devices, inner axes filled
-        first), within ``memory_budget`` bytes per device (default: this function's budget,
-        else the cluster's ``device_memory``): how many devices the program needs, and what
-        each more buys. Each count is planned on an AbstractMesh of its sub-mesh, its axes
-        priced at the links they have in the whole mesh, with this function's options but
-        its seeds and kept layouts (written for the whole mesh); a count where no plan fits
-        records the leanest plan's peak. Nothing is cached or run:
-        ``step.use_plan(count.plan, *args)`` adopts the whole mesh's."""
+        """The best plan for these arguments on each device count that divides the mesh.
+
+        Counts from :func:`shardc.tradeoff.sweep.device_counts` (the first devices, inner
+        axes filled first): how many devices the program needs, and what each more buys.
+        Each count is planned on an AbstractMesh of its sub-mesh, its axes priced at the
+        links they have in the whole mesh, with this function's options but its seeds and
+        kept layouts (written for the whole mesh); a count where no plan fits records the
+        leanest plan's peak. Nothing is cached or run:
+        ``step.use_plan(count.plan, *args)`` adopts the whole mesh's.
+
+        Args:
+            *args: As for a call.
+            memory_budget: Bytes per device; None: this function's budget, else the
+                cluster's ``device_memory``.
+            **kwargs: As for a call.
+
+        Returns:
+            The :class:`DeviceSweep`.
+        """
         return sweep_devices(self, *args, memory_budget=memory_budget, **kwargs)
 
     def pipeline_choice(self, *args, tensor: bool | None = None, **kwargs):
-        """The pipeline the planner chooses for these arguments, priced against this
-        plan (a :class:`shardc.pipeline.choose.Choice`; none with ``pipeline=False``); with
-        ``mesh_search``, over the stage axes of every view of the devices. ``tensor``:
-        price the stage plans with tensor parallelism inside a stage (None: where the
-        planner does, on a mesh with devices, which checks such a choice against its
-        compiled program; True on an AbstractMesh prices what its plan leaves out)."""
+        """The pipeline the planner chooses for these arguments, priced against this plan.
+
+        With ``mesh_search``, over the stage axes of every view of the devices.
+
+        Args:
+            *args: As for a call.
+            tensor: Price the stage plans with tensor parallelism inside a stage; None:
+                where the planner does, on a mesh with devices, which checks such a choice
+                against its compiled program; True on an AbstractMesh prices what its plan
+                leaves out.
+            **kwargs: As for a call.
+
+        Returns:
+            A :class:`shardc.pipeline.choose.Choice` (none with ``pipeline=False``).
+        """
         from shardc.pipeline.choose import best_pipeline
 
         _, tr, plan = self._plan(self.convention.split(args, kwargs))
@@ -348,25 +297,54 @@ class AutoSharded:
                              ties=tr.ties, resident=tr.resident, base=base, options=options)
 
     def input_shardings(self, *args, **kwargs) -> tuple[tuple, dict]:
-        """The shardings the plan gives the dynamic arguments (static ones left out), as
-        ``(args, kwargs)`` pytrees of ``NamedSharding``, like ``jax.jit``'s
-        ``Compiled.input_shardings``; the arguments may be ShapeDtypeStructs (on an
-        AbstractMesh, the shardings are of it). Restore a
-        checkpoint into them (:class:`shardc.runtime.checkpoint.Checkpoints`) or assemble a batch
-        in them (:func:`shardc.runtime.multihost.global_batch`) and the step moves nothing."""
+        """The shardings the plan gives the dynamic arguments (static ones left out).
+
+        Restore a checkpoint into them (:class:`shardc.runtime.checkpoint.Checkpoints`) or
+        assemble a batch in them (:func:`shardc.runtime.multihost.global_batch`) and the
+        step moves nothing.
+
+        Args:
+            *args: As for a call; ShapeDtypeStructs are fine.
+            **kwargs: As for a call.
+
+        Returns:
+            ``(args, kwargs)`` pytrees of ``NamedSharding``, like ``jax.jit``'s
+            ``Compiled.input_shardings`` (on an AbstractMesh, shardings of it).
+        """
         call = self.convention.split(args, kwargs)
         _, tr, plan = self._plan(call)
         return call.unflatten(self._in_shardings(tr, plan))
 
     def use_plan(self, plan: Plan, *args, **kwargs) -> None:
-        """Adopt a saved plan (``Plan.from_json``) for these arguments: later calls trace
-        and compile, but do not solve. A plan made for another program or mesh is refused;
-        one made on an AbstractMesh runs on a concrete mesh of the same shape and names."""
+        """Adopt a saved plan (``Plan.from_json``) for these arguments.
+
+        Later calls trace and compile, but do not solve. One made on an AbstractMesh runs
+        on a concrete mesh of the same shape and names.
+
+        Args:
+            plan: The plan.
+            *args: As for a call.
+            **kwargs: As for a call.
+
+        Raises:
+            PlanMismatchError: The plan was made for another program or mesh.
+        """
         return use_plan(self, plan, *args, **kwargs)
 
     def lower(self, *args, **kwargs):
-        """``jax.stages.Lowered`` of the planned program (ShapeDtypeStructs are fine); its
-        compiled form is called with the dynamic arguments, as ``jax.jit``'s is."""
+        """The planned program, lowered.
+
+        Args:
+            *args: As for a call; ShapeDtypeStructs are fine.
+            **kwargs: As for a call.
+
+        Returns:
+            ``jax.stages.Lowered``; its compiled form is called with the dynamic
+            arguments, as ``jax.jit``'s is.
+
+        Raises:
+            NeedsDevicesError: On an AbstractMesh.
+        """
         call = self.convention.split(args, kwargs)
         jitted, shardings, key = self._exec(call)
         self._report_moves(call, shardings, key)
@@ -375,10 +353,13 @@ class AutoSharded:
             return jitted.lower(*dyn_args, **dyn_kwargs)
 
     def __call__(self, *args, **kwargs):
-        """A call goes straight to the executable of the last call with its statics and
+        """Run the step, as ``jax.jit(fn)(*args, **kwargs)`` would.
+
+        A call goes straight to the executable of the last call with its statics and
         argument names through ``jax.jit``'s dispatch, which checks the arguments' pytree,
         types and placements in C++; a call that executable was not made for takes the full
-        path (:meth:`_call`)."""
+        path (:meth:`_call`).
+        """
         statics, dyn_args, dyn_kwargs = self.convention.dynamic(args, kwargs)
         try:
             dispatch = self._fast.get(dispatch_key(statics, dyn_args, dyn_kwargs))
