@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["DEVICES", "LEAVES", "REPEATS", "FirstCall", "compare", "markdown", "run_one"]
@@ -39,6 +39,16 @@ class FirstCall:
     peak_rss: float  # ru_maxrss: the most the process held
     rss_after: float  # resident after the first call (the plan, executable and state kept)
     plan_seconds: float = 0.0  # shardc: of ``seconds``, tracing and planning
+    #: of ``seconds``, JAX's own phases (its duration events): ``trace`` (every jaxpr
+    #: traced: shardc's of the function and of the planned program), ``lower`` (to MLIR)
+    #: and ``compile`` (XLA)
+    phases: dict = field(default_factory=dict)
+
+
+#: JAX's duration events (``jax.monitoring``) and the phase each adds to
+_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
+           "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+           "/jax/core/compile/backend_compile_duration": "compile"}
 
 
 def _step_fn():
@@ -108,6 +118,13 @@ def _worker(which: str, leaves: int, specs_path: str) -> dict:
     step, mesh = _step_fn(), _mesh()
     params, x = _inputs(leaves)  # unplaced: each side's executable places them
     jax.block_until_ready((params, x))
+    phases = dict.fromkeys(_EVENTS.values(), 0.0)
+
+    def heard(event: str, secs: float, **_) -> None:
+        if event in _EVENTS:
+            phases[_EVENTS[event]] += secs
+
+    jax.monitoring.register_event_duration_secs_listener(heard)
     plan_s = 0.0
     if which == "shardc":
         import shardc
@@ -136,7 +153,7 @@ def _worker(which: str, leaves: int, specs_path: str) -> dict:
     now = _rss_now()  # the kernel updates its high-water mark lazily: at least this
     peak = max(now, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     return {"which": which, "seconds": seconds, "plan_seconds": plan_s, "peak_rss": peak,
-            "rss_after": now}
+            "rss_after": now, "phases": phases}
 
 
 def run_one(which: str, leaves: int, specs_path: str) -> FirstCall:
@@ -210,10 +227,16 @@ def markdown(calls: list[FirstCall], leaves: int, repeats: int) -> list[str]:
             "compiles and runs; jax.jit compiles and runs. Each side in a fresh process, "
             f"the fastest of {repeats} alternating; memory is the process's peak "
             "(`ru_maxrss`) and what it holds after the first call. Targets: first call "
-            "<= 1.1x jax.jit's, resident memory <= 1.5x.", "",
+            "<= 1.1x jax.jit's, resident memory <= 1.5x. The \"of which\" rows are JAX's "
+            "own duration events (`jax.monitoring`): shardc's tracing counts both its trace "
+            "of the function (inside the plan's time) and its trace of the planned program; "
+            "its XLA compile is of the program with the plan's constraints.", "",
             "| | jax.jit | shardc | ratio | target |", "|---|---:|---:|---:|---:|",
             f"| first call | {jit.seconds:.1f} s | {mine.seconds:.1f} s "
             f"(plan {mine.plan_seconds:.1f} s) | {mine.seconds / jit.seconds:.2f}x | 1.1x |",
+            *(f"| of which {what} | {jit.phases.get(k, 0):.1f} s | "
+              f"{mine.phases.get(k, 0):.1f} s | | |" for k, what in
+              (("trace", "JAX tracing"), ("lower", "lowering"), ("compile", "XLA compile"))),
             f"| peak RSS | {jit.peak_rss / gib:.2f} GiB | {mine.peak_rss / gib:.2f} GiB | "
             f"{mine.peak_rss / jit.peak_rss:.2f}x | 1.5x |",
             f"| RSS after the call | {jit.rss_after / gib:.2f} GiB | "

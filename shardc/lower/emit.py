@@ -101,7 +101,7 @@ class _Lowering(ControlFlow, StackedSums):
     left unconstrained (:meth:`~shardc.ir.graph.Graph.constants`)."""
 
     __slots__ = ("plan", "mesh", "by_op", "free", "read_whole", "shardings", "stacked",
-                 "converted", "stacks", "sums")
+                 "converted", "stacks", "sums", "whole")
 
     def __init__(self, plan, mesh: Mesh, graph):
         self.plan = plan
@@ -120,6 +120,10 @@ class _Lowering(ControlFlow, StackedSums):
                              plan.solver.get("pipeline", {}).get("batch_axes")) \
             if plan.pipeline is not None else None
         self.sums = unrolled_sums(graph)  # a Python loop's sums, which may stay partial
+        #: the plan splits nothing: with its inputs pinned whole, the partitioner has no
+        #: split to propagate, so no op's output needs a constraint of its own
+        self.whole = plan.pipeline is None and all(
+            nd.is_replicated for o in plan.ops for nd in (*o.ins, *o.outs))
         if self.stacks is not None:  # the layer state's update, as the stages hold it
             self.free |= set(plan.solver.get("pipeline", {}).get("free", ()))
 
@@ -249,10 +253,12 @@ class _Lowering(ControlFlow, StackedSums):
         large and a third slower to compile): an elementwise op whose operands of its shape
         were read in its output's layout, a layout op (reshape, transpose, broadcast) whose
         output splits exactly the mesh axes its operand splits, or a dot or reduction whose
-        output splits only axes an operand splits. Only for a value
-        every use reads as it is made: one converted later keeps its constraint, or the
-        partitioner may move the conversion upstream (seven extra all-gathers in the MLP on
-        two nodes)."""
+        output splits only axes an operand splits; any op of a plan that splits nothing.
+        Otherwise only for a value every use reads as it is made: one converted later keeps
+        its constraint, or the partitioner may move the conversion upstream (seven extra
+        all-gathers in the MLP on two nodes)."""
+        if self.whole:
+            return True
         if len(op.outputs) != 1 or op.outputs[0].id not in self.read_whole:
             return False
         out, nd = op.outputs[0], planned.outs[0]
