@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 import shardc
 from shardc.ir.trace import trace
 from shardc.models import llama
-from shardc.plan.attention import find_attention
+from shardc.plan.attention import find_attention, sequence_dims
 
 T, D, HEADS, KV, DH = 128, 64, 8, 2, 8
 
@@ -123,6 +123,41 @@ def test_the_planner_splits_the_sequence_where_memory_binds(mesh):
     plan = step.plan(params, x)
     assert any(f.startswith("sequence") for f in _forms(plan)), plan.solver.get("attention")
     _equal(step, fn, (params, x))
+
+
+def test_context_parallel_false_keeps_every_attentions_sequence_whole(mesh):
+    params, x = _args(heads=2, kv=1)
+    fn = _grad_step()
+    budget = shardc.auto_shard(fn, mesh=mesh).plan(params, x).predicted.peak_memory / 1.2
+    split = shardc.auto_shard(fn, mesh=mesh, memory_budget=budget).plan(params, x)
+    assert any(f.startswith("sequence") for f in _forms(split)), split.solver.get("attention")
+    step = shardc.auto_shard(fn, mesh=mesh, memory_budget=budget, context_parallel=False)
+    plan = step.plan(params, x)
+    assert _forms(plan) and not any(f.startswith("sequence") for f in _forms(plan))
+    assert plan.predicted.peak_memory <= budget
+    assert plan.predicted.step_time >= split.predicted.step_time  # a smaller search space
+    # neither the attention's products nor the projections feeding it split a sequence
+    graph = trace(fn, params, x).graph  # traced as the step traces it: the same op ids
+    planned = {o.id: o for o in plan.ops}
+    for op_id, (ins, outs) in sequence_dims(graph).items():
+        assert planned[op_id].prim == "dot_general"
+        for nds, dims in ((planned[op_id].ins, ins), (planned[op_id].outs, outs)):
+            for nd, whole in zip(nds, dims):
+                assert not any(getattr(s, "dim", None) in whole for s in nd.sbps), nd
+    _equal(step, fn, (params, x))
+
+
+def test_the_sequence_is_followed_back_to_the_projections_through_rotary_embeddings():
+    cfg = llama.LlamaConfig(seq_len=64, batch=1, n_layers=1)
+    fn, (state, batch) = llama.make_train_step(cfg)
+    graph = trace(fn, state, batch).graph
+    dims = sequence_dims(graph)
+    scores = [a.scores for a in find_attention(graph)]
+    assert scores and all(dims[s][0] == (frozenset({1}), frozenset({1})) for s in scores)
+    made = [i for i, (ins, outs) in dims.items() if outs and outs[0]]  # q, k, v projections
+    assert len(made) == 3 * len(scores), dims
+    by_id = {op.id: op for op in graph.ops}
+    assert all(by_id[i].outputs[0].shape[1] == cfg.seq_len for i in made)
 
 
 def test_a_decoder_at_batch_one_splits_its_sequence_over_every_device(mesh):

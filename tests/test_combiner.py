@@ -293,7 +293,7 @@ def test_xla_gpu_reduces_an_add_of_two_partial_summands_once():
     (which its combiner may join, as one collective of both)."""
     from shardc.ir.sbp import B, NdSbp, Split
     from shardc.plan.assemble import assemble
-    from shardc.solve.costgraph import Fixed
+    from shardc.solve.fixed import Fixed
     from shardc.solve.search import SolveOptions, plan_graph
 
     def f(x, w1, w2, w3):

@@ -49,7 +49,7 @@ def test_an_argument_placed_otherwise_pays_its_conversion():
     gathers it in the program."""
     from shardc.ir.sbp import B, NdSbp, Split
     from shardc.ir.trace import trace
-    from shardc.solve.costgraph import Fixed
+    from shardc.solve.fixed import Fixed
     from shardc.solve.problem import build
 
     w, x = _args()

@@ -80,7 +80,7 @@ def test_hand_written_layouts_place_on_the_graph_built_once_as_on_their_own():
     """Placing layouts of the inputs on the problem's merged graph cut to each (the frontier
     places a dozen) gives the plans that graphs built and merged with those inputs fixed
     give."""
-    from shardc.solve.costgraph import Fixed
+    from shardc.solve.fixed import Fixed
     from shardc.tradeoff.baselines import layout_plan
 
     graph = _step()

@@ -42,7 +42,7 @@ from shardc.pipeline.scans import Layers, find_layers
 from shardc.pipeline.schedule import SCHEDULES, Pipeline
 from shardc.plan.assemble import assemble
 from shardc.plan.record import Plan, Predicted
-from shardc.solve.costgraph import NOTHING_FIXED, Fixed
+from shardc.solve.fixed import NOTHING_FIXED, Fixed
 from shardc.solve.problem import input_choices
 from shardc.solve.search import DEFAULT_TIME_LIMIT, MemoryBudgetError, SolveOptions, plan_graph
 from shardc.tradeoff.views import View, views

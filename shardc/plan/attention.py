@@ -26,6 +26,7 @@ attention (:func:`attention_forms`):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from shardc.ir.graph import Graph, Op
@@ -33,13 +34,16 @@ from shardc.ir.prims import facts
 from shardc.ir.sbp import Split
 from shardc.plan.record import Plan
 
-__all__ = ["Attention", "attention_forms", "find_attention"]
+__all__ = ["Attention", "attention_forms", "find_attention", "sequence_dims"]
 
 #: ops a softmax between the scores and the probabilities is made of, besides elementwise
 _SOFTMAX_OPS = frozenset({"reduce_max", "reduce_sum", "broadcast_in_dim", "stop_gradient",
                           "select_n", "reshape", "convert_element_type", "max", "exp",
                           "sub", "div", "mul", "add", "custom_jvp_call", "transpose",
                           "sharding_constraint"})
+#: ops whose operands' dims are their result's, in place (sizes may differ along others)
+_IN_PLACE_DIMS = frozenset({"convert_element_type", "concatenate", "slice", "split", "pad",
+                            "dynamic_slice", "rev"})
 #: how far from the scores the probabilities may be (ops on the path)
 _DEPTH = 24
 
@@ -168,3 +172,93 @@ def _form(q, k, qs: int, ks: int, batch_dims: tuple[int, ...], shape, batch: int
         is_batch = shape[q.dim] == batch if batch is not None else q.dim == batch_dims[0]
         return "batch" if is_batch else "heads"
     return "replicated"
+
+
+def sequence_dims(graph: Graph) -> dict[int, tuple[tuple[frozenset[int], ...],
+                                                   tuple[frozenset[int], ...]]]:
+    """Where each attention of ``graph`` runs along its sequence, for a plan that may not
+    split it there (``auto_shard(context_parallel=False)``): op id -> the dims of its
+    inputs and of its outputs that run along a sequence.
+
+    Those are the scores' query and key sequence dims (the K/V all-gathered and keys-split
+    forms split them), the output product's probabilities (both sequences) and values
+    (the keys' sequence), and the sequence dim of the query, key and value projections
+    feeding the attention (the all-to-all form splits those and converts to heads).
+    """
+    by_id = {op.id: op for op in graph.ops}
+    out: dict[int, tuple[list[frozenset[int]], list[frozenset[int]]]] = {}
+
+    def add(op: Op, ins: dict[int, set[int]], outs: dict[int, set[int]]) -> None:
+        have = out.setdefault(op.id, ([frozenset()] * len(op.inputs),
+                                      [frozenset()] * len(op.outputs)))
+        for side, more in ((0, ins), (1, outs)):
+            for k, dims in more.items():
+                have[side][k] = have[side][k] | dims
+
+    for att in find_attention(graph):
+        scores, product = by_id[att.scores], by_id[att.output]
+        qs, ks, _ = _dims(scores)
+        add(scores, {0: {qs}, 1: {ks}}, {})
+        contracted, batched = product.params["dimension_numbers"]
+        # which operand is the probabilities
+        p = 0 if product.inputs[0].id in _reached(scores, graph.consumers()) else 1
+        vc = contracted[1 - p]
+        add(product, {p: set(range(product.inputs[p].ndim)) - set(batched[p]),
+                      1 - p: set(vc)}, {})
+        for v, dim in ((scores.inputs[0], qs), (scores.inputs[1], ks),
+                       (product.inputs[1 - p], vc[0] if vc else -1)):
+            made = _made_along(v, dim)
+            if made is not None:
+                add(made[0], {}, {0: {made[1]}})
+    return {i: (tuple(ins), tuple(outs)) for i, (ins, outs) in out.items()}
+
+
+def _reached(scores: Op, consumers: dict) -> set[int]:
+    """The ids of the values made from ``scores``'s result through softmax ops."""
+    seen = {v.id for v in scores.outputs}
+    frontier = list(scores.outputs)
+    for _ in range(_DEPTH):
+        frontier = [out for v in frontier for r, _ in consumers.get(v.id, ()) if _passes(r)
+                    for out in r.outputs if out.id not in seen]
+        seen.update(v.id for v in frontier)
+    return seen
+
+
+def _made_along(v, dim: int) -> tuple[Op, int] | None:
+    """The ``dot_general`` that made ``v`` (through reshapes, transposes, broadcasts and
+    elementwise ops) and the dim of its result that becomes ``v``'s ``dim``; None where the
+    path leaves those ops or the dim cannot be followed."""
+    for _ in range(_DEPTH):
+        op = v.producer
+        if op is None or dim < 0:
+            return None
+        if op.name == "dot_general":
+            return op, dim
+        if op.name == "transpose":
+            v, dim = op.inputs[0], op.params["permutation"][dim]
+        elif op.name == "broadcast_in_dim":
+            bd = tuple(op.params["broadcast_dimensions"])
+            v, dim = op.inputs[0], (bd.index(dim) if dim in bd else -1)
+        elif op.name == "reshape":
+            v, dim = op.inputs[0], _reshaped_from(op.inputs[0].shape, v.shape, dim)
+        elif facts(op.name).elementwise or op.name in _IN_PLACE_DIMS:
+            # the operand whose dim is this one (rotary embeddings split and concatenate
+            # along the head dim, not the sequence)
+            same = [x for x in op.inputs if not x.is_const and x.ndim == v.ndim
+                    and x.shape[dim] == v.shape[dim]]
+            if not same:
+                return None
+            v = same[0]
+        else:
+            return None
+    return None
+
+
+def _reshaped_from(src: tuple[int, ...], dst: tuple[int, ...], dim: int) -> int:
+    """The dim of ``src`` that a reshape to ``dst`` keeps whole as ``dst``'s ``dim`` (same
+    size, same elements before it); -1 where there is none."""
+    before = math.prod(dst[:dim])
+    for d, size in enumerate(src):
+        if size == dst[dim] and math.prod(src[:d]) == before:
+            return d
+    return -1

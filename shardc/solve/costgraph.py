@@ -5,8 +5,8 @@ choices: the rule's strategies); one edge per producer→consumer value with a r
 cost matrix ``R[a, b]`` (seconds). Memory is a list of sampled program points, each a sum of
 per-node, per-choice byte vectors that must stay under the budget (:mod:`shardc.solve.memory`).
 :class:`CostGraph` holds them with the records it is made of (:class:`Edge`, :class:`Settle`,
-:class:`Fixed`); :func:`shardc.solve.problem.build` builds it from a program, and
-:func:`check_cost_graph` checks what the solvers assume of it.
+:class:`~shardc.solve.fixed.Fixed`); :func:`shardc.solve.problem.build` builds it from a
+program, and :func:`check_cost_graph` checks what the solvers assume of it.
 
 ``merge_followers`` shrinks the problem before any search:
 
@@ -23,9 +23,8 @@ References:
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,8 +37,9 @@ from shardc.errors import CostGraphError as CostGraphError
 from shardc.ir.graph import Graph, Op, Value
 from shardc.ir.prims import facts
 from shardc.ir.sbp import Broadcast, NdSbp, Split
+from shardc.solve.fixed import NOTHING_FIXED, Fixed
 
-__all__ = ["NOTHING_FIXED", "by_lists", "CostGraph", "CostGraphError", "Edge", "Fixed", "Settle",
+__all__ = ["by_lists", "CostGraph", "CostGraphError", "Edge", "Settle",
            "check_cost_graph"]
 
 
@@ -79,37 +79,6 @@ class Settle:
     """
 
     value: Value
-
-
-@dataclass(frozen=True)
-class Fixed:
-    """Layouts a plan must keep, by graph input and output index: placed arguments the user
-    asked to keep, and results whose type fixes their layout (Explicit mesh axes).
-    ``among``: graph input index -> the layouts it may take (one of them, chosen by the
-    search; a pipeline stage's weights, held whole over the axes splitting each
-    micro-batch); ``unsplit``: op id -> indices of the mesh axes its first result's
-    leading dim may not be split over (a pipeline stage's carry, whose batch dim its
-    tensor-parallel axes leave whole). ``placed``: graph input index -> the layout an
-    argument already on the mesh's devices has (a ``jax.Array`` placed by the user, not
-    kept): not a restriction, a price: such an input pays its conversion to the layout
-    chosen, not the host feed."""
-
-    inputs: Mapping[int, NdSbp] = field(default_factory=dict)
-    outputs: Mapping[int, NdSbp] = field(default_factory=dict)
-    among: Mapping[int, tuple[NdSbp, ...]] = field(default_factory=dict)
-    unsplit: Mapping[int, frozenset[int]] = field(default_factory=dict)
-    placed: Mapping[int, NdSbp] = field(default_factory=dict)
-
-    def __bool__(self) -> bool:
-        return bool(self.inputs or self.outputs or self.among or self.unsplit)
-
-    def pinning(self, inputs: Mapping[int, NdSbp]) -> Fixed:
-        """These restrictions with ``inputs`` pinned as well (this record's pins win)."""
-        return dataclasses.replace(self, inputs={**inputs, **self.inputs})
-
-
-#: the default: nothing pinned
-NOTHING_FIXED = Fixed()
 
 
 @dataclass

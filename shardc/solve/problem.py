@@ -34,7 +34,8 @@ from shardc.ir.graph import Graph, Op, Value
 from shardc.ir.sbp import B, NdSbp, Partial, Split
 from shardc.ir.trace import SCAN_ENTER, SCAN_EXIT
 from shardc.rules.registry import strategies
-from shardc.solve.costgraph import NOTHING_FIXED, CostGraph, Edge, Fixed, Settle, by_lists
+from shardc.solve.costgraph import CostGraph, Edge, Settle, by_lists
+from shardc.solve.fixed import NOTHING_FIXED, Fixed
 from shardc.solve.memory import memory_points
 from shardc.solve.reduced_ys import stacked_ys, whole_partial, ys_exits, ys_reduction, ys_shares
 
@@ -83,6 +84,18 @@ def _unsplit(strats: list, axes: Collection[int]) -> list:
     them where none is)."""
     kept = [s for s in strats if not any(isinstance(s.outs[0].sbps[i], Split)
                                          and s.outs[0].sbps[i].dim == 0 for i in axes)]
+    return kept or strats
+
+
+def _whole(strats: list, ins: Sequence[Collection[int]], outs: Sequence[Collection[int]]
+           ) -> list:
+    """The strategies that split none of the dims ``ins`` (per input) and ``outs`` (per
+    output) name (all of them where none is left)."""
+    def splits(nds, dims) -> bool:
+        return any(isinstance(s, Split) and s.dim in d
+                   for nd, d in zip(nds, dims) for s in nd.sbps)
+
+    kept = [s for s in strats if not splits(s.ins, ins) and not splits(s.outs, outs)]
     return kept or strats
 
 
@@ -265,6 +278,8 @@ def _add_ops(cg: CostGraph, wiring: _Wiring, fixed: Fixed, share: BuildShare) ->
     for op, strats in zip(graph.ops, op_strategies):
         if op.id in fixed.unsplit:
             strats = _unsplit(strats, fixed.unsplit[op.id])
+        if op.id in fixed.whole:
+            strats = _whole(strats, *fixed.whole[op.id])
         node = len(cg.choices)
         cg.choices.append(strats)
         cg.refs.append(op)

@@ -24,7 +24,8 @@ from shardc.cost.combine import XLA_CPU, Combiner
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import NdSbp
 from shardc.solve import descent
-from shardc.solve.costgraph import CostGraph, Edge, Fixed, check_cost_graph
+from shardc.solve.costgraph import CostGraph, Edge, check_cost_graph
+from shardc.solve.fixed import Fixed
 from shardc.solve.fold import colour_classes
 from shardc.solve.memory import memory_profile
 from shardc.solve.problem import BuildShare, build

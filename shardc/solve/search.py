@@ -27,7 +27,8 @@ from shardc.ir.graph import Graph
 from shardc.ir.sbp import NdSbp
 from shardc.solve import descent
 from shardc.solve.collector import gc_paused
-from shardc.solve.costgraph import NOTHING_FIXED, CostGraph, Fixed
+from shardc.solve.costgraph import CostGraph
+from shardc.solve.fixed import NOTHING_FIXED, Fixed
 from shardc.solve.fold import expand, quotient
 from shardc.solve.ilp import DEFAULT_TIME_LIMIT, problem_size, solve_ilp
 from shardc.solve.memory import memory_cut, memory_profile

@@ -381,7 +381,7 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh | AbstractMesh,
                static_argnums=None, static_argnames=None, donate_argnums=None,
                donate_argnames=None, cache_dir: str | None = None,
                while_trips: int = DEFAULT_WHILE_TRIPS, pipeline: Pipeline | bool | None = None,
-               rank_compiled: int = 0, offload: bool = True):
+               rank_compiled: int = 0, offload: bool = True, context_parallel: bool = True):
     """Plan and run ``fn`` sharded over ``mesh``, called like ``jax.jit(fn)``.
 
     Usable as ``@auto_shard(mesh=...)``. The search runs to its end, so the plan is the same
@@ -415,6 +415,9 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh | AbstractMesh,
         rank_compiled: With ``Cluster(overlap=True)``, compile this many of the best
             candidates and keep the fastest compiled one; 0: the estimate alone.
         offload: Where the budget binds, state may live in host memory between steps.
+        context_parallel: Attention may be split along its sequence (its keys and values
+            all-gathered, or converted to a split over the heads); False keeps every
+            attention's sequence whole (:func:`shardc.plan.attention.sequence_dims`).
 
     Returns:
         An :class:`AutoSharded` step, or a decorator making one when ``fn`` is None.
@@ -428,7 +431,8 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh | AbstractMesh,
                       seeds=named_seeds(seeds), mesh_search=mesh_search,
                       in_shardings=in_shardings, keep_input_shardings=keep_input_shardings,
                       cache_dir=cache_dir, while_trips=while_trips, pipeline=pipeline,
-                      rank_compiled=rank_compiled, offload=offload)
+                      rank_compiled=rank_compiled, offload=offload,
+                      context_parallel=context_parallel)
 
     def wrap(f):
         return AutoSharded(f, mesh, options, Convention.of(

@@ -76,6 +76,7 @@ class PlanCache:
             "while_trips": options.while_trips,
             "rank_compiled": options.rank_compiled,
             "offload": options.offload,
+            "context_parallel": options.context_parallel,
             "seeds": {name: sorted((k, str(nd)) for k, nd in layouts.items())
                       for name, layouts in sorted(seeds.items())},
             "ties": [list(t) for t in ties],

@@ -80,6 +80,7 @@ class Options:
         rank_compiled: Under overlap, how many of the best candidates are compiled and
             ranked by their compiled programs.
         offload: Where a budget binds, state may live in host memory.
+        context_parallel: Attention may be split along its sequence.
 
     Raises:
         TypeError: For a ``pipeline`` that is none of those.
@@ -98,6 +99,7 @@ class Options:
     pipeline: Pipeline | bool | None = None  # None: the planner's choice; False: never
     rank_compiled: int = 0  # under overlap: the best candidates compiled and ranked so
     offload: bool = True  # where a budget binds, state may live in host memory
+    context_parallel: bool = True  # attention may be split along its sequence
 
     def __post_init__(self):
         """Check the fields (see Raises)."""

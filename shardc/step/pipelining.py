@@ -15,7 +15,7 @@ from shardc.cost.units import fmt_bytes, fmt_time
 from shardc.inspect.hlo import compiled_peak_memory
 from shardc.ir.sbp import NdSbp
 from shardc.plan.record import Plan
-from shardc.solve.costgraph import Fixed
+from shardc.solve.fixed import Fixed
 from shardc.solve.search import MemoryBudgetError
 from shardc.step.calling import Call
 from shardc.step.options import platform_of
@@ -158,7 +158,8 @@ def _pipelined(step, call: Call, tr: TracedCall, plan: Plan, base: Plan, own: bo
     ins, outs = pinned(graph, choice, tr.ties, tr.resident)
     if ins:
         keep = dataclasses.replace(tr, fixed=Fixed({**ins, **tr.fixed.inputs},
-                                                   {**outs, **tr.fixed.outputs}))
+                                                   {**outs, **tr.fixed.outputs},
+                                                   whole=tr.fixed.whole))
         # on the mesh itself (the stage axis is one of its axes), and recomputing no forward
         # segment: a stack in a recomputed segment would run its pipelined forward again in
         # the backward, which the pipeline's price counts once (solve_views, not fastest,

@@ -20,11 +20,12 @@ from shardc.pipeline.lowering import NoStackError
 from shardc.pipeline.routing import scans_as_layers
 from shardc.pipeline.schedule import Pipeline
 from shardc.pipeline.stack import has_stack
+from shardc.plan.attention import sequence_dims
 from shardc.plan.record import Plan, fingerprint
 from shardc.rules.fixed import on_mesh
 from shardc.runtime.multihost import agree
 from shardc.solve.collector import gc_paused
-from shardc.solve.costgraph import Fixed
+from shardc.solve.fixed import Fixed
 from shardc.step.cache import PlanCache
 from shardc.step.calling import Call, abstract_leaf
 from shardc.step.names import input_names, output_names
@@ -65,8 +66,9 @@ class Planned:
             hit = self._traces.get(rkey)
             if hit is None:
                 base = self._traced(call)[1]
-                hit = dataclasses.replace(base, traced=self._own(
-                    rematerialized(base.traced, remat)))
+                traced = self._own(rematerialized(base.traced, remat))
+                hit = dataclasses.replace(base, traced=traced,
+                                          fixed=self._restricted(base.fixed, traced.graph))
                 self._traces[rkey] = hit
             return key, hit
         hit = self._traces.get(key)
@@ -83,12 +85,19 @@ class Planned:
                                          platform=platform_of(self.mesh),
                                          while_trips=self.options.while_trips))
             ties = tie_outputs(call.arg_trees(), traced.out_tree, traced.graph)
-            hit = TracedCall(traced, tuple(ties), fixed_layouts(self, call),
-                          resident_inputs(call.arg_trees(), ties))
+            hit = TracedCall(traced, tuple(ties),
+                             self._restricted(fixed_layouts(self, call), traced.graph),
+                             resident_inputs(call.arg_trees(), ties))
             self._traces[key] = hit
             log.debug("shardc: traced %s in %.2f s", getattr(self.fn, "__name__", "fn"),
                       time.perf_counter() - t0)
         return key, hit
+
+    def _restricted(self, fixed: Fixed, graph) -> Fixed:
+        """``fixed`` with the dims the options forbid splitting in ``graph``: every
+        attention's sequence under ``context_parallel=False``."""
+        whole = {} if self.options.context_parallel else sequence_dims(graph)
+        return dataclasses.replace(fixed, whole=whole)
 
     def _own(self, traced: Traced) -> Traced:
         """``traced`` with the user's constraints on another mesh of these devices read on

@@ -14,7 +14,7 @@ from shardc.ir.sbp import Broadcast, NdSbp, from_partition_spec
 from shardc.ir.trace import Traced
 from shardc.lower.emit import explicit_axes
 from shardc.rules.registry import is_pinned
-from shardc.solve.costgraph import Fixed
+from shardc.solve.fixed import Fixed
 from shardc.step.calling import Call, abstract_leaf, placement
 from shardc.step.seeds import seed_layouts
 

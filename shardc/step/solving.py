@@ -23,7 +23,8 @@ from shardc.plan.attention import attention_forms
 from shardc.plan.overlap import ranking_time
 from shardc.plan.record import Plan
 from shardc.rules.registry import has_rule, warn_missing
-from shardc.solve.costgraph import NOTHING_FIXED, CostGraph
+from shardc.solve.costgraph import CostGraph
+from shardc.solve.fixed import Fixed
 from shardc.solve.reuse import Reuse
 from shardc.solve.search import MemoryBudgetError, SolveOptions, plan_graph
 from shardc.step.ahead import compile_ahead
@@ -362,8 +363,10 @@ def _view_plan(step, tr: TracedCall, view: View, sopts: SolveOptions, is_physica
     cluster)."""
     graph = tr.traced.graph
     objective = view.cluster if search is None else search.cluster
+    # another view keeps only the ops' restrictions: the layouts pinned are the mesh's
+    fixed = tr.fixed if is_physical else Fixed(whole=tr.fixed.whole)
     cg, sol = plan_graph(graph, view.shape, view.names, objective, sopts,
-                         ties=tr.ties, fixed=tr.fixed if is_physical else NOTHING_FIXED,
+                         ties=tr.ties, fixed=fixed,
                          resident=tr.resident, reuse=reuse)
     on = cg if objective is view.cluster else own
     if [len(c) for c in on.choices] != [len(c) for c in cg.choices]:

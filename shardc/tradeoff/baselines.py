@@ -49,7 +49,7 @@ from shardc.plan.assemble import assemble
 from shardc.plan.record import Plan, Predicted
 from shardc.solve import descent
 from shardc.solve.collector import gc_paused
-from shardc.solve.costgraph import NOTHING_FIXED, Fixed
+from shardc.solve.fixed import NOTHING_FIXED, Fixed
 from shardc.solve.problem import build
 from shardc.solve.reuse import Reuse
 from shardc.solve.search import Status
