@@ -463,3 +463,42 @@ def test_mlp_data_parallel_step_has_one_combined_all_reduce():
     assert (c.kind, c.group_size, c.axes) == ("all-reduce", 4, ("data",))
     assert len(c.shapes) == 2 * config.n_layers + 1  # kernels, biases and the loss
     assert c.result_bytes == grad_bytes + F32 == 6 * (32 * 32 + 32) * F32 + F32
+
+
+def test_bf16_collectives_xla_cpu_widens_read_as_the_bf16_ones_planned():
+    """XLA:CPU moves bf16 through f32 collectives (converts around them, its reduce-scatter
+    an f32 all-reduce combined with others, then converted and sliced); read back, every
+    kind the plan chose is matched at the bytes it planned."""
+    import optax
+
+    import shardc
+
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+    ks = jax.random.split(jax.random.key(0), 5)
+    params = [jax.random.normal(k, (512, 512), jnp.bfloat16) * 0.05 for k in ks[:4]]
+    opt = optax.adam(1e-3)
+    state, x = opt.init(params), jax.random.normal(ks[4], (2048, 512), jnp.bfloat16)
+
+    def step(params, state, x):
+        def loss(p):
+            h = x
+            for w in p:
+                h = jnp.tanh(h @ w)
+            return jnp.mean(h.astype(jnp.float32) ** 2)
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, value
+
+    free = shardc.auto_shard(step, mesh=mesh).plan(params, state, x)
+    sharded = shardc.auto_shard(step, mesh=mesh, memory_budget=free.predicted.peak_memory / 1.5)
+    plan = sharded.plan(params, state, x)
+    compiled = sharded.lower(params, state, x).compile()
+    assert "f32[512,512]{1,0} all-gather(" in compiled.as_text()  # widened by XLA:CPU
+    check = plan.verify(compiled, sharded.mesh_for(plan))
+    kinds = {r.kind for r in check.rows}
+    assert {"all-gather", "reduce-scatter"} <= kinds and not check.unplanned and \
+        not check.missing, check.report()
+    for r in check.rows:
+        assert r.compiled_bytes == pytest.approx(r.planned_bytes, rel=0.01), check.report()
+    assert check.compiled_comm_time == pytest.approx(check.predicted_comm_time, rel=0.05)

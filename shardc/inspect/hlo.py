@@ -37,21 +37,9 @@ also ``device.id == i``; on a permuted mesh it is not, and the position is what 
 are the connected components of those pairs (a shift along one mesh axis gives that axis's
 lines).
 
-The CPU reduce-scatter
-----------------------
-XLA:CPU has no reduce-scatter rewrite for partitioned programs: a ``P → S`` conversion
-compiles to a full ``all-reduce`` whose only user keeps ``1/n`` of it, a ``dynamic-slice``
-(or ``slice``) indexed by ``partition-id``, often inside a fusion
-(``%bitcast_dynamic-slice_fusion = f32[32,16] fusion(%all-reduce, ...)``) and possibly behind
-``bitcast``/``reshape``/``copy``. :func:`collectives` follows the users of each single-array
-all-reduce inside its computation (into fused computations through their parameters) and,
-when the kept slice is ``1/group_size`` of the result, reports a ``reduce-scatter`` of the
-slice's size with ``from_all_reduce=True``: what a backend with the rewrite would run, and
-what the planner predicts for ``P → S``. (``shard_map``'s ``psum_scatter`` does print a real
-``reduce-scatter`` on CPU.) Only a synchronous ``all-reduce`` (XLA:CPU's) is read so:
-XLA:GPU rewrites the scatters it can, and an ``all-reduce-start`` whose users slice it is
-its combined all-reduce unpacked into its members (four equal gradients combined over four
-devices, each member a quarter of the buffer), which runs whole.
+XLA:CPU's rewrites of a collective (a reduce-scatter run as an all-reduce and a slice,
+16-bit floats moved as ``f32``) are read back as the collective a backend without them runs
+(:mod:`shardc.inspect.cpuforms`).
 
 Async forms ``<kind>-start`` count as their kind, ``-done`` (and ``-update``) never count;
 a generic ``async-start`` is not a collective itself, the op in the async computation it
@@ -74,6 +62,7 @@ from shardc.cost import comm
 from shardc.cost.cluster import Cluster
 from shardc.errors import OptionsTypeError
 from shardc.inspect.collective import HloCollective
+from shardc.inspect.cpuforms import narrowed, split_scatters
 from shardc.inspect.groups import group_axes, group_spans, instruction_groups
 from shardc.inspect.hlotext import (
     Computation,
@@ -81,7 +70,6 @@ from shardc.inspect.hlotext import (
     parse_module,
     result_shapes,
     shape_bytes,
-    shape_tree,
 )
 from shardc.inspect.loops import loop_extra_flops, multiplicity
 from shardc.inspect.schedule import replay_flops, schedule
@@ -130,83 +118,6 @@ class CompiledCost:
         return self.comm_time + self.compute_time + self.host_time
 
 
-# ---- the CPU reduce-scatter pattern ----------------------------------------------------------
-
-_PASS_THROUGH = frozenset({"bitcast", "reshape", "copy", "transpose"})
-_CALLS = re.compile(r"calls=%?([^\s,}]+)")
-_INDEX = re.compile(r"\bindex=(\d+)")
-
-
-def _kept_slice(comps: Mapping[str, Computation], comp: Computation, name: str,
-                full_bytes: int, n: int) -> str | None:
-    """Shape of the ``1/n`` slice that every use of ``name`` keeps, if every use keeps the
-    same one: each user is a (dynamic-)slice of it, a pass-through op whose uses do so, or a
-    fusion whose parameter does so (optimizer fusions read their slice of a gradient this
-    way, several of them per gradient)."""
-    users = comp.users.get(name, [])
-    kept: set[str] = set()
-    for user_name in users:
-        user = comp.instructions[user_name]
-        if user.opcode in _PASS_THROUGH:
-            k = _kept_slice(comps, comp, user.name, full_bytes, n)
-        elif user.opcode in ("dynamic-slice", "slice"):
-            tree = shape_tree(user.shape)
-            ok = user.operands[:1] == (name,) and name not in user.operands[1:]
-            ok = ok and isinstance(tree, str) and shape_bytes(tree) * n == full_bytes
-            k = tree if ok else None
-        elif user.opcode == "fusion":
-            callee = _CALLS.search(user.attrs)
-            if callee is None or callee.group(1) not in comps:
-                return None
-            inner = comps[callee.group(1)]
-            slots = [i for i, op in enumerate(user.operands) if op == name]
-            params = [inner.parameter(i) for i in slots]
-            if not params or any(p is None for p in params):
-                return None
-            ks = {_kept_slice(comps, inner, p.name, full_bytes, n) for p in params}
-            k = ks.pop() if len(ks) == 1 else None
-        else:
-            return None
-        if k is None:
-            return None
-        kept.add(k)
-    return kept.pop() if len(kept) == 1 else None
-
-
-def _tuple_parts(comp: Computation, instr: Instruction) -> dict[int, list[str]] | None:
-    """Tuple index -> names of the get-tuple-elements reading it, when those are the only
-    users of ``instr`` (else None)."""
-    parts: dict[int, list[str]] = {}
-    for user_name in comp.users.get(instr.name, []):
-        user = comp.instructions[user_name]
-        index = _INDEX.search(user.attrs)
-        if user.opcode != "get-tuple-element" or index is None:
-            return None
-        parts.setdefault(int(index.group(1)), []).append(user.name)
-    return parts
-
-
-def _split_scatters(comps: Mapping[str, Computation], comp: Computation, instr: Instruction,
-                    shapes: tuple[str, ...], n: int) -> tuple[list[str], list[str]]:
-    """(shapes all-reduced, kept slices reduce-scattered) of an all-reduce's elements. A
-    tuple all-reduce is XLA's combination of several; each element whose every use keeps
-    ``1/n`` of it is the reduce-scatter a backend with that rewrite would run."""
-    if len(shapes) == 1:
-        kept = _kept_slice(comps, comp, instr.name, shape_bytes(shapes[0]), n)
-        return ([], [kept]) if kept is not None else (list(shapes), [])
-    parts = _tuple_parts(comp, instr)
-    reduced, scattered = [], []
-    for i, shape in enumerate(shapes):
-        names = (parts or {}).get(i, [])
-        slices = {_kept_slice(comps, comp, g, shape_bytes(shape), n) for g in names}
-        kept = slices.pop() if parts is not None and len(slices) == 1 else None
-        if kept is None:
-            reduced.append(shape)
-        else:
-            scattered.append(kept)
-    return reduced, scattered
-
-
 # ---- collectives -----------------------------------------------------------------------------
 
 
@@ -243,8 +154,8 @@ def _collectives_of(comps: Mapping[str, Computation], comp: Computation,
                              tuple(shapes), size, groups, axes, from_ar, comp.name)
 
     if instr.opcode != "all-reduce" or size == 1:  # an async all-reduce (XLA:GPU's) runs whole
-        return [make(kind, shapes)]
-    reduced, scattered = _split_scatters(comps, comp, instr, shapes, size)
+        return [make(kind, narrowed(comps, comp, instr, shapes))]
+    reduced, scattered = split_scatters(comps, comp, instr, shapes, size)
     out = [make("all-reduce", reduced)] if reduced else []
     if scattered:
         out.append(make("reduce-scatter", scattered, from_ar=True))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from shardc.errors import HloError
 
 __all__ = ["Computation", "Instruction", "leaves", "parse_module", "result_shapes",
-           "shape_bytes", "shape_tree", "ShapeTree"]
+           "shape_bytes", "shape_dtype", "shape_elements", "shape_tree", "ShapeTree"]
 
 ShapeTree = str | tuple["ShapeTree", ...]
 
@@ -160,15 +160,30 @@ def leaves(tree: ShapeTree) -> tuple[str, ...]:
     return tuple(leaf for t in tree for leaf in leaves(t))
 
 
-def shape_bytes(shape: str) -> int:
-    """Bytes of one array shape string such as ``"f32[32,256]"`` (layout optional)."""
+def _dtype_dims(shape: str) -> tuple[str, int]:
     m = _LEAF.match(shape.strip())
     if m is None:
         raise HloError(f"unrecognised HLO array shape {shape!r}")
     dtype, dims = m.groups()
+    return dtype, math.prod(int(d.strip().removeprefix("<=")) for d in dims.split(",")
+                            if d.strip())
+
+
+def shape_dtype(shape: str) -> str:
+    """The element type of one array shape string: ``"bf16"`` for ``"bf16[8,16]{1,0}"``."""
+    return _dtype_dims(shape)[0]
+
+
+def shape_elements(shape: str) -> int:
+    """Elements of one array shape string such as ``"f32[32,256]"`` (layout optional)."""
+    return _dtype_dims(shape)[1]
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of one array shape string such as ``"f32[32,256]"`` (layout optional)."""
+    dtype, n = _dtype_dims(shape)
     if dtype not in _DTYPE_BITS:
         raise HloError(f"unknown HLO element type {dtype!r} in shape {shape!r}")
-    n = math.prod(int(d.strip().removeprefix("<=")) for d in dims.split(",") if d.strip())
     return math.ceil(n * _DTYPE_BITS[dtype] / 8)
 
 
