@@ -50,6 +50,7 @@ from shardc.lower.partial import (
 )
 from shardc.lower.stacking import StackedSums, own_ops
 from shardc.pipeline.lowering import Stacks, made_by
+from shardc.rules.conv import local_groups
 
 __all__ = ["DEVICE", "HOST", "conversion_steps", "evaluator", "explicit_axes", "jit_plan",
            "sharding", "to_memory"]
@@ -214,7 +215,8 @@ class _Lowering(ControlFlow, StackedSums):
             outs = args  # the user's layout is the plan's: constrained just below
         elif facts(op.name).per_device and _split_whole(planned):
             outs = self._per_device(eqn, op, planned, args)
-        elif _split_whole(planned) and (local := self._local_groups(op, planned)) is not None:
+        elif _split_whole(planned) and (local := local_groups(
+                op, planned.ins[0], self.plan.axis_sizes)) is not None:
             outs = self._per_device(eqn, op, planned, args, local)
         else:
             outs = bind_eqn(eqn, args)
@@ -227,7 +229,7 @@ class _Lowering(ControlFlow, StackedSums):
         """``eqn`` (with ``params`` in place of its own, if given) run on each device's
         pieces (``shard_map`` over the planned layouts): for a primitive XLA would gather
         whole instead (:attr:`shardc.ir.prims.Prim.per_device`), and for a grouped
-        convolution split along its groups (:meth:`_local_groups`)."""
+        convolution split along its groups (:func:`shardc.rules.conv.local_groups`)."""
         names = self.mesh.axis_names
 
         def specs(nds, values):
@@ -237,26 +239,6 @@ class _Lowering(ControlFlow, StackedSums):
                                   in_specs=specs(planned.ins, op.inputs),
                                   out_specs=list(specs(planned.outs, op.outputs)),
                                   check_vma=False)(*args))
-
-    def _local_groups(self, op, planned) -> dict | None:
-        """A grouped convolution (``feature_group_count`` or ``batch_group_count`` ``G >
-        1``) whose plan splits its groups over ``n`` devices: its params on each device's
-        pieces, ``G / n`` groups. XLA's partitioner does not run that split where it is
-        (a per-example kernel gradient under ``jax.vmap`` compiled to an all-to-all the
-        plan did not price), so the lowering runs it per device. None for any other op."""
-        if op.name != "conv_general_dilated":
-            return None
-        groups = {k: int(op.params[k]) for k in ("feature_group_count", "batch_group_count")}
-        key = next((k for k, g in groups.items() if g > 1), None)
-        if key is None:
-            return None
-        lhs_spec = op.params["dimension_numbers"].lhs_spec
-        dim = lhs_spec[1] if key == "feature_group_count" else lhs_spec[0]
-        n = 1
-        for a, s in enumerate(planned.ins[0].sbps):
-            if isinstance(s, Split) and s.dim == dim:
-                n *= self.plan.axis_sizes[a]
-        return {**op.params, key: groups[key] // n} if n > 1 else None
 
     def _gate(self, eqn, op, planned, args: list) -> list:
         """A recomputation's gate (:func:`shardc.ir.remat.is_gate`): the select runs in the

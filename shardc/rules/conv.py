@@ -33,15 +33,16 @@ References:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
 from shardc.ir.graph import Op
-from shardc.ir.sbp import B, P, Split
+from shardc.ir.sbp import B, NdSbp, P, Split
 from shardc.rules.registry import Signature, register
 from shardc.rules.shape import is_numeric
 
-__all__ = ["conv_flops", "conv_rule", "conv_specs", "TAP_COUNT_LIMIT"]
+__all__ = ["conv_flops", "conv_rule", "conv_specs", "local_groups", "TAP_COUNT_LIMIT"]
 
 
 def conv_specs(op: Op) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
@@ -114,3 +115,25 @@ def conv_rule(op: Op) -> list[Signature]:
         sigs.append(Signature((P, B), (P,)))
         sigs.append(Signature((B, P), (P,)))
     return sigs
+
+
+def local_groups(op: Op, lhs: NdSbp, axis_sizes: Sequence[int]) -> dict | None:
+    """A grouped convolution (``feature_group_count`` or ``batch_group_count`` ``G > 1``)
+    whose ``lhs`` layout splits its groups over ``n`` devices: its params on each device's
+    pieces, ``G / n`` groups (None for any other op or layout).
+
+    XLA's partitioner does not run that split where it is (a per-example kernel gradient
+    under ``jax.vmap`` compiles to an all-to-all), so the lowering runs it per device
+    (``shardc.lower.emit``) with these params.
+    """
+    if op.name != "conv_general_dilated":
+        return None
+    groups = {k: int(op.params.get(k, 1)) for k in ("feature_group_count", "batch_group_count")}
+    key = next((k for k, g in groups.items() if g > 1), None)
+    if key is None:
+        return None
+    (lb, lf, *_), _, _ = conv_specs(op)
+    dim = lf if key == "feature_group_count" else lb
+    n = math.prod(axis_sizes[a] for a, s in enumerate(lhs.sbps)
+                  if isinstance(s, Split) and s.dim == dim)
+    return {**op.params, key: groups[key] // n} if n > 1 else None
