@@ -6,6 +6,7 @@ import re
 
 import jax
 import optax
+import pytest
 from flax import nnx
 from helpers import assert_close
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
@@ -14,6 +15,7 @@ from shardc.bench import harness
 from shardc.bench.experts import Expert, compile_expert, preset_experts, state_specs
 from shardc.bench.zoo import PRESETS, ZOO
 from shardc.cost.cluster import Cluster
+from shardc.errors import BenchError
 from shardc.models import common, mlp
 from shardc.tradeoff.views import views
 
@@ -29,7 +31,8 @@ def _checked(model: str, expert: Expert, mesh=None):
     fn, (state, batch), want = harness._tiny(model)
     _, lowered = compile_expert(fn, state, batch, mesh, expert, zm.load().param_axes)
     compiled = lowered.compile()
-    assert_close(compiled(state, batch), want, lr=harness._tiny_lr(zm), what=expert.name)
+    args = jax.device_put((state, batch), compiled.input_shardings[0])  # offloaded: on host
+    assert_close(compiled(*args), want, lr=harness._tiny_lr(zm), what=expert.name)
     return lowered, compiled
 
 
@@ -215,3 +218,17 @@ def test_pipelined_experts_run_the_deep_stack_as_gpipe_over_the_slow_axis():
         assert specs["params"]["layers"]["mlp"]["up"]["kernel"][0] == "node", name
         sends = [c for c in collectives(compiled, mesh) if c.kind == "collective-permute"]
         assert any(c.axes == ("node",) for c in sends), name
+
+
+def test_offloading_experts_keep_the_optimizer_state_in_host_memory():
+    for name in ("zero-offload", "fsdp-offload"):
+        expert = _expert("mlp-offload", name)
+        _, compiled = _checked("mlp-offload", expert)  # equal to the unsharded step
+        state = compiled.input_shardings[0][0]
+        assert {s.memory_kind for s in jax.tree.leaves(state["opt"])} == {"pinned_host"}
+        assert {s.memory_kind for s in jax.tree.leaves(state["params"])} == {"device"}
+        assert "S(5)" in compiled.as_text()  # host-resident buffers in the compiled program
+    assert not any(e.offload for e in harness.experts(ZOO["mlp"], PRESETS["node-8"]))
+    with pytest.raises(BenchError, match="no host memory"):  # XLA:GPU's compile drops it
+        harness.run_expert(ZOO["mlp-offload"], PRESETS["node-8"], expert, "tiny", False,
+                           compiler="gpu")

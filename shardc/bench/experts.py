@@ -99,6 +99,9 @@ class Traits:
     seq: bool = False
     stack: bool = False
     loss: bool = False
+    #: a model whose state outgrows its devices (the zoo's ``offload`` flag): the
+    #: offloading forms too
+    offload: bool = False
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,9 @@ class Expert:
     first: tuple[str, ...] = ()  # logical names that take their mesh axes before the rest
     #: the stack run as this pipeline (written by hand, :func:`_runner`); None: a scan
     pipeline: Pipeline | None = None
+    #: the optimizer state lives in host memory between steps, moved to the devices for
+    #: the update and back (:func:`compile_expert`)
+    offload: bool = False
 
     def mesh(self, physical: Mesh) -> Mesh:
         """The view's mesh over ``physical``'s devices."""
@@ -132,6 +138,15 @@ def _zero(name: str, over, batch, view: View) -> Expert:
     optimizer state updates, and a one-step program keeps no gradient buffer past the
     update, which is what ZeRO-2 shards."""
     return Expert(name, {}, {"batch": batch}, view, opt=_on(over, FSDP))
+
+
+def _offloaded(every, view: View) -> list[Expert]:
+    """The optimizer state in host memory, sharded over every device: ZeRO-Offload
+    (Ren et al. 2021: ZeRO-2 with the optimizer state on the host; here the update runs
+    on the devices, the state moved there for it and back) and FSDP with the state
+    offloaded (PyTorch FSDP's ``CPUOffload``, parameters kept on the devices)."""
+    return [dataclasses.replace(_zero("zero-offload", every, every, view), offload=True),
+            Expert("fsdp-offload", _on(every, FSDP), {"batch": every}, view, offload=True)]
 
 
 def _tp(name: str, params, acts, view: View, tp, traits: Traits,
@@ -175,6 +190,8 @@ def experts_for(view: View, traits: Traits = Traits(), whole: bool = True,
         if traits.moe:
             out.append(Expert("expert-parallel", {"expert": every},
                               {"expert": every, "batch": every}, view))
+        if traits.offload:
+            out += _offloaded(every, view)
     if len(names) == 2:
         a, b = names
         k = view.shape[1]
@@ -304,7 +321,8 @@ def seed_experts(mesh: Mesh, cluster: Cluster, traits: Traits = Traits()) -> lis
     """The experts expressible on ``mesh`` itself (its own axes): what shardc is seeded
     with when it plans on that mesh."""
     view = View(tuple(mesh.devices.shape), tuple(mesh.axis_names), cluster)
-    return experts_for(view, traits, whole=True, node_local=_slow_outer(view))
+    return [e for e in experts_for(view, traits, whole=True, node_local=_slow_outer(view))
+            if not e.offload]  # a seed is layouts only
 
 
 def _keys(path) -> tuple[str, ...]:
@@ -359,12 +377,26 @@ def compile_expert(step: Callable, state, batch, physical: Mesh, expert: Expert,
     named = lambda t: jax.tree.map(lambda s: NamedSharding(mesh, s), t)  # noqa: E731
     st = named(state_specs(state, mesh, expert, param_axes))
     bt = named(batch_specs(batch, mesh, expert))
+    on_device = st
+
     def run(state, batch):  # a function of its own: jax.jit's trace cache does not know
-        return step(state, batch)  # the activation rules (-sp forms differ by them alone)
+        if expert.offload:  # the state to the devices for the step, then back
+            state = {**state, "opt": jax.device_put(state["opt"], on_device["opt"])}
+        new, loss = step(state, batch)  # the activation rules (-sp forms differ by them)
+        if expert.offload:
+            new = {**new, "opt": jax.device_put(new["opt"], st["opt"])}
+        return new, loss
+
+    if expert.offload:
+        st = {**st, "opt": jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), st["opt"])}
 
     jitted = jax.jit(run, in_shardings=(st, bt),
                      out_shardings=(st, NamedSharding(mesh, PartitionSpec())))
     with axis_rules(mesh, expert.acts), (running(*_runner(expert, mesh)) if expert.pipeline
                                          else contextlib.nullcontext()):
+        if expert.offload:  # lowered for arguments placed as it wants, not as given
+            state, batch = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type),
+                (state, batch))
         lowered = jitted.lower(state, batch)
     return jitted, lowered

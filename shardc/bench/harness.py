@@ -353,6 +353,10 @@ def expert_seeds(zm: ZooModel, mesh, preset: Preset, args, mesh_search: bool) ->
 def run_expert(zm: ZooModel, preset: Preset, expert: Expert, which: str, check: bool,
                compiler: str = "cpu") -> Cell:
     cell = Cell(zm.name, preset.name, expert.name, compiler=compiler)
+    if expert.offload and compiler != "cpu":
+        raise BenchError(f"{expert.name}: XLA:GPU's ahead-of-time compile for devices this "
+                         "machine lacks has no host memory (pinned_host compiles as device "
+                         "memory); run offloading cells with --compiler cpu")
     mod, mesh = zm.load(), make_mesh(preset, compiler)
     cell.mesh = expert.view.label
     cfg = zm.config(which, preset.devices)
@@ -364,7 +368,9 @@ def run_expert(zm: ZooModel, preset: Preset, expert: Expert, which: str, check: 
         tiny_fn, (state, batch), want = _tiny(zm.name)
         _, low = compile_expert(tiny_fn, state, batch, make_mesh(preset), expert,
                                 mod.param_axes)
-        cell.matched = _close(low.compile()(state, batch), want, _tiny_lr(zm))
+        compiled = low.compile()  # placed as it wants them (offloaded state on the host)
+        args = jax.device_put((state, batch), compiled.input_shardings[0])
+        cell.matched = _close(compiled(*args), want, _tiny_lr(zm))
     return cell
 
 
@@ -399,7 +405,7 @@ def traits(zm: ZooModel) -> Traits:
     cfg = zm.config("tiny")
     return Traits(moe=zm.moe, vocab=hasattr(cfg, "vocab"), seq=hasattr(cfg, "seq_len"),
                   stack=getattr(cfg, "stack_layers", False),
-                  loss=getattr(cfg, "loss_in_stack", False))
+                  loss=getattr(cfg, "loss_in_stack", False), offload=zm.offload)
 
 
 def run_cell(zm: ZooModel, preset: Preset, method: str, which: str, check: bool,

@@ -59,6 +59,13 @@ LEGEND: tuple[tuple[str, str, str], ...] = (
     ("`maxtext-circularS-x-fsdpK`", r"maxtext-circular\d+-x-fsdp\d+",
      "MaxText's pipeline as its defaults configure it: circular over S nodes, one layer "
      "per stage per pass, S micro-batches, FSDP over the K devices within the node"),
+    ("`zero-offload`", r"zero-offload",
+     "ZeRO-Offload: parameters replicated, the optimizer state sharded over every device "
+     "and kept in host memory between steps (moved to the devices for the update), the "
+     "batch split"),
+    ("`fsdp-offload`", r"fsdp-offload",
+     "FSDP with the optimizer state in host memory between steps (PyTorch FSDP's "
+     "`CPUOffload`), the parameters sharded on the devices"),
     ("`shardc`", r"shardc",
      "shardc's default plan (NCCL's collective model, communication overlapped)"),
     ("`shardc+serial`", r"shardc\+serial",
