@@ -117,11 +117,11 @@ class MemoryBudgetError(ShardcError, ValueError):
     ``predicted``: set where plans predicted within the budget all compiled over it
     (:func:`shardc.step.solving.compiled_within`): the predicted peak of the one whose
     compiled peak (``found``) is the least; ``needed`` is then the budget raised by what
-    that prediction missed, an estimate."""
+    that prediction missed, an estimate. ``hint``: another way to fit, appended."""
 
     def __init__(self, budget: float, needed: int, found: float | None = None,
-                 predicted: float | None = None):
-        self.budget, self.needed, self.predicted = budget, needed, predicted
+                 predicted: float | None = None, hint: str = ""):
+        self.budget, self.needed, self.predicted, self.hint = budget, needed, predicted, hint
         self.found = needed if found is None else min(found, needed)
         if predicted is None:
             why = (f"no plan fits memory_budget={fmt_bytes(budget)} per device; the leanest "
@@ -135,7 +135,11 @@ class MemoryBudgetError(ShardcError, ValueError):
                    f"the prediction missed is about {fmt_bytes(needed, up=True)}")
             fix = ("Raise the budget to that, recompute activations in the backward pass "
                    "(jax.checkpoint around the layers), use more devices, or shrink the batch.")
-        super().__init__(f"{why} (memory_budget={needed}). {fix}")
+        super().__init__(f"{why} (memory_budget={needed}). {fix}" + (f" {hint}" if hint else ""))
+
+    def hinted(self, hint: str) -> MemoryBudgetError:
+        """This error with ``hint`` appended to its fix."""
+        return MemoryBudgetError(self.budget, self.needed, self.found, self.predicted, hint)
 
 
 # ---- pipelines ------------------------------------------------------------------------------

@@ -147,6 +147,15 @@ def test_context_parallel_false_keeps_every_attentions_sequence_whole(mesh):
     _equal(step, fn, (params, x))
 
 
+def test_a_budget_only_a_sequence_split_meets_names_context_parallel_in_its_error(mesh):
+    params, x = _args(heads=2, kv=1)  # fewer heads than devices
+    fn = _grad_step()
+    budget = shardc.auto_shard(fn, mesh=mesh).plan(params, x).predicted.peak_memory / 4
+    with pytest.raises(shardc.MemoryBudgetError, match="context_parallel=True"):
+        shardc.auto_shard(fn, mesh=mesh, memory_budget=budget,
+                          context_parallel=False).plan(params, x)
+
+
 def test_the_sequence_is_followed_back_to_the_projections_through_rotary_embeddings():
     cfg = llama.LlamaConfig(seq_len=64, batch=1, n_layers=1)
     fn, (state, batch) = llama.make_train_step(cfg)

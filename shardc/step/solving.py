@@ -71,11 +71,21 @@ def solve(step, call: Call, tr: TracedCall, candidates: list[View],
     :mod:`shardc.step.pipelining`)."""
     reuse = Reuse()  # the cost graphs, built once for every budget planned below
     try:
-        plan = fastest(step, call, tr, candidates, seeds, opts, reuse)
+        try:
+            plan = fastest(step, call, tr, candidates, seeds, opts, reuse)
+        except MemoryBudgetError as exc:
+            raise leanest(step, call, tr, candidates, seeds, opts, exc, reuse) from None
+        return checked(step, call, tr, candidates, seeds, opts, plan, reuse) if compiled \
+            else plan
     except MemoryBudgetError as exc:
-        raise leanest(step, call, tr, candidates, seeds, opts, exc, reuse) from None
-    return checked(step, call, tr, candidates, seeds, opts, plan, reuse) if compiled \
-        else plan
+        if not tr.fixed.whole or exc.hint:
+            raise
+        raise exc.hinted(_WHOLE_SEQUENCE) from None
+
+
+#: the fix a budget error adds where ``context_parallel=False`` kept attention whole
+_WHOLE_SEQUENCE = ("Or allow context parallelism (context_parallel=True, the default): "
+                   "context_parallel=False keeps every attention's sequence whole.")
 
 
 def checked(step, call: Call, tr: TracedCall, candidates: list[View],
