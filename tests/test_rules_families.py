@@ -55,6 +55,15 @@ def test_reshape_merge_and_unit_dims():
     assert sig([S(1)], [S(2)]) in sigs
 
 
+def test_reshape_with_dimensions_splits_through_its_transpose():
+    """``lax.reshape(x, sizes, dimensions)`` (``jax.vmap`` of a convolution emits it)
+    transposes by ``dimensions`` first: a kept group splits along its major dim there."""
+    sigs = check_all(lambda x: jax.lax.reshape(x, (6, 32), dimensions=(1, 0, 2)), f32(4, 6, 8),
+                     name="reshape")
+    assert sig([S(1)], [S(0)]) in sigs and sig([S(0)], [S(1)]) in sigs
+    assert sig([S(0)], [S(0)]) not in sigs
+
+
 def test_broadcast_in_dim():
     sigs = check_all(lambda x: jnp.broadcast_to(x, (4, 8, 6)), f32(4, 1, 6),
                      name="broadcast_in_dim")

@@ -104,13 +104,18 @@ def _major(dims: list[int], shape: Sequence[int]) -> int | None:
 
 @register("reshape")
 def reshape_rule(op: Op) -> list[Signature]:
+    """Each group of dims the reshape keeps together splits along its major dim. With
+    ``dimensions`` (what ``jax.vmap`` of a convolution emits) the operand is transposed
+    by it first, so a group's major dim is read through that permutation."""
     x, out = op.inputs[0], op.outputs[0]
+    order = op.params.get("dimensions") or tuple(range(x.ndim))
+    shape = tuple(x.shape[d] for d in order)
     sigs = []
-    if op.params.get("dimensions") is None and 0 not in x.shape:
-        for gi, gj in reshape_groups(x.shape, out.shape):
-            a, b = _major(gi, x.shape), _major(gj, out.shape)
+    if 0 not in x.shape:
+        for gi, gj in reshape_groups(shape, out.shape):
+            a, b = _major(gi, shape), _major(gj, out.shape)
             if a is not None and b is not None:
-                sigs.append(_sig(op, Split(a), Split(b)))
+                sigs.append(_sig(op, Split(order[a]), Split(b)))
     return sigs + _partial(op)
 
 
