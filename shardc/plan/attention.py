@@ -181,11 +181,15 @@ def sequence_dims(graph: Graph) -> dict[int, tuple[tuple[frozenset[int], ...],
     inputs and of its outputs that run along a sequence.
 
     Those are the scores' query and key sequence dims (the K/V all-gathered and keys-split
-    forms split them), the output product's probabilities (both sequences) and values
-    (the keys' sequence), and the sequence dim of the query, key and value projections
-    feeding the attention (the all-to-all form splits those and converts to heads).
+    forms split them), the softmax between them and the output product (its values of
+    the scores' rank along both sequences, those reduced over the keys along the
+    queries'), the output product's probabilities, values and result, and the queries',
+    keys' and values' way from their projections (the all-to-all form splits those along
+    the sequence and converts to heads): each op on it, the projection included, along
+    the dim that becomes the sequence.
     """
     by_id = {op.id: op for op in graph.ops}
+    consumers = graph.consumers()
     out: dict[int, tuple[list[frozenset[int]], list[frozenset[int]]]] = {}
 
     def add(op: Op, ins: dict[int, set[int]], outs: dict[int, set[int]]) -> None:
@@ -197,20 +201,118 @@ def sequence_dims(graph: Graph) -> dict[int, tuple[tuple[frozenset[int], ...],
 
     for att in find_attention(graph):
         scores, product = by_id[att.scores], by_id[att.output]
-        qs, ks, _ = _dims(scores)
-        add(scores, {0: {qs}, 1: {ks}}, {})
-        contracted, batched = product.params["dimension_numbers"]
-        # which operand is the probabilities
-        p = 0 if product.inputs[0].id in _reached(scores, graph.consumers()) else 1
-        vc = contracted[1 - p]
-        add(product, {p: set(range(product.inputs[p].ndim)) - set(batched[p]),
-                      1 - p: set(vc)}, {})
+        qs, ks, batch = _dims(scores)
+        q_dim, k_dim = _result_dims(scores, qs, ks)
+        add(scores, {0: {qs}, 1: {ks}}, {0: {q_dim, k_dim}})
+        along = _softmax_dims(scores, q_dim, k_dim, consumers, add)
+        p = 0 if product.inputs[0].id in along else 1  # which operand is the probabilities
+        seq = along.get(product.inputs[p].id, frozenset())
+        (lc, rc), (lb, rb) = product.params["dimension_numbers"]
+        mine, other = (lc, rc) if p == 0 else (rc, lc)
+        vc = [o for m, o in zip(mine, other) if m in seq]  # the values' sequence dims
+        # the result: batch dims, the lhs's free dims, the rhs's, each in operand order
+        frees = [[d for d in range(v.ndim) if d not in c and d not in b]
+                 for v, c, b in ((product.inputs[0], lc, lb), (product.inputs[1], rc, rb))]
+        base = len(lb) + (0 if p == 0 else len(frees[0]))
+        out_q = {base + k for k, d in enumerate(frees[p]) if d in seq}
+        add(product, {p: set(seq), 1 - p: set(vc)}, {0: out_q})
         for v, dim in ((scores.inputs[0], qs), (scores.inputs[1], ks),
                        (product.inputs[1 - p], vc[0] if vc else -1)):
-            made = _made_along(v, dim)
-            if made is not None:
-                add(made[0], {}, {0: {made[1]}})
+            for op, d in _made_along(v, dim):
+                add(op, {}, {0: {d}})
     return {i: (tuple(ins), tuple(outs)) for i, (ins, outs) in out.items()}
+
+
+def _softmax_dims(scores: Op, q_dim: int, k_dim: int, consumers: dict, add
+                  ) -> dict[int, frozenset[int]]:
+    """The softmax's ops and its gradient's: from the scores' result (its query and key
+    sequence dims ``q_dim``, ``k_dim``), every value reached through the ops a softmax is
+    made of, forward to their readers and back to the operands they combine with (the
+    backward pass's ``dP``, made by a ``dot_general``), each output held along the dims
+    the sequences become there. Returns value id -> those dims."""
+    along = {scores.outputs[0].id: frozenset({q_dim, k_dim})}
+    work = [scores.outputs[0]]
+    for _ in range(_DEPTH * 4):
+        if not work:
+            break
+        v = work.pop()
+        dims = along[v.id]
+        for op, k in consumers.get(v.id, ()):
+            if op.name == "dot_general" or not _passes(op) or len(op.outputs) != 1:
+                continue
+            _hold(op.outputs[0], _carried(op, v, dims), along, work, add)
+            for j, x in enumerate(op.inputs):  # what it combines with, held alike
+                if j != k and not x.is_const and x.id not in along:
+                    _hold(x, _carried_back(op, x, _carried(op, v, dims)), along, work, add)
+    return along
+
+
+def _hold(v, dims: frozenset[int], along: dict, work: list, add) -> None:
+    """``v`` held along ``dims`` too: its producer's output restricted, and ``v`` walked
+    on from (from its producer's operands as well, unless a ``dot_general`` made it)."""
+    have = along.get(v.id, frozenset())
+    if not dims or dims <= have or v.producer is None:
+        return
+    along[v.id] = have | dims
+    add(v.producer, {}, {v.producer.outputs.index(v): set(dims)})
+    work.append(v)
+    op = v.producer
+    if op.name != "dot_general" and _passes(op):
+        for x in op.inputs:
+            if not x.is_const:
+                _hold(x, _carried_back(op, x, along[v.id]), along, work, add)
+
+
+def _carried_back(op: Op, x, dims: frozenset[int]) -> frozenset[int]:
+    """The dims of ``op``'s operand ``x`` that become ``dims`` of its result."""
+    out = op.outputs[0]
+    if op.name == "transpose":
+        perm = op.params["permutation"]
+        return frozenset(perm[d] for d in dims)
+    if op.name == "broadcast_in_dim":
+        bd = list(op.params["broadcast_dimensions"])
+        return frozenset(bd.index(d) for d in dims if d in bd and x.shape[bd.index(d)] > 1)
+    if op.name in ("reduce_max", "reduce_sum", "reduce_min", "argmax"):
+        axes = set(op.params.get("axes", ()))
+        kept = [d for d in range(x.ndim) if d not in axes]
+        return frozenset(kept[d] for d in dims if d < len(kept))
+    if op.name == "reshape":
+        got = {_reshaped_from(x.shape, out.shape, d) for d in dims}
+        return frozenset(d for d in got if d >= 0)
+    if x.shape == out.shape:
+        return dims
+    return frozenset()
+
+
+def _carried(op: Op, v, dims: frozenset[int]) -> frozenset[int]:
+    """The dims of ``op``'s result that ``dims`` of its operand ``v`` become."""
+    out = op.outputs[0]
+    if op.name == "transpose":
+        perm = op.params["permutation"]
+        return frozenset(i for i, p in enumerate(perm) if p in dims)
+    if op.name == "broadcast_in_dim":
+        bd = op.params["broadcast_dimensions"]
+        return frozenset(bd[d] for d in dims if d < len(bd))
+    if op.name in ("reduce_max", "reduce_sum", "reduce_min", "argmax"):
+        axes = set(op.params.get("axes", ()))
+        kept = [d for d in range(v.ndim) if d not in axes]
+        return frozenset(kept.index(d) for d in dims if d in kept)
+    if op.name == "reshape":
+        got = {_reshaped_from(out.shape, v.shape, d) for d in dims}
+        return frozenset(d for d in got if d >= 0)
+    if out.shape == v.shape:  # elementwise, a convert, a select: dims in place
+        return dims
+    return frozenset()
+
+
+def _result_dims(scores: Op, qs: int, ks: int) -> tuple[int, int]:
+    """Where the queries' sequence dim ``qs`` and the keys' ``ks`` land in the scores'
+    result: ``dot_general`` lays out the batch dims, then the lhs's free dims, then the
+    rhs's, each in operand order."""
+    (lc, rc), (lb, rb) = scores.params["dimension_numbers"]
+    q_free = [d for d in range(scores.inputs[0].ndim) if d not in lc and d not in lb]
+    k_free = [d for d in range(scores.inputs[1].ndim) if d not in rc and d not in rb]
+    return len(lb) + q_free.index(qs), len(lb) + len(q_free) + k_free.index(ks)
 
 
 def _reached(scores: Op, consumers: dict) -> set[int]:
@@ -224,16 +326,19 @@ def _reached(scores: Op, consumers: dict) -> set[int]:
     return seen
 
 
-def _made_along(v, dim: int) -> tuple[Op, int] | None:
-    """The ``dot_general`` that made ``v`` (through reshapes, transposes, broadcasts and
-    elementwise ops) and the dim of its result that becomes ``v``'s ``dim``; None where the
-    path leaves those ops or the dim cannot be followed."""
+def _made_along(v, dim: int) -> list[tuple[Op, int]]:
+    """The ops that made ``v`` from a ``dot_general`` (its projection) through reshapes,
+    transposes, broadcasts and elementwise ops, each with the dim of its result that
+    becomes ``v``'s ``dim``, the projection last; none where the path leaves those ops or
+    the dim cannot be followed."""
+    path: list[tuple[Op, int]] = []
     for _ in range(_DEPTH):
         op = v.producer
         if op is None or dim < 0:
-            return None
+            return []
+        path.append((op, dim))
         if op.name == "dot_general":
-            return op, dim
+            return path
         if op.name == "transpose":
             v, dim = op.inputs[0], op.params["permutation"][dim]
         elif op.name == "broadcast_in_dim":
@@ -247,16 +352,16 @@ def _made_along(v, dim: int) -> tuple[Op, int] | None:
             same = [x for x in op.inputs if not x.is_const and x.ndim == v.ndim
                     and x.shape[dim] == v.shape[dim]]
             if not same:
-                return None
+                return []
             v = same[0]
         else:
-            return None
-    return None
+            return []
+    return []
 
 
 def _reshaped_from(src: tuple[int, ...], dst: tuple[int, ...], dim: int) -> int:
-    """The dim of ``src`` that a reshape to ``dst`` keeps whole as ``dst``'s ``dim`` (same
-    size, same elements before it); -1 where there is none."""
+    """The dim of ``src`` that a reshape between it and ``dst`` keeps whole as ``dst``'s
+    ``dim`` (same size, same elements before it); -1 where there is none."""
     before = math.prod(dst[:dim])
     for d, size in enumerate(src):
         if size == dst[dim] and math.prod(src[:d]) == before:

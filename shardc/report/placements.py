@@ -34,13 +34,13 @@ def attention_lines(forms: list[dict]) -> str:
             line[axis][form] += 1
     rows = []
     for source, axes in by_line.items():
-        parts = [f"{axis}: " + ", ".join(f"{form} (x{n})" if n > 1 else form
-                                         for form, n in forms_.items())
+        parts = [f"{axis}: " + " | ".join(f"{form} (x{n})" if n > 1 else form
+                                          for form, n in forms_.items())
                  for axis, forms_ in axes.items()]
         rows.append(f"  {source}: " + "; ".join(parts))
     sequence = any("sequence" in form for f in forms for form in f["axes"].values())
-    note = (" - the sequence is split (context parallelism); a sharding constraint on the "
-            "queries, keys and values forbids it") if sequence else ""
+    note = (" - the sequence is split (context parallelism); auto_shard(..., "
+            "context_parallel=False) forbids it") if sequence else ""
     return "\n".join([f"attention, per mesh axis{note}:", *rows])
 
 
