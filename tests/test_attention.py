@@ -153,9 +153,13 @@ def test_a_budget_only_a_sequence_split_meets_names_context_parallel_in_its_erro
     params, x = _args(heads=2, kv=1)  # fewer heads than devices
     fn = _grad_step()
     budget = shardc.auto_shard(fn, mesh=mesh).plan(params, x).predicted.peak_memory / 4
-    with pytest.raises(shardc.MemoryBudgetError, match="context_parallel=True"):
+    with pytest.raises(shardc.MemoryBudgetError, match="context_parallel=True") as info:
         shardc.auto_shard(fn, mesh=mesh, memory_budget=budget,
                           context_parallel=False).plan(params, x)
+    # the budget it names plans, and compiles within it
+    plan = shardc.auto_shard(fn, mesh=mesh, memory_budget=info.value.needed,
+                             context_parallel=False).plan(params, x)
+    assert plan.solver["compiled_peak"] <= info.value.needed
 
 
 def test_the_sequence_is_followed_back_to_the_projections_through_rotary_embeddings():
