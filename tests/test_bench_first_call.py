@@ -20,8 +20,7 @@ def test_each_side_runs_its_first_call_in_a_process_of_its_own(tmp_path):
         assert side.seconds > 0 and side.peak_rss >= side.rss_after > 0
     assert 0 < mine.plan_seconds < mine.seconds and jit.plan_seconds == 0
     for side in (mine, jit):  # JAX's own phases, heard from its duration events
+        assert set(side.phases) == {"trace", "lower", "compile"}
         assert 0 < side.phases["trace"] and 0 < side.phases["compile"] < side.seconds
-    # shardc traces the function and then its planned program: more tracing than jax.jit's
-    assert mine.phases["trace"] > jit.phases["trace"]
     rows = first_call.markdown([mine, jit], 20, 1)
     assert f"{mine.seconds / jit.seconds:.2f}x" in "\n".join(rows)
