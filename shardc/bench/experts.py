@@ -39,6 +39,10 @@ view of the devices, so "best expert" is the minimum over all of them:
   vocabulary table, every FSDP form also with the tables sharded on the vocabulary
   (``-vp``). The TP forms split the vocabulary already (:data:`TENSOR`).
 
+- on a model whose state outgrows its devices (the zoo's ``offload`` flag, compiled by
+  XLA:CPU), the optimizer state in host memory between steps: ZeRO-Offload
+  (``zero-offload``) and FSDP with its state offloaded (``fsdp-offload``).
+
 ZeRO-2 is not listed: it compiles to ZeRO-1's program (:func:`_zero`).
 
 References:
@@ -378,17 +382,23 @@ def compile_expert(step: Callable, state, batch, physical: Mesh, expert: Expert,
     st = named(state_specs(state, mesh, expert, param_axes))
     bt = named(batch_specs(batch, mesh, expert))
     on_device = st
+    # the offloading experts' state in host memory (made for them only: devices without
+    # host memory, XLA:GPU's for absent devices, refuse the memory kind)
+    host = (jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), st["opt"])
+            if expert.offload else None)
 
-    def run(state, batch):  # a function of its own: jax.jit's trace cache does not know
+    # a function of its own: jax.jit's trace cache does not know the activation rules
+    # (-sp forms differ by them alone)
+    def run(state, batch):
         if expert.offload:  # the state to the devices for the step, then back
             state = {**state, "opt": jax.device_put(state["opt"], on_device["opt"])}
-        new, loss = step(state, batch)  # the activation rules (-sp forms differ by them)
+        new, loss = step(state, batch)
         if expert.offload:
-            new = {**new, "opt": jax.device_put(new["opt"], st["opt"])}
+            new = {**new, "opt": jax.device_put(new["opt"], host)}
         return new, loss
 
     if expert.offload:
-        st = {**st, "opt": jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), st["opt"])}
+        st = {**st, "opt": host}
 
     jitted = jax.jit(run, in_shardings=(st, bt),
                      out_shardings=(st, NamedSharding(mesh, PartitionSpec())))
