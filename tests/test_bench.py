@@ -159,7 +159,7 @@ def test_planning_report_gives_the_depth_ratio(tmp_path):
 
 @pytest.mark.slow
 def test_memory_bound_cells_mark_experts_over_and_shardc_fits():
-    """On a device too small for data parallelism (half its compiled peak), the harness marks
+    """On a device too small for data parallelism (0.6 of its compiled peak), the harness marks
     it as not fitting, the best expert is one that fits, and shardc's plan under the device
     memory fits when compiled. On the preset's own mesh: with the mesh search this tiny
     program's plan on (4, 2) is predicted at 0.99 MB and compiles to 1.55 MB, beyond the
@@ -171,7 +171,8 @@ def test_memory_bound_cells_mark_experts_over_and_shardc_fits():
     free = dataclasses.replace(ZOO["llama"], name="llama-bound")
     dp = harness.run_cell(free, preset, "data-parallel", "tiny", check=False, time_limit=5.0)
     assert dp.error is None and dp.budget is None and dp.fits is None
-    bound = dataclasses.replace(free, device_memory=dp.peak_memory / 2)
+    # (at half DP's peak the compile check re-plans 3 times, 40 s, for the same verdicts)
+    bound = dataclasses.replace(free, device_memory=dp.peak_memory * 0.6)
     got = {m: harness.run_cell(bound, preset, m, "tiny", check=False, time_limit=5.0,
                                mesh_search=False)
            for m in ("shardc", "data-parallel", "fsdp")}
