@@ -132,8 +132,7 @@ def split_scatters(comps: Mapping[str, Computation], comp: Computation, instr: I
     ``1/n`` of it is the reduce-scatter a backend with that rewrite would run."""
     if len(shapes) == 1:
         kept = _sliced(comps, comp, [instr.name], shapes[0], n)
-        narrow = _narrow_operands(comps, comp, instr) or \
-            _narrow_uses(comps, comp, [instr.name])
+        narrow = _widened_from(comps, comp, instr)
         return ([], [_retyped(kept, narrow)]) if kept is not None else \
             ([_retyped(shapes[0], narrow)], [])
     parts = _tuple_parts(comp, instr)
@@ -156,8 +155,14 @@ def narrowed(comps: Mapping[str, Computation], comp: Computation, instr: Instruc
     downcast to it); as they are otherwise."""
     if instr.opcode.endswith("-start"):  # asynchronous: XLA:GPU's, which keeps bf16
         return shapes
-    narrow = _narrow_operands(comps, comp, instr) or _narrow_uses(comps, comp, [instr.name])
+    narrow = _widened_from(comps, comp, instr)
     return tuple(_retyped(s, narrow) for s in shapes)
+
+
+def _widened_from(comps, comp: Computation, instr: Instruction) -> str | None:
+    """The 16-bit type XLA:CPU widened ``instr``'s operands from, or its uses narrow its
+    result back to; None for neither."""
+    return _narrow_operands(comps, comp, instr) or _narrow_uses(comps, comp, [instr.name])
 
 
 def _retyped(shape: str, narrow: str | None) -> str:

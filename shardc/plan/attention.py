@@ -240,10 +240,11 @@ def _softmax_dims(scores: Op, q_dim: int, k_dim: int, consumers: dict, add
         for op, k in consumers.get(v.id, ()):
             if op.name == "dot_general" or not _passes(op) or len(op.outputs) != 1:
                 continue
-            _hold(op.outputs[0], _carried(op, v, dims), along, work, add)
+            made = _carried(op, v, dims)
+            _hold(op.outputs[0], made, along, work, add)
             for j, x in enumerate(op.inputs):  # what it combines with, held alike
                 if j != k and not x.is_const and x.id not in along:
-                    _hold(x, _carried_back(op, x, _carried(op, v, dims)), along, work, add)
+                    _hold(x, _carried_back(op, x, made), along, work, add)
     return along
 
 
@@ -279,8 +280,11 @@ def _carried_back(op: Op, x, dims: frozenset[int]) -> frozenset[int]:
     if op.name == "reshape":
         got = {_reshaped_from(x.shape, out.shape, d) for d in dims}
         return frozenset(d for d in got if d >= 0)
-    if x.shape == out.shape:
+    if x.shape == out.shape:  # elementwise, a convert, a select: dims in place
         return dims
+    if op.name in _IN_PLACE_DIMS and x.ndim == out.ndim and \
+            all(x.shape[d] == out.shape[d] for d in dims):
+        return dims  # a slice, a split or a concatenate along another dim
     return frozenset()
 
 
@@ -315,22 +319,13 @@ def _result_dims(scores: Op, qs: int, ks: int) -> tuple[int, int]:
     return len(lb) + q_free.index(qs), len(lb) + len(q_free) + k_free.index(ks)
 
 
-def _reached(scores: Op, consumers: dict) -> set[int]:
-    """The ids of the values made from ``scores``'s result through softmax ops."""
-    seen = {v.id for v in scores.outputs}
-    frontier = list(scores.outputs)
-    for _ in range(_DEPTH):
-        frontier = [out for v in frontier for r, _ in consumers.get(v.id, ()) if _passes(r)
-                    for out in r.outputs if out.id not in seen]
-        seen.update(v.id for v in frontier)
-    return seen
-
-
 def _made_along(v, dim: int) -> list[tuple[Op, int]]:
     """The ops that made ``v`` from a ``dot_general`` (its projection) through reshapes,
     transposes, broadcasts and elementwise ops, each with the dim of its result that
     becomes ``v``'s ``dim``, the projection last; none where the path leaves those ops or
-    the dim cannot be followed."""
+    the dim cannot be followed. Each step back follows the first operand whose dim this
+    one is (:func:`_carried_back`: rotary embeddings split and concatenate along the head
+    dim, not the sequence)."""
     path: list[tuple[Op, int]] = []
     for _ in range(_DEPTH):
         op = v.producer
@@ -339,23 +334,14 @@ def _made_along(v, dim: int) -> list[tuple[Op, int]]:
         path.append((op, dim))
         if op.name == "dot_general":
             return path
-        if op.name == "transpose":
-            v, dim = op.inputs[0], op.params["permutation"][dim]
-        elif op.name == "broadcast_in_dim":
-            bd = tuple(op.params["broadcast_dimensions"])
-            v, dim = op.inputs[0], (bd.index(dim) if dim in bd else -1)
-        elif op.name == "reshape":
-            v, dim = op.inputs[0], _reshaped_from(op.inputs[0].shape, v.shape, dim)
-        elif facts(op.name).elementwise or op.name in _IN_PLACE_DIMS:
-            # the operand whose dim is this one (rotary embeddings split and concatenate
-            # along the head dim, not the sequence)
-            same = [x for x in op.inputs if not x.is_const and x.ndim == v.ndim
-                    and x.shape[dim] == v.shape[dim]]
-            if not same:
-                return []
-            v = same[0]
-        else:
+        if not (op.name in ("transpose", "broadcast_in_dim", "reshape")
+                or facts(op.name).elementwise or op.name in _IN_PLACE_DIMS):
             return []
+        back = next(((x, d) for x in op.inputs if not x.is_const
+                     for d in _carried_back(op, x, frozenset({dim}))), None)
+        if back is None:
+            return []
+        v, dim = back
     return []
 
 
