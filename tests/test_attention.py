@@ -94,25 +94,51 @@ def test_attention_is_found_as_users_write_it_and_as_jax_writes_it():
     assert find_attention(mlp) == []  # a softmax between two matmuls without heads
 
 
-@pytest.mark.parametrize("form, layouts, collective", [
+#: a cluster overlapping communication whose block products outlast a ring's sends
+SLOW = shardc.Cluster(device_flops=2e9, overlap=True)
+ALONG = {"q": P(None, "d"), "k": P(None, "d"), "v": P(None, "d"), "scores": P(None, None, "d")}
+
+
+@pytest.mark.parametrize("form, layouts, collective, cluster", [
     ("sequence, K/V all-gathered", {"q": P(None, "d"), "k": P(), "v": P(),
-                                    "scores": P(None, None, "d")}, "all-gather"),
+                                    "scores": P(None, None, "d")}, "all-gather", None),
     ("sequence, all-to-all to heads", {"q": P(None, None, "d"), "k": P(None, None, "d"),
                                        "v": P(None, None, "d"), "scores": P(None, "d"),
                                        "made": P(None, "d")},
-     "all-to-all"),
-], ids=["all-gather", "all-to-all"])
-def test_each_sequence_form_runs_as_jax_jit(mesh, form, layouts, collective):
+     "all-to-all", None),
+    ("sequence, K/V ring", ALONG, "collective-permute", SLOW),
+], ids=["all-gather", "all-to-all", "ring"])
+def test_each_sequence_form_runs_as_jax_jit(mesh, form, layouts, collective, cluster):
     params, x = _args()
     x_spec = NamedSharding(mesh, P(None, "d"))  # the layer's input split along the sequence
     fn = _grad_step(_pins(mesh, layouts))
-    step = shardc.auto_shard(fn, mesh=mesh, in_shardings=(None, P(None, "d")))
+    step = shardc.auto_shard(fn, mesh=mesh, in_shardings=(None, P(None, "d")),
+                             cluster=cluster)
     args = (params, jax.device_put(x, x_spec))
     plan = step.plan(*args)
     assert form in _forms(plan), plan.solver.get("attention")
     assert "attention, per mesh axis - the sequence is split" in plan.explain()
     assert collective in step.lower(*args).compile().as_text()
     _equal(step, fn, args)
+
+
+def test_the_planner_rings_the_keys_where_the_sends_hide_and_gathers_them_where_not(mesh):
+    params, x = _args()
+    fn = _grad_step(_pins(mesh, ALONG))  # the queries and keys along the sequence
+    args = (params, jax.device_put(x, NamedSharding(mesh, P(None, "d"))))
+    chosen = {}
+    for name, cluster in (("slow", SLOW), ("fast", shardc.Cluster.nvlink_node("d")),
+                          ("serial", shardc.Cluster(device_flops=2e9))):
+        step = shardc.auto_shard(fn, mesh=mesh, in_shardings=(None, P(None, "d")),
+                                 cluster=cluster)
+        plan = step.plan(*args)
+        chosen[name] = _forms(plan)
+        why = plan.solver["attention"][0]["why"]["d"]
+        assert why.startswith("ring: 7 sends of") and "all-gather of the keys" in why
+        assert why in plan.explain()
+    assert chosen == {"slow": {"sequence, K/V ring"},  # the sends hide behind the products
+                      "fast": {"sequence, K/V all-gathered"},  # they outlast them
+                      "serial": {"sequence, K/V all-gathered"}}  # nothing hides
 
 
 def test_the_planner_splits_the_sequence_where_memory_binds(mesh):
@@ -189,3 +215,17 @@ def test_a_decoder_at_batch_one_splits_its_sequence_over_every_device(mesh):
     assert any(f.startswith("sequence") for f in _forms(plan)), plan.solver.get("attention")
     want, got = jax.jit(fn)(state, batch), step(state, batch)
     np.testing.assert_allclose(float(got[1]), float(want[1]), rtol=1e-5)
+
+
+def test_a_decoder_at_batch_one_rings_its_keys_round_every_device(mesh):
+    cfg = llama.LlamaConfig(seq_len=256, batch=1, n_layers=2)
+    fn, (state, batch) = llama.make_train_step(cfg)
+    step = shardc.auto_shard(fn, mesh=mesh, cluster=SLOW)
+    plan = step.plan(state, batch)
+    assert _forms(plan) == {"sequence, K/V ring"}, plan.solver.get("attention")
+    rows = {r.kind: r for r in plan.verify(step.lower(state, batch).compile(), mesh).rows}
+    permutes = rows["collective-permute"]  # 7 sends per ring, shared where XLA merges them
+    assert permutes.planned_count == permutes.compiled_count > 0
+    want, got = jax.jit(fn)(state, batch), step(state, batch)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5)

@@ -41,6 +41,7 @@ from shardc.ir.remat import is_gate
 from shardc.ir.sbp import B, NdSbp, P, Split, to_partition_spec
 from shardc.ir.trace import Fork, Inlined, Loop, Region, Traced
 from shardc.lower.control import ControlFlow, bind_eqn
+from shardc.lower.local import per_device, run_ring
 from shardc.lower.partial import (
     Stacked,
     stack,
@@ -51,6 +52,7 @@ from shardc.lower.partial import (
 from shardc.lower.stacking import StackedSums, own_ops
 from shardc.pipeline.lowering import Stacks, made_by
 from shardc.rules.conv import local_groups
+from shardc.rules.dot import ring_of
 
 __all__ = ["DEVICE", "HOST", "conversion_steps", "evaluator", "explicit_axes", "jit_plan",
            "sharding", "to_memory"]
@@ -215,6 +217,8 @@ class _Lowering(ControlFlow, StackedSums):
             outs = args  # the user's layout is the plan's: constrained just below
         elif facts(op.name).per_device and _split_whole(planned):
             outs = self._per_device(eqn, op, planned, args)
+        elif (ring := ring_of(op, planned.ins, planned.outs)) is not None:
+            outs = run_ring(self.mesh, eqn, op, planned, args, ring)
         elif _split_whole(planned) and (local := local_groups(
                 op, planned.ins[0], self.plan.axis_sizes)) is not None:
             outs = self._per_device(eqn, op, planned, args, local)
@@ -230,15 +234,8 @@ class _Lowering(ControlFlow, StackedSums):
         pieces (``shard_map`` over the planned layouts): for a primitive XLA would gather
         whole instead (:attr:`shardc.ir.prims.Prim.per_device`), and for a grouped
         convolution split along its groups (:func:`shardc.rules.conv.local_groups`)."""
-        names = self.mesh.axis_names
-
-        def specs(nds, values):
-            return tuple(to_partition_spec(nd, v.ndim, names) for nd, v in zip(nds, values))
-
-        return list(jax.shard_map(lambda *xs: bind_eqn(eqn, list(xs), params), mesh=self.mesh,
-                                  in_specs=specs(planned.ins, op.inputs),
-                                  out_specs=list(specs(planned.outs, op.outputs)),
-                                  check_vma=False)(*args))
+        return per_device(self.mesh, lambda *xs: bind_eqn(eqn, list(xs), params), op,
+                          planned, args)
 
     def _gate(self, eqn, op, planned, args: list) -> list:
         """A recomputation's gate (:func:`shardc.ir.remat.is_gate`): the select runs in the

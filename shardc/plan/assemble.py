@@ -21,6 +21,7 @@ from shardc.cost.collectives import seconds
 from shardc.cost.combine import alpha_scales, combiner_for
 from shardc.cost.combiner import Pending, Use, combine_groups
 from shardc.cost.kernels import compute_seconds
+from shardc.cost.ring import ring_cost
 from shardc.ir.flow import carry_exit, loop_tests, loop_ties, read_runs, reads, settle_runs
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Partial
@@ -164,6 +165,34 @@ class _Recorder:
             (-1,) * len(conv.collectives)))
         return t
 
+    def ring(self, op, strat) -> float:
+        """Record the ring of ``op``'s strategy ``strat``, if any (:mod:`shardc.cost.ring`):
+        its sends as a reshard of the value passed round, from and to the layout the
+        strategy holds it in, charged what they add to the product. A value already
+        passed round the same axis in the same layout is not sent again (XLA's CSE merges
+        the identical sends: the keys' blocks feed the scores and the queries' gradient)."""
+        ring = ring_cost(self.cluster, self.cg.graph, op, strat, self.cg.axis_sizes,
+                         self.names)
+        if ring is None:
+            return 0.0
+        what = strat.ring[1]
+        value, nd = (op.outputs[0], strat.outs[0]) if what == 2 else \
+            (op.inputs[what], strat.ins[what])
+        key = ("ring", value.id, nd, ring.axis)
+        sent = key in self.done
+        self.done.setdefault(key, len(self.reshards))
+        steps = 0 if sent else ring.steps
+        t = ring.products + (0.0 if sent else ring.sends)
+        wire = steps * ring.block_bytes * op.weight
+        self.uses.append(Use(value.id, op.id))
+        self.comm += t
+        self.wire += wire
+        self.reshards.append(Reshard(
+            value.id, op.id, nd, nd, t, wire,
+            (f"collective-permute@{self.names[ring.axis]}",) * steps,
+            (ring.block_bytes * op.weight,) * steps, (-1,) * steps))
+        return t
+
     def _pend(self, value, src: NdSbp, conv, times: int, share: float) -> None:
         """The collectives of the conversion being recorded that a combiner may join."""
         combiner = self.combiner
@@ -259,6 +288,7 @@ def _walk(graph: Graph, cg: CostGraph, choice: Sequence[int], rec: _Recorder,
             values[v.id] = nd
             settle(v)
         types, ins, outs = facts[j]
+        op_comm += rec.ring(op, strat)
         seconds = compute_seconds(cg.cluster, graph, op, strat.flops) * op.weight
         ops.append(OpPlan(op.id, op.name, types, strat.ins, strat.outs, seconds, op_comm,
                           ins, outs, op.source, op.where))

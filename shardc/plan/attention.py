@@ -15,6 +15,10 @@ attention (:func:`attention_forms`):
 
 - ``sequence, K/V all-gathered``: the queries split along their sequence, the keys whole
   (gathered over the axis for it): each device attends its query block to every key;
+- ``sequence, K/V ring``: the queries and the keys split along their sequences, the key
+  (and value) blocks passed round the axis while each device computes with the block it
+  holds (ring attention: a ring signature, :mod:`shardc.rules.dot`), each block's product
+  hiding the next block's transfer where the cluster overlaps them;
 - ``sequence, all-to-all to heads``: the queries and keys split over the heads where the
   values they are made from were split along the sequence (an all-to-all over the axis
   between the two, as in DeepSpeed-Ulysses);
@@ -29,10 +33,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from shardc.cost.comm import reshard_time
+from shardc.cost.kernels import compute_seconds
+from shardc.cost.units import fmt_bytes, fmt_time
+from shardc.ir.flops import op_flops
 from shardc.ir.graph import Graph, Op
 from shardc.ir.prims import facts
-from shardc.ir.sbp import Split
+from shardc.ir.sbp import B, NdSbp, Split
 from shardc.plan.record import Plan
+from shardc.rules.dot import ring_of
 
 __all__ = ["Attention", "attention_forms", "find_attention", "sequence_dims"]
 
@@ -131,15 +140,46 @@ def attention_forms(graph: Graph, plan: Plan, batch: int | None = None) -> list[
         qs, ks, batch_dims = _dims(op)
         shape = op.inputs[0].shape
         made = _projection(op)  # the queries as their projection made them
-        forms = {}
+        forms, why = {}, {}
+        ring = ring_of(op, lay.ins, lay.outs)
         for a, name in enumerate(plan.axis_names):
             q, k = lay.ins[0].sbps[a], lay.ins[1].sbps[a]
             src = plan.values.get(made.id) if made is not None else None
             along = src is not None and isinstance(src.sbps[a], Split) and \
                 made.shape[src.sbps[a].dim] == shape[qs]
-            forms[name] = _form(q, k, qs, ks, batch_dims, shape, batch, along)
-        out.append({"source": att.source, "scores": att.scores, "axes": forms})
+            if ring is not None and ring[0] == a:
+                forms[name] = "sequence, K/V ring"
+            else:
+                forms[name] = _form(q, k, qs, ks, batch_dims, shape, batch, along)
+            if forms[name] in ("sequence, K/V ring", "sequence, K/V all-gathered"):
+                why[name] = _ring_or_gather(graph, plan, op, lay, a)
+        out.append({"source": att.source, "scores": att.scores, "axes": forms, "why": why})
     return out
+
+
+def _ring_or_gather(graph: Graph, plan: Plan, op: Op, lay, axis: int) -> str:
+    """Why the keys reach the query blocks on ``axis`` as planned (``lay``: the scores'
+    planned op): the ring's sends against one block's product, and the all-gather of the
+    keys, on the plan's cluster."""
+    sizes, names, cluster = plan.axis_sizes, plan.axis_names, plan.cluster
+    n, keys = sizes[axis], op.inputs[1]
+    ks = _dims(op)[1]
+    split = lay.ins[1].sbps[axis]
+    held = lay.ins[1] if isinstance(split, Split) else NdSbp(
+        tuple(Split(ks) if a == axis else s for a, s in enumerate(lay.ins[1].sbps)))
+    whole = NdSbp(tuple(B if a == axis else s for a, s in enumerate(held.sbps)))
+    flops = op_flops(op) * lay.outs[0].shard_fraction(sizes)
+    block = keys.nbytes * held.shard_fraction(sizes)
+    send = cluster.send_seconds([(names[axis], n)], block)
+    step = compute_seconds(cluster, graph, op, flops / n)
+    gather = reshard_time(held, whole, keys.nbytes, sizes, names, cluster)
+    if not cluster.overlap:
+        sends = "paid in full (this cluster does not overlap communication: no ring)"
+    else:
+        sends = ("hidden behind" if send <= step else "outlasting") + \
+            f" a block's product of {fmt_time(step)}"
+    return (f"ring: {n - 1} sends of {fmt_bytes(block)}, each {fmt_time(send)} {sends}; "
+            f"all-gather of the keys: {fmt_time(gather)}")
 
 
 def _projection(scores: Op):

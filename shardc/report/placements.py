@@ -38,6 +38,9 @@ def attention_lines(forms: list[dict]) -> str:
                                           for form, n in forms_.items())
                  for axis, forms_ in axes.items()]
         rows.append(f"  {source}: " + "; ".join(parts))
+    whys = dict.fromkeys(f"    {axis}: {why}" for f in forms
+                         for axis, why in f.get("why", {}).items())
+    rows += list(whys)[:4]
     sequence = any("sequence" in form for f in forms for form in f["axes"].values())
     note = (" - the sequence is split (context parallelism); auto_shard(..., "
             "context_parallel=False) forbids it") if sequence else ""

@@ -40,10 +40,15 @@ class Signature:
     Attributes:
         ins: The SBP of each input.
         outs: The SBP of each output.
+        ring: -1 for a signature each device runs on its own pieces; else what passes
+            round the axis while each device computes (a collective matmul,
+            :mod:`shardc.rules.dot`): operand 0 or 1 (its blocks, gathered one by one) or
+            2 (the result's partial sums, reduced and scattered one block at a time).
     """
 
     ins: tuple[Sbp, ...]
     outs: tuple[Sbp, ...]
+    ring: int = -1
 
     @property
     def divides_work(self) -> bool:
@@ -63,11 +68,14 @@ class Strategy:
         ins: The NdSbp of each input.
         outs: The NdSbp of each output.
         flops: FLOPs per device.
+        ring: ``(mesh axis, what passes round it)`` for a strategy with a ring signature
+            (:attr:`Signature.ring`) on that axis, else ().
     """
 
     ins: tuple[NdSbp, ...]
     outs: tuple[NdSbp, ...]
     flops: float
+    ring: tuple[int, ...] = ()
 
     @property
     def name(self) -> str:
@@ -130,6 +138,19 @@ def register_fixed(*names: str, flops: FlopsFn | None = None):
         The decorator; it returns the function unchanged.
     """
     return _registrar(_FIXED, names, flops)
+
+
+def _ring_alone(ins: Sequence[NdSbp], outs: Sequence[NdSbp], axis: int) -> bool:
+    """Whether a ring on ``axis`` runs per device over the other axes.
+
+    None of them may hold a partial value or split a dim the ring splits.
+    """
+    for nd in (*ins, *outs):
+        ring = nd.sbps[axis]
+        for a, s in enumerate(nd.sbps):
+            if a != axis and (isinstance(s, Partial) or s == ring and not isinstance(s, Broadcast)):
+                return False
+    return True
 
 
 def has_rule(name: str) -> bool:
@@ -271,8 +292,11 @@ def strategies(op: Op, axis_sizes: Sequence[int], axis_names: Sequence[str] | No
             continue
         if any(v.is_const and nd.has_partial for nd, v in zip(ins, op.inputs)):
             continue  # a constant is the same on every device: never partial
+        rings = [(a, s.ring) for a, s in enumerate(combo) if s.ring >= 0]
+        if len(rings) > 1 or rings and not _ring_alone(ins, outs, rings[0][0]):
+            continue
         seen.add(key)
         div = math.prod(n for s, n in zip(combo, axis_sizes) if s.divides_work)
-        result.append(Strategy(ins, outs, total / div))
+        result.append(Strategy(ins, outs, total / div, rings[0] if rings else ()))
     return result
 

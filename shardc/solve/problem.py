@@ -20,6 +20,7 @@ import numpy as np
 from shardc.cost.cluster import Cluster
 from shardc.cost.combine import XLA_CPU, Combiner, alpha_scales
 from shardc.cost.kernels import compute_seconds
+from shardc.cost.ring import ring_cost
 from shardc.errors import LayoutError, OptionsError
 from shardc.ir.flow import (
     carry_exit,
@@ -280,11 +281,12 @@ def _add_ops(cg: CostGraph, wiring: _Wiring, fixed: Fixed, share: BuildShare) ->
             strats = _unsplit(strats, fixed.unsplit[op.id])
         if op.id in fixed.whole:
             strats = _whole(strats, *fixed.whole[op.id])
+        if not cg.cluster.overlap:  # a ring's sends paid in full: NCCL's all-gather is cheaper
+            strats = [s for s in strats if not s.ring]
         node = len(cg.choices)
         cg.choices.append(strats)
         cg.refs.append(op)
-        cg.cost.append(np.array([compute_seconds(cg.cluster, graph, op, s.flops) * op.weight
-                                 for s in strats]))
+        cg.cost.append(np.array([_op_seconds(cg, op, s) for s in strats]))
         if op.id in reduced_ys:  # a ys reduced after the loop: one all-reduce of the stack
             cg.cost[-1] = cg.cost[-1] + ys_reduction(cg, strats, op.outputs[0],
                                                      ys_share[op.outputs[0].id])
@@ -295,6 +297,14 @@ def _add_ops(cg: CostGraph, wiring: _Wiring, fixed: Fixed, share: BuildShare) ->
                 u, slot = cg.producer[val.id] if carry_exit(op) else wiring.source(val)
                 cg.edges.append(wiring.edge(u, slot, val, node, k, [s.ins[k] for s in strats],
                                             strats, read_runs(wiring.runs, val, op)))
+
+
+def _op_seconds(cg: CostGraph, op: Op, strategy) -> float:
+    """Seconds of ``op`` under ``strategy``: its compute, and its ring's sends beyond it
+    (:func:`shardc.cost.ring.ring_cost`)."""
+    seconds = compute_seconds(cg.cluster, cg.graph, op, strategy.flops) * op.weight
+    ring = ring_cost(cg.cluster, cg.graph, op, strategy, cg.axis_sizes, cg.axis_names)
+    return seconds if ring is None else seconds + ring.seconds
 
 
 def _add_settles(cg: CostGraph, wiring: _Wiring, shared: list[Value]) -> None:
