@@ -13,8 +13,9 @@ axis by ``ppermute`` (device ``i`` sends to ``i + 1``):
   the result's block ``i - 1 - s``, adds it to the partial sums it received for that block
   and passes them on; after ``n - 1`` sends each device holds its own block, summed.
 
-The ``n - 1`` sends are unrolled (each product is independent of the send after it, which
-XLA:GPU's scheduler runs beside it).
+The steps run as a loop (``fori_loop``): one block and one slice of the other operand live
+at a time, however many devices the axis has. In each step the send does not wait for the
+product nor the product for the send, so XLA:GPU's scheduler runs them side by side.
 """
 
 from __future__ import annotations
@@ -72,28 +73,36 @@ def _gather_ring(eqn, lhs, rhs, planned, axis: int, what: int, name: str, n: int
     dim = planned.ins[what].sbps[axis].dim  # the passed operand's split dim
     mine, other = (lc, rc) if what == 0 else (rc, lc)
     me = lax.axis_index(name)
-    cur, out = ops[what], None
-    for s in range(n):
-        nxt = lax.ppermute(cur, name, _perm(n)) if s < n - 1 else None
+    size = ops[what].shape[dim]
+
+    def product(s, cur, out):
+        """``out`` with the product of the block held at step ``s``."""
         src = (me - s) % n
         pair = list(ops)
         pair[what] = cur
-        if dim in mine:  # contracted: the other operand's matching slice
-            o = other[mine.index(dim)]
-            pair[1 - what] = lax.dynamic_slice_in_dim(ops[1 - what], src * cur.shape[dim],
-                                                      cur.shape[dim], axis=o)
-            part = bind_eqn(eqn, pair)[0]
-            out = part if out is None else out + part
-        else:  # free: a slice of the result
-            part = bind_eqn(eqn, pair)[0]
-            at = _out_dim(eqn, what, dim, lhs.ndim, rhs.ndim)
-            if out is None:
-                shape = list(part.shape)
-                shape[at] *= n
-                out = jnp.zeros(shape, part.dtype)
-            out = lax.dynamic_update_slice_in_dim(out, part, src * part.shape[at], axis=at)
-        cur = nxt
-    return out
+        if dim in mine:  # contracted: the other operand's matching slice, added
+            pair[1 - what] = lax.dynamic_slice_in_dim(ops[1 - what], src * size, size,
+                                                      axis=other[mine.index(dim)])
+            return out + bind_eqn(eqn, pair)[0]
+        at = _out_dim(eqn, what, dim, lhs.ndim, rhs.ndim)  # free: a slice of the result
+        return lax.dynamic_update_slice_in_dim(out, bind_eqn(eqn, pair)[0], src * size,
+                                               axis=at)
+
+    # the result: one block's product (contracted), or whole along the passed dim (free)
+    k, d, by = (1 - what, other[mine.index(dim)], 1 / n) if dim in mine else (what, dim, n)
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in ops]
+    shape = list(ops[k].shape)
+    shape[d] = int(shape[d] * by)
+    shapes[k] = jax.ShapeDtypeStruct(tuple(shape), ops[k].dtype)
+    made = jax.eval_shape(lambda a, b: bind_eqn(eqn, [a, b])[0], *shapes)
+    out = jnp.zeros(made.shape, made.dtype)
+
+    def step(s, carry):
+        cur, out = carry
+        return lax.ppermute(cur, name, _perm(n)), product(s, cur, out)
+
+    cur, out = lax.fori_loop(0, n - 1, step, (ops[what], out))
+    return product(n - 1, cur, out)
 
 
 def _scatter_ring(eqn, lhs, rhs, planned, axis: int, name: str, n: int):
@@ -107,14 +116,16 @@ def _scatter_ring(eqn, lhs, rhs, planned, axis: int, name: str, n: int):
     ops = [lhs, rhs]
     size = ops[which].shape[dim] // n
     me = lax.axis_index(name)
-    acc = None
-    for s in range(n):
+
+    def share(s):
+        """This device's share of the result's block ``i - 1 - s``."""
         pair = list(ops)
         pair[which] = lax.dynamic_slice_in_dim(ops[which], ((me - 1 - s) % n) * size, size,
                                                axis=dim)
-        part = bind_eqn(eqn, pair)[0]
-        acc = part if acc is None else lax.ppermute(acc, name, _perm(n)) + part
-    return acc
+        return bind_eqn(eqn, pair)[0]
+
+    return lax.fori_loop(1, n, lambda s, acc: lax.ppermute(acc, name, _perm(n)) + share(s),
+                         share(0))
 
 
 def _out_dim(eqn, what: int, dim: int, lnd: int, rnd: int) -> int:

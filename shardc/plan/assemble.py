@@ -168,9 +168,9 @@ class _Recorder:
     def ring(self, op, strat) -> float:
         """Record the ring of ``op``'s strategy ``strat``, if any (:mod:`shardc.cost.ring`):
         its sends as a reshard of the value passed round, from and to the layout the
-        strategy holds it in, charged what they add to the product. A value already
-        passed round the same axis in the same layout is not sent again (XLA's CSE merges
-        the identical sends: the keys' blocks feed the scores and the queries' gradient)."""
+        strategy holds it in, charged what they add to the product: one
+        ``collective-permute`` (its loop's, :mod:`shardc.lower.local`) of ``n - 1``
+        blocks."""
         ring = ring_cost(self.cluster, self.cg.graph, op, strat, self.cg.axis_sizes,
                          self.names)
         if ring is None:
@@ -178,20 +178,14 @@ class _Recorder:
         what = strat.ring[1]
         value, nd = (op.outputs[0], strat.outs[0]) if what == 2 else \
             (op.inputs[what], strat.ins[what])
-        key = ("ring", value.id, nd, ring.axis)
-        sent = key in self.done
-        self.done.setdefault(key, len(self.reshards))
-        steps = 0 if sent else ring.steps
-        t = ring.products + (0.0 if sent else ring.sends)
-        wire = steps * ring.block_bytes * op.weight
+        wire = ring.steps * ring.block_bytes * op.weight
         self.uses.append(Use(value.id, op.id))
-        self.comm += t
+        self.comm += ring.seconds
         self.wire += wire
         self.reshards.append(Reshard(
-            value.id, op.id, nd, nd, t, wire,
-            (f"collective-permute@{self.names[ring.axis]}",) * steps,
-            (ring.block_bytes * op.weight,) * steps, (-1,) * steps))
-        return t
+            value.id, op.id, nd, nd, ring.seconds, wire,
+            (f"collective-permute@{self.names[ring.axis]}",), (wire,), (-1,)))
+        return ring.seconds
 
     def _pend(self, value, src: NdSbp, conv, times: int, share: float) -> None:
         """The collectives of the conversion being recorded that a combiner may join."""
