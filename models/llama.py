@@ -149,6 +149,14 @@ class LlamaConfig:
         return cls(vocab=32000, seq_len=512, d_model=1024, n_heads=16, n_kv_heads=4,
                    d_ff=2816, n_layers=n_layers, batch=16, learning_rate=3e-4)
 
+    @classmethod
+    def long_context(cls, n_layers: int = 4, seq_len: int = 32768) -> LlamaConfig:
+        """Long-context benchmark preset: :meth:`realistic`'s widths at 32768 tokens per
+        sequence, one sequence per 8 devices (fewer sequences than devices: the batch
+        cannot split the attention, the heads or the sequence must)."""
+        return cls(vocab=32000, seq_len=seq_len, d_model=1024, n_heads=16, n_kv_heads=4,
+                   d_ff=2816, n_layers=n_layers, batch=1, learning_rate=3e-4)
+
 
 def _linear(d_in: int, d_out: int, std: float, cfg: LlamaConfig,
             rngs: nnx.Rngs) -> nnx.Linear:

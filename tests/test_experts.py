@@ -232,3 +232,23 @@ def test_offloading_experts_keep_the_optimizer_state_in_host_memory():
     with pytest.raises(BenchError, match="no host memory"):  # XLA:GPU's compile drops it
         harness.run_expert(ZOO["mlp-offload"], PRESETS["node-8"], expert, "tiny", False,
                            compiler="gpu")
+
+
+def test_context_parallel_experts_split_the_sequence_or_the_heads():
+    """cp8-x-fsdp splits every activation's sequence (queries, keys and values included:
+    XLA gathers the keys for the scores); ulysses4-x-fsdp (on the 2 x 4 view: the tiny
+    model has 4 heads) the residual stream on the sequence and the attention on the heads;
+    both equal the unsharded step, and neither is offered for a model without a long
+    sequence."""
+    names = {e.name for e in harness.experts(ZOO["llama-long"], PRESETS["2nodes-2x8"])}
+    assert {"cp8-x-fsdp", "ulysses8-x-fsdp", "cp16-x-fsdp", "ulysses16-x-fsdp"} <= names
+    assert not any(e.name.startswith(("cp", "ulysses"))
+                   for e in harness.experts(ZOO["llama"], PRESETS["node-8"]))
+    cp = _constraints(_checked("llama-long", _expert("llama-long", "cp8-x-fsdp"))[0])
+    assert ('[{}, {"gpu"}, {}, {}]', "8x16x4x16xf32") in cp  # queries along the sequence
+    assert ('[{}, {}, {"gpu"}, {}]', "8x4x16x16xf32") in cp  # the scores' query rows
+    expert = _expert("llama-long", "ulysses4-x-fsdp")
+    a, b = expert.view.names
+    uly = _constraints(_checked("llama-long", expert)[0])
+    assert (f'[{{"{a}"}}, {{"{b}"}}, {{}}]', "8x16x64xf32") in uly  # the residual stream
+    assert (f'[{{"{a}"}}, {{}}, {{"{b}"}}, {{}}]', "8x16x4x16xf32") in uly  # the heads

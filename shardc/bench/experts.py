@@ -106,6 +106,9 @@ class Traits:
     #: a model whose state outgrows its devices (the zoo's ``offload`` flag): the
     #: offloading forms too
     offload: bool = False
+    #: a long sequence, fewer sequences than devices (the zoo's ``long`` flag): the
+    #: context-parallel forms too
+    long: bool = False
 
 
 @dataclass(frozen=True)
@@ -165,6 +168,22 @@ def _tp(name: str, params, acts, view: View, tp, traits: Traits,
     return out
 
 
+def _context(seq, batch, view: View) -> list[Expert]:
+    """Context parallelism over ``seq`` with FSDP over every device, the batch over
+    ``batch`` (None: not split): MaxText's (``context`` on the activations' sequence dims;
+    XLA gathers the keys and values for each query block, as its all-gather context
+    parallelism does; Llama 3's long-context stage ran CP16 so) and DeepSpeed-Ulysses'
+    (the residual stream split on the sequence, the attention on the heads: an
+    all-to-all each way)."""
+    every = view.names if len(view.names) > 1 else view.names[0]
+    n = math.prod(view.shape[view.names.index(a)] for a in
+                  ((seq,) if isinstance(seq, str) else seq))
+    acts = {"batch": batch} if batch is not None else {}
+    return [Expert(f"cp{n}-x-fsdp", _on(every, FSDP), {**acts, "seq": seq, SEQ: seq}, view),
+            Expert(f"ulysses{n}-x-fsdp", _on(every, FSDP), {**acts, "heads": seq, SEQ: seq},
+                   view)]
+
+
 def _fsdp(name: str, over, batch, view: View, traits: Traits) -> list[Expert]:
     """FSDP over ``over`` and, on a model with a vocabulary table, the vocab-parallel form:
     the embedding table and output layer sharded on the vocabulary (PyTorch FSDP2 shards
@@ -196,6 +215,8 @@ def experts_for(view: View, traits: Traits = Traits(), whole: bool = True,
                               {"expert": every, "batch": every}, view))
         if traits.offload:
             out += _offloaded(every, view)
+        if traits.long:
+            out += _context(every, None, view)
     if len(names) == 2:
         a, b = names
         k = view.shape[1]
@@ -210,6 +231,8 @@ def experts_for(view: View, traits: Traits = Traits(), whole: bool = True,
                      b, traits)]
         if not whole:  # on the flat 2-D view, megatron over both axes is listed above
             out += _tp(f"megatron-tp{k}", tensor, tensor, view, b, traits)
+        if traits.long:  # over the inner axis (the node), the sequences over the outer
+            out += _context(b, a, view)
         if traits.moe:
             out.append(Expert(f"ep{k}-x-dp", {"expert": b}, {"expert": b, "batch": every},
                               view))

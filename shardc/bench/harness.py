@@ -405,7 +405,8 @@ def traits(zm: ZooModel) -> Traits:
     cfg = zm.config("tiny")
     return Traits(moe=zm.moe, vocab=hasattr(cfg, "vocab"), seq=hasattr(cfg, "seq_len"),
                   stack=getattr(cfg, "stack_layers", False),
-                  loss=getattr(cfg, "loss_in_stack", False), offload=zm.offload)
+                  loss=getattr(cfg, "loss_in_stack", False), offload=zm.offload,
+                  long=zm.long)
 
 
 def run_cell(zm: ZooModel, preset: Preset, method: str, which: str, check: bool,

@@ -66,6 +66,14 @@ LEGEND: tuple[tuple[str, str, str], ...] = (
     ("`fsdp-offload`", r"fsdp-offload",
      "FSDP with the optimizer state in host memory between steps (PyTorch FSDP's "
      "`CPUOffload`), the parameters sharded on the devices"),
+    ("`cpN-x-fsdp`", r"cp\d+-x-fsdp",
+     "context parallelism over N devices (within the node on several nodes; MaxText's "
+     "`context` axis): every activation's sequence split, the keys and values gathered "
+     "for each query block; parameters and optimizer state sharded over every device "
+     "(FSDP), the sequences' batch across the nodes"),
+    ("`ulyssesN-x-fsdp`", r"ulysses\d+-x-fsdp",
+     "DeepSpeed-Ulysses over N devices: the residual stream split on the sequence, the "
+     "attention on the heads (an all-to-all each way); FSDP over every device"),
     ("`shardc`", r"shardc",
      "shardc's default plan (NCCL's collective model, communication overlapped)"),
     ("`shardc+serial`", r"shardc\+serial",

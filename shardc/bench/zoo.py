@@ -90,6 +90,8 @@ class ZooModel:
     #: its state outgrows ``device_memory`` on the devices alone: the experts offload too
     #: (XLA:CPU only: the bench's XLA:GPU compile has no host memory)
     offload: bool = False
+    #: a long sequence, fewer sequences than devices: the context-parallel experts too
+    long: bool = False
 
     def load(self):
         return importlib.import_module(self.module)
@@ -138,6 +140,10 @@ ZOO = {
     "mlp-offload": ZooModel("mlp-offload", "shardc.models.mlp", "tiny", "realistic(n_layers=4)",
                             "realistic(n_layers=4)", device_memory=512 * 2**20,
                             presets=("node-8",), offload=True),
+    # 32768 tokens per sequence, one sequence per node: attention split over the sequence
+    # or the heads (context parallelism, Ulysses) or not at all
+    "llama-long": ZooModel("llama-long", "shardc.models.llama", "tiny", "long_context",
+                           "long_context(n_layers=2)", long=True),
     # latency-bound: data parallelism is the plan to beat (models/small.py)
     "small": ZooModel("small", "shardc.models.small", "tiny", "bench", "bench(n_layers=2)"),
     # gradient accumulation unrolled over 4 micro-batches (models/accum.py)
