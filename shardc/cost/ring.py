@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from shardc.cost.kernels import compute_seconds
 from shardc.ir.graph import Graph, Op
 
-__all__ = ["Ring", "ring_cost"]
+__all__ = ["looped", "Ring", "ring_cost", "ring_workspace"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,3 +69,35 @@ def ring_cost(cluster, graph: Graph, op: Op, strategy, axis_sizes: Sequence[int]
     paid = max(0.0, send - step) if cluster.overlap else send
     return Ring(axis, n - 1, block, send, step, (n - 1) * paid * op.weight,
                 max(0.0, n * step - whole) * op.weight)
+
+
+def looped(op: Op, strategy) -> bool:
+    """Whether the lowering runs ``strategy``'s ring as a loop (:mod:`shardc.lower.local`):
+    where a slice of the other operand feeds each step, the passed operand's split dim
+    contracted or the partial sums passed; unrolled where each step writes a slice of the
+    result."""
+    axis, what = strategy.ring
+    if what == 2:
+        return True
+    (lc, rc), _ = op.params["dimension_numbers"]
+    return strategy.ins[what].sbps[axis].dim in (lc if what == 0 else rc)
+
+
+def ring_workspace(op: Op, strategy, axis_sizes: Sequence[int]) -> float:
+    """Bytes per device a ring holds while it runs besides its operands and result, as
+    XLA:GPU assigns them (0 without a ring): unrolled (:func:`looped`), every block's
+    product before it is written into the result (the scheduler issues the products
+    ahead, to run them beside the sends): the result's size again; as a loop, the slice
+    of the other operand each step reads and the block passed, each twice (this step's
+    and the next's)."""
+    if not strategy.ring:
+        return 0.0
+    axis, what = strategy.ring
+    n = axis_sizes[axis]
+    result = op.outputs[0].nbytes * strategy.outs[0].shard_fraction(axis_sizes)
+    if not looped(op, strategy):
+        return result
+    ins = [x.nbytes * nd.shard_fraction(axis_sizes) for x, nd in zip(op.inputs, strategy.ins)]
+    block = result if what == 2 else ins[what]
+    sliced = max(ins) if what == 2 else ins[1 - what]
+    return 2 * (block + sliced / n)

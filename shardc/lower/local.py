@@ -13,9 +13,13 @@ axis by ``ppermute`` (device ``i`` sends to ``i + 1``):
   the result's block ``i - 1 - s``, adds it to the partial sums it received for that block
   and passes them on; after ``n - 1`` sends each device holds its own block, summed.
 
-The steps run as a loop (``fori_loop``): one block and one slice of the other operand live
-at a time, however many devices the axis has. In each step the send does not wait for the
-product nor the product for the send, so XLA:GPU's scheduler runs them side by side.
+Where a slice of the other operand feeds each step (a contracted block, the partial sums'
+blocks), the steps run as a loop (``fori_loop``): one block and one slice live at a time,
+however many devices the axis has (unrolled, XLA:CPU computed every slice first). Where
+each step writes a slice of the result, the ``n - 1`` sends are unrolled: a loop would carry
+the whole result, whose buffer XLA:GPU then cannot share with any other (a long sequence's
+scores: 8 GiB). In each step the send does not wait for the product nor the product for the
+send, so XLA:GPU's scheduler runs them side by side.
 """
 
 from __future__ import annotations
@@ -101,8 +105,13 @@ def _gather_ring(eqn, lhs, rhs, planned, axis: int, what: int, name: str, n: int
         cur, out = carry
         return lax.ppermute(cur, name, _perm(n)), product(s, cur, out)
 
-    cur, out = lax.fori_loop(0, n - 1, step, (ops[what], out))
-    return product(n - 1, cur, out)
+    carry = (ops[what], out)
+    if dim in mine:
+        carry = lax.fori_loop(0, n - 1, step, carry)
+    else:  # unrolled: a loop would carry the whole result (module docstring)
+        for s in range(n - 1):
+            carry = step(s, carry)
+    return product(n - 1, *carry)
 
 
 def _scatter_ring(eqn, lhs, rhs, planned, axis: int, name: str, n: int):

@@ -21,7 +21,7 @@ from shardc.cost.collectives import seconds
 from shardc.cost.combine import alpha_scales, combiner_for
 from shardc.cost.combiner import Pending, Use, combine_groups
 from shardc.cost.kernels import compute_seconds
-from shardc.cost.ring import ring_cost
+from shardc.cost.ring import looped, ring_cost
 from shardc.ir.flow import carry_exit, loop_tests, loop_ties, read_runs, reads, settle_runs
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Partial
@@ -168,9 +168,11 @@ class _Recorder:
     def ring(self, op, strat) -> float:
         """Record the ring of ``op``'s strategy ``strat``, if any (:mod:`shardc.cost.ring`):
         its sends as a reshard of the value passed round, from and to the layout the
-        strategy holds it in, charged what they add to the product: one
-        ``collective-permute`` (its loop's, :mod:`shardc.lower.local`) of ``n - 1``
-        blocks."""
+        strategy holds it in, charged what they add to the product. As the lowering runs
+        it (:mod:`shardc.lower.local`): a loop's one ``collective-permute`` of ``n - 1``
+        blocks, or ``n - 1`` unrolled ones, which rings passing the same value in the same
+        layout share (XLA's CSE merges identical sends: the keys' blocks feed the scores
+        and the recomputed scores)."""
         ring = ring_cost(self.cluster, self.cg.graph, op, strat, self.cg.axis_sizes,
                          self.names)
         if ring is None:
@@ -178,14 +180,21 @@ class _Recorder:
         what = strat.ring[1]
         value, nd = (op.outputs[0], strat.outs[0]) if what == 2 else \
             (op.inputs[what], strat.ins[what])
-        wire = ring.steps * ring.block_bytes * op.weight
+        sends = 1 if looped(op, strat) else ring.steps
+        key = ("ring", value.id, nd, ring.axis)
+        shared = sends > 1 and key in self.done
+        if sends > 1:
+            self.done.setdefault(key, len(self.reshards))
+        t = ring.products + (0.0 if shared else ring.sends)
+        each = 0.0 if shared else ring.steps * ring.block_bytes * op.weight / sends
         self.uses.append(Use(value.id, op.id))
-        self.comm += ring.seconds
-        self.wire += wire
+        self.comm += t
+        self.wire += each * sends
         self.reshards.append(Reshard(
-            value.id, op.id, nd, nd, ring.seconds, wire,
-            (f"collective-permute@{self.names[ring.axis]}",), (wire,), (-1,)))
-        return ring.seconds
+            value.id, op.id, nd, nd, t, each * sends,
+            () if shared else (f"collective-permute@{self.names[ring.axis]}",) * sends,
+            () if shared else (each,) * sends, () if shared else (-1,) * sends))
+        return t
 
     def _pend(self, value, src: NdSbp, conv, times: int, share: float) -> None:
         """The collectives of the conversion being recorded that a combiner may join."""

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from shardc.cost.combine import COMBINED_KINDS, XLA_CPU
+from shardc.cost.ring import ring_workspace
 from shardc.ir.sbp import NdSbp
 from shardc.solve.lifetimes import _lifetimes
 
@@ -233,11 +234,23 @@ def memory_profile(cg: CostGraph, choice: Sequence[int]) -> np.ndarray:
             # of its readers; it lives to its last read, as do the values it is made from
             (start, _, b), = _cut_fusion(cg, choice, vid, 0, made, made_at)
             made.append((start, max(start, cg.fusion[1].get(vid, start)), b))
+    for t, node in cg.graph.memo("ring_dots", _ring_dots):  # a ring's blocks and slices
+        if (ws := ring_workspace(cg.refs[node], cg.choices[node][choice[node]],
+                                 cg.axis_sizes)):
+            moved.append((t, t, ws))
     delta = np.zeros(n + 2)
     for start, end, b in host(made, results) + moved:
         delta[start] += b
         delta[end + 1] -= b
     return held + np.cumsum(delta)[:n]
+
+
+def _ring_dots(graph) -> list[tuple[int, int]]:
+    """``(program point, node)`` of the dots that may run a ring (those with batch dims,
+    :mod:`shardc.rules.dot`): op ``t`` is node ``len(graph.inputs) + t``."""
+    nin = len(graph.inputs)
+    return [(t, nin + t) for t, op in enumerate(graph.ops)
+            if op.name == "dot_general" and op.params["dimension_numbers"][1][0]]
 
 
 COMBINE_COUNT = 256
