@@ -136,6 +136,8 @@ def test_the_planner_rings_the_keys_where_the_sends_hide_and_gathers_them_where_
         why = plan.solver["attention"][0]["why"]["d"]
         assert why.startswith("ring: 7 sends of") and "all-gather of the keys" in why
         assert why in plan.explain()
+        if name == "slow":  # the op table marks the ring
+            assert "S(1),S(1)->S(2) ring" in plan.explain()
     assert chosen == {"slow": {"sequence, K/V ring"},  # the sends hide behind the products
                       "fast": {"sequence, K/V all-gathered"},  # they outlast them
                       "serial": {"sequence, K/V all-gathered"}}  # nothing hides

@@ -264,6 +264,8 @@ def op_table(plan, names: _Names, max_rows: int | None) -> Table:
         title = f"{what}:"
     body: list = []
     last = None
+    # a ring's sends are recorded as a reshard of the value passed round, to its own layout
+    rings = {r.consumer for r in plan.reshards if r.src == r.dst}
     for g, o, compute, comm, read, source in shown:
         start, period, count = runs[g]
         if count > 1 and g != last:
@@ -271,8 +273,8 @@ def op_table(plan, names: _Names, max_rows: int | None) -> Table:
                         f"{plan.ops[start + period * count - 1].id}, {period} per repeat; "
                         f"shown once, compute and comm summed over the {count}")
         last = g
-        body.append((str(o.id), o.prim, o.strategy, fmt_time(compute), fmt_time(comm),
-                     source, o.types, read))
+        body.append((str(o.id), o.prim, o.strategy + (" ring" if o.id in rings else ""),
+                     fmt_time(compute), fmt_time(comm), source, o.types, read))
     return Table(title, ("op", "primitive", "strategy (per mesh axis)", "compute", "comm",
                          "source", "types", "reads"), tuple(body), align="><<>><<<",
                  widths=(0, 0, 44, 0, 0, 0, 40, 0))
