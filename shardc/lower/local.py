@@ -30,6 +30,7 @@ from jax import lax
 
 from shardc.ir.sbp import to_partition_spec
 from shardc.lower.control import bind_eqn
+from shardc.rules.dot import dot_dims, result_dim
 
 __all__ = ["per_device", "run_ring"]
 
@@ -55,8 +56,12 @@ def run_ring(mesh, eqn, op, planned, args: list, ring: tuple[int, int]) -> list:
 
     def body(lhs, rhs):
         if what == 2:
-            return [_scatter_ring(eqn, lhs, rhs, planned, axis, name, n)]
-        return [_gather_ring(eqn, lhs, rhs, planned, axis, what, name, n)]
+            return [_scatter_ring(eqn, op, lhs, rhs, planned, axis, name, n)]
+        made = op.outputs[0]  # this device's piece of the result
+        piece = tuple(size // planned.outs[0].split_factor(mesh.axis_sizes, d)
+                      for d, size in enumerate(made.shape))
+        out = jnp.zeros(piece, made.dtype)
+        return [_gather_ring(eqn, op, lhs, rhs, out, planned, axis, what, name, n)]
 
     return per_device(mesh, body, op, planned, args)
 
@@ -65,14 +70,10 @@ def _perm(n: int) -> list[tuple[int, int]]:
     return [(i, (i + 1) % n) for i in range(n)]
 
 
-def _dims(eqn):
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    return tuple(lc), tuple(rc), tuple(lb), tuple(rb)
-
-
-def _gather_ring(eqn, lhs, rhs, planned, axis: int, what: int, name: str, n: int):
-    """Ring 0 or 1: operand ``what``'s blocks passed round (module docstring)."""
-    lc, rc, lb, rb = _dims(eqn)
+def _gather_ring(eqn, op, lhs, rhs, out, planned, axis: int, what: int, name: str, n: int):
+    """Ring 0 or 1: operand ``what``'s blocks passed round (module docstring), into
+    ``out``, zeros of this device's piece of the result."""
+    lc, rc, *_ = dot_dims(op)
     ops = [lhs, rhs]
     dim = planned.ins[what].sbps[axis].dim  # the passed operand's split dim
     mine, other = (lc, rc) if what == 0 else (rc, lc)
@@ -88,18 +89,8 @@ def _gather_ring(eqn, lhs, rhs, planned, axis: int, what: int, name: str, n: int
             pair[1 - what] = lax.dynamic_slice_in_dim(ops[1 - what], src * size, size,
                                                       axis=other[mine.index(dim)])
             return out + bind_eqn(eqn, pair)[0]
-        at = _out_dim(eqn, what, dim, lhs.ndim, rhs.ndim)  # free: a slice of the result
-        return lax.dynamic_update_slice_in_dim(out, bind_eqn(eqn, pair)[0], src * size,
-                                               axis=at)
-
-    # the result: one block's product (contracted), or whole along the passed dim (free)
-    k, d, by = (1 - what, other[mine.index(dim)], 1 / n) if dim in mine else (what, dim, n)
-    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in ops]
-    shape = list(ops[k].shape)
-    shape[d] = int(shape[d] * by)
-    shapes[k] = jax.ShapeDtypeStruct(tuple(shape), ops[k].dtype)
-    made = jax.eval_shape(lambda a, b: bind_eqn(eqn, [a, b])[0], *shapes)
-    out = jnp.zeros(made.shape, made.dtype)
+        return lax.dynamic_update_slice_in_dim(  # free: a slice of the result
+            out, bind_eqn(eqn, pair)[0], src * size, axis=result_dim(op, what, dim))
 
     def step(s, carry):
         cur, out = carry
@@ -114,13 +105,10 @@ def _gather_ring(eqn, lhs, rhs, planned, axis: int, what: int, name: str, n: int
     return product(n - 1, *carry)
 
 
-def _scatter_ring(eqn, lhs, rhs, planned, axis: int, name: str, n: int):
+def _scatter_ring(eqn, op, lhs, rhs, planned, axis: int, name: str, n: int):
     """Ring 2: the result's partial sums passed round (module docstring)."""
-    lc, rc, lb, rb = _dims(eqn)
-    at = planned.outs[0].sbps[axis].dim  # the result's dim scattered over the ring
-    lfree = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
-    rfree = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
-    k = at - len(lb)
+    _, _, lb, _, lfree, rfree = dot_dims(op)
+    k = planned.outs[0].sbps[axis].dim - len(lb)  # the result's free dim scattered
     which, dim = (0, lfree[k]) if k < len(lfree) else (1, rfree[k - len(lfree)])
     ops = [lhs, rhs]
     size = ops[which].shape[dim] // n
@@ -135,12 +123,3 @@ def _scatter_ring(eqn, lhs, rhs, planned, axis: int, name: str, n: int):
 
     return lax.fori_loop(1, n, lambda s, acc: lax.ppermute(acc, name, _perm(n)) + share(s),
                          share(0))
-
-
-def _out_dim(eqn, what: int, dim: int, lnd: int, rnd: int) -> int:
-    """The result dim an operand's free dim ``dim`` becomes: ``dot_general`` lays out the
-    batch dims, then the lhs's free dims, then the rhs's."""
-    lc, rc, lb, rb = _dims(eqn)
-    lfree = [d for d in range(lnd) if d not in lc and d not in lb]
-    rfree = [d for d in range(rnd) if d not in rc and d not in rb]
-    return len(lb) + (lfree.index(dim) if what == 0 else len(lfree) + rfree.index(dim))

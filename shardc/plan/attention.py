@@ -41,7 +41,7 @@ from shardc.ir.graph import Graph, Op
 from shardc.ir.prims import facts
 from shardc.ir.sbp import B, NdSbp, Split
 from shardc.plan.record import Plan
-from shardc.rules.dot import ring_of
+from shardc.rules.dot import batched_dot, dot_dims, result_dim, ring_of
 
 __all__ = ["Attention", "attention_forms", "find_attention", "sequence_dims"]
 
@@ -80,7 +80,7 @@ def find_attention(graph: Graph) -> list[Attention]:
             readers.setdefault(v.id, []).append(op)
     found = []
     for op in graph.ops:
-        if op.name != "dot_general" or not op.params["dimension_numbers"][1][0]:
+        if not batched_dot(op):
             continue  # per (batch, head) scores have batch dims; a classifier head has none
         output = _first_reader(op, readers, order)
         if output is not None:
@@ -118,11 +118,8 @@ def _dims(op: Op) -> tuple[int, int, tuple[int, ...]]:
     """The scores' query sequence dim (of ``q``), key sequence dim (of ``k``) and the
     batch dims of ``q`` (batch and heads): the dims that are neither contracted nor
     batched."""
-    (lc, rc), (lb, rb) = op.params["dimension_numbers"]
-    q, k = op.inputs[0].ndim, op.inputs[1].ndim
-    q_free = [d for d in range(q) if d not in lc and d not in lb]
-    k_free = [d for d in range(k) if d not in rc and d not in rb]
-    return (q_free[0] if q_free else -1), (k_free[0] if k_free else -1), tuple(lb)
+    _, _, lb, _, q_free, k_free = dot_dims(op)
+    return (q_free[0] if q_free else -1), (k_free[0] if k_free else -1), lb
 
 
 def attention_forms(graph: Graph, plan: Plan, batch: int | None = None) -> list[dict]:
@@ -242,19 +239,15 @@ def sequence_dims(graph: Graph) -> dict[int, tuple[tuple[frozenset[int], ...],
     for att in find_attention(graph):
         scores, product = by_id[att.scores], by_id[att.output]
         qs, ks, batch = _dims(scores)
-        q_dim, k_dim = _result_dims(scores, qs, ks)
+        q_dim, k_dim = result_dim(scores, 0, qs), result_dim(scores, 1, ks)
         add(scores, {0: {qs}, 1: {ks}}, {0: {q_dim, k_dim}})
         along = _softmax_dims(scores, q_dim, k_dim, consumers, add)
         p = 0 if product.inputs[0].id in along else 1  # which operand is the probabilities
         seq = along.get(product.inputs[p].id, frozenset())
-        (lc, rc), (lb, rb) = product.params["dimension_numbers"]
+        lc, rc, _, _, *frees = dot_dims(product)
         mine, other = (lc, rc) if p == 0 else (rc, lc)
         vc = [o for m, o in zip(mine, other) if m in seq]  # the values' sequence dims
-        # the result: batch dims, the lhs's free dims, the rhs's, each in operand order
-        frees = [[d for d in range(v.ndim) if d not in c and d not in b]
-                 for v, c, b in ((product.inputs[0], lc, lb), (product.inputs[1], rc, rb))]
-        base = len(lb) + (0 if p == 0 else len(frees[0]))
-        out_q = {base + k for k, d in enumerate(frees[p]) if d in seq}
+        out_q = {result_dim(product, p, d) for d in frees[p] if d in seq}
         add(product, {p: set(seq), 1 - p: set(vc)}, {0: out_q})
         for v, dim in ((scores.inputs[0], qs), (scores.inputs[1], ks),
                        (product.inputs[1 - p], vc[0] if vc else -1)):
@@ -347,16 +340,6 @@ def _carried(op: Op, v, dims: frozenset[int]) -> frozenset[int]:
     if out.shape == v.shape:  # elementwise, a convert, a select: dims in place
         return dims
     return frozenset()
-
-
-def _result_dims(scores: Op, qs: int, ks: int) -> tuple[int, int]:
-    """Where the queries' sequence dim ``qs`` and the keys' ``ks`` land in the scores'
-    result: ``dot_general`` lays out the batch dims, then the lhs's free dims, then the
-    rhs's, each in operand order."""
-    (lc, rc), (lb, rb) = scores.params["dimension_numbers"]
-    q_free = [d for d in range(scores.inputs[0].ndim) if d not in lc and d not in lb]
-    k_free = [d for d in range(scores.inputs[1].ndim) if d not in rc and d not in rb]
-    return len(lb) + q_free.index(qs), len(lb) + len(q_free) + k_free.index(ks)
 
 
 def _made_along(v, dim: int) -> list[tuple[Op, int]]:

@@ -30,15 +30,32 @@ from shardc.ir.graph import Op
 from shardc.ir.sbp import B, P, Split
 from shardc.rules.registry import Signature, register
 
-__all__ = ["dot_flops", "dot_general_rule", "ring_of"]
+__all__ = ["batched_dot", "dot_dims", "dot_flops", "dot_general_rule", "result_dim",
+           "ring_of"]
 
 
-def _dims(op: Op):
+def dot_dims(op: Op):
+    """``(lc, rc, lb, rb, lfree, rfree)`` of a ``dot_general``: its contracting and batch
+    dims per operand, and each operand's free dims (neither), in operand order."""
     (lc, rc), (lb, rb) = op.params["dimension_numbers"]
     lhs, rhs = op.inputs
     lfree = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
     rfree = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
     return tuple(lc), tuple(rc), tuple(lb), tuple(rb), lfree, rfree
+
+
+def batched_dot(op: Op) -> bool:
+    """A ``dot_general`` with batch dims: attention's products (per batch and head) and
+    the dots that may hold a ring (module docstring)."""
+    return op.name == "dot_general" and bool(op.params["dimension_numbers"][1][0])
+
+
+def result_dim(op: Op, operand: int, dim: int) -> int:
+    """The dim of a ``dot_general``'s result that free dim ``dim`` of its operand
+    ``operand`` (0 or 1) becomes: the batch dims come first, then the lhs's free dims,
+    then the rhs's, each in operand order."""
+    _, _, lb, _, lfree, rfree = dot_dims(op)
+    return len(lb) + (lfree.index(dim) if operand == 0 else len(lfree) + rfree.index(dim))
 
 
 def dot_flops(op: Op) -> float:
@@ -49,7 +66,7 @@ def dot_flops(op: Op) -> float:
 
 @register("dot_general", flops=dot_flops)
 def dot_general_rule(op: Op) -> list[Signature]:
-    lc, rc, lb, rb, lfree, rfree = _dims(op)
+    lc, rc, lb, rb, lfree, rfree = dot_dims(op)
     sigs = []
     for i, (l, r) in enumerate(zip(lb, rb)):
         sigs.append(Signature((Split(l), Split(r)), (Split(i),)))
@@ -66,15 +83,14 @@ def dot_general_rule(op: Op) -> list[Signature]:
 
 def _rings(op: Op) -> list[Signature]:
     """The ring signatures (module docstring) of a dot with batch dims."""
-    lc, rc, lb, rb, lfree, rfree = _dims(op)
-    lout = {d: len(lb) + j for j, d in enumerate(lfree)}
-    rout = {d: len(lb) + len(lfree) + j for j, d in enumerate(rfree)}
-    sigs = [Signature((Split(m), Split(r)), (Split(lout[m]),), ring=1)
+    lc, rc, lb, rb, lfree, rfree = dot_dims(op)
+    sigs = [Signature((Split(m), Split(r)), (Split(result_dim(op, 0, m)),), ring=1)
             for m in lfree for r in (*rfree, *rc)]
-    sigs += [Signature((Split(l), Split(n)), (Split(rout[n]),), ring=0)
+    sigs += [Signature((Split(l), Split(n)), (Split(result_dim(op, 1, n)),), ring=0)
              for n in rfree for l in (*lfree, *lc)]
+    frees = range(len(lb), len(lb) + len(lfree) + len(rfree))  # the result's free dims
     sigs += [Signature((Split(l), Split(r)), (Split(o),), ring=2)
-             for l, r in zip(lc, rc) for o in (*lout.values(), *rout.values())]
+             for l, r in zip(lc, rc) for o in frees]
     return sigs
 
 
@@ -82,7 +98,7 @@ def ring_of(op: Op, ins, outs) -> tuple[int, int] | None:
     """``(mesh axis, what passes round it)`` where an op's planned layouts ``ins`` /
     ``outs`` (NdSbp) hold a ring signature on an axis (module docstring), else None: the
     lowering reads the ring from the plan's layouts."""
-    if op.name != "dot_general" or not op.params["dimension_numbers"][1][0]:
+    if not batched_dot(op):
         return None
     for sig in _rings(op):
         for a in range(len(outs[0].sbps)):

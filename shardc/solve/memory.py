@@ -25,6 +25,7 @@ import numpy as np
 from shardc.cost.combine import COMBINED_KINDS, XLA_CPU
 from shardc.cost.ring import ring_workspace
 from shardc.ir.sbp import NdSbp
+from shardc.rules.dot import batched_dot
 from shardc.solve.lifetimes import _lifetimes
 
 if TYPE_CHECKING:
@@ -249,8 +250,7 @@ def _ring_dots(graph) -> list[tuple[int, int]]:
     """``(program point, node)`` of the dots that may run a ring (those with batch dims,
     :mod:`shardc.rules.dot`): op ``t`` is node ``len(graph.inputs) + t``."""
     nin = len(graph.inputs)
-    return [(t, nin + t) for t, op in enumerate(graph.ops)
-            if op.name == "dot_general" and op.params["dimension_numbers"][1][0]]
+    return [(t, nin + t) for t, op in enumerate(graph.ops) if batched_dot(op)]
 
 
 COMBINE_COUNT = 256
