@@ -11,7 +11,7 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import assert_close
+from helpers import MIB, assert_close
 
 import shardc
 from shardc.cost.cluster import Cluster
@@ -261,3 +261,26 @@ def test_inputs_fed_beside_the_batch_are_not_the_batch():
     step = shardc.auto_shard(sgd_lr, mesh=m, cluster=slower)
     assert step.plan(w, x, lr).pipeline is not None, step.pipeline_choice(w, x, lr)
     close(step(w, x, lr), jax.jit(sgd_lr)(w, x, lr))
+
+
+def test_a_pipeline_asked_for_under_a_budget_met_by_recomputing_is_priced_on_that_program():
+    """Two dense layers before a stack, a budget the unpipelined program meets only with
+    those layers recomputed in the backward (remat): the pipeline asked for is priced on
+    the recomputing program, the one its plan's values are of (it failed on a value the
+    program without remat lacks), and runs equal to jax.jit's step."""
+    def loss(state, x):
+        w_in, stack = state
+        return jnp.mean(layers(layer, jnp.tanh(jnp.tanh(x @ w_in[0]) @ w_in[1]), stack)[0] ** 2)
+
+    def step(state, x):
+        value, g = jax.value_and_grad(loss)(state, x)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, state, g), value
+
+    w, x = args(n_layers=4, width=256, batch=256)
+    state = (w[:2], w)
+    run = shardc.auto_shard(step, mesh=jax.make_mesh((2, 4), ("stage", "data")),
+                            cluster=Cluster.ethernet_nodes("stage", "data"),
+                            memory_budget=0.85 * MIB, pipeline=Pipeline("stage", 2, 2))
+    plan = run.plan(state, x)
+    assert plan.pipeline == Pipeline("stage", 2, 2) and plan.remat, (plan.pipeline, plan.remat)
+    close(run(state, x), jax.jit(step)(state, x))

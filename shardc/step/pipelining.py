@@ -57,6 +57,9 @@ def pipelined(step, call: Call, tr: TracedCall, candidates: list[View],
     own = plan.axis_names == tuple(step.mesh.axis_names)
     base = plan if own else solve(step, call, tr, candidates[:1], seeds[:1], options,
                                   compiled=False)
+    if base.remat:  # a budget the whole program meets with forward segments recomputed:
+        # the stages are priced on that program (the plan's values are its values)
+        tr = step._traced(call, base.remat)[1]
     graph, why, asked = tr.traced.graph, [], None
     # a stage's layouts on the axes that split no micro-batch are XLA's (the pipelined
     # loop is Auto there): a choice with such axes is checked against its compiled program,
