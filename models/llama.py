@@ -48,6 +48,7 @@ from shardc.models.common import (
 )
 from shardc.models.layers import HEADS, HIDDEN, RESID, SCORES, Axes, checked
 from shardc.models.logical import constrain
+from shardc.models.ring import attend
 
 __all__ = ["abstract_args", "apply_rope", "Attention", "build_step", "cross_entropy", "DATA_SEED",
            "DecoderLayer", "example_batch", "init_state", "INIT_STD", "Llama", "LlamaConfig",
@@ -203,15 +204,22 @@ class Attention(nnx.Module):
         q = constrain(apply_rope(self.q(x).reshape(b, t, h, dh), cos, sin), HEADS)
         k = constrain(apply_rope(self.k(x).reshape(b, t, kv, dh), cos, sin), HEADS)
         v = constrain(self.v(x).reshape(b, t, kv, dh), HEADS)
-        # repeat_kv: query head j reads key/value head j // (h / kv)
-        k = constrain(jnp.repeat(k, h // kv, axis=2), HEADS)
-        v = constrain(jnp.repeat(v, h // kv, axis=2), HEADS)
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.asarray(dh, x.dtype))
-        causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
-        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
-        probs = constrain(jax.nn.softmax(constrain(scores, SCORES), axis=-1), SCORES)
-        out = constrain(jnp.einsum("bhqk,bkhd->bqhd", probs, v), HEADS)
+        out = constrain(attend(q, k, v, _causal_attention), HEADS)
         return self.o(out.reshape(b, t, h * dh))
+
+
+def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Softmax attention of ``q`` ``[b, t, h, dh]`` over ``k``, ``v`` ``[b, t, kv, dh]``,
+    each key/value head repeated for its ``h / kv`` query heads (the reference
+    ``repeat_kv``: query head j reads key/value head j // (h / kv)), causally masked."""
+    t, h, kv, dh = q.shape[1], q.shape[2], k.shape[2], q.shape[3]
+    k = constrain(jnp.repeat(k, h // kv, axis=2), HEADS)
+    v = constrain(jnp.repeat(v, h // kv, axis=2), HEADS)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.asarray(dh, q.dtype))
+    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+    scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+    probs = constrain(jax.nn.softmax(constrain(scores, SCORES), axis=-1), SCORES)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
 class SwiGLU(nnx.Module):

@@ -16,6 +16,7 @@ from shardc.bench.experts import Expert, compile_expert, preset_experts, state_s
 from shardc.bench.zoo import PRESETS, ZOO
 from shardc.cost.cluster import Cluster
 from shardc.errors import BenchError
+from shardc.inspect.hlo import collectives
 from shardc.models import common, mlp
 from shardc.tradeoff.views import views
 
@@ -194,7 +195,6 @@ def test_pipelined_experts_run_the_deep_stack_as_gpipe_over_the_slow_axis():
     layers on its node (the stacked state split over it) and equals the unsharded step, and
     its program sends each micro-batch on with a collective-permute over the node axis."""
     from shardc.bench.experts import Traits
-    from shardc.inspect.hlo import collectives
 
     eth = Cluster.ethernet_nodes("node", "gpu")
     names = {e.name for e in preset_experts((2, 4), ("node", "gpu"), eth, Traits(stack=True))}
@@ -236,17 +236,25 @@ def test_offloading_experts_keep_the_optimizer_state_in_host_memory():
 
 def test_context_parallel_experts_split_the_sequence_or_the_heads():
     """cp8-x-fsdp splits every activation's sequence (queries, keys and values included:
-    XLA gathers the keys for the scores); ulysses4-x-fsdp (on the 2 x 4 view: the tiny
-    model has 4 heads) the residual stream on the sequence and the attention on the heads;
-    both equal the unsharded step, and neither is offered for a model without a long
-    sequence."""
+    XLA gathers the keys for the scores); ring8-x-fsdp so too, its attention passing the
+    key/value blocks round the devices (collective-permutes); ulysses4-x-fsdp (on the
+    2 x 4 view: the tiny model has 4 heads) the residual stream on the sequence and the
+    attention on the heads; each equals the unsharded step, and none is offered for a
+    model without a long sequence."""
     names = {e.name for e in harness.experts(ZOO["llama-long"], PRESETS["2nodes-2x8"])}
-    assert {"cp8-x-fsdp", "ulysses8-x-fsdp", "cp16-x-fsdp", "ulysses16-x-fsdp"} <= names
-    assert not any(e.name.startswith(("cp", "ulysses"))
+    assert {"cp8-x-fsdp", "ring8-x-fsdp", "ulysses8-x-fsdp", "cp16-x-fsdp", "ring16-x-fsdp",
+            "ulysses16-x-fsdp"} <= names
+    assert not any(e.name.startswith(("cp", "ring", "ulysses"))
                    for e in harness.experts(ZOO["llama"], PRESETS["node-8"]))
     cp = _constraints(_checked("llama-long", _expert("llama-long", "cp8-x-fsdp"))[0])
     assert ('[{}, {"gpu"}, {}, {}]', "8x16x4x16xf32") in cp  # queries along the sequence
     assert ('[{}, {}, {"gpu"}, {}]', "8x4x16x16xf32") in cp  # the scores' query rows
+    _, compiled = _checked("llama-long", _expert("llama-long", "ring8-x-fsdp"))
+    sends = [c for c in collectives(compiled, harness.make_mesh(PRESETS["node-8"]))
+             if c.kind == "collective-permute"]
+    # in the scanned layer: 7 sends of the keys and 7 of the values forward, again where
+    # the backward recomputes the layer (remat), and 7 of each one's gradient back
+    assert len(sends) == 3 * 2 * 7 and {c.axes for c in sends} == {("gpu",)}, sends
     expert = _expert("llama-long", "ulysses4-x-fsdp")
     a, b = expert.view.names
     uly = _constraints(_checked("llama-long", expert)[0])

@@ -71,6 +71,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardc.cost.cluster import Cluster
 from shardc.models.logical import axis_rules, no_axis_rules, spec
+from shardc.models.ring import Ring, ring_over
 from shardc.pipeline.onefb import pipeline_loss
 from shardc.pipeline.runtime import pipeline_scan
 from shardc.pipeline.schedule import Pipeline
@@ -124,6 +125,9 @@ class Expert:
     #: the optimizer state lives in host memory between steps, moved to the devices for
     #: the update and back (:func:`compile_expert`)
     offload: bool = False
+    #: attention run as a hand-written ring over these mesh axes (the activations'
+    #: ``"seq"`` axes, :mod:`shardc.models.ring`); empty: the model's own attention
+    ring: tuple[str, ...] = ()
 
     def mesh(self, physical: Mesh) -> Mesh:
         """The view's mesh over ``physical``'s devices."""
@@ -172,14 +176,17 @@ def _context(seq, batch, view: View) -> list[Expert]:
     """Context parallelism over ``seq`` with FSDP over every device, the batch over
     ``batch`` (None: not split): MaxText's (``context`` on the activations' sequence dims;
     XLA gathers the keys and values for each query block, as its all-gather context
-    parallelism does; Llama 3's long-context stage ran CP16 so) and DeepSpeed-Ulysses'
-    (the residual stream split on the sequence, the attention on the heads: an
-    all-to-all each way)."""
+    parallelism does; Llama 3's long-context stage ran CP16 so), the same with the
+    attention a hand-written ring (:mod:`shardc.models.ring`: the key/value blocks passed
+    round ``seq`` by ``ppermute``) and DeepSpeed-Ulysses' (the residual stream split on
+    the sequence, the attention on the heads: an all-to-all each way)."""
     every = view.names if len(view.names) > 1 else view.names[0]
-    n = math.prod(view.shape[view.names.index(a)] for a in
-                  ((seq,) if isinstance(seq, str) else seq))
+    ring = (seq,) if isinstance(seq, str) else tuple(seq)
+    n = math.prod(view.shape[view.names.index(a)] for a in ring)
     acts = {"batch": batch} if batch is not None else {}
-    return [Expert(f"cp{n}-x-fsdp", _on(every, FSDP), {**acts, "seq": seq, SEQ: seq}, view),
+    cp = {**acts, "seq": seq, SEQ: seq}
+    return [Expert(f"cp{n}-x-fsdp", _on(every, FSDP), cp, view),
+            Expert(f"ring{n}-x-fsdp", _on(every, FSDP), cp, view, ring=ring),
             Expert(f"ulysses{n}-x-fsdp", _on(every, FSDP), {**acts, "heads": seq, SEQ: seq},
                    view)]
 
@@ -396,6 +403,14 @@ def batch_specs(batch, mesh: Mesh, expert: Expert) -> Any:
     return jax.tree.map(one, batch)
 
 
+def _ring(expert: Expert, mesh: Mesh) -> Ring | None:
+    """Where the expert's hand-written ring runs (None: it has none)."""
+    if not expert.ring:
+        return None
+    batch = expert.acts.get("batch")
+    return Ring(mesh, expert.ring, (batch,) if isinstance(batch, str) else tuple(batch or ()))
+
+
 def compile_expert(step: Callable, state, batch, physical: Mesh, expert: Expert,
                    param_axes: Callable):
     """``(jitted, lowered)`` of ``step`` under the expert's shardings and activation rules,
@@ -425,8 +440,8 @@ def compile_expert(step: Callable, state, batch, physical: Mesh, expert: Expert,
 
     jitted = jax.jit(run, in_shardings=(st, bt),
                      out_shardings=(st, NamedSharding(mesh, PartitionSpec())))
-    with axis_rules(mesh, expert.acts), (running(*_runner(expert, mesh)) if expert.pipeline
-                                         else contextlib.nullcontext()):
+    with axis_rules(mesh, expert.acts), ring_over(_ring(expert, mesh)), \
+            (running(*_runner(expert, mesh)) if expert.pipeline else contextlib.nullcontext()):
         if expert.offload:  # lowered for arguments placed as it wants, not as given
             state, batch = jax.tree.map(
                 lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type),

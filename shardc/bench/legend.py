@@ -71,6 +71,10 @@ LEGEND: tuple[tuple[str, str, str], ...] = (
      "`context` axis): every activation's sequence split, the keys and values gathered "
      "for each query block; parameters and optimizer state sharded over every device "
      "(FSDP), the sequences' batch across the nodes"),
+    ("`ringN-x-fsdp`", r"ring\d+-x-fsdp",
+     "ring attention written by hand over N devices (as `cpN-x-fsdp`, the attention a "
+     "`shard_map` passing the key/value blocks round the devices with `ppermute`, the "
+     "online softmax combining them)"),
     ("`ulyssesN-x-fsdp`", r"ulysses\d+-x-fsdp",
      "DeepSpeed-Ulysses over N devices: the residual stream split on the sequence, the "
      "attention on the heads (an all-to-all each way); FSDP over every device"),
