@@ -16,9 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shardc.cost.kernels import compute_seconds
-from shardc.ir.graph import Graph, Op
+from shardc.ir.graph import Graph, Op, Value
+from shardc.ir.sbp import NdSbp, Split
 
-__all__ = ["looped", "Ring", "ring_cost", "ring_workspace"]
+__all__ = ["leading_kept", "looped", "passed", "repeated", "Ring", "ring_cost",
+           "ring_workspace"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +62,7 @@ def ring_cost(cluster, graph: Graph, op: Op, strategy, axis_sizes: Sequence[int]
         return None
     axis, what = strategy.ring
     n = axis_sizes[axis]
-    value, layout = (op.outputs[0], strategy.outs[0]) if what == 2 else \
-        (op.inputs[what], strategy.ins[what])
+    value, layout = passed(graph, op, strategy)
     block = value.nbytes * layout.shard_fraction(axis_sizes)
     send = cluster.send_seconds([(axis_names[axis], n)], block)
     whole = compute_seconds(cluster, graph, op, strategy.flops)
@@ -69,6 +70,17 @@ def ring_cost(cluster, graph: Graph, op: Op, strategy, axis_sizes: Sequence[int]
     paid = max(0.0, send - step) if cluster.overlap else send
     return Ring(axis, n - 1, block, send, step, (n - 1) * paid * op.weight,
                 max(0.0, n * step - whole) * op.weight)
+
+
+def passed(graph: Graph, op: Op, strategy) -> tuple[Value, NdSbp]:
+    """The value ``strategy``'s ring passes round and its layout: the partial sums of the
+    result (ring 2), or an operand, as the smaller value it repeats where it repeats one
+    (:func:`repeated`: grouped-query attention's keys and values)."""
+    what = strategy.ring[1]
+    if what == 2:
+        return op.outputs[0], strategy.outs[0]
+    value, nd = op.inputs[what], strategy.ins[what]
+    return repeated(graph, value, nd) or value, nd
 
 
 def looped(op: Op, strategy) -> bool:
@@ -83,13 +95,14 @@ def looped(op: Op, strategy) -> bool:
     return strategy.ins[what].sbps[axis].dim in (lc if what == 0 else rc)
 
 
-def ring_workspace(op: Op, strategy, axis_sizes: Sequence[int]) -> float:
+def ring_workspace(graph: Graph, op: Op, strategy, axis_sizes: Sequence[int]) -> float:
     """Bytes per device a ring holds while it runs besides its operands and result, as
     XLA:GPU assigns them (0 without a ring): unrolled (:func:`looped`), every block's
     product before it is written into the result (the scheduler issues the products
     ahead, to run them beside the sends): the result's size again; as a loop, the slice
     of the other operand each step reads and the block passed, each twice (this step's
-    and the next's)."""
+    and the next's), and where the block passed is a smaller value repeated, its
+    repeated copy."""
     if not strategy.ring:
         return 0.0
     axis, what = strategy.ring
@@ -98,6 +111,40 @@ def ring_workspace(op: Op, strategy, axis_sizes: Sequence[int]) -> float:
     if not looped(op, strategy):
         return result
     ins = [x.nbytes * nd.shard_fraction(axis_sizes) for x, nd in zip(op.inputs, strategy.ins)]
-    block = result if what == 2 else ins[what]
+    value, nd = passed(graph, op, strategy)
+    block = value.nbytes * nd.shard_fraction(axis_sizes)
     sliced = max(ins) if what == 2 else ins[1 - what]
-    return 2 * (block + sliced / n)
+    copy = ins[what] if what != 2 and value is not op.inputs[what] else 0.0
+    return 2 * (block + sliced / n) + copy
+
+
+def repeated(graph: Graph, value: Value, nd: NdSbp) -> Value | None:
+    """The smaller value ``value`` repeats, where a ring passing ``value`` in layout ``nd``
+    can pass it instead, else None: ``value`` a ``reshape`` of a ``broadcast_in_dim``
+    (``jnp.repeat``: each key/value head repeated for its query heads) of that value,
+    ``nd`` splitting only leading dims the two leave as they are (the batch, the
+    sequence) and holding no partial sum."""
+    made = graph.producers()
+    merge = made.get(value.id)
+    if merge is None or merge.name != "reshape" or merge.params.get("dimensions"):
+        return None
+    grow = made.get(merge.inputs[0].id)
+    if grow is None or grow.name != "broadcast_in_dim":
+        return None
+    src = grow.inputs[0]
+    kept = leading_kept(src, grow, value)
+    if nd.has_partial or src.nbytes >= value.nbytes or any(
+            isinstance(s, Split) and s.dim >= kept for s in nd.sbps):
+        return None
+    return src
+
+
+def leading_kept(src: Value, grow: Op, value: Value) -> int:
+    """How many leading dims ``value``, a reshape of ``grow`` (a ``broadcast_in_dim`` of
+    ``src``), has as ``src`` has them, in place and of the same size."""
+    dims, wide = grow.params["broadcast_dimensions"], grow.outputs[0]
+    kept = 0
+    while (kept < min(src.ndim, value.ndim) and dims[kept] == kept and
+           src.shape[kept] == wide.shape[kept] == value.shape[kept]):
+        kept += 1
+    return kept

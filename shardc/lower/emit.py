@@ -41,7 +41,7 @@ from shardc.ir.remat import is_gate
 from shardc.ir.sbp import B, NdSbp, P, Split, to_partition_spec
 from shardc.ir.trace import Fork, Inlined, Loop, Region, Traced
 from shardc.lower.control import ControlFlow, bind_eqn
-from shardc.lower.local import per_device, run_ring
+from shardc.lower.local import per_device, ring_source, run_ring
 from shardc.lower.partial import (
     Stacked,
     stack,
@@ -103,12 +103,16 @@ class _Lowering(ControlFlow, StackedSums):
     """The interpreter: a plan, the Auto mesh it runs on, its ops by id, and the values
     left unconstrained (:meth:`~shardc.ir.graph.Graph.constants`)."""
 
-    __slots__ = ("plan", "mesh", "by_op", "free", "read_whole", "shardings", "stacked",
-                 "converted", "stacks", "sums", "whole")
+    __slots__ = ("plan", "mesh", "graph", "by_op", "free", "read_whole", "shardings",
+                 "stacked", "converted", "stacks", "sums", "whole", "made")
 
     def __init__(self, plan, mesh: Mesh, graph):
         self.plan = plan
         self.mesh = mesh
+        self.graph = graph
+        #: value id -> the value as lowered (rings pass some in place of their repeated
+        #: copies: :func:`shardc.lower.local.ring_source`)
+        self.made: dict = {}
         self.by_op = {o.id: o for o in plan.ops}
         self.free = graph.constants()
         self.read_whole = _read_as_made(graph, plan, self.by_op)
@@ -195,11 +199,12 @@ class _Lowering(ControlFlow, StackedSums):
 
     def settle(self, vid: int, x):
         """Convert a value used more than once to the layout its uses read, once (a free
-        value is read as it comes)."""
+        value is read as it comes); kept in :attr:`made`."""
         nd = self.plan.settled.get(vid)
-        if nd is None or vid in self.free:
-            return x
-        return self.convert(x, self.plan.values.get(vid), nd)
+        if nd is not None and vid not in self.free:
+            x = self.convert(x, self.plan.values.get(vid), nd)
+        self.made[vid] = x
+        return x
 
     def op(self, eqn, op, args: list) -> list:
         planned = self.by_op.get(op.id)
@@ -218,7 +223,8 @@ class _Lowering(ControlFlow, StackedSums):
         elif facts(op.name).per_device and _split_whole(planned):
             outs = self._per_device(eqn, op, planned, args)
         elif (ring := ring_of(op, planned.ins, planned.outs)) is not None:
-            outs = run_ring(self.mesh, eqn, op, planned, args, ring)
+            outs = run_ring(self.mesh, eqn, op, planned, args, ring,
+                            ring_source(self.graph, self.made, op, planned.ins, ring[1], args))
         elif _split_whole(planned) and (local := local_groups(
                 op, planned.ins[0], self.plan.axis_sizes)) is not None:
             outs = self._per_device(eqn, op, planned, args, local)

@@ -28,63 +28,109 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from shardc.cost.ring import leading_kept, repeated
 from shardc.ir.sbp import to_partition_spec
 from shardc.lower.control import bind_eqn
 from shardc.rules.dot import dot_dims, result_dim
 
-__all__ = ["per_device", "run_ring"]
+__all__ = ["per_device", "repeater", "ring_source", "run_ring"]
 
 
-def per_device(mesh, body, op, planned, args: list) -> list:
+def per_device(mesh, body, op, planned, args: list, extra=()) -> list:
     """``body`` (each device's pieces of ``op``'s operands -> its pieces of the results)
-    run under ``shard_map`` over ``op``'s planned layouts on ``mesh``."""
+    run under ``shard_map`` over ``op``'s planned layouts on ``mesh``; ``extra``: more
+    ``(layout, value)`` pairs whose pieces follow the operands' (one per arg past them)."""
     names = mesh.axis_names
 
     def specs(nds, values):
         return tuple(to_partition_spec(nd, v.ndim, names) for nd, v in zip(nds, values))
 
-    return list(jax.shard_map(body, mesh=mesh, in_specs=specs(planned.ins, op.inputs),
+    ins = specs(planned.ins, op.inputs) + specs([nd for nd, _ in extra],
+                                                [v for _, v in extra])
+    return list(jax.shard_map(body, mesh=mesh, in_specs=ins,
                               out_specs=list(specs(planned.outs, op.outputs)),
                               check_vma=False)(*args))
 
 
-def run_ring(mesh, eqn, op, planned, args: list, ring: tuple[int, int]) -> list:
+def run_ring(mesh, eqn, op, planned, args: list, ring: tuple[int, int],
+             source=None) -> list:
     """``eqn`` (a ``dot_general``, op ``op`` of the plan's graph) on ``args`` as its
-    planned layouts' ring ``(axis, what passes)`` (:func:`shardc.rules.dot.ring_of`)."""
+    planned layouts' ring ``(axis, what passes)`` (:func:`shardc.rules.dot.ring_of`);
+    ``source``: ``(value, repeat)`` where the operand passed repeats a smaller value,
+    passed in its place and repeated by ``repeat`` block by block."""
     axis, what = ring
     name, n = mesh.axis_names[axis], mesh.axis_sizes[axis]
 
-    def body(lhs, rhs):
+    def body(lhs, rhs, *src):
         if what == 2:
             return [_scatter_ring(eqn, op, lhs, rhs, planned, axis, name, n)]
         made = op.outputs[0]  # this device's piece of the result
         piece = tuple(size // planned.outs[0].split_factor(mesh.axis_sizes, d)
                       for d, size in enumerate(made.shape))
         out = jnp.zeros(piece, made.dtype)
-        return [_gather_ring(eqn, op, lhs, rhs, out, planned, axis, what, name, n)]
+        passing = (src[0], source[1]) if src else None
+        return [_gather_ring(eqn, op, lhs, rhs, out, planned, axis, what, name, n, passing)]
 
-    return per_device(mesh, body, op, planned, args)
+    if source is None:
+        return per_device(mesh, body, op, planned, args)
+    return per_device(mesh, body, op, planned, [*args, source[0]],
+                      [(planned.ins[what], source[0])])
+
+
+def ring_source(graph, made: dict, op, ins, what: int, args: list):
+    """``(value, repeat)`` where a ring's passed operand ``what`` (of ``op``, read in the
+    layouts ``ins``) repeats a smaller value lowered in the same trace (``made``: value id
+    -> the value as lowered; :func:`shardc.cost.ring.repeated`): that value and the
+    function repeating a block of it (:func:`repeater`); else None (the operand passes)."""
+    if what == 2:
+        return None
+    src = repeated(graph, op.inputs[what], ins[what])
+    x = None if src is None else made.get(src.id)
+    if x is None or getattr(x, "_trace", None) is not getattr(args[what], "_trace", 0):
+        return None
+    return x, repeater(graph, op.inputs[what])
+
+
+def repeater(graph, value):
+    """The function making a device's block of ``value`` from its block of the smaller
+    value it repeats (:func:`shardc.cost.ring.repeated`: a ``broadcast_in_dim`` then a
+    ``reshape``, the leading dims a block splits kept as they are)."""
+    made = graph.producers()
+    merge = made[value.id]
+    grow = made[merge.inputs[0].id]
+    wide, dims = grow.outputs[0].shape, grow.params["broadcast_dimensions"]
+    kept = leading_kept(grow.inputs[0], grow, value)
+
+    def repeat(block):
+        lead = block.shape[:kept]
+        grown = lax.broadcast_in_dim(block, lead + tuple(wide[kept:]), dims)
+        return grown.reshape(lead + tuple(value.shape[kept:]))
+
+    return repeat
 
 
 def _perm(n: int) -> list[tuple[int, int]]:
     return [(i, (i + 1) % n) for i in range(n)]
 
 
-def _gather_ring(eqn, op, lhs, rhs, out, planned, axis: int, what: int, name: str, n: int):
+def _gather_ring(eqn, op, lhs, rhs, out, planned, axis: int, what: int, name: str, n: int,
+                 passing=None):
     """Ring 0 or 1: operand ``what``'s blocks passed round (module docstring), into
-    ``out``, zeros of this device's piece of the result."""
+    ``out``, zeros of this device's piece of the result; ``passing``: ``(block, repeat)``,
+    the block of a smaller value passed instead, repeated into the operand's."""
     lc, rc, *_ = dot_dims(op)
     ops = [lhs, rhs]
     dim = planned.ins[what].sbps[axis].dim  # the passed operand's split dim
     mine, other = (lc, rc) if what == 0 else (rc, lc)
     me = lax.axis_index(name)
     size = ops[what].shape[dim]
+    first, repeat = passing if passing is not None else (ops[what], lambda b: b)
 
     def product(s, cur, out):
         """``out`` with the product of the block held at step ``s``."""
         src = (me - s) % n
         pair = list(ops)
-        pair[what] = cur
+        pair[what] = repeat(cur)
         if dim in mine:  # contracted: the other operand's matching slice, added
             pair[1 - what] = lax.dynamic_slice_in_dim(ops[1 - what], src * size, size,
                                                       axis=other[mine.index(dim)])
@@ -96,7 +142,7 @@ def _gather_ring(eqn, op, lhs, rhs, out, planned, axis: int, what: int, name: st
         cur, out = carry
         return lax.ppermute(cur, name, _perm(n)), product(s, cur, out)
 
-    carry = (ops[what], out)
+    carry = (first, out)
     if dim in mine:
         carry = lax.fori_loop(0, n - 1, step, carry)
     else:  # unrolled: a loop would carry the whole result (module docstring)

@@ -21,7 +21,7 @@ from shardc.cost.collectives import seconds
 from shardc.cost.combine import alpha_scales, combiner_for
 from shardc.cost.combiner import Pending, Use, combine_groups
 from shardc.cost.kernels import compute_seconds
-from shardc.cost.ring import looped, ring_cost
+from shardc.cost.ring import looped, passed, ring_cost
 from shardc.ir.flow import carry_exit, loop_tests, loop_ties, read_runs, reads, settle_runs
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Partial
@@ -177,9 +177,7 @@ class _Recorder:
                          self.names)
         if ring is None:
             return 0.0
-        what = strat.ring[1]
-        value, nd = (op.outputs[0], strat.outs[0]) if what == 2 else \
-            (op.inputs[what], strat.ins[what])
+        value, nd = passed(self.cg.graph, op, strat)
         sends = 1 if looped(op, strat) else ring.steps
         key = ("ring", value.id, nd, ring.axis)
         shared = sends > 1 and key in self.done

@@ -18,6 +18,11 @@ block it holds, so the transfer of the next block hides behind this block's prod
   passed round, each device adding its share to the block passing, as a reduce-scatter
   of the contraction split's partial result would (the keys' and values' gradients).
 
+An operand passed round that repeats a smaller value (grouped-query attention's keys and
+values, each head repeated for its query heads by ``jnp.repeat``:
+:func:`shardc.cost.ring.repeated`) is
+passed as that value, each device repeating the block it holds: 1 / groups of the bytes.
+
 References:
   OneFlow ``user/ops/matmul_op.cpp`` SBP signatures; Alpa OSDI'22 §4.2 dot strategies.
 """
@@ -105,3 +110,4 @@ def ring_of(op: Op, ins, outs) -> tuple[int, int] | None:
             if (ins[0].sbps[a], ins[1].sbps[a], outs[0].sbps[a]) == (*sig.ins, *sig.outs):
                 return a, sig.ring
     return None
+

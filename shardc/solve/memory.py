@@ -236,7 +236,7 @@ def memory_profile(cg: CostGraph, choice: Sequence[int]) -> np.ndarray:
             (start, _, b), = _cut_fusion(cg, choice, vid, 0, made, made_at)
             made.append((start, max(start, cg.fusion[1].get(vid, start)), b))
     for t, node in cg.graph.memo("ring_dots", _ring_dots):  # a ring's blocks and slices
-        if (ws := ring_workspace(cg.refs[node], cg.choices[node][choice[node]],
+        if (ws := ring_workspace(cg.graph, cg.refs[node], cg.choices[node][choice[node]],
                                  cg.axis_sizes)):
             moved.append((t, t, ws))
     delta = np.zeros(n + 2)
