@@ -24,7 +24,9 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh
+
+from shardc.models import logical
 
 __all__ = ["attend", "ring_over", "Ring"]
 
@@ -32,7 +34,7 @@ __all__ = ["attend", "ring_over", "Ring"]
 @dataclass(frozen=True)
 class Ring:
     """Where :func:`attend` runs its ring: the mesh, the axes the sequence is split over
-    (the ring's), and those the batch is split over (empty: none)."""
+    (the ring's), and those the batch is split over where they divide it (empty: none)."""
 
     mesh: Mesh
     seq: tuple[str, ...]
@@ -59,7 +61,12 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, plain) -> jax.Array:
     ring = _RING.get()
     if ring is None:
         return plain(q, k, v)
-    spec = PartitionSpec(ring.batch or None, ring.seq, None, None)
+    # the batch split only over axes that divide it (as the activations' rules split it)
+    spec = logical.spec(("batch", "seq", None, None), {"batch": ring.batch, "seq": ring.seq},
+                        q.shape, ring.mesh)
+    if spec[1] != (ring.seq[0] if len(ring.seq) == 1 else ring.seq):
+        raise ValueError(f"ring attention over {ring.seq}: the sequence of {q.shape[1]} "
+                         "tokens does not divide over the ring's devices")
     n = math.prod(ring.mesh.shape[a] for a in ring.seq)
     body = _local(n, ring.seq, q.shape[2] // k.shape[2])
     return jax.shard_map(body, mesh=ring.mesh, in_specs=(spec, spec, spec),

@@ -5,6 +5,7 @@ parallelism, three-axis views)."""
 import re
 
 import jax
+import jax.numpy as jnp
 import optax
 import pytest
 from flax import nnx
@@ -260,3 +261,23 @@ def test_context_parallel_experts_split_the_sequence_or_the_heads():
     uly = _constraints(_checked("llama-long", expert)[0])
     assert (f'[{{"{a}"}}, {{"{b}"}}, {{}}]', "8x16x64xf32") in uly  # the residual stream
     assert (f'[{{"{a}"}}, {{}}, {{"{b}"}}, {{}}]', "8x16x4x16xf32") in uly  # the heads
+
+
+def test_the_hand_written_ring_equals_plain_attention_where_the_batch_does_not_split():
+    """models.ring's attention (the ringN-x-fsdp experts') equals the Llama's own causal
+    GQA attention, values and gradients, with one sequence on a (2, 4) mesh: the ring over
+    the 4, the batch axis of 2 left unsplit (it does not divide one sequence)."""
+    from shardc.models import llama, ring
+
+    mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (1, 16, 4, 8))
+    k, v = (jax.random.normal(key, (1, 16, 2, 8)) for key in keys[1:])
+
+    def loss(q, k, v):
+        return jnp.sum(ring.attend(q, k, v, llama._causal_attention) ** 2)
+
+    want = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+    with ring.ring_over(ring.Ring(mesh, ("b",), ("a",))):
+        got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    assert_close(got, want, rtol=1e-5, atol=1e-5)
