@@ -5,7 +5,8 @@ Models call :func:`constrain` on activations with logical axis names (``"batch"`
 parameters' logical axes with a ``param_axes(path, shape)`` function. Outside an
 :func:`axis_rules` context both are inert, so the models stay plain Flax code; inside one
 (the expert baselines of ``shardc.bench``) logical names map to mesh axes, MaxText-style.
-This is the only contextual state; it is scoped with ``contextvars``, never a global.
+These rules and :mod:`models.ring`'s ring are the zoo's contextual state, each scoped with
+``contextvars``, never a global.
 """
 
 from __future__ import annotations
