@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from shardc.cost.comm import reshard_time
 from shardc.cost.kernels import compute_seconds
+from shardc.cost.ring import repeated
 from shardc.cost.units import fmt_bytes, fmt_time
 from shardc.ir.flops import op_flops
 from shardc.ir.graph import Graph, Op
@@ -166,7 +167,8 @@ def _ring_or_gather(graph: Graph, plan: Plan, op: Op, lay, axis: int) -> str:
         tuple(Split(ks) if a == axis else s for a, s in enumerate(lay.ins[1].sbps)))
     whole = NdSbp(tuple(B if a == axis else s for a, s in enumerate(held.sbps)))
     flops = op_flops(op) * lay.outs[0].shard_fraction(sizes)
-    block = keys.nbytes * held.shard_fraction(sizes)
+    # the ring passes the keys as the smaller value they repeat, where they repeat one
+    block = (repeated(graph, keys, held) or keys).nbytes * held.shard_fraction(sizes)
     send = cluster.send_seconds([(names[axis], n)], block)
     step = compute_seconds(cluster, graph, op, flops / n)
     gather = reshard_time(held, whole, keys.nbytes, sizes, names, cluster)
