@@ -19,7 +19,7 @@ from shardc.cost.kernels import compute_seconds
 from shardc.ir.graph import Graph, Op, Value
 from shardc.ir.sbp import NdSbp, Split
 
-__all__ = ["leading_kept", "looped", "passed", "repeated", "Ring", "ring_cost",
+__all__ = ["looped", "passed", "repeat_of", "repeated", "Ring", "ring_cost",
            "ring_workspace"]
 
 
@@ -120,10 +120,21 @@ def ring_workspace(graph: Graph, op: Op, strategy, axis_sizes: Sequence[int]) ->
 
 def repeated(graph: Graph, value: Value, nd: NdSbp) -> Value | None:
     """The smaller value ``value`` repeats, where a ring passing ``value`` in layout ``nd``
-    can pass it instead, else None: ``value`` a ``reshape`` of a ``broadcast_in_dim``
-    (``jnp.repeat``: each key/value head repeated for its query heads) of that value,
-    ``nd`` splitting only leading dims the two leave as they are (the batch, the
-    sequence) and holding no partial sum."""
+    can pass it instead, else None: ``value`` a repeat of it (:func:`repeat_of`), ``nd``
+    splitting only the leading dims the repeat keeps (the batch, the sequence) and
+    holding no partial sum."""
+    chain = repeat_of(graph, value)
+    if chain is None or nd.has_partial or any(
+            isinstance(s, Split) and s.dim >= chain[2] for s in nd.sbps):
+        return None
+    return chain[0]
+
+
+def repeat_of(graph: Graph, value: Value) -> tuple[Value, Op, int] | None:
+    """``(src, grow, kept)`` where ``value`` is a ``reshape`` of ``grow``, a
+    ``broadcast_in_dim`` of the smaller ``src`` (``jnp.repeat``: each key/value head
+    repeated for its query heads), ``kept`` the leading dims the two leave in place and
+    of the same size; else None."""
     made = graph.producers()
     merge = made.get(value.id)
     if merge is None or merge.name != "reshape" or merge.params.get("dimensions"):
@@ -131,20 +142,11 @@ def repeated(graph: Graph, value: Value, nd: NdSbp) -> Value | None:
     grow = made.get(merge.inputs[0].id)
     if grow is None or grow.name != "broadcast_in_dim":
         return None
-    src = grow.inputs[0]
-    kept = leading_kept(src, grow, value)
-    if nd.has_partial or src.nbytes >= value.nbytes or any(
-            isinstance(s, Split) and s.dim >= kept for s in nd.sbps):
+    src, wide = grow.inputs[0], grow.outputs[0]
+    if src.nbytes >= value.nbytes:
         return None
-    return src
-
-
-def leading_kept(src: Value, grow: Op, value: Value) -> int:
-    """How many leading dims ``value``, a reshape of ``grow`` (a ``broadcast_in_dim`` of
-    ``src``), has as ``src`` has them, in place and of the same size."""
-    dims, wide = grow.params["broadcast_dimensions"], grow.outputs[0]
-    kept = 0
+    dims, kept = grow.params["broadcast_dimensions"], 0
     while (kept < min(src.ndim, value.ndim) and dims[kept] == kept and
            src.shape[kept] == wide.shape[kept] == value.shape[kept]):
         kept += 1
-    return kept
+    return src, grow, kept

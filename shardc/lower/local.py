@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from shardc.cost.ring import leading_kept, repeated
+from shardc.cost.ring import repeat_of, repeated
 from shardc.ir.sbp import to_partition_spec
 from shardc.lower.control import bind_eqn
 from shardc.rules.dot import dot_dims, result_dim
@@ -93,13 +93,10 @@ def ring_source(graph, made: dict, op, ins, what: int, args: list):
 
 def repeater(graph, value):
     """The function making a device's block of ``value`` from its block of the smaller
-    value it repeats (:func:`shardc.cost.ring.repeated`: a ``broadcast_in_dim`` then a
+    value it repeats (:func:`shardc.cost.ring.repeat_of`: a ``broadcast_in_dim`` then a
     ``reshape``, the leading dims a block splits kept as they are)."""
-    made = graph.producers()
-    merge = made[value.id]
-    grow = made[merge.inputs[0].id]
+    _, grow, kept = repeat_of(graph, value)
     wide, dims = grow.outputs[0].shape, grow.params["broadcast_dimensions"]
-    kept = leading_kept(grow.inputs[0], grow, value)
 
     def repeat(block):
         lead = block.shape[:kept]
