@@ -82,12 +82,17 @@ class NdSbp:
     #: NdSbps key the solver's tables, and equal keys made apart compare millions of times
     #: a frontier, each through every element's generated ``__eq__`` otherwise
     _key: tuple = field(init=False, repr=False, compare=False, default=())
+    #: the mesh axes that split the value (:meth:`shard_fraction` runs millions of times a
+    #: frontier)
+    _split_axes: tuple = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self):  # hashed and keyed once
         object.__setattr__(self, "_hash", hash(self.sbps))
         object.__setattr__(self, "_key", tuple(
             s.dim if isinstance(s, Split) else s.op if isinstance(s, Partial) else None
             for s in self.sbps))
+        object.__setattr__(self, "_split_axes", tuple(
+            k for k, s in enumerate(self.sbps) if isinstance(s, Split)))
 
     def __hash__(self) -> int:
         return self._hash
@@ -126,10 +131,10 @@ class NdSbp:
 
     def shard_fraction(self, axis_sizes: Sequence[int]) -> float:
         """Fraction of the logical value each device holds."""
-        f = 1
-        for s, n in zip(self.sbps, axis_sizes):
-            if isinstance(s, Split):
-                f *= n
+        f, n = 1, len(axis_sizes)
+        for k in self._split_axes:
+            if k < n:
+                f *= axis_sizes[k]
         return 1.0 / f
 
     def fits(self, shape: Sequence[int], axis_sizes: Sequence[int]) -> bool:

@@ -125,6 +125,9 @@ class CostGraph:
     #: dropped by the pass that changes ``follows`` (:meth:`merge_followers`); a caller that
     #: replaced an entry of ``follows`` by hand, keeping its length, must drop it too
     resolved: tuple = ()
+    #: (follows, its length, choices, the bytes each choice holds): the table of
+    #: :func:`shardc.solve.descent.lean`'s ties, dropped with ``resolved``
+    held: tuple = ()
 
     # ---- construction ---------------------------------------------------------------------
     def out_sbp(self, node: int, slot: int, choice: int) -> NdSbp:
@@ -289,7 +292,7 @@ class CostGraph:
             _move_memory(at, v, u, f)
         self.edges = [e for es in outs_of.values() for e in es]
         self._absorb_sources()
-        self.resolved = ()
+        self.resolved = self.held = ()
 
     def _absorb_sources(self) -> None:
         """Fold ops with no inputs from other nodes (iota, broadcasts of constants, and what

@@ -404,7 +404,12 @@ def lean(cg: CostGraph, fixed: Mapping[int, int] | None = None) -> dict[int, int
 
 def _held_bytes(cg: CostGraph) -> dict[int, np.ndarray]:
     """Per live node, per choice: the bytes per device that its results and those of the
-    nodes following it hold."""
+    nodes following it hold (kept with ``cg`` while its followers and choices are the same
+    objects: a frontier asks for it at every lean start; not to be changed)."""
+    kept = cg.held
+    if kept and kept[0] is cg.follows and kept[1] == len(cg.follows) and \
+            kept[2] is cg.choices:
+        return kept[3]
     out: dict[int, np.ndarray] = {}
     for i, ref in enumerate(cg.refs):
         if isinstance(ref, Op):
@@ -419,6 +424,7 @@ def _held_bytes(cg: CostGraph) -> dict[int, np.ndarray]:
             continue
         root, f = cg.resolve(i)
         out[root] = out[root] + held[f] if root in out else held[f]
+    cg.held = (cg.follows, len(cg.follows), cg.choices, out)
     return out
 
 
