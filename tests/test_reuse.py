@@ -76,6 +76,27 @@ def test_what_a_graph_derives_from_itself_is_computed_once():
         tail.add(0)  # shared between callers: not to be changed
 
 
+def test_the_bytes_each_choice_holds_are_kept_per_graph_and_not_shared_with_a_cut():
+    """descent's table of the bytes each choice holds (every lean start asks for it) is
+    computed once per cost graph; a copy cut to a hand-written layout gets its own, sized
+    to its own choices, equal to one made afresh."""
+    from shardc.solve import descent
+    from shardc.solve.reuse import pin_inputs
+
+    cg, _ = _plan(_step(), None)
+    held = descent._held_bytes(cg)
+    assert descent._held_bytes(cg) is held
+    cut = pin_inputs(cg, {k: NdSbp((Split(0), Split(0))) for k in range(3)})
+    mine = descent._held_bytes(cut)
+    assert mine is not held
+    assert all(len(mine[i]) == len(cut.choices[i]) for i in mine)
+    assert len(mine[0]) == 1 < len(held[0])
+    cut.held = ()  # made afresh
+    again = descent._held_bytes(cut)
+    assert again.keys() == mine.keys()
+    assert all(np.array_equal(again[i], mine[i]) for i in mine)
+
+
 def test_hand_written_layouts_place_on_the_graph_built_once_as_on_their_own():
     """Placing layouts of the inputs on the problem's merged graph cut to each (the frontier
     places a dozen) gives the plans that graphs built and merged with those inputs fixed
