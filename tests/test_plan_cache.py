@@ -148,13 +148,16 @@ def test_a_damaged_or_foreign_cache_file_is_planned_again(tmp_path, monkeypatch,
 def test_the_key_covers_the_options_and_the_mesh(tmp_path):
     step, args, mesh = _make()
     cache = tmp_path / "plans"
+    # pipeline=False (never) against the default (the planner's choice): a plan made under
+    # one was loaded under the other, and a pipeline asked for was stamped on a plan made
+    # without it
     for kwargs in ({}, {"memory_budget": 1 << 30}, {"time_limit": 0.5},
-                   {"cluster": shardc.Cluster.multi_node("node", "gpu")}):
+                   {"cluster": shardc.Cluster.multi_node("node", "gpu")}, {"pipeline": False}):
         shardc.auto_shard(step, mesh=mesh, cache_dir=str(cache),
                           **{"time_limit": 1.0, **kwargs}).plan(*args)
     flat = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
     shardc.auto_shard(step, mesh=flat, time_limit=1.0, cache_dir=str(cache)).plan(*args)
-    assert len(list(cache.iterdir())) == 5
+    assert len(list(cache.iterdir())) == 6
 
 
 def test_python_scalar_arguments_are_cached_too(tmp_path):

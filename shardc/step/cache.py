@@ -3,7 +3,7 @@
 A plan is stored as its JSON (:meth:`shardc.plan.record.Plan.to_json`) under a key that covers
 everything the solver's answer depends on: the program (:func:`shardc.plan.record.fingerprint`:
 primitives, params, dataflow) and its argument types, the mesh's shape and axis names, the
-cluster, the planning options (budget, time limit, seeds, mesh search), the layouts the
+cluster, the planning options (budget, time limit, seeds, mesh search, pipeline), the layouts the
 program must keep (ties, fixed inputs and outputs) and the shardc version. Plans are
 deterministic (every solver stage runs to its end; the time limit is a wall-clock guard
 that a plan's status reports when it cut the search), so a cached plan is the plan this
@@ -77,6 +77,7 @@ class PlanCache:
             "rank_compiled": options.rank_compiled,
             "offload": options.offload,
             "context_parallel": options.context_parallel,
+            "pipeline": str(options.pipeline),  # None, False or the Pipeline asked for
             "seeds": {name: sorted((k, str(nd)) for k, nd in layouts.items())
                       for name, layouts in sorted(seeds.items())},
             "ties": [list(t) for t in ties],
