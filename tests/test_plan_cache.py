@@ -160,6 +160,25 @@ def test_the_key_covers_the_options_and_the_mesh(tmp_path):
     assert len(list(cache.iterdir())) == 6
 
 
+def test_the_key_covers_the_meshs_platform(tmp_path):
+    """The backend shapes a plan (its collective combiners, its memory model): a mesh of
+    GPUs with the same axes as a mesh of CPUs keys apart; an abstract mesh keys as neither."""
+    import types
+
+    from shardc.solve.fixed import NOTHING_FIXED
+    from shardc.step.cache import PlanCache
+    from shardc.step.options import Options
+
+    store, opts = PlanCache(tmp_path), Options()
+    cpu = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
+    gpu = types.SimpleNamespace(
+        axis_sizes=cpu.axis_sizes, axis_names=cpu.axis_names,
+        devices=np.array([types.SimpleNamespace(platform="gpu")] * 8).reshape(2, 4))
+    keys = {store.key("program", [], mesh, opts, {}, [], NOTHING_FIXED)
+            for mesh in (cpu, gpu, cpu.abstract_mesh)}
+    assert len(keys) == 3
+
+
 def test_python_scalar_arguments_are_cached_too(tmp_path):
     """A weak-typed Python scalar among the arguments (a learning rate) keys like jax.jit."""
     mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))

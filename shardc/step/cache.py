@@ -2,14 +2,15 @@
 
 A plan is stored as its JSON (:meth:`shardc.plan.record.Plan.to_json`) under a key that covers
 everything the solver's answer depends on: the program (:func:`shardc.plan.record.fingerprint`:
-primitives, params, dataflow) and its argument types, the mesh's shape and axis names, the
-cluster, the planning options (budget, time limit, seeds, mesh search, pipeline), the layouts the
-program must keep (ties, fixed inputs and outputs) and the shardc version. Plans are
-deterministic (every solver stage runs to its end; the time limit is a wall-clock guard
-that a plan's status reports when it cut the search), so a cached plan is the plan this
-process would make. Files are written atomically (a temporary file
-renamed into place), so processes sharing a directory never read half a plan; a file that
-does not parse or belongs to another program is re-planned and overwritten (logged).
+primitives, params, dataflow) and its argument types, the mesh's shape, axis names and
+platform, the cluster, the planning options (budget, time limit, seeds, mesh search,
+pipeline), the layouts the program must keep (ties, fixed inputs and outputs) and the
+shardc version. Plans are deterministic (every solver stage runs to its end; the time
+limit is a wall-clock guard that a plan's status reports when it cut the search), so a
+cached plan is the plan this process would make. Files are written atomically (a
+temporary file renamed into place), so processes sharing a directory never read half a
+plan; a file that does not parse or belongs to another program is re-planned and
+overwritten (logged).
 
 The directory is ``auto_shard(..., cache_dir=...)``, else ``$SHARDC_CACHE_DIR``.
 """
@@ -32,6 +33,7 @@ from shardc.ir.graph import Value
 from shardc.ir.sbp import NdSbp
 from shardc.plan.codec import PlanFormatError
 from shardc.plan.record import Plan
+from shardc.step.options import platform_of
 
 __all__ = ["CACHE_ENV", "PlanCache"]
 
@@ -69,6 +71,8 @@ class PlanCache:
             "program": program,
             "inputs": [[list(v.shape), str(v.dtype)] for v in inputs],
             "mesh": [list(mesh.axis_sizes), list(mesh.axis_names)],
+            # the backend's combiners and memory model shape the plan (None: abstract)
+            "platform": platform_of(mesh),
             "cluster": options.cluster.to_json(),
             "memory_budget": options.memory_budget,
             "time_limit": options.time_limit,
