@@ -179,6 +179,35 @@ def test_the_key_covers_the_meshs_platform(tmp_path):
     assert len(keys) == 3
 
 
+def test_every_option_but_where_the_cache_is_changes_the_key(tmp_path):
+    """The key holds the whole options record: each field changed alone keys apart (the
+    cluster, seeds and layouts asked for are keyed as the solver gets them; the cache's
+    directory is not keyed)."""
+    import dataclasses
+
+    from shardc.pipeline import Pipeline
+    from shardc.solve.fixed import NOTHING_FIXED
+    from shardc.step.cache import PlanCache
+    from shardc.step.options import Options
+
+    changed = {"cluster": shardc.Cluster.multi_node("node", "gpu"), "memory_budget": 1e9,
+               "time_limit": 1.0, "mesh_search": True, "keep_input_shardings": False,
+               "while_trips": 3, "pipeline": Pipeline("node", 2, 2), "rank_compiled": 2,
+               "offload": False, "context_parallel": False}
+    apart = {"seeds", "in_shardings", "cache_dir"}
+    assert set(changed) | apart == {f.name for f in dataclasses.fields(Options)}
+    store = PlanCache(tmp_path)
+    mesh = jax.make_mesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
+
+    def key(opts):
+        return store.key("program", [], mesh, opts, {}, [], NOTHING_FIXED)
+
+    base = key(Options())
+    assert key(Options(cache_dir=str(tmp_path))) == base
+    for name, value in changed.items():
+        assert key(Options(**{name: value})) != base, name
+
+
 def test_python_scalar_arguments_are_cached_too(tmp_path):
     """A weak-typed Python scalar among the arguments (a learning rate) keys like jax.jit."""
     mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))

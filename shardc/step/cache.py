@@ -43,6 +43,13 @@ CACHE_ENV = "SHARDC_CACHE_DIR"
 log = logging.getLogger("shardc")
 
 
+#: the :class:`~shardc.step.options.Options` fields the key holds otherwise: the cluster (as
+#: its JSON), the seeds and the layouts asked for (as the solver gets them: ``seeds``,
+#: ``fixed``), and not where the cache is; every other field is keyed as it is, so an
+#: option added to the record is keyed without a change here
+_KEYED_APART = frozenset({"cluster", "seeds", "in_shardings", "cache_dir"})
+
+
 class PlanCache:
     """A directory of plans keyed by :meth:`key`."""
 
@@ -74,14 +81,8 @@ class PlanCache:
             # the backend's combiners and memory model shape the plan (None: abstract)
             "platform": platform_of(mesh),
             "cluster": options.cluster.to_json(),
-            "memory_budget": options.memory_budget,
-            "time_limit": options.time_limit,
-            "mesh_search": options.mesh_search,
-            "while_trips": options.while_trips,
-            "rank_compiled": options.rank_compiled,
-            "offload": options.offload,
-            "context_parallel": options.context_parallel,
-            "pipeline": str(options.pipeline),  # None, False or the Pipeline asked for
+            "options": {f.name: str(getattr(options, f.name))
+                        for f in dataclasses.fields(options) if f.name not in _KEYED_APART},
             "seeds": {name: sorted((k, str(nd)) for k, nd in layouts.items())
                       for name, layouts in sorted(seeds.items())},
             "ties": [list(t) for t in ties],
