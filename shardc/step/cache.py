@@ -3,8 +3,8 @@
 A plan is stored as its JSON (:meth:`shardc.plan.record.Plan.to_json`) under a key that covers
 everything the solver's answer depends on: the program (:func:`shardc.plan.record.fingerprint`:
 primitives, params, dataflow) and its argument types, the mesh's shape, axis names and
-platform, the cluster, the planning options (budget, time limit, seeds, mesh search,
-pipeline), the layouts the program must keep (ties, fixed inputs and outputs) and the
+platform, the cluster, every other planning option (the whole options record but where
+the cache is), the layouts the program must keep (ties, fixed inputs and outputs) and the
 shardc version. Plans are deterministic (every solver stage runs to its end; the time
 limit is a wall-clock guard that a plan's status reports when it cut the search), so a
 cached plan is the plan this process would make. Files are written atomically (a
