@@ -18,6 +18,8 @@ from collections.abc import Iterator, Mapping, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from shardc.util.axes import axis_tuple
+
 __all__ = ["axis_rules", "constrain", "no_axis_rules", "Rules", "spec"]
 
 Rules = Mapping[str, str | tuple[str, ...] | None]
@@ -56,7 +58,7 @@ def spec(names: Sequence[str | None], rules: Rules, shape: Sequence[int] | None 
     out = []
     for d, name in enumerate(names):
         axes = rules.get(name) if name is not None else None
-        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        axes = axis_tuple(axes)
         keep = []
         for a in axes:
             if a in used:

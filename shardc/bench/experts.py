@@ -77,6 +77,7 @@ from shardc.pipeline.runtime import pipeline_scan
 from shardc.pipeline.schedule import Pipeline
 from shardc.pipeline.stack import running
 from shardc.tradeoff.views import View, views
+from shardc.util.axes import axis_tuple
 
 __all__ = ["batch_specs", "compile_expert", "Expert", "experts_for", "FSDP", "preset_experts",
            "seed_experts", "SEQ", "state_specs", "TENSOR", "Traits"]
@@ -134,11 +135,6 @@ class Expert:
         return self.view.mesh(physical)
 
 
-def _names(axes) -> tuple[str, ...]:
-    """A rule's mesh axes as a tuple: one name, several, or none (None)."""
-    return (axes,) if isinstance(axes, str) else tuple(axes or ())
-
-
 def _on(axes, names: tuple[str, ...]) -> dict[str, Any]:
     return {n: axes for n in names}
 
@@ -186,7 +182,7 @@ def _context(seq, batch, view: View) -> list[Expert]:
     round ``seq`` by ``ppermute``) and DeepSpeed-Ulysses' (the residual stream split on
     the sequence, the attention on the heads: an all-to-all each way)."""
     every = view.names if len(view.names) > 1 else view.names[0]
-    ring = _names(seq)
+    ring = axis_tuple(seq)
     n = math.prod(view.shape[view.names.index(a)] for a in ring)
     acts = {"batch": batch} if batch is not None else {}
     cp = {**acts, "seq": seq, SEQ: seq}
@@ -301,7 +297,7 @@ def _runner(expert: Expert, mesh: Mesh) -> tuple[Callable, Callable | None]:
     p = expert.pipeline
     circular = p.schedule == "circular"  # MaxText's: one layer per stage per pass
     rule = expert.acts.get("batch")
-    axes = tuple(x for x in _names(rule) if x != p.axis)
+    axes = tuple(x for x in axis_tuple(rule) if x != p.axis)
     ways = math.prod(mesh.shape[x] for x in axes)
 
     def bare(fn):
@@ -378,8 +374,8 @@ def _spec(names, rules, shape, mesh: Mesh, first: tuple[str, ...]) -> PartitionS
     if not any(n in first for n in names):
         return spec(names, rules, shape, mesh)
     head = spec([n if n in first else None for n in names], rules, shape, mesh)
-    used = {a for p in head if p for a in ((p,) if isinstance(p, str) else p)}
-    left = {k: tuple(a for a in _names(v) if a not in used) for k, v in rules.items()}
+    used = {a for p in head for a in axis_tuple(p)}
+    left = {k: tuple(a for a in axis_tuple(v) if a not in used) for k, v in rules.items()}
     tail = spec([None if n in first else n for n in names], left, shape, mesh)
     return PartitionSpec(*(h if h is not None else t for h, t in zip(head, tail)))
 
@@ -410,7 +406,7 @@ def _ring(expert: Expert, mesh: Mesh) -> Ring | None:
     """Where the expert's hand-written ring runs (None: it has none)."""
     if not expert.ring:
         return None
-    return Ring(mesh, expert.ring, _names(expert.acts.get("batch")))
+    return Ring(mesh, expert.ring, axis_tuple(expert.acts.get("batch")))
 
 
 def compile_expert(step: Callable, state, batch, physical: Mesh, expert: Expert,

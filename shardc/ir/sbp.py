@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from shardc.errors import LayoutError, MeshAxisError, closest
+from shardc.util.axes import axis_tuple
 
 __all__ = ["B", "Broadcast", "device_pieces", "from_partition_spec", "NdSbp", "P", "parse_sbp",
            "Partial", "replicated", "S", "Sbp", "shared_dim_splits", "Split", "to_partition_spec",
@@ -236,7 +237,7 @@ def from_partition_spec(spec: PartitionSpec, ndim: int, axis_names: Sequence[str
     for dim, entry in enumerate(tuple(spec) + (None,) * (ndim - len(spec))):
         if entry is None:
             continue
-        names = (entry,) if isinstance(entry, str) else tuple(entry)
+        names = axis_tuple(entry)
         order = [axis_names.index(n) for n in names if n in axis_names]
         if len(order) != len(names):
             bad = next(n for n in names if n not in axis_names)

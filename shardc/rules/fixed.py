@@ -37,6 +37,7 @@ from shardc.ir.graph import Op
 from shardc.ir.sbp import B, NdSbp, Split, from_partition_spec
 from shardc.rules.control import body_graph
 from shardc.rules.registry import LayoutError, Signature, register, register_fixed
+from shardc.util.axes import axis_tuple
 
 __all__ = ["constraint_layouts", "identity_rule", "on_mesh", "shard_map_flops",
            "shard_map_layouts"]
@@ -59,7 +60,7 @@ def constraint_layouts(spec: PartitionSpec, ndim: int, axis_names: Sequence[str]
     base = _layout(PartitionSpec(*(None if d in free else e for d, e in enumerate(entries))),
                    ndim, axis_names, what)
     named = {n for e in entries if e not in (None, PartitionSpec.UNCONSTRAINED)
-             for n in ((e,) if isinstance(e, str) else e)}
+             for n in axis_tuple(e)}
     open_axes = [k for k, n in enumerate(axis_names) if n not in named]
     if not free or not open_axes:
         return [base]
@@ -160,6 +161,5 @@ def _axis_groups(other, mesh) -> dict[str, tuple[str, ...]] | None:
 def _rename(entry, groups: dict[str, tuple[str, ...]]):
     if entry is None or entry is PartitionSpec.UNCONSTRAINED:
         return entry
-    names = tuple(n for e in ((entry,) if isinstance(entry, str) else entry)
-                  for n in groups[e])
+    names = tuple(n for e in axis_tuple(entry) for n in groups[e])
     return names[0] if len(names) == 1 else (names or None)

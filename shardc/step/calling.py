@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 
 from shardc.errors import ArgumentsError, DonatedArgumentError, SignatureError
+from shardc.util.axes import axis_tuple
 
 try:  # how JAX names a traced function and its arguments in its errors
     from jax._src.api_util import debug_info as _debug_info
@@ -44,12 +45,6 @@ def _ints(x: int | Iterable[int] | None) -> tuple[int, ...]:
     return (int(x),) if isinstance(x, int) else tuple(int(i) for i in x)
 
 
-def _names(x: str | Iterable[str] | None) -> tuple[str, ...]:
-    if x is None:
-        return ()
-    return (x,) if isinstance(x, str) else tuple(x)
-
-
 def _check_argnums(params: list[inspect.Parameter], nums: tuple[int, ...], what: str) -> None:
     """Refuse argnums past the function's positional parameters, as ``jax.jit`` does (any
     is fine for a function taking ``*args``)."""
@@ -66,7 +61,7 @@ def _infer(sig: inspect.Signature | None, nums, names, what: str
            ) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """``*_argnums`` and ``*_argnames`` completed from each other through ``sig``, as
     ``jax.jit`` does: a parameter that can be passed either way is named by both."""
-    nums, names = _ints(nums), _names(names)
+    nums, names = _ints(nums), axis_tuple(names)
     if sig is None:
         return nums, names
     params = list(sig.parameters.values())

@@ -17,6 +17,7 @@ from shardc.step.calling import (
     abstract_leaf,
 )
 from shardc.tradeoff.views import View
+from shardc.util.axes import axis_tuple
 
 __all__ = ["check_specs", "is_spec_leaf", "named_seeds", "seed_layouts", "view_seeds"]
 
@@ -49,7 +50,7 @@ def check_specs(specs, mesh: Mesh | AbstractMesh) -> None:
     names = tuple(mesh.axis_names)
     for spec in jax.tree.leaves(specs, is_leaf=is_spec_leaf):
         if isinstance(spec, PartitionSpec):
-            axes = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
+            axes = [a for e in spec for a in axis_tuple(e)]
             bad = [a for a in axes if a not in names]
             if bad:
                 raise MeshAxisError(f"in_shardings: {spec} names axis {bad[0]!r}, not in the "
