@@ -87,7 +87,10 @@ def launch(script: str, argv: list[list[str]], timeout: float = 150) -> list[End
     """Run ``tests/<script>`` once per entry of ``argv`` (that process's arguments; the
     string ``{port}`` becomes the job's port) and wait for every process."""
     port = str(free_port())
-    env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": ""}
+    # each process sets its own device count; the other flags (the suite's fast compiles)
+    # carry over
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": " ".join(flags)}
     procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", script),
                                *(a.replace("{port}", port) for a in args)],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE,

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_close
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -238,6 +239,7 @@ def test_a_decoder_at_batch_one_rings_its_keys_round_every_device(mesh):
     assert str(cfg.n_kv_heads) in heads, heads
     # explain() names the blocks the ring passes: 32 tokens x 2 kv heads x 16 x 4 bytes
     assert "7 sends of 4.00 KiB" in plan.explain(), plan.explain()
-    want, got = jax.jit(fn)(state, batch), step(state, batch)
-    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5)
+    # the parameters after an AdamW step: bounded by the update's sensitivity to its
+    # gradient, which the ring sums in another order
+    assert_close(step(state, batch), jax.jit(fn)(state, batch), rtol=1e-4, atol=1e-5,
+                 lr=cfg.learning_rate)
