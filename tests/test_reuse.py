@@ -97,6 +97,28 @@ def test_the_bytes_each_choice_holds_are_kept_per_graph_and_not_shared_with_a_cu
     assert all(np.array_equal(again[i], mine[i]) for i in mine)
 
 
+def test_a_searchs_descents_run_once_per_start_and_weight(monkeypatch):
+    """A budgeted search descends again in every round from the same starts: with the
+    search's memo each start and weight descends once, and the plan is the one descending
+    afresh gives, also once the memory points have grown."""
+    from shardc.solve import descent
+
+    cg, free = _plan(_step(), None)
+    budget = 0.6 * float(np.max(memory_profile(cg, free.choice)))
+    calls = []
+    real = descent.descend
+    monkeypatch.setattr(descent, "descend", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    memo: dict = {}
+    first = descent.solve(cg, budget, memo)
+    n = len(calls)
+    assert any(weight > 0 for weight in calls)  # the budget binds: weighted descents ran
+    assert descent.solve(cg, budget, memo) == first and len(calls) == n
+    cg.memory.append({i: 2 * vec for i, vec in cg.memory[0].items()})  # more bytes held
+    again = descent.solve(cg, budget, memo)
+    assert len(calls) > n and all(weight > 0 for weight in calls[n:])  # only weighted ones
+    assert again == descent.solve(cg, budget)
+
+
 def test_hand_written_layouts_place_on_the_graph_built_once_as_on_their_own():
     """Placing layouts of the inputs on the problem's merged graph cut to each (the frontier
     places a dozen) gives the plans that graphs built and merged with those inputs fixed

@@ -13,6 +13,7 @@ References:
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
@@ -428,13 +429,37 @@ def _held_bytes(cg: CostGraph) -> dict[int, np.ndarray]:
     return out
 
 
-def solve(cg: CostGraph, memory_budget: float | None = None) -> dict[int, int]:
-    """Best descent end point; with a budget, raise the memory weight until it fits."""
+def solve(cg: CostGraph, memory_budget: float | None = None, memo: dict | None = None
+          ) -> dict[int, int]:
+    """Best descent end point; with a budget, raise the memory weight until it fits.
+
+    Args:
+        cg: the cost graph.
+        memory_budget: bytes per device at the sampled memory points, or None.
+        memo: a dict the caller keeps across calls on ``cg`` while its costs and edges stay
+            as they are (its memory points may grow, as a search's rounds add them): the
+            starts and each descent from them are computed once, for the same inputs give
+            the same end point (the rounds of a budgeted search descended again from the
+            same starts at the same weights).
+
+    Returns:
+        A choice per live node.
+    """
+    memo = {} if memo is None else memo
+    if "starts" not in memo:
+        memo["starts"] = starts(cg)
+    mem, mem_key = None, None
     best, best_key = None, None
-    for s in starts(cg):
+    for k, s in enumerate(memo["starts"]):
         weight = 0.0
         for _ in range(12):
-            x = descend(cg, s, weight)
+            if weight and mem is None:
+                mem = _node_memory(cg)
+                mem_key = _digest(mem)
+            key = (k, weight, mem_key if weight else None)
+            if key not in memo:
+                memo[key] = descend(cg, s, weight, mem=mem if weight else None)
+            x = memo[key]
             over = memory_budget is not None and memory(cg, x) > memory_budget
             if not over or weight > objective(cg, x):
                 # fits; or a byte already outweighs the whole step, so more weight moves
@@ -444,4 +469,12 @@ def solve(cg: CostGraph, memory_budget: float | None = None) -> dict[int, int]:
         key = (over, objective(cg, x))
         if best_key is None or key < best_key:
             best, best_key = x, key
-    return best
+    return dict(best)
+
+
+def _digest(mem: Mapping[int, np.ndarray]) -> bytes:
+    """A digest of per-node byte vectors (what a memory-weighted descent reads)."""
+    h = hashlib.blake2b(np.fromiter(mem.keys(), np.int64, len(mem)).tobytes(), digest_size=16)
+    for vec in mem.values():
+        h.update(np.ascontiguousarray(vec, dtype=np.float64).tobytes())
+    return h.digest()

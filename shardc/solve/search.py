@@ -103,14 +103,15 @@ def solve(cg: CostGraph, options: SolveOptions = SolveOptions(), kept: Starts | 
     t1 = time.perf_counter()
     large = use_ilp and problem_size(cg) > ILP_FULL_TERMS  # folded, its quotient solved
     folding = (quotient(cg, kept.classes()), kept.classes()) if large else None
-    x = _descent(cg, folding, memory_budget)
+    memo: dict = {}  # descent's on ``cg`` (:func:`descent.solve`), kept through the rounds
+    x = _descent(cg, folding, memory_budget, memo)
     seed_plans, starts = _seed_starts(kept, options.seeds, memory_budget)
     if memory_budget is not None:
         starts.append(kept.lean())
     x = best_of(cg, x, starts, memory_budget)
     t2 = time.perf_counter()
     x, status, stages, found = _rounds(cg, x, kept, starts, memory_budget,
-                                       options.time_limit if use_ilp else None, folding)
+                                       options.time_limit if use_ilp else None, folding, memo)
     x = _fit_exactly(cg, x, kept, starts, memory_budget, found)
     stats = {"nodes": n_all, "live_nodes": len(cg.live), "edges": len(cg.edges),
              "merge_s": t1 - t0, "descent_s": t2 - t1, "ilp_s": time.perf_counter() - t2}
@@ -143,11 +144,12 @@ def _seed_starts(kept: Starts, seeds: Mapping[str, Mapping[int, NdSbp]], memory_
 
 
 def _rounds(cg: CostGraph, x: dict[int, int], kept: Starts, starts: list, memory_budget,
-            time_limit: float | None, folding: tuple[CostGraph, dict[int, int]] | None
-            ) -> tuple[dict[int, int], Status, str, float]:
+            time_limit: float | None, folding: tuple[CostGraph, dict[int, int]] | None,
+            memo: dict) -> tuple[dict[int, int], Status, str, float]:
     """The stages solved once, or under a budget up to :data:`MEMORY_ROUNDS` times, each
     round constraining the worst program point over the budget; returns the plan, its
-    status and stages and the least peak over the budget seen (inf: none)."""
+    status and stages and the least peak over the budget seen (inf: none). ``memo``: the
+    descents on ``cg`` so far (:func:`descent.solve`)."""
     status, stages, found = Status.DESCENT_ONLY, "", math.inf
     # below what the inputs alone hold no round can fit: the leanest plan reached names the
     # budget (the frontier's first ask, 1 byte, would run every round's ILPs for nothing)
@@ -172,7 +174,7 @@ def _rounds(cg: CostGraph, x: dict[int, int], kept: Starts, starts: list, memory
         # the quotient's memory points were stale (its classes are not: costs and edges)
         if folding is not None:
             folding = (quotient(cg, kept.classes()), kept.classes())
-        x = _descent(cg, folding, memory_budget)
+        x = _descent(cg, folding, memory_budget, memo)
         x = best_of(cg, x, starts, memory_budget)
     return x, status, stages, found
 
@@ -196,15 +198,16 @@ def _fit_exactly(cg: CostGraph, x: dict[int, int], kept: Starts, starts: list,
 
 
 def _descent(cg: CostGraph, folding: tuple[CostGraph, dict[int, int]] | None,
-             memory_budget) -> dict[int, int]:
+             memory_budget, memo: dict) -> dict[int, int]:
     """Coordinate descent's plan of ``cg``: from its starts on the graph itself, or, when
     folding at least halves it, on the repeated-layer quotient (a layer's work, not the
     program's), expanded and refined on the full graph. The quotient's stages settle the
     plan from there (:func:`quotient_refine`); the start only leads them. Where folding ties
     little (a scanned model: its layers are one body already), the graph's own descent
-    costs no more and leads better."""
+    costs no more and leads better. ``memo``: the descents on ``cg`` so far (a quotient is
+    rebuilt each round: its own are not kept)."""
     if folding is None or 2 * len(folding[0].live) > len(cg.live):
-        return descent.solve(cg, memory_budget)
+        return descent.solve(cg, memory_budget, memo)
     q, cls = folding
     return descent.descend(cg, expand(cls, descent.solve(q, memory_budget)))
 
