@@ -97,13 +97,15 @@ class IlpResult:
 def _groups(mat: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
     """The distinct rows (``axis=0``) or columns (``axis=1``) of ``mat`` in order of first
     appearance, and each row's (column's) group."""
-    lines = mat if axis == 0 else mat.T
+    lines = np.ascontiguousarray(mat if axis == 0 else mat.T)
+    data, width = lines.tobytes(), lines.shape[1] * lines.itemsize
     first: dict[bytes, int] = {}
-    inverse = np.array([first.setdefault(np.ascontiguousarray(r).tobytes(), len(first))
-                        for r in lines])
-    _, where = np.unique(inverse, return_index=True)
+    inverse = [first.setdefault(data[k:k + width], len(first))
+               for k in range(0, len(data), width)] if width else [0] * len(lines)
+    where = np.unique(inverse, return_index=True)[1] if len(first) < len(lines) else \
+        np.arange(len(lines))
     uniq = lines[where]
-    return (uniq if axis == 0 else uniq.T), inverse
+    return (uniq if axis == 0 else uniq.T), np.array(inverse, dtype=int)
 
 
 class _Rows:
@@ -229,24 +231,56 @@ def _structure(live: list[int], unary: dict, merged: dict, unit: float
     sizes = np.array([len(unary[i]) for i in live])  # one-hot: Σ_a s[i, a] = 1
     rows.add_block(np.repeat(np.arange(len(live)), sizes), np.arange(sizes.sum()),
                    np.ones(sizes.sum()), len(live), 1.0, 1.0)
+    edges = []  # (row groups' ids, column groups' ids, u's first column, v's first column)
     for (u, v), mat in merged.items():
         if not mat.any():
             continue
         by_row, ri = _groups(mat / unit, 0)  # [row groups, |choices of v|]
         pairs, ci = _groups(by_row, 1)  # [row groups, column groups]
-        n_p, n_g = pairs.shape
-        e = n_vars + np.arange(n_p * n_g)
-        n_vars += n_p * n_g
         objective.append(pairs.reshape(-1))
-        # Σ_g e[p, g] = X_p (row p), then Σ_p e[p, g] = Y_g (row n_p + g)
-        rows.add_block(
-            np.concatenate([np.repeat(np.arange(n_p), n_g), ri,
-                            n_p + np.tile(np.arange(n_g), n_p), n_p + ci]),
-            np.concatenate([e, base[u] + np.arange(len(ri)), e, base[v] + np.arange(len(ci))]),
-            np.concatenate([np.ones(e.size), -np.ones(len(ri)), np.ones(e.size),
-                            -np.ones(len(ci))]),
-            n_p + n_g, 0.0, 0.0)
+        edges.append((ri, ci, base[u], base[v]))
+    if edges:
+        n_vars = _pair_rows(rows, edges, n_vars)
     return base, objective, rows, n_vars
+
+
+def _pair_rows(rows: _Rows, edges: list[tuple[np.ndarray, np.ndarray, int, int]],
+               n_vars: int) -> int:
+    """Every edge's pair variables ``e[p, g]`` (numbered from ``n_vars``, edge by edge, row
+    group by row group) and rows, ``Σ_g e[p, g] = X_p`` then ``Σ_p e[p, g] = Y_g``, added
+    as one block (each edge's rows in turn, entries in the order one block per edge gave:
+    the same matrix). ``edges``: per edge, each row's and column's group and the first
+    columns of its two nodes' choices. Returns the variable count after them."""
+    ri, ci = [e[0] for e in edges], [e[1] for e in edges]
+    n_p = np.array([r.max() + 1 for r in ri])
+    n_g = np.array([c.max() + 1 for c in ci])
+    first_row = _starts(n_p + n_g)
+    of, local = _spread(n_p * n_g)  # each pair variable's edge and place in it
+    p, g = local // n_g[of], local % n_g[of]
+    of_r, at_r = _spread(np.array([len(r) for r in ri]))  # u's choices
+    of_c, at_c = _spread(np.array([len(c) for c in ci]))  # v's choices
+    e = n_vars + np.arange(len(of))
+    x_rows, y_rows = first_row, first_row + n_p
+    rows.add_block(
+        np.concatenate([x_rows[of] + p, x_rows[of_r] + np.concatenate(ri),
+                        y_rows[of] + g, y_rows[of_c] + np.concatenate(ci)]),
+        np.concatenate([e, np.array([u for _, _, u, _ in edges])[of_r] + at_r,
+                        e, np.array([v for _, _, _, v in edges])[of_c] + at_c]),
+        np.concatenate([np.ones(e.size), -np.ones(len(of_r)), np.ones(e.size),
+                        -np.ones(len(of_c))]),
+        int((n_p + n_g).sum()), 0.0, 0.0)
+    return n_vars + e.size
+
+
+def _starts(sizes: np.ndarray) -> np.ndarray:
+    """Where each of consecutive runs of ``sizes`` starts."""
+    return np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int)
+
+
+def _spread(sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For consecutive runs of ``sizes``: each element's run and its place in that run."""
+    of = np.repeat(np.arange(len(sizes)), sizes)
+    return of, np.arange(len(of)) - _starts(sizes)[of]
 
 
 def _memory_rows(cg: CostGraph, rows: _Rows, base: dict[int, int], hint: dict[int, int],
