@@ -5,7 +5,9 @@ compared with the compiled program's. Prints one JSON line."""
 import json
 import os
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=64"
+# the flags the tests run with (helpers.launch drops only the device count), and 64 devices
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=64")
 
 import jax  # noqa: E402
 from jax.sharding import AbstractMesh, AxisType  # noqa: E402
