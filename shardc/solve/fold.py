@@ -22,7 +22,6 @@ References:
 
 from __future__ import annotations
 
-import hashlib
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -37,13 +36,9 @@ __all__ = ["colour_classes", "expand", "fold", "folding_ratio", "members", "quot
 ROUNDS = 3  # WL rounds: how far (in edges) two nodes' neighbourhoods must agree
 
 
-def _digest(*parts) -> str:
-    return hashlib.blake2b(repr(parts).encode(), digest_size=12).hexdigest()
-
-
-def _initial_colour(cg: CostGraph, i: int, names: dict[int, tuple[str, ...]]) -> str:
-    """Node ``i``'s colour before refinement; ``names`` memoises the printed choice lists,
-    by list (nodes of one op signature share theirs)."""
+def _initial_colour(cg: CostGraph, i: int, names: dict[int, tuple[str, ...]]) -> tuple:
+    """Node ``i``'s colour before refinement (a key equal for nodes alike); ``names``
+    memoises the printed choice lists, by list (nodes of one op signature share theirs)."""
     ref = cg.refs[i]
     if isinstance(ref, Op):
         kind = ("op", ref.name, tuple(v.type_str() for v in (*ref.inputs, *ref.outputs)))
@@ -52,31 +47,36 @@ def _initial_colour(cg: CostGraph, i: int, names: dict[int, tuple[str, ...]]) ->
     else:
         assert isinstance(ref, Value)
         kind = ("input", ref.type_str(), i in cg.carried)
-    cost = tuple(np.round(cg.cost[i] * 1e12).astype(np.int64).tolist())  # picoseconds
+    cost = np.round(cg.cost[i] * 1e12).astype(np.int64).tobytes()  # picoseconds
     key = id(cg.choices[i])
     if key not in names:
         names[key] = tuple(map(str, cg.choices[i]))
-    return _digest(kind, names[key], cost)
+    return kind, names[key], cost
 
 
 def colour_classes(cg: CostGraph, rounds: int = ROUNDS) -> dict[int, int]:
-    """Live node -> class id (dense, in program order of first members)."""
+    """Live node -> class id (dense, in program order of first members). Each round's
+    colours are interned to small integers, so nodes share a colour exactly when their keys
+    are equal."""
     live = cg.live
     names: dict[int, tuple[str, ...]] = {}
-    colour = {i: _initial_colour(cg, i, names) for i in live}
-    nbrs: dict[int, list[tuple[str, Edge]]] = defaultdict(list)
+    ids: dict = {}
+    colour = {i: ids.setdefault(_initial_colour(cg, i, names), len(ids)) for i in live}
+    nbrs: dict[int, list[tuple[bool, Edge]]] = defaultdict(list)
     for e in cg.edges:
-        nbrs[e.u].append(("out", e))
-        nbrs[e.v].append(("in", e))
-    edge_key = {id(e): _digest(e.value.type_str(), e.k, e.cost.shape,
-                               np.round(e.cost * 1e12).astype(np.int64).tobytes())
-                for e in cg.edges}
+        nbrs[e.u].append((True, e))
+        nbrs[e.v].append((False, e))
+    edge_ids: dict = {}
+    edge_key = {id(e): edge_ids.setdefault(
+        (e.value.type_str(), e.k, e.cost.shape,
+         np.round(e.cost * 1e12).astype(np.int64).tobytes()), len(edge_ids))
+        for e in cg.edges}
     for _ in range(rounds):
-        colour = {i: _digest(colour[i], tuple(sorted(
-            (d, edge_key[id(e)], colour[e.v if d == "out" else e.u]) for d, e in nbrs[i])))
-            for i in live}
-    ids: dict[str, int] = {}
-    return {i: ids.setdefault(colour[i], len(ids)) for i in live}
+        ids = {}
+        colour = {i: ids.setdefault((colour[i], tuple(sorted(
+            (out, edge_key[id(e)], colour[e.v if out else e.u]) for out, e in nbrs[i]))),
+            len(ids)) for i in live}
+    return colour
 
 
 def quotient(cg: CostGraph, cls: dict[int, int]) -> CostGraph:

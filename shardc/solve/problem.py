@@ -113,7 +113,8 @@ class BuildShare:
     would compute again; the share grows with each build (a pinned input's one-layout
     list is new per build) for as long as its owner keeps it (a frontier's ``Reuse``)."""
 
-    __slots__ = ("key", "strategies", "layouts", "conversions", "matrices", "agreements")
+    __slots__ = ("key", "strategies", "layouts", "conversions", "matrices", "agreements",
+                 "ringless")
 
     def __init__(self, axis_sizes: Sequence[int], axis_names: Sequence[str], cluster: Cluster,
                  combiner: Combiner = XLA_CPU):
@@ -123,6 +124,7 @@ class BuildShare:
         self.conversions: dict = {}
         self.matrices: dict = {}
         self.agreements: dict = {}
+        self.ringless: dict = {}
 
 
 def build(graph: Graph, axis_sizes: Sequence[int], axis_names: Sequence[str], cluster: Cluster,
@@ -282,7 +284,7 @@ def _add_ops(cg: CostGraph, wiring: _Wiring, fixed: Fixed, share: BuildShare) ->
         if op.id in fixed.whole:
             strats = _whole(strats, *fixed.whole[op.id])
         if not cg.cluster.overlap:  # a ring's sends paid in full: NCCL's all-gather is cheaper
-            strats = [s for s in strats if not s.ring]
+            strats = _ringless(strats, share)
         node = len(cg.choices)
         cg.choices.append(strats)
         cg.refs.append(op)
@@ -297,6 +299,17 @@ def _add_ops(cg: CostGraph, wiring: _Wiring, fixed: Fixed, share: BuildShare) ->
                 u, slot = cg.producer[val.id] if carry_exit(op) else wiring.source(val)
                 cg.edges.append(wiring.edge(u, slot, val, node, k, [s.ins[k] for s in strats],
                                             strats, read_runs(wiring.runs, val, op)))
+
+
+def _ringless(strats: list, share: BuildShare) -> list:
+    """``strats`` without its ring strategies, one list per list (kept by identity, as
+    :func:`~shardc.solve.costgraph.by_lists` keeps its entries, so the ops that shared a
+    list share its ringless one and the caches keyed by lists still hit)."""
+    hit = share.ringless.get(id(strats))
+    if hit is None or hit[0] is not strats:
+        kept = [s for s in strats if not s.ring]
+        hit = share.ringless[id(strats)] = (strats, kept if len(kept) < len(strats) else strats)
+    return hit[1]
 
 
 def _op_seconds(cg: CostGraph, op: Op, strategy) -> float:
