@@ -71,8 +71,10 @@ def alpha_scales(graph: Graph, combiner: Combiner | None = None) -> dict[int, fl
                 if v.id in head and v.id not in seen:
                     seen.add(v.id)
                     read.setdefault(runs.get(v.id, 1), []).append(v.nbytes)
-        out.update((vid, _share(read.get(runs.get(vid, 1), ()), combiner)) for vid in head)
-    out.update((vid, _share(entries.get(runs.get(vid, 1), ()), combiner)) for vid in tail)
+        shares = {w: _share(sizes, combiner) for w, sizes in read.items()}
+        out.update((vid, shares.get(runs.get(vid, 1), 1.0)) for vid in head)
+    shares = {w: _share(sizes, combiner) for w, sizes in entries.items()}
+    out.update((vid, shares.get(runs.get(vid, 1), 1.0)) for vid in tail)
     return out
 
 

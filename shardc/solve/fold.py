@@ -62,20 +62,18 @@ def colour_classes(cg: CostGraph, rounds: int = ROUNDS) -> dict[int, int]:
     names: dict[int, tuple[str, ...]] = {}
     ids: dict = {}
     colour = {i: ids.setdefault(_initial_colour(cg, i, names), len(ids)) for i in live}
-    nbrs: dict[int, list[tuple[bool, Edge]]] = defaultdict(list)
-    for e in cg.edges:
-        nbrs[e.u].append((True, e))
-        nbrs[e.v].append((False, e))
+    nbrs: dict[int, list[tuple[bool, int, int]]] = defaultdict(list)  # (out, edge, node)
     edge_ids: dict = {}
-    edge_key = {id(e): edge_ids.setdefault(
-        (e.value.type_str(), e.k, e.cost.shape,
-         np.round(e.cost * 1e12).astype(np.int64).tobytes()), len(edge_ids))
-        for e in cg.edges}
+    for e in cg.edges:
+        k = edge_ids.setdefault((e.value.type_str(), e.k, e.cost.shape,
+                                 np.round(e.cost * 1e12).astype(np.int64).tobytes()),
+                                len(edge_ids))
+        nbrs[e.u].append((True, k, e.v))
+        nbrs[e.v].append((False, k, e.u))
     for _ in range(rounds):
         ids = {}
         colour = {i: ids.setdefault((colour[i], tuple(sorted(
-            (out, edge_key[id(e)], colour[e.v if out else e.u]) for out, e in nbrs[i]))),
-            len(ids)) for i in live}
+            (out, k, colour[j]) for out, k, j in nbrs[i]))), len(ids)) for i in live}
     return colour
 
 
