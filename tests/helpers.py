@@ -42,6 +42,22 @@ def assert_close(got, want, *, rtol: float = RTOL, atol: float = ATOL, lr: float
     assert not bad, (what + ": " if what else "") + "; ".join(bad)
 
 
+def first_call_compiles(step, *args) -> tuple[list[str], object]:
+    """The programs the step's first call compiles (by name), and its result."""
+    names = []
+
+    def heard(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            names.append(kw.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(heard)
+    try:
+        out = step(*args)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(heard)
+    return names, out
+
+
 # ---- clusters the tests plan on -----------------------------------------------------------
 # The tests' models are small (microseconds of H100 compute), and NCCL's collectives cost
 # 10-60 us each, so on the default H100 cluster most of them are cheapest replicated. Tests

@@ -8,7 +8,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import MIB, PODS, assert_close, stack_make, stack_stacked, stack_train_step
+from helpers import (
+    MIB,
+    PODS,
+    assert_close,
+    first_call_compiles,
+    stack_make,
+    stack_stacked,
+    stack_train_step,
+)
 from helpers import PEAK_SLACK as SLACK
 from jax.sharding import AxisType
 
@@ -151,22 +159,6 @@ def test_a_decode_loops_cache_is_predicted_as_xla_holds_it():
                                   np.asarray(jax.jit(decode)(params, tokens)))
 
 
-def _first_call_compiles(step, *args) -> tuple[list[str], object]:
-    """The programs the step's first call compiles (by name), and its result."""
-    names = []
-
-    def heard(event, duration, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            names.append(kw.get("fun_name"))
-
-    jax.monitoring.register_event_duration_secs_listener(heard)
-    try:
-        out = step(*args)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(heard)
-    return names, out
-
-
 def test_a_budget_binds_the_decode_loops_compiled_program():
     """Under 0.8x the free plan's compiled peak, the decode loop's fastest plan predicted
     within the budget compiles over it (its weights gathered before the loop, held through
@@ -190,7 +182,7 @@ def test_a_budget_binds_the_decode_loops_compiled_program():
     assert rounds[-1]["compiled"] == plan.solver["compiled_peak"] <= budget
     assert _compiled_peak(step.lower(params, tokens).compile()) <= budget
     assert "compiled peak" in plan.explain()
-    compiled, out = _first_call_compiles(step, params, tokens)
+    compiled, out = first_call_compiles(step, params, tokens)
     assert "jit(positional)" not in compiled, compiled  # the check's compile runs
     assert_close(out, jax.jit(decode)(params, tokens))
 

@@ -1,7 +1,8 @@
 """Compiling a plan's executable before the step's first call: a plan made under a memory
-budget is compiled to read its peak (:func:`shardc.step.solving.compiled_within`), and the
-first call of its signature runs that compile instead of making its own (the step keeps
-it, :class:`shardc.step.auto_shard.AutoSharded`). Each function takes the step for its
+budget is compiled to read its peak (:func:`shardc.step.solving.compiled_within`), a
+pipeline leaving axes to XLA to check its communication (:mod:`shardc.step.pipelining`),
+and the first call of its signature runs that compile instead of making its own (the
+step keeps it, :class:`shardc.step.auto_shard.AutoSharded`). Each function takes the step for its
 meshes and traced programs."""
 
 from __future__ import annotations
@@ -20,19 +21,22 @@ from shardc.step.ranking import compile_lowered, program_key
 
 log = logging.getLogger("shardc")
 
-__all__ = ["compile_ahead", "jit_for", "typed_leaves"]
+#: compiles kept per signature for its first call: the pipeline checks compile two
+#: choices (tensor parallelism inside the stages, then without) and may keep the first
+KEPT_AHEAD = 2
+
+__all__ = ["compile_ahead", "jit_for", "peak_ahead", "typed_leaves"]
 
 
-def compile_ahead(step, call: Call, plan: Plan) -> float | None:
+def compile_ahead(step, call: Call, plan: Plan):
     """Compile the executable that runs ``plan`` for calls like ``call``, as their first
     call would (the :class:`Dispatch` of the planned program, placed and donated alike),
-    and keep it in ``step._ahead`` for that call, in place of the one compiled before for
-    the signature.
+    and keep it in ``step._ahead`` beside the last one compiled for the signature
+    (:data:`KEPT_AHEAD`): its first call runs the one of the plan it runs.
 
     Returns:
-        Its compiled peak, bytes per device (``memory_analysis()``: arguments + outputs +
-        temporaries - aliased); None where the backend reports none, or the program does
-        not compile (the error surfaces where it runs).
+        The compiled program (``jax.stages.Compiled``); None where it does not compile
+        (the error surfaces where it runs).
     """
     key, tr = step._traced(call, plan.remat)
     shardings = step._in_shardings(tr, plan)
@@ -44,11 +48,23 @@ def compile_ahead(step, call: Call, plan: Plan) -> float | None:
             compiled = compile_lowered(dispatch.jitted.lower(
                 *args, *(kwargs[k] for k in dispatch.kw_names)))
     except Exception as exc:  # noqa: BLE001 - jax's compile errors have no common type
-        log.info("shardc: the budget check could not compile the plan: %s", exc)
+        log.info("shardc: the plan's check could not compile it: %s", exc)
         return None
-    step._ahead[key] = (program_key(plan), dispatch)
-    return compiled_peak_memory(compiled)
+    kept = step._ahead.setdefault(key, {})
+    kept.pop(program_key(plan), None)
+    kept[program_key(plan)] = dispatch
+    while len(kept) > KEPT_AHEAD:  # the oldest compile goes
+        del kept[next(iter(kept))]
+    return compiled
 
+
+
+def peak_ahead(step, call: Call, plan: Plan) -> float | None:
+    """:func:`compile_ahead`, and the compiled peak, bytes per device (``memory_analysis()``:
+    arguments + outputs + temporaries - aliased); None where the backend reports none, or
+    the program does not compile."""
+    compiled = compile_ahead(step, call, plan)
+    return None if compiled is None else compiled_peak_memory(compiled)
 
 def jit_for(step, call: Call, tr, plan: Plan):
     """The ``jax.jit`` of ``tr``'s traced program that runs ``plan`` for calls like

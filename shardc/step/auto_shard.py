@@ -93,9 +93,10 @@ class AutoSharded(Planned):
         self._plans: dict[Any, Plan] = {}
         self._execs: dict[Any, Callable] = {}
         self._dispatch: dict[Any, Dispatch] = {}
-        #: signature key -> (program key, Dispatch): the executable a budgeted plan's check
-        #: compiled (:func:`shardc.step.ahead.compile_ahead`), for the first call to run
-        self._ahead: dict[Any, tuple[tuple, Dispatch]] = {}
+        #: signature key -> {program key: Dispatch}: the executables planning compiled to
+        #: check its plans (:func:`shardc.step.ahead.compile_ahead`); the signature's first
+        #: call runs the one of its plan and drops the others
+        self._ahead: dict[Any, dict[tuple, Dispatch]] = {}
         #: calls' :func:`~shardc.step.calling.dispatch_key` -> the Dispatch the last such call ran
         self._fast: dict[Any, Dispatch] = {}
         self._moved: set = set()
@@ -170,9 +171,8 @@ class AutoSharded(Planned):
                     dispatch = None
             if dispatch is None:
                 _, tr, plan = self._plan(call)
-                ahead = self._ahead.pop(key, None)
-                dispatch = ahead[1] if ahead is not None and ahead[0] == program_key(plan) \
-                    else Dispatch.of(jitted, call, shardings, self._out_shardings(tr, plan))
+                dispatch = self._ahead.pop(key, {}).get(program_key(plan)) or \
+                    Dispatch.of(jitted, call, shardings, self._out_shardings(tr, plan))
                 self._dispatch[key] = dispatch
                 out = dispatch(*placed)
         self._fast[dispatch_key(*self.convention.dynamic(args, kwargs))] = dispatch

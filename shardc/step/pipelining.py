@@ -17,9 +17,10 @@ from shardc.ir.sbp import NdSbp
 from shardc.plan.record import Plan
 from shardc.solve.fixed import Fixed
 from shardc.solve.search import MemoryBudgetError
+from shardc.step.ahead import compile_ahead
 from shardc.step.calling import Call
 from shardc.step.options import platform_of
-from shardc.step.ranking import compiled_program, compiled_row
+from shardc.step.ranking import compiled_row
 from shardc.step.signature import TracedCall
 from shardc.step.solving import checked, solve, solve_views
 from shardc.tradeoff.views import View
@@ -79,7 +80,7 @@ def pipelined(step, call: Call, tr: TracedCall, candidates: list[View],
         # (under overlap the compiled ranking has compared its compiled program already)
         budget = opts.budget(chosen.cluster)
         slack = None if step.abstract or "compiled_ranking" in chosen.solver["pipeline"] \
-            else _auto_slack(step, tr, chosen, budget)
+            else _auto_slack(step, call, chosen, budget)
         if slack is None and chosen.predicted.peak_memory > budget:  # only one asked for
             slack = (f"{choice.pipeline} predicts a peak of "
                      f"{fmt_bytes(chosen.predicted.peak_memory)} per device, over the "
@@ -118,21 +119,22 @@ def _noting(chosen: Plan, why: list[str], kept_asked: str | None = None) -> Plan
 AUTO_SLACK = 1.25
 
 
-def _auto_slack(step, tr: TracedCall, plan: Plan, budget: float) -> str | None:
+def _auto_slack(step, call: Call, plan: Plan, budget: float) -> str | None:
     """None where ``plan``'s stages split every micro-batch over every axis but the stage
     axis (the loop is manual over all of them), or its compiled communication is within
     :data:`AUTO_SLACK` of the predicted and its compiled peak within ``budget`` (or it
-    does not compile: its error surfaces where it runs); else why not."""
+    does not compile: its error surfaces where it runs); else why not. The program is
+    compiled as the first call of ``call``'s signature would compile it, which then runs
+    this compile (:func:`shardc.step.ahead.compile_ahead`)."""
     record = plan.solver["pipeline"]
     auto = [n for n, k in plan.mesh_axes
             if k > 1 and n != plan.pipeline.axis and n not in record["batch_axes"]]
     if not auto:
         return None
-    try:
-        compiled, mesh = compiled_program(step, tr, plan)
-    except Exception:  # noqa: BLE001 - the plan's own compile reports it
+    compiled = compile_ahead(step, call, plan)
+    if compiled is None:
         return None
-    check = plan.verify(compiled, mesh)
+    check = plan.verify(compiled, step.mesh_for(plan))
     peak = compiled_peak_memory(compiled)
     what = "weights split" if record["tensor_axes"] else "micro-batches whole"
     head = (f"{plan.pipeline}, its stages' {what} over {' x '.join(auto)} (the loop leaves "

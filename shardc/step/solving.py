@@ -27,7 +27,7 @@ from shardc.solve.costgraph import CostGraph
 from shardc.solve.fixed import Fixed
 from shardc.solve.reuse import Reuse
 from shardc.solve.search import MemoryBudgetError, SolveOptions, plan_graph
-from shardc.step.ahead import compile_ahead
+from shardc.step.ahead import peak_ahead
 from shardc.step.calling import Call
 from shardc.step.offload import offloadable
 from shardc.step.options import Options, platform_of
@@ -125,7 +125,7 @@ def compiled_within(step, call: Call, tr: TracedCall, candidates: list[View],
     """
     budget, asked, rounds = opts.memory_budget, opts.memory_budget, []
     while True:
-        peak = compile_ahead(step, call, plan)
+        peak = peak_ahead(step, call, plan)
         rounds.append({"budget": asked, "predicted": plan.predicted.peak_memory,
                        "compiled": peak})
         if peak is None or peak <= budget:
@@ -250,7 +250,7 @@ def leanest(step, call: Call, tr: TracedCall, candidates: list[View],
         leaner = plan_at(peak)
         if leaner is not None:
             found, plan = peak, leaner
-    compiled = None if plan is None or step.abstract else compile_ahead(step, call, plan)
+    compiled = None if plan is None or step.abstract else peak_ahead(step, call, plan)
     if compiled is not None and compiled > found:  # raised by what the prediction missed
         found = _held(step, call, tr, candidates, seeds, opts, reuse,
                       math.ceil(found + compiled - plan.predicted.peak_memory))
