@@ -26,6 +26,7 @@ bodies.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import os
 from collections.abc import Callable, Sequence
@@ -75,11 +76,17 @@ def source_line(eqn) -> str:
     user = [k for k, c in enumerate(code) if is_user_filename(c.co_filename)]
     if not user:
         return ""
-    mine = [k for k in user if not any(lib in code[k].co_filename for lib in _LIBRARIES)
-            and not os.path.abspath(code[k].co_filename).startswith(PACKAGE_DIR)]
-    k = (mine or user)[0]
+    k = next((k for k in user if not _library_file(code[k].co_filename)), user[0])
     frame = raw_frame_to_frame(code[k], lasti[k])
     return f"{frame.file_name}:{frame.start_line}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _library_file(filename: str) -> bool:
+    """``filename`` is an installed library's or shardc's (:func:`source_line`); kept per
+    name: a trace asks about the same few files once per equation."""
+    return any(lib in filename for lib in _LIBRARIES) or \
+        os.path.abspath(filename).startswith(PACKAGE_DIR)
 
 
 def _loop_line(eqn, body) -> str:
