@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,6 +116,19 @@ def test_a_saved_plan_keeps_what_it_offloads(offloaded):
     assert back.offloaded == plan.offloaded
     assert back.offloaded_outputs == plan.offloaded_outputs
     assert back.predicted.host_time == plan.predicted.host_time
+
+
+def test_a_plan_adopted_after_planning_runs_its_own_program(mesh, args):
+    """The budget's check compiled the offloading plan ahead for the first call; a plan
+    adopted before that call (``use_plan``: here the same layouts with the state kept on
+    the devices) runs its own program instead, its state on the devices."""
+    step = shardc.auto_shard(_step, mesh=mesh, memory_budget=BUDGET)
+    plan = step.plan(*args)
+    assert plan.offloaded
+    step.use_plan(dataclasses.replace(plan, offloaded=(), offloaded_outputs=()), *args)
+    got = step(*args)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(got)} == {"device"}
+    np.testing.assert_allclose(got[2], jax.jit(_step)(*args)[2], rtol=1e-5)
 
 
 def test_the_frontier_extends_below_the_leanest_plan_on_the_devices(mesh, args):

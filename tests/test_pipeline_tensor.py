@@ -127,7 +127,11 @@ def test_stages_xla_does_not_lay_out_as_priced_are_checked_and_reported():
     assert "passed over: " + rejected[0][:40] in text
     assert "WARNING: the pipeline asked for runs although" in text and kept[:40] in text
     compiled, out = first_call_compiles(run, state, batch)
-    assert "jit(positional)" not in compiled, compiled  # the check's compile runs
+    assert "jit(positional)" not in compiled, compiled  # a check's compile runs: the plan's
+    placed = jax.tree.leaves(run.input_shardings(state, batch)[0][0],
+                             is_leaf=lambda s: isinstance(s, jax.sharding.NamedSharding))
+    assert all(x.sharding.is_equivalent_to(s, x.ndim)  # the new state laid out as planned
+               for x, s in zip(jax.tree.leaves(out[0]), placed, strict=True))
     assert_close(out, jax.jit(step)(state, batch), rtol=1e-3, atol=1e-4)
 
 

@@ -44,6 +44,7 @@ def use_plan(step, plan: Plan, *args, **kwargs) -> None:
     step._plans[key] = plan
     step._execs.pop(key, None)
     step._dispatch.pop(key, None)
+    step._ahead.pop(key, None)  # compiled for the plans made before this one
     step._fast.clear()
 
 

@@ -109,8 +109,10 @@ def layout_key(plan: Plan) -> tuple:
 
 def program_key(plan: Plan) -> tuple:
     """What the step compiles for ``plan``: the pieces its devices hold
-    (:func:`layout_key`) on its mesh, and its pipeline."""
-    return layout_key(plan), plan.mesh_axes, plan.pipeline
+    (:func:`layout_key`) on its mesh, its pipeline, and the state it keeps in host
+    memory."""
+    return (layout_key(plan), plan.mesh_axes, plan.pipeline, plan.offloaded,
+            plan.offloaded_outputs)
 
 
 def to_compile(plans: list[Plan], count: int) -> list[Plan]:

@@ -114,7 +114,7 @@ def compiled_within(step, call: Call, tr: TracedCall, candidates: list[View],
     :data:`BUDGET_ROUNDS` times. The memory model misses what XLA's passes move: on a
     KV-cache decode loop a plan predicted at 0.67 MiB under a 0.70 MiB budget compiled to
     0.94 (the loop's weight gathers hoisted out of it, all held for the whole loop). The
-    step's first call runs the last compile (:func:`shardc.step.ahead.compile_ahead`).
+    step's first call runs the kept plan's compile (:func:`shardc.step.ahead.compile_ahead`).
     ``plan.solver["budget_rounds"]`` lists each plan's budget asked, predicted and
     compiled peak; ``solver["compiled_peak"]`` is the kept one's.
 
