@@ -20,21 +20,19 @@ wanted layout too, each step of the planned conversion pinned, so the resharding
 where the plan put it. A user's own ``with_sharding_constraint`` is a fixed layout of the
 plan (``rules/fixed.py``) and is emitted as the plan's constraint.
 
-On a mesh with Explicit axes the program runs inside ``jax.sharding.auto_axes`` (constraints
-need Auto axes) and its results come back typed on the user's mesh.
+:mod:`shardc.lower.program` puts the result under ``jax.jit``, called like the user's
+function.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 from jax.extend import core as jcore
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 from shardc.cost.comm import conversion
-from shardc.errors import ArgumentsError
 from shardc.ir.flow import carry_exit, loop_ties, reads, unrolled_sums
 from shardc.ir.prims import facts
 from shardc.ir.remat import is_gate
@@ -54,8 +52,7 @@ from shardc.pipeline.lowering import Stacks, made_by
 from shardc.rules.conv import local_groups
 from shardc.rules.dot import ring_of
 
-__all__ = ["DEVICE", "HOST", "conversion_steps", "evaluator", "explicit_axes", "jit_plan",
-           "sharding", "to_memory"]
+__all__ = ["DEVICE", "HOST", "conversion_steps", "evaluator", "sharding", "to_memory"]
 
 
 def _split_whole(planned) -> bool:
@@ -452,49 +449,3 @@ def to_memory(x, sh: NamedSharding, kind: str):
     """``x`` moved to memory ``kind`` with sharding ``sh`` inside the traced program (an
     offloaded state leaf to the devices where read, its new state back to the host)."""
     return jax.device_put(x, sh.with_memory_kind(kind))
-
-
-def _under(fn: Callable, mesh: Mesh) -> Callable:
-    """``fn`` traced with ``mesh`` (Auto axes) as the context mesh, whatever mesh the caller
-    set (``jax.set_mesh`` of an Explicit mesh, say)."""
-
-    def wrapped(*args):
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            return fn(*args)
-
-    return wrapped
-
-
-def explicit_axes(mesh: Mesh) -> tuple[str, ...]:
-    types = getattr(mesh, "axis_types", None) or ()
-    return tuple(n for n, t in zip(mesh.axis_names, types) if t == AxisType.Explicit)
-
-
-def jit_plan(traced: Traced, plan, run_mesh: Mesh, out_mesh: Mesh, in_tree, out_tree, *,
-             donate_argnums: tuple[int, ...] = (), donate_argnames: tuple[str, ...] = ()
-             ) -> Callable:
-    """``jax.jit`` of the planned program, called like ``fn`` with its dynamic arguments
-    (positional and keyword) and returning ``fn``'s output pytree. ``run_mesh`` is the Auto
-    mesh the constraints name; ``out_mesh`` the mesh the outputs are placed on (the user's,
-    which may have Explicit axes: then the program runs inside ``auto_axes``)."""
-    run = evaluator(traced, plan, run_mesh)
-    ranks = [v.ndim for v in traced.graph.outputs]
-    out_specs = [to_partition_spec(nd, r, out_mesh.axis_names)
-                 for nd, r in zip(plan.outputs, ranks)]
-    explicit = explicit_axes(out_mesh)
-    if explicit:
-        run = jax.sharding.auto_axes(run, axes=explicit, out_sharding=out_specs)
-    else:
-        run = _under(run, run_mesh)
-
-    def tree_fn(*args: Any, **kwargs: Any):
-        leaves, tree = jax.tree.flatten((args, kwargs))
-        if tree != in_tree:
-            raise ArgumentsError(f"auto_shard: arguments {tree} do not match the planned {in_tree}")
-        return jax.tree.unflatten(out_tree, run(*leaves))
-
-    out_sh = jax.tree.unflatten(out_tree, [
-        NamedSharding(out_mesh, s, memory_kind=HOST if j in plan.offloaded_outputs else None)
-        for j, s in enumerate(out_specs)])
-    return jax.jit(tree_fn, out_shardings=out_sh, donate_argnums=donate_argnums,
-                   donate_argnames=donate_argnames)

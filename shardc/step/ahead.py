@@ -13,7 +13,7 @@ from jax import ShapeDtypeStruct
 from jax.sharding import NamedSharding
 
 from shardc.inspect.hlo import compiled_peak_memory
-from shardc.lower.emit import jit_plan
+from shardc.lower.program import jit_plan
 from shardc.plan.record import Plan
 from shardc.solve.collector import gc_paused
 from shardc.step.calling import Call, Dispatch, abstract_leaf, placement
@@ -58,13 +58,13 @@ def compile_ahead(step, call: Call, plan: Plan):
     return compiled
 
 
-
 def peak_ahead(step, call: Call, plan: Plan) -> float | None:
     """:func:`compile_ahead`, and the compiled peak, bytes per device (``memory_analysis()``:
     arguments + outputs + temporaries - aliased); None where the backend reports none, or
     the program does not compile."""
     compiled = compile_ahead(step, call, plan)
     return None if compiled is None else compiled_peak_memory(compiled)
+
 
 def jit_for(step, call: Call, tr, plan: Plan):
     """The ``jax.jit`` of ``tr``'s traced program that runs ``plan`` for calls like

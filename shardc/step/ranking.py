@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding
 from shardc.inspect.hlo import price
 from shardc.inspect.verify import planned
 from shardc.ir.sbp import device_pieces, to_partition_spec
-from shardc.lower.emit import jit_plan
+from shardc.lower.program import jit_plan
 from shardc.plan.overlap import chained_time, ranking_time
 from shardc.plan.record import Plan
 from shardc.report.explain import mesh_label

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 
 from shardc.ir.sbp import Broadcast, NdSbp, from_partition_spec
 from shardc.ir.trace import Traced
-from shardc.lower.emit import explicit_axes
+from shardc.lower.program import explicit_axes
 from shardc.rules.registry import is_pinned
 from shardc.solve.fixed import Fixed
 from shardc.step.calling import Call, abstract_leaf, placement
