@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import first_call_compiles
 
 import shardc
 from shardc.plan.record import Plan
@@ -116,6 +117,16 @@ def test_a_saved_plan_keeps_what_it_offloads(offloaded):
     assert back.offloaded == plan.offloaded
     assert back.offloaded_outputs == plan.offloaded_outputs
     assert back.predicted.host_time == plan.predicted.host_time
+
+
+def test_the_first_call_runs_the_budget_checks_compile(mesh, args):
+    """The budget's check compiled the offloading plan as its first call passes the
+    arguments (the moments moved to host memory first), so that call compiles nothing."""
+    step = shardc.auto_shard(_step, mesh=mesh, memory_budget=BUDGET)
+    assert step.plan(*args).offloaded
+    compiled, got = first_call_compiles(step, *args)
+    assert "jit(positional)" not in compiled, compiled
+    np.testing.assert_allclose(got[2], jax.jit(_step)(*args)[2], rtol=1e-5)
 
 
 def test_a_plan_adopted_after_planning_runs_its_own_program(mesh, args):

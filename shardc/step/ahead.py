@@ -16,7 +16,7 @@ from shardc.inspect.hlo import compiled_peak_memory
 from shardc.lower.program import jit_plan
 from shardc.plan.record import Plan
 from shardc.solve.collector import gc_paused
-from shardc.step.calling import Call, Dispatch, abstract_leaf, placement
+from shardc.step.calling import Call, Dispatch, abstract_leaf, passed_placed
 from shardc.step.ranking import compile_lowered, program_key
 
 log = logging.getLogger("shardc")
@@ -77,12 +77,13 @@ def jit_for(step, call: Call, tr, plan: Plan):
 def typed_leaves(call: Call, shardings: list[NamedSharding], placed_only: bool = False
                  ) -> list:
     """The call's leaves as ShapeDtypeStructs placed by ``shardings`` (what a lowering
-    takes); leaves that are no arrays as they are. ``placed_only``: only the leaves that
-    arrive placed (committed arrays, ShapeDtypeStructs with a sharding) carry theirs, the
+    takes); leaves that are no arrays as they are. ``placed_only``: only the leaves a call
+    passes placed (:func:`~shardc.step.calling.passed_placed`: committed arrays,
+    ShapeDtypeStructs with a sharding, state moved to host memory) carry theirs, the
     others none, as a call passes them to the executable (whose ``in_shardings`` place
     them): ``jax.jit`` compiles again for a call whose arguments' placement differs from
     its lowering's."""
     return [ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type, sharding=s if not
-                             placed_only or placement(x) is not None else None)
+                             placed_only or passed_placed(x, s) else None)
             if hasattr(x, "shape") else x
             for x, a, s in zip(call.leaves, map(abstract_leaf, call.leaves), shardings)]

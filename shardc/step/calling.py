@@ -34,7 +34,7 @@ except ImportError:  # another JAX: its errors then name shardc's wrapper
     _debug_info = None
 
 __all__ = ["Call", "Convention", "Dispatch", "Miss", "abstract_leaf", "check_live", "dispatch_key",
-           "misplaced", "place", "placement"]
+           "misplaced", "passed_placed", "place", "placement"]
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
@@ -267,6 +267,14 @@ def place(leaves: Sequence, shardings: Sequence[NamedSharding]) -> list:
             and (have := placement(x)) is not None and not _same(have, want, x.ndim)
             or several and isinstance(x, np.ndarray) or _to_host(x, want)
             else x for x, want in zip(leaves, shardings)]
+
+
+def passed_placed(x, want: NamedSharding) -> bool:
+    """Whether a call passes leaf ``x`` to the executable placed (:func:`place`): given a
+    placement, or moved by the call (a NumPy array under several processes, state the
+    plan keeps in host memory)."""
+    return placement(x) is not None or \
+        jax.process_count() > 1 and isinstance(x, np.ndarray) or _to_host(x, want)
 
 
 def _to_host(x, want: NamedSharding) -> bool:
