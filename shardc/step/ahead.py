@@ -2,8 +2,8 @@
 budget is compiled to read its peak (:func:`shardc.step.solving.compiled_within`), a
 pipeline leaving axes to XLA to check its communication (:mod:`shardc.step.pipelining`),
 and the first call of its signature runs that compile instead of making its own (the
-step keeps it, :class:`shardc.step.auto_shard.AutoSharded`). Each function takes the step for its
-meshes and traced programs."""
+step keeps it, :class:`shardc.step.auto_shard.AutoSharded`). Each function takes the
+step for its meshes and traced programs."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import logging
 
 from jax import ShapeDtypeStruct
 from jax.sharding import NamedSharding
+from jax.stages import Compiled
 
 from shardc.inspect.hlo import compiled_peak_memory
 from shardc.lower.program import jit_plan
@@ -28,14 +29,14 @@ KEPT_AHEAD = 2
 __all__ = ["compile_ahead", "jit_for", "peak_ahead", "typed_leaves"]
 
 
-def compile_ahead(step, call: Call, plan: Plan):
+def compile_ahead(step, call: Call, plan: Plan) -> Compiled | None:
     """Compile the executable that runs ``plan`` for calls like ``call``, as their first
     call would (the :class:`Dispatch` of the planned program, placed and donated alike),
     and keep it in ``step._ahead`` beside the last one compiled for the signature
     (:data:`KEPT_AHEAD`): its first call runs the one of the plan it runs.
 
     Returns:
-        The compiled program (``jax.stages.Compiled``); None where it does not compile
+        The compiled program; None where it does not compile
         (the error surfaces where it runs).
     """
     key, tr = step._traced(call, plan.remat)
