@@ -121,7 +121,11 @@ def test_a_saved_plan_keeps_what_it_offloads(offloaded):
 
 def test_the_first_call_runs_the_budget_checks_compile(mesh, args):
     """The budget's check compiled the offloading plan as its first call passes the
-    arguments (the moments moved to host memory first), so that call compiles nothing."""
+    arguments (the moments moved to host memory first), so that call compiles nothing
+    (a step planned without a budget compiles its program, by this name, at its first
+    call)."""
+    compiled, _ = first_call_compiles(shardc.auto_shard(_step, mesh=mesh), *args)
+    assert "jit(positional)" in compiled, compiled
     step = shardc.auto_shard(_step, mesh=mesh, memory_budget=BUDGET)
     assert step.plan(*args).offloaded
     compiled, got = first_call_compiles(step, *args)
