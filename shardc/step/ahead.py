@@ -51,9 +51,9 @@ def compile_ahead(step, call: Call, plan: Plan) -> Compiled | None:
     except Exception as exc:  # noqa: BLE001 - jax's compile errors have no common type
         log.info("shardc: the plan's check could not compile it: %s", exc)
         return None
-    kept = step._ahead.setdefault(key, {})
-    kept.pop(program_key(plan), None)
-    kept[program_key(plan)] = dispatch
+    kept, program = step._ahead.setdefault(key, {}), program_key(plan)
+    kept.pop(program, None)  # the newest last
+    kept[program] = dispatch
     while len(kept) > KEPT_AHEAD:  # the oldest compile goes
         del kept[next(iter(kept))]
     return compiled

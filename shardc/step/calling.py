@@ -265,16 +265,20 @@ def place(leaves: Sequence, shardings: Sequence[NamedSharding]) -> list:
     several = jax.process_count() > 1
     return [jax.device_put(x, want) if isinstance(x, jax.Array)
             and (have := placement(x)) is not None and not _same(have, want, x.ndim)
-            or several and isinstance(x, np.ndarray) or _to_host(x, want)
+            or _placed_by_call(x, want, several)
             else x for x, want in zip(leaves, shardings)]
 
 
 def passed_placed(x, want: NamedSharding) -> bool:
     """Whether a call passes leaf ``x`` to the executable placed (:func:`place`): given a
-    placement, or moved by the call (a NumPy array under several processes, state the
-    plan keeps in host memory)."""
-    return placement(x) is not None or \
-        jax.process_count() > 1 and isinstance(x, np.ndarray) or _to_host(x, want)
+    placement, or placed by the call itself."""
+    return placement(x) is not None or _placed_by_call(x, want, jax.process_count() > 1)
+
+
+def _placed_by_call(x, want: NamedSharding, several: bool) -> bool:
+    """Whether :func:`place` places an unplaced ``x`` itself: a NumPy array under
+    ``several`` processes, or state the plan keeps in host memory."""
+    return several and isinstance(x, np.ndarray) or _to_host(x, want)
 
 
 def _to_host(x, want: NamedSharding) -> bool:
