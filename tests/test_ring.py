@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import shardc
-from shardc.cost.ring import ring_cost
+from shardc.cost.ring import ring_cost, ring_workspace
 from shardc.ir.sbp import B, NdSbp, Split
 from shardc.ir.trace import trace
 from shardc.lower.local import run_ring
@@ -105,3 +105,21 @@ def test_a_ring_pays_what_its_sends_outlast_where_the_cluster_overlaps():
     assert cost["fast"].sends == pytest.approx(7 * (cost["fast"].send - cost["fast"].step))
     assert cost["serial"].sends == pytest.approx(7 * cost["serial"].send)
     assert cost["slow"].block_bytes == op.inputs[1].nbytes / 8
+
+
+@pytest.mark.parametrize("reader,whole", [("exp", False), ("dot", True), ("output", True)])
+def test_an_unrolled_ring_holds_its_products_apart_only_where_a_reader_needs_the_result_whole(
+        reader, whole):
+    """Each step of an unrolled ring writes one block's product into a slice of the
+    result: XLA:GPU fuses that concatenation into elementwise readers (the products are the
+    result's one buffer), and writes the result apart, beside the products, for any other."""
+    spec, ls, rs = EINSUMS["scores"]
+    readers = {"exp": jnp.exp, "dot": lambda s: jnp.einsum("bhqk,bhkd->bhqd", s, s[..., :8]),
+               "output": lambda s: s}
+    fn = lambda x, y: readers[reader](jnp.einsum(spec, x, y))  # noqa: E731
+    graph = trace(fn, jnp.ones(ls), jnp.ones(rs)).graph
+    op = next(o for o in graph.ops if o.name == "dot_general")
+    ring = next(s for s in strategies(op, (8,)) if s.ring == (0, 1))  # the keys pass
+    result = op.outputs[0].nbytes / 8
+    assert ring.outs[0].shard_fraction((8,)) == 1 / 8
+    assert ring_workspace(graph, op, ring, (8,)) == (result if whole else 0.0)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from shardc.cost.kernels import compute_seconds
 from shardc.ir.graph import Graph, Op, Value
+from shardc.ir.prims import facts
 from shardc.ir.sbp import NdSbp, Split
 
 __all__ = ["looped", "passed", "repeat_of", "repeated", "Ring", "ring_cost",
@@ -97,25 +98,36 @@ def looped(op: Op, strategy) -> bool:
 
 def ring_workspace(graph: Graph, op: Op, strategy, axis_sizes: Sequence[int]) -> float:
     """Bytes per device a ring holds while it runs besides its operands and result, as
-    XLA:GPU assigns them (0 without a ring): unrolled (:func:`looped`), every block's
-    product before it is written into the result (the scheduler issues the products
-    ahead, to run them beside the sends): the result's size again; as a loop, the slice
-    of the other operand each step reads and the block passed, each twice (this step's
-    and the next's), and where the block passed is a smaller value repeated, its
-    repeated copy."""
+    XLA:GPU assigns them (0 without a ring). Unrolled (:func:`looped`), each step writes
+    its block's product into a slice of zeros; XLA:GPU turns the chain of writes into one
+    concatenation of the products and fuses it into the result's readers where they are
+    all elementwise (a softmax's), so the products are the result's only buffer: nothing
+    more; where a reader is not (a dot, a program output) the concatenation writes the
+    result while the products, issued ahead to run beside the sends, are all live: the
+    result's size again. As a loop, the slice of the other operand each step reads and
+    the block passed, each twice (this step's and the next's), and where the block passed
+    is a smaller value repeated, its repeated copy."""
     if not strategy.ring:
         return 0.0
     axis, what = strategy.ring
     n = axis_sizes[axis]
     result = op.outputs[0].nbytes * strategy.outs[0].shard_fraction(axis_sizes)
     if not looped(op, strategy):
-        return result
+        return 0.0 if _fused_away(graph, op.outputs[0]) else result
     ins = [x.nbytes * nd.shard_fraction(axis_sizes) for x, nd in zip(op.inputs, strategy.ins)]
     value, nd = passed(graph, op, strategy)
     block = value.nbytes * nd.shard_fraction(axis_sizes)
     sliced = max(ins) if what == 2 else ins[1 - what]
     copy = ins[what] if what != 2 and value is not op.inputs[what] else 0.0
     return 2 * (block + sliced / n) + copy
+
+
+def _fused_away(graph: Graph, value: Value) -> bool:
+    """Whether every reader of ``value`` is elementwise and no output of ``graph`` is it:
+    XLA fuses the concatenation making it into each reader."""
+    readers = graph.consumers().get(value.id, [])
+    return (bool(readers) and all(facts(r.name).elementwise for r, _ in readers)
+            and all(v is not value for v in graph.outputs))
 
 
 def repeated(graph: Graph, value: Value, nd: NdSbp) -> Value | None:
