@@ -10,7 +10,7 @@ from jax.sharding import AxisType
 
 import shardc
 from shardc.cost.cluster import Cluster
-from shardc.cost.combine import XLA_CPU, Combiner
+from shardc.cost.combine import XLA_CPU, XLA_GPU, Combiner
 from shardc.cost.combiner import Pending, Use, combine_groups
 from shardc.ir.trace import trace
 
@@ -49,6 +49,29 @@ def test_combiner_keeps_keys_and_limits_apart():
     assert combine_groups(graph, uses, via, _pending([key] * 3), one) == [-1] * 3
     small = Combiner("test", XLA_CPU.families, 24.0, 256)  # two of 16 bytes pass 24
     assert combine_groups(graph, uses, via, _pending([key] * 3), small) == [-1] * 3
+
+
+def test_two_rings_sends_join_where_neither_waits_for_the_other():
+    """XLA:GPU's permute combiner on two unrolled rings of 3 sends each (one reshard per
+    ring, its sends a chain): in post order the first ring's last send and the second's
+    first join where the second ring's block does not wait for the first ring's product;
+    where it does (the second reads the first's result), nothing joins."""
+    key = ("collective-permute", (0,), None, (), 1)
+
+    def rings(f):
+        graph = trace(f, jnp.ones((2, 4, 4)), jnp.ones((2, 4, 4))).graph
+        first, second = [op for op in graph.ops if op.name == "dot_general"]
+        uses = [Use(first.inputs[1].id, first.id, ring=True),
+                Use(second.inputs[1].id, second.id, ring=True)]
+        pending = [Pending(r, k, key, 16.0) for r in range(2) for k in range(3)]
+        return combine_groups(graph, uses, {}, pending, XLA_GPU)
+
+    apart = rings(lambda q, k: (jnp.einsum("bqd,bkd->bqk", q, k),
+                                jnp.einsum("bqd,bkd->bqk", k, q)))
+    assert apart == [-1, -1, 0, 0, -1, -1]
+    chained = rings(lambda q, k: jnp.einsum("bqd,bkd->bqk", q,
+                                            jnp.einsum("bqd,bkd->bqk", q, k)))
+    assert chained == [-1] * 6
 
 
 def _planned(fn, shape: tuple[int, ...], names: tuple[str, ...]):

@@ -95,10 +95,12 @@ class Combiner:
     Backend-specific: :data:`XLA_CPU` is what the bench compiles on (jax 0.10 XLA:CPU:
     an all-reduce combiner only; a reduce-scatter is an all-reduce and a slice there, so it
     combines with all-reduces of its group), :data:`XLA_GPU` XLA:GPU's defaults (all-reduce,
-    all-gather and reduce-scatter combiners, each to 30 MiB). ``scatter_as_all_reduce``:
-    the backend runs a reduce-scatter as an all-reduce of the whole buffer and a slice
-    (XLA:CPU), so the whole buffer is held while it runs. ``reassociates``: the kinds whose
-    two like reductions feeding one add the backend rewrites into one reduction of the sum
+    all-gather, reduce-scatter and collective-permute combiners, each to 30 MiB; permutes
+    of the same source-target pairs join: two rings' sends round one axis).
+    ``scatter_as_all_reduce``: the backend runs a reduce-scatter as an all-reduce of the
+    whole buffer and a slice (XLA:CPU), so the whole buffer is held while it runs.
+    ``reassociates``: the kinds whose two like reductions feeding one add the backend
+    rewrites into one reduction of the sum
     (``add(reduce-scatter(x), reduce-scatter(y))`` -> ``reduce-scatter(add(x, y))``, each
     operand's collective read by the add alone): XLA:GPU's; a Llama's backward loop on
     (4, 2) H100s sums the gate and up projections' input gradients, each reduce-scattered
@@ -107,7 +109,9 @@ class Combiner:
     References:
       XLA ``cpu_compiler.cc`` (``AllReduceCombiner`` with ``kCombineBytes`` = int64 max,
       ``kCombineCount`` = 256); XLA:GPU ``xla_gpu_all_reduce_combine_threshold_bytes`` and
-      its all-gather / reduce-scatter twins (30 MiB). Reduce-scatters of different scatter
+      its all-gather / reduce-scatter / collective-permute twins (30 MiB;
+      ``collective_permute_combiner.cc``, ``collective_permute_key.cc``: the key is the
+      source-target pairs). Reduce-scatters of different scatter
       dimensions combine there (a ViT's gradients scattered over dims 0, 1 and 2 compile to
       one reduce-scatter, each transposed to scatter its leading dim), and all-gathers of
       different element types (XLA ``all_gather_combiner.cc``: its key holds no type).
@@ -136,7 +140,8 @@ class Combiner:
 XLA_CPU = Combiner("cpu", (("all-reduce", "all-reduce"), ("reduce-scatter", "all-reduce")),
                    float(2**63 - 1), 256, scatter_as_all_reduce=True)
 XLA_GPU = Combiner("gpu", (("all-reduce", "all-reduce"), ("all-gather", "all-gather"),
-                           ("reduce-scatter", "reduce-scatter")), 30 * 2**20, 256,
+                           ("reduce-scatter", "reduce-scatter"),
+                           ("collective-permute", "collective-permute")), 30 * 2**20, 256,
                    reassociates=frozenset({"all-reduce", "reduce-scatter"}))
 COMBINERS = {"cpu": XLA_CPU, "gpu": XLA_GPU, "cuda": XLA_GPU, "rocm": XLA_GPU}
 

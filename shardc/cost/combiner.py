@@ -47,11 +47,14 @@ class Use:
     settled in the new layout for all its readers). ``apart``: it makes a partial operand
     of a sum whose result is reduced where it is made (the lowering leaves that operand
     unconstrained): XLA reduces the sum's partial summands before it instead, and those
-    reductions do not wait for this one."""
+    reductions do not wait for this one. ``ring``: the sends of a ring ``consumer`` runs
+    (:mod:`shardc.cost.ring`): its product waits for them, though it reads ``value`` (or
+    a repeat of it) through no conversion."""
 
     value: int
     consumer: int | None
     apart: bool = False
+    ring: bool = False
 
 
 def post_order(graph: Graph, uses: Sequence[Use], via: dict[tuple[int, int], int]
@@ -64,6 +67,7 @@ def post_order(graph: Graph, uses: Sequence[Use], via: dict[tuple[int, int], int
     producer = graph.producers()
     ops = graph.memo("ops by id", lambda g: {op.id: op for op in g.ops})
     settles = _settles(graph, uses)
+    rings = _rings(uses)
 
     def made(vid: int) -> tuple | None:
         chain = settles.get(vid)
@@ -89,7 +93,7 @@ def post_order(graph: Graph, uses: Sequence[Use], via: dict[tuple[int, int], int
             n = ("r", via[(key, v.id)]) if (key, v.id) in via else made(v.id)
             if n:
                 out.append(n)
-        return out
+        return out + [("r", r) for r in rings.get(key, ())]
 
     roots = [("r", via[(-1 - j, v.id)]) if (-1 - j, v.id) in via else made(v.id)
              for j, v in enumerate(graph.outputs) if not v.is_const]
@@ -180,11 +184,20 @@ def _settles(graph: Graph, uses: Sequence[Use]) -> dict[int, list[int]]:
     return settles
 
 
+def _rings(uses: Sequence[Use]) -> dict[int, list[int]]:
+    """op id -> the reshards (indices into ``uses``) sending its rings' blocks."""
+    rings: dict[int, list[int]] = {}
+    for i, u in enumerate(uses):
+        if u.ring:
+            rings.setdefault(u.consumer, []).append(i)
+    return rings
+
+
 def _ancestors(graph: Graph, uses: Sequence[Use], via: dict[tuple[int, int], int],
                pending: Sequence[Pending], by_reshard: dict[int, list[int]]) -> list[int]:
     """Per pending collective, the bit set of the pending collectives it depends on."""
     own = {r: sum(1 << i for i in ids) for r, ids in by_reshard.items()}
-    settles = _settles(graph, uses)
+    settles, rings = _settles(graph, uses), _rings(uses)
     made: dict[int, int] = {}  # value id -> what it depends on, as its readers see it
     done: dict[int, int] = {}  # reshard -> what its result depends on
 
@@ -209,6 +222,8 @@ def _ancestors(graph: Graph, uses: Sequence[Use], via: dict[tuple[int, int], int
             r = via.get((op.id, v.id))
             after = reshard(r, base) if r is not None else base
             deps |= base if r is not None and uses[r].apart else after
+        for r in rings.get(op.id, ()):
+            deps |= reshard(r, made.get(uses[r].value, 0))
         for v in op.outputs:
             made[v.id] = settled(v.id, deps)
     anc = [0] * len(pending)

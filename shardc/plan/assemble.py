@@ -25,6 +25,7 @@ from shardc.cost.ring import looped, passed, ring_cost
 from shardc.ir.flow import carry_exit, loop_tests, loop_ties, read_runs, reads, settle_runs
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Partial
+from shardc.ir.trace import SCAN_ENTER
 from shardc.plan.record import OpPlan, Plan, Predicted, Reshard, fingerprint, unreduced
 from shardc.solve.costgraph import CostGraph
 from shardc.solve.memory import memory_profile
@@ -45,7 +46,7 @@ def _combine(reshards: list, ops: list, comm: float, combined: dict, model: str
     delta: dict[int, float] = {}
     for (kind, group, times, _), members in combined.items():
         whole = sum(b for _, b, _ in members)
-        if not whole:
+        if not whole:  # a ring's sends (no buffer) keep the price their ring charged
             continue
         t = seconds(kind, group, whole, model) * times
         for index, nbytes, charged in members:
@@ -105,6 +106,15 @@ def _op_facts(graph: Graph) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]
              ",".join(v.type_str() for v in op.outputs),
              tuple(-1 if v.is_const else v.id for v in op.inputs),
              tuple(v.id for v in op.outputs)) for op in graph.ops]
+
+
+def _loop_of(graph: Graph, op) -> tuple[int, ...]:
+    """The place (``Op.where``) of the innermost loop whose body holds ``op``, () outside
+    every loop: XLA combines collectives within one computation, and each loop body is one."""
+    loops = graph.memo("loop places", lambda g: frozenset(
+        o.where for o in g.ops if o.prim is SCAN_ENTER))
+    return next((op.where[:k] for k in range(len(op.where) - 1, 0, -1)
+                 if op.where[:k] in loops), ())
 
 
 class _Recorder:
@@ -172,7 +182,9 @@ class _Recorder:
         it (:mod:`shardc.lower.local`): a loop's one ``collective-permute`` of ``n - 1``
         blocks, or ``n - 1`` unrolled ones, which rings passing the same value in the same
         layout share (XLA's CSE merges identical sends: the keys' blocks feed the scores
-        and the recomputed scores)."""
+        and the recomputed scores). An unrolled ring's sends may each join another ring's
+        round the same axis in the same loop body (XLA:GPU's permute combiner,
+        :func:`_loop_of`); they keep the price their ring charged."""
         ring = ring_cost(self.cluster, self.cg.graph, op, strat, self.cg.axis_sizes,
                          self.names)
         if ring is None:
@@ -185,7 +197,15 @@ class _Recorder:
             self.done.setdefault(key, len(self.reshards))
         t = ring.products + (0.0 if shared else ring.sends)
         each = 0.0 if shared else ring.steps * ring.block_bytes * op.weight / sends
-        self.uses.append(Use(value.id, op.id))
+        if sends > 1 and not shared and self.combiner.family("collective-permute"):
+            # each send round the axis may join another ring's (the same pairs), where
+            # neither waits for the other: XLA:GPU's permute combiner
+            key = ("collective-permute", (ring.axis,), None, _loop_of(self.cg.graph, op),
+                   op.weight)
+            self.pending += [(Pending(len(self.reshards), k, key, ring.block_bytes),
+                              ("collective-permute", None, op.weight, 0.0, 0.0))
+                             for k in range(sends)]
+        self.uses.append(Use(value.id, op.id, ring=True))
         self.comm += t
         self.wire += each * sends
         self.reshards.append(Reshard(
