@@ -61,8 +61,8 @@ def test_two_rings_sends_join_where_neither_waits_for_the_other():
     def rings(f):
         graph = trace(f, jnp.ones((2, 4, 4)), jnp.ones((2, 4, 4))).graph
         first, second = [op for op in graph.ops if op.name == "dot_general"]
-        uses = [Use(first.inputs[1].id, first.id, ring=True),
-                Use(second.inputs[1].id, second.id, ring=True)]
+        uses = [Use(first.inputs[1].id, first.id, ring=0),
+                Use(second.inputs[1].id, second.id, ring=1)]
         pending = [Pending(r, k, key, 16.0) for r in range(2) for k in range(3)]
         return combine_groups(graph, uses, {}, pending, XLA_GPU)
 
@@ -72,6 +72,25 @@ def test_two_rings_sends_join_where_neither_waits_for_the_other():
     chained = rings(lambda q, k: jnp.einsum("bqd,bkd->bqk", q,
                                             jnp.einsum("bqd,bkd->bqk", q, k)))
     assert chained == [-1] * 6
+
+
+def test_a_ring_reusing_anothers_sends_waits_for_them():
+    """Two rings passing the same blocks share one set of sends (the second's reshard has
+    none): a third ring passing the second's result waits for those sends, so its first
+    send joins none of them."""
+    key = ("collective-permute", (0,), None, (), 1)
+
+    def f(q, k, p):
+        s2 = jnp.einsum("bqd,bkd->bqk", p, k)
+        return jnp.einsum("bqd,bkd->bqk", q, k), jnp.einsum("bqd,bkd->bqk", q, s2)
+
+    graph = trace(f, *[jnp.ones((2, 4, 4))] * 3).graph
+    second, first, third = [op for op in graph.ops if op.name == "dot_general"]
+    uses = [Use(first.inputs[1].id, first.id, ring=0),
+            Use(second.inputs[1].id, second.id, ring=0),  # k's sends, the first ring's
+            Use(third.inputs[1].id, third.id, ring=2)]
+    pending = [Pending(r, k, key, 16.0) for r in (0, 2) for k in range(3)]
+    assert combine_groups(graph, uses, {}, pending, XLA_GPU) == [-1] * 6
 
 
 def _planned(fn, shape: tuple[int, ...], names: tuple[str, ...]):

@@ -107,7 +107,8 @@ def test_a_ring_pays_what_its_sends_outlast_where_the_cluster_overlaps():
     assert cost["slow"].block_bytes == op.inputs[1].nbytes / 8
 
 
-@pytest.mark.parametrize("reader,whole", [("exp", False), ("dot", True), ("output", True)])
+@pytest.mark.parametrize("reader,whole", [("exp", False), ("dot", True), ("output", True),
+                                          ("exp and output", True)])
 def test_an_unrolled_ring_holds_its_products_apart_only_where_a_reader_needs_the_result_whole(
         reader, whole):
     """Each step of an unrolled ring writes one block's product into a slice of the
@@ -115,7 +116,7 @@ def test_an_unrolled_ring_holds_its_products_apart_only_where_a_reader_needs_the
     result's one buffer), and writes the result apart, beside the products, for any other."""
     spec, ls, rs = EINSUMS["scores"]
     readers = {"exp": jnp.exp, "dot": lambda s: jnp.einsum("bhqk,bhkd->bhqd", s, s[..., :8]),
-               "output": lambda s: s}
+               "output": lambda s: s, "exp and output": lambda s: (s, jnp.exp(s))}
     fn = lambda x, y: readers[reader](jnp.einsum(spec, x, y))  # noqa: E731
     graph = trace(fn, jnp.ones(ls), jnp.ones(rs)).graph
     op = next(o for o in graph.ops if o.name == "dot_general")

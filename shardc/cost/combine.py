@@ -96,7 +96,8 @@ class Combiner:
     an all-reduce combiner only; a reduce-scatter is an all-reduce and a slice there, so it
     combines with all-reduces of its group), :data:`XLA_GPU` XLA:GPU's defaults (all-reduce,
     all-gather, reduce-scatter and collective-permute combiners, each to 30 MiB; permutes
-    of the same source-target pairs join: two rings' sends round one axis).
+    of the same source-target pairs join: two rings' sends round one axis; no conversion
+    the search prices runs a permute, so only the plan's rings meet that family).
     ``scatter_as_all_reduce``: the backend runs a reduce-scatter as an all-reduce of the
     whole buffer and a slice (XLA:CPU), so the whole buffer is held while it runs.
     ``reassociates``: the kinds whose two like reductions feeding one add the backend

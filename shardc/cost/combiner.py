@@ -32,7 +32,8 @@ __all__ = ["Pending", "Use", "combine_groups", "post_order"]
 class Pending:
     """A planned collective a combiner may join: the ``position``-th collective of reshard
     ``reshard``; ``key`` what must match to join (family, mesh axes, reduction, dtype, loop
-    level), ``nbytes`` its result bytes."""
+    level; a ring's sends: family, axis, None, the loop body or branch holding the ring,
+    loop level), ``nbytes`` its result bytes."""
 
     reshard: int
     position: int
@@ -48,13 +49,14 @@ class Use:
     of a sum whose result is reduced where it is made (the lowering leaves that operand
     unconstrained): XLA reduces the sum's partial summands before it instead, and those
     reductions do not wait for this one. ``ring``: the sends of a ring ``consumer`` runs
-    (:mod:`shardc.cost.ring`): its product waits for them, though it reads ``value`` (or
-    a repeat of it) through no conversion."""
+    (:mod:`shardc.cost.ring`), the index of the reshard that carries them (this one's, or
+    an earlier ring's passing the same blocks, which this one reuses): the product waits
+    for them, though it reads ``value`` (or a repeat of it) through no conversion."""
 
     value: int
     consumer: int | None
     apart: bool = False
-    ring: bool = False
+    ring: int | None = None
 
 
 def post_order(graph: Graph, uses: Sequence[Use], via: dict[tuple[int, int], int]
@@ -185,11 +187,11 @@ def _settles(graph: Graph, uses: Sequence[Use]) -> dict[int, list[int]]:
 
 
 def _rings(uses: Sequence[Use]) -> dict[int, list[int]]:
-    """op id -> the reshards (indices into ``uses``) sending its rings' blocks."""
+    """op id -> the reshards (indices into ``uses``) carrying its rings' sends."""
     rings: dict[int, list[int]] = {}
-    for i, u in enumerate(uses):
-        if u.ring:
-            rings.setdefault(u.consumer, []).append(i)
+    for u in uses:
+        if u.ring is not None:
+            rings.setdefault(u.consumer, []).append(u.ring)
     return rings
 
 

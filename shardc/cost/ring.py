@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shardc.cost.kernels import compute_seconds
+from shardc.ir.flow import loop_tests, loop_ties
 from shardc.ir.graph import Graph, Op, Value
 from shardc.ir.prims import facts
 from shardc.ir.sbp import NdSbp, Split
@@ -101,12 +102,15 @@ def ring_workspace(graph: Graph, op: Op, strategy, axis_sizes: Sequence[int]) ->
     XLA:GPU assigns them (0 without a ring). Unrolled (:func:`looped`), each step writes
     its block's product into a slice of zeros; XLA:GPU turns the chain of writes into one
     concatenation of the products and fuses it into the result's readers where they are
-    all elementwise (a softmax's), so the products are the result's only buffer: nothing
-    more; where a reader is not (a dot, a program output) the concatenation writes the
-    result while the products, issued ahead to run beside the sends, are all live: the
-    result's size again. As a loop, the slice of the other operand each step reads and
-    the block passed, each twice (this step's and the next's), and where the block passed
-    is a smaller value repeated, its repeated copy."""
+    all elementwise (a scaled or masked softmax's ``div`` or ``select_n``), so the
+    products are the result's only buffer: nothing more. Where a reader is not (a
+    ``reduce_max``, a dot) or the program keeps the result (an output, a loop's carry)
+    the concatenation writes the result while the products, issued ahead to run beside
+    the sends, are all live: the result's size again. As a loop, the slice of the other
+    operand each step reads and the block passed, each twice (this step's and the
+    next's), and where the block passed is a smaller value repeated, its repeated copy.
+    Measured on XLA:GPU; XLA:CPU is priced alike (rings are offered only on clusters that
+    overlap, which the CPU presets do not)."""
     if not strategy.ring:
         return 0.0
     axis, what = strategy.ring
@@ -123,11 +127,15 @@ def ring_workspace(graph: Graph, op: Op, strategy, axis_sizes: Sequence[int]) ->
 
 
 def _fused_away(graph: Graph, value: Value) -> bool:
-    """Whether every reader of ``value`` is elementwise and no output of ``graph`` is it:
-    XLA fuses the concatenation making it into each reader."""
+    """Whether XLA fuses the concatenation making ``value`` into every reader: each is
+    elementwise, and the program keeps no buffer of it (no output, loop carry or loop
+    test is it)."""
     readers = graph.consumers().get(value.id, [])
-    return (bool(readers) and all(facts(r.name).elementwise for r, _ in readers)
-            and all(v is not value for v in graph.outputs))
+    kept = graph.memo("kept whole", lambda g: frozenset(
+        [v.id for v in g.outputs] + [v.id for _, v in loop_ties(g)] +
+        [v.id for v in loop_tests(g)]))
+    return (bool(readers) and value.id not in kept
+            and all(facts(r.name).elementwise for r, _ in readers))
 
 
 def repeated(graph: Graph, value: Value, nd: NdSbp) -> Value | None:

@@ -25,7 +25,7 @@ from shardc.cost.ring import looped, passed, ring_cost
 from shardc.ir.flow import carry_exit, loop_tests, loop_ties, read_runs, reads, settle_runs
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Partial
-from shardc.ir.trace import SCAN_ENTER
+from shardc.ir.trace import COND_ENTER, SCAN_ENTER
 from shardc.plan.record import OpPlan, Plan, Predicted, Reshard, fingerprint, unreduced
 from shardc.solve.costgraph import CostGraph
 from shardc.solve.memory import memory_profile
@@ -108,13 +108,15 @@ def _op_facts(graph: Graph) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]
              tuple(v.id for v in op.outputs)) for op in graph.ops]
 
 
-def _loop_of(graph: Graph, op) -> tuple[int, ...]:
-    """The place (``Op.where``) of the innermost loop whose body holds ``op``, () outside
-    every loop: XLA combines collectives within one computation, and each loop body is one."""
-    loops = graph.memo("loop places", lambda g: frozenset(
-        o.where for o in g.ops if o.prim is SCAN_ENTER))
+def _body_of(graph: Graph, op) -> tuple[int, ...]:
+    """The place (``Op.where``) of the innermost loop body or cond branch holding ``op``,
+    () outside every one: XLA combines collectives within one computation, and each body
+    and branch is one."""
+    places = graph.memo("computation places", lambda g: frozenset(
+        [o.where for o in g.ops if o.prim is SCAN_ENTER] +
+        [(*o.where, o.params["branch"]) for o in g.ops if o.prim is COND_ENTER]))
     return next((op.where[:k] for k in range(len(op.where) - 1, 0, -1)
-                 if op.where[:k] in loops), ())
+                 if op.where[:k] in places), ())
 
 
 class _Recorder:
@@ -184,7 +186,7 @@ class _Recorder:
         layout share (XLA's CSE merges identical sends: the keys' blocks feed the scores
         and the recomputed scores). An unrolled ring's sends may each join another ring's
         round the same axis in the same loop body (XLA:GPU's permute combiner,
-        :func:`_loop_of`); they keep the price their ring charged."""
+        :func:`_body_of`); they keep the price their ring charged."""
         ring = ring_cost(self.cluster, self.cg.graph, op, strat, self.cg.axis_sizes,
                          self.names)
         if ring is None:
@@ -200,12 +202,13 @@ class _Recorder:
         if sends > 1 and not shared and self.combiner.family("collective-permute"):
             # each send round the axis may join another ring's (the same pairs), where
             # neither waits for the other: XLA:GPU's permute combiner
-            key = ("collective-permute", (ring.axis,), None, _loop_of(self.cg.graph, op),
+            key = ("collective-permute", (ring.axis,), None, _body_of(self.cg.graph, op),
                    op.weight)
             self.pending += [(Pending(len(self.reshards), k, key, ring.block_bytes),
                               ("collective-permute", None, op.weight, 0.0, 0.0))
                              for k in range(sends)]
-        self.uses.append(Use(value.id, op.id, ring=True))
+        self.uses.append(Use(value.id, op.id, ring=self.done[key] if shared else
+                             len(self.reshards)))
         self.comm += t
         self.wire += each * sends
         self.reshards.append(Reshard(
