@@ -18,6 +18,7 @@ from shardc.models import llama
 from shardc.pipeline.choose import ChoiceOptions, best_pipeline, candidates
 from shardc.pipeline.cost import price
 from shardc.pipeline.parts import Parts
+from shardc.pipeline.runs import _packed
 from shardc.pipeline.scans import find_layers
 from shardc.pipeline.schedule import Pipeline
 from shardc.plan.record import Reshard
@@ -290,3 +291,16 @@ def test_pipelines_can_be_forbidden_or_requested():
         _choose("deep", "4nodes-eth", pipeline=Pipeline("node", 2, 2))
     with pytest.raises(TypeError, match="shardc.pipeline.Pipeline"):
         Options(pipeline="yes")
+
+
+def test_the_stage_gradients_all_reduce_as_the_combiner_packs_them():
+    """The stages' weight gradients are all-reduced once after the backward loop, each
+    parameter's its own collective that XLA's combiner packs in program order up to its
+    byte limit: one all-reduce of them all where they fit (XLA:CPU, no limit), else a set
+    per run of gradients that fits, and a gradient over the limit alone."""
+    mib = 2**20
+    parts = [2 * mib, 8 * mib, 8 * mib, 2 * mib, 22 * mib, 22 * mib, 40 * mib, 1 * mib]
+    assert _packed(parts, float(2**63 - 1)) == [sum(parts)]
+    assert _packed(parts, 30 * mib) == [20 * mib, 22 * mib, 22 * mib, 40 * mib, 1 * mib]
+    assert _packed(parts[:4], 30 * mib) == [20 * mib]
+    assert _packed([], 30 * mib) == [0]

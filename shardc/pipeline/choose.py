@@ -364,7 +364,7 @@ def _axes(view: View) -> tuple[tuple[str, int], ...]:
 
 
 def adopt(plan: Plan, choice: Choice, graph: Graph, ties: Sequence[tuple[int, int]] = (),
-          resident: Collection[int] = ()) -> Plan:
+          resident: Collection[int] = (), combiner: Combiner = XLA_CPU) -> Plan:
     """``plan`` (of ``graph``) running ``choice``'s pipeline: its conversions are those the
     pipelined program runs (:func:`shardc.pipeline.runs.pipelined_reshards`), their
     seconds and wire bytes its communication, its compute the stages' as priced and the
@@ -377,7 +377,7 @@ def adopt(plan: Plan, choice: Choice, graph: Graph, ties: Sequence[tuple[int, in
         return plan
     old = plan.predicted
     layers = find_layers(graph, ties, resident)
-    reshards = pipelined_reshards(plan, graph, layers, choice.pipeline, best)
+    reshards = pipelined_reshards(plan, graph, layers, choice.pipeline, best, combiner)
     comm = sum(r.time for r in reshards)
     stages = best.step_time - best.rest - best.transfers - best.gathers - best.grads - \
         best.loss_reduce - best.sample_comm

@@ -107,7 +107,8 @@ class PipelinePrice:
     and in a training step the stack input's cotangent); ``once``: the stages'
     once-per-step part, ``grads`` among it: the all-reduce of a stage's weight gradients
     over ``grad_spans`` (the axes splitting each micro-batch, where the stage holds its
-    weights whole), ``grad_bytes`` per device; ``rest_comm``: the communication of
+    weights whole), ``grad_bytes`` per device (``grad_parts``: per stacked parameter, in
+    the order of the program's inputs); ``rest_comm``: the communication of
     ``rest``; ``sample_comm``: the seconds of the stages' conversions of their
     activations among ``layers`` (tensor parallelism inside a stage, per micro-batch and
     tick); ``peak_memory``: a stage's peak; ``mesh``: the view of the devices it runs
@@ -134,6 +135,7 @@ class PipelinePrice:
     mesh: tuple[tuple[str, int], ...] = ()
     grads: float = 0.0
     grad_bytes: float = 0.0
+    grad_parts: tuple[float, ...] = ()
     rest_comm: float = 0.0
     ticks: int = 0
     batch_spans: tuple[tuple[str, int], ...] = ()
@@ -211,11 +213,13 @@ def price(pipeline: Pipeline, whole: Parts, stage: Parts, cluster: Cluster,
     transfers = permutes * cluster.send_seconds(spans, stage.carry / m)
     gathers = reduces * cluster.collective_seconds("all-reduce", spans, stage.carry)
     grads = grad_bytes = 0.0
+    grad_parts: tuple[float, ...] = ()
     if stage.batch_spans and stage.passes > 1:
         # the stage holds its weights whole on the axes splitting each micro-batch, so its
         # gradients are summed over them once, after the backward loop (runtime doc), in
         # place of the stage plan's conversions of the stacked values
         grad_bytes = stage.weights / s
+        grad_parts = tuple(b / s for b in stage.param_bytes)
         grads = cluster.collective_seconds("all-reduce", stage.batch_spans, grad_bytes)
         once = stage.update / s + grads
     else:
@@ -234,10 +238,10 @@ def price(pipeline: Pipeline, whole: Parts, stage: Parts, cluster: Cluster,
         rest=rest, layers=layers, bubble=bubble, transfers=transfers, gathers=gathers,
         once=once, permutes=permutes, permute_bytes=stage.carry / m, reduces=reduces,
         reduce_bytes=stage.carry, peak_memory=peak, mesh=mesh, grads=grads,
-        grad_bytes=grad_bytes, rest_comm=whole.rest_comm, ticks=ticks,
-        batch_spans=stage.batch_spans, loss_reduce=loss_reduce, loss_bytes=loss_bytes,
-        loss_spans=loss_spans, tensor_spans=stage.tensor_spans, sample_comm=sample,
-        stage_plan=stage_plan, relayout=relayout, relayout_bytes=relaid)
+        grad_bytes=grad_bytes, grad_parts=grad_parts, rest_comm=whole.rest_comm,
+        ticks=ticks, batch_spans=stage.batch_spans, loss_reduce=loss_reduce,
+        loss_bytes=loss_bytes, loss_spans=loss_spans, tensor_spans=stage.tensor_spans,
+        sample_comm=sample, stage_plan=stage_plan, relayout=relayout, relayout_bytes=relaid)
 
 
 def _peak(pipeline: Pipeline, whole: Parts, stage: Parts, ticks: int, onefb: bool) -> float:

@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 from shardc.cost import comm
+from shardc.cost.combine import XLA_CPU, Combiner
 from shardc.cost.comm import conversion
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Split
@@ -105,9 +107,9 @@ def _layout(plan: Plan, best: PipelinePrice) -> NdSbp:
 
 
 def pipelined_reshards(plan: Plan, graph: Graph, layers: Layers, pipeline: Pipeline,
-                       best: PipelinePrice) -> list[Reshard]:
+                       best: PipelinePrice, combiner: Combiner = XLA_CPU) -> list[Reshard]:
     """The conversions the program of ``plan`` (of ``graph``) runs with ``pipeline``,
-    priced ``best`` (module doc)."""
+    priced ``best`` (module doc), on the backend whose collectives ``combiner`` joins."""
     p = pipeline
     carry = layers.carry[0]
     at = _layout(plan, best)
@@ -138,10 +140,31 @@ def pipelined_reshards(plan: Plan, graph: Graph, layers: Layers, pipeline: Pipel
     out += _inside(best, layers, graph)
     if best.grads:
         name = "all-reduce@" + "+".join(n for n, _ in best.grad_spans)
+        sets = _packed(best.grad_parts, combiner.threshold_bytes)
+        if len(sets) > 1:  # over the combiner's limit: its sets, each run on its own
+            out += [one("all-reduce", best.grad_spans, b, plan.cluster.collective_seconds(
+                "all-reduce", best.grad_spans, b)) for b in sets]
+            return out
         out, group = _joined(out, name)
         out.append(one("all-reduce", best.grad_spans, best.grad_bytes,
                        _marginal(plan, out, name, group, best), group=group))
     return out
+
+
+def _packed(parts: Sequence[float], limit: float) -> list[float]:
+    """The bytes of each combined all-reduce XLA makes of the stage's weight gradients
+    (``parts``, one per stacked parameter, in the program's order): each set takes the next
+    gradients until one more would pass ``limit`` (the combiner's greedy rule,
+    :func:`shardc.cost.combiner.combine_groups`; a gradient over the limit runs alone).
+    One set, of them all, where they fit or none are listed (the design notes compare
+    it with XLA:GPU's compile of the deep zoo Llama)."""
+    sets: list[float] = []
+    for b in parts:
+        if sets and sets[-1] + b <= limit:
+            sets[-1] += b
+        else:
+            sets.append(b)
+    return sets if len(sets) > 1 else [sum(parts)]
 
 
 def _inside(best: PipelinePrice, layers: Layers, graph: Graph) -> list[Reshard]:

@@ -182,7 +182,7 @@ def _pipelined(step, call: Call, tr: TracedCall, plan: Plan, base: Plan, own: bo
     if base.cluster.overlap and step.options.rank_compiled and not step.abstract and \
             choice.reason != "requested":
         return _compiled_pipeline(step, tr, plan, base, choice, opts)
-    return adopt(base, choice, graph, tr.ties, tr.resident)
+    return adopt(base, choice, graph, tr.ties, tr.resident, opts.combiner)
 
 
 def _compiled_pipeline(step, tr: TracedCall, plan: Plan, base: Plan, choice, opts) -> Plan:
@@ -212,7 +212,8 @@ def _compiled_pipeline(step, tr: TracedCall, plan: Plan, base: Plan, choice, opt
     rows, best, best_s = [], None, none_s
     for price in per.values():
         candidate = adopt(base, dataclasses.replace(choice, pipeline=price.pipeline,
-                                                    best=price), graph, tr.ties, tr.resident)
+                                                    best=price), graph, tr.ties, tr.resident,
+                          opts.combiner)
         row = {"schedule": price.pipeline.schedule, "pipeline": price.summary(),
                "priced_s": price.step_time, **compiled_row(step, tr, candidate)}
         rows.append(row)
@@ -223,7 +224,7 @@ def _compiled_pipeline(step, tr: TracedCall, plan: Plan, base: Plan, choice, opt
     if best is None and none_s < math.inf:
         return plan  # the unpipelined program compiled fastest
     if best is None:  # nothing compiled: the serial choice
-        best = adopt(base, choice, graph, tr.ties, tr.resident)
+        best = adopt(base, choice, graph, tr.ties, tr.resident, opts.combiner)
     record = {**best.solver["pipeline"], "compiled_ranking": rows}
     return dataclasses.replace(best, solver={**best.solver, "pipeline": record})
 
