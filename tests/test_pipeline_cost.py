@@ -16,9 +16,8 @@ from shardc.ir.sbp import B, NdSbp, Partial
 from shardc.ir.trace import trace
 from shardc.models import llama
 from shardc.pipeline.choose import ChoiceOptions, best_pipeline, candidates
-from shardc.pipeline.cost import price
+from shardc.pipeline.cost import combined_sets, price
 from shardc.pipeline.parts import Parts
-from shardc.pipeline.runs import _packed
 from shardc.pipeline.scans import find_layers
 from shardc.pipeline.schedule import Pipeline
 from shardc.plan.record import Reshard
@@ -300,7 +299,7 @@ def test_the_stage_gradients_all_reduce_as_the_combiner_packs_them():
     per run of gradients that fits, and a gradient over the limit alone."""
     mib = 2**20
     parts = [2 * mib, 8 * mib, 8 * mib, 2 * mib, 22 * mib, 22 * mib, 40 * mib, 1 * mib]
-    assert _packed(parts, float(2**63 - 1)) == [sum(parts)]
-    assert _packed(parts, 30 * mib) == [20 * mib, 22 * mib, 22 * mib, 40 * mib, 1 * mib]
-    assert _packed(parts[:4], 30 * mib) == [20 * mib]
-    assert _packed([], 30 * mib) == [0]
+    assert combined_sets(parts, float(2**63 - 1)) == [sum(parts)]
+    assert combined_sets(parts, 30 * mib) == [20 * mib, 22 * mib, 22 * mib, 40 * mib, 1 * mib]
+    assert combined_sets(parts[:4], 30 * mib) == [20 * mib]
+    assert combined_sets([], 30 * mib) == [0]

@@ -341,7 +341,8 @@ def _price_all(graph: Graph, axes: list, layers, ties, resident, solve: SolveOpt
             for stage_plan in _stage_plans(graph, view, k, layers, ties, resident, solve,
                                            rooms, tensor):
                 stage = parts(stage_plan, graph, layers, ties, resident)
-                mine = [price(p, whole, stage, view.cluster, _axes(view), stage_plan)
+                mine = [price(p, whole, stage, view.cluster, _axes(view), stage_plan,
+                              options.combiner.threshold_bytes)
                         for p in ([request] if isinstance(request, Pipeline) else
                                   candidates(axis, s, layers, options))
                         if isinstance(request, Pipeline) or

@@ -82,6 +82,8 @@ References:
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from shardc.cost.cluster import Cluster
@@ -92,7 +94,7 @@ from shardc.pipeline.parts import Parts
 from shardc.pipeline.schedule import Pipeline
 from shardc.plan.record import Plan
 
-__all__ = ["PipelinePrice", "price"]
+__all__ = ["combined_sets", "PipelinePrice", "price"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -174,12 +176,29 @@ class PipelinePrice:
                 f"{fmt_time(self.transfers)}); {fmt_bytes(self.peak_memory)} per device")
 
 
+def combined_sets(parts: Sequence[float], limit: float) -> list[float]:
+    """The bytes of each combined all-reduce XLA makes of the stage's weight gradients
+    (``parts``, one per stacked parameter, in the program's order): each set takes the next
+    gradients until one more would pass ``limit`` (the combiner's greedy rule,
+    :func:`shardc.cost.combiner.combine_groups`; a gradient over the limit runs alone).
+    One set, of them all, where they fit or none are listed (the design notes compare
+    it with XLA:GPU's compile of the deep zoo Llama)."""
+    sets: list[float] = []
+    for b in parts:
+        if sets and sets[-1] + b <= limit:
+            sets[-1] += b
+        else:
+            sets.append(b)
+    return sets if len(sets) > 1 else [sum(parts)]
+
+
 def price(pipeline: Pipeline, whole: Parts, stage: Parts, cluster: Cluster,
-          mesh: tuple[tuple[str, int], ...] = (), stage_plan: Plan | None = None
-          ) -> PipelinePrice:
+          mesh: tuple[tuple[str, int], ...] = (), stage_plan: Plan | None = None,
+          combine_limit: float = math.inf) -> PipelinePrice:
     """The step of ``pipeline`` on ``mesh`` (priced by ``cluster``) from the whole plan's
     :class:`~shardc.pipeline.parts.Parts` and the stage plan's (``stage_plan``'s, see the
-    module doc)."""
+    module doc); ``combine_limit``: the bytes the backend's all-reduce combiner joins at
+    most (the stage's weight gradients run as its sets, :func:`combined_sets`)."""
     s, m, v = pipeline.stages, pipeline.microbatches, pipeline.virtual
     ticks = m * v + s - 1
     onefb = pipeline.schedule == "1f1b" and stage.passes > 1  # forward only: GPipe's
@@ -220,7 +239,9 @@ def price(pipeline: Pipeline, whole: Parts, stage: Parts, cluster: Cluster,
         # place of the stage plan's conversions of the stacked values
         grad_bytes = stage.weights / s
         grad_parts = tuple(b / s for b in stage.param_bytes)
-        grads = cluster.collective_seconds("all-reduce", stage.batch_spans, grad_bytes)
+        sets = combined_sets(grad_parts, combine_limit)
+        grads = sum(cluster.collective_seconds("all-reduce", stage.batch_spans, b)
+                    for b in (sets if len(sets) > 1 else [grad_bytes]))
         once = stage.update / s + grads
     else:
         once = stage.once / s

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 
 from shardc.cost import comm
 from shardc.cost.combine import XLA_CPU, Combiner
@@ -41,7 +40,7 @@ from shardc.cost.comm import conversion
 from shardc.ir.graph import Graph
 from shardc.ir.sbp import B, NdSbp, Split
 from shardc.ir.trace import SCAN_ENTER, SCAN_EXIT
-from shardc.pipeline.cost import PipelinePrice
+from shardc.pipeline.cost import PipelinePrice, combined_sets
 from shardc.pipeline.parts import head_ops, parts, rest_reshards
 from shardc.pipeline.scans import Layers
 from shardc.pipeline.schedule import Pipeline
@@ -140,7 +139,7 @@ def pipelined_reshards(plan: Plan, graph: Graph, layers: Layers, pipeline: Pipel
     out += _inside(best, layers, graph)
     if best.grads:
         name = "all-reduce@" + "+".join(n for n, _ in best.grad_spans)
-        sets = _packed(best.grad_parts, combiner.threshold_bytes)
+        sets = combined_sets(best.grad_parts, combiner.threshold_bytes)
         if len(sets) > 1:  # over the combiner's limit: its sets, each run on its own
             out += [one("all-reduce", best.grad_spans, b, plan.cluster.collective_seconds(
                 "all-reduce", best.grad_spans, b)) for b in sets]
@@ -150,21 +149,6 @@ def pipelined_reshards(plan: Plan, graph: Graph, layers: Layers, pipeline: Pipel
                        _marginal(plan, out, name, group, best), group=group))
     return out
 
-
-def _packed(parts: Sequence[float], limit: float) -> list[float]:
-    """The bytes of each combined all-reduce XLA makes of the stage's weight gradients
-    (``parts``, one per stacked parameter, in the program's order): each set takes the next
-    gradients until one more would pass ``limit`` (the combiner's greedy rule,
-    :func:`shardc.cost.combiner.combine_groups`; a gradient over the limit runs alone).
-    One set, of them all, where they fit or none are listed (the design notes compare
-    it with XLA:GPU's compile of the deep zoo Llama)."""
-    sets: list[float] = []
-    for b in parts:
-        if sets and sets[-1] + b <= limit:
-            sets[-1] += b
-        else:
-            sets.append(b)
-    return sets if len(sets) > 1 else [sum(parts)]
 
 
 def _inside(best: PipelinePrice, layers: Layers, graph: Graph) -> list[Reshard]:
