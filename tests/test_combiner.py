@@ -13,6 +13,7 @@ from shardc.cost.cluster import Cluster
 from shardc.cost.combine import XLA_CPU, XLA_GPU, Combiner
 from shardc.cost.combiner import Pending, Use, combine_groups
 from shardc.ir.trace import trace
+from shardc.plan.assemble import _body_of
 
 
 def _chain_and_branch():
@@ -91,6 +92,22 @@ def test_a_ring_reusing_anothers_sends_waits_for_them():
             Use(third.inputs[1].id, third.id, ring=2)]
     pending = [Pending(r, k, key, 16.0) for r in (0, 2) for k in range(3)]
     assert combine_groups(graph, uses, {}, pending, XLA_GPU) == [-1] * 6
+
+
+def test_each_loop_body_and_cond_branch_is_a_computation_of_its_own():
+    """XLA combines collectives within one computation: the key of a ring's sends holds the
+    loop body or cond branch its op is in (() at the top level)."""
+    def f(x, p):
+        def body(c, _):
+            return c @ x, None
+
+        loop, _ = jax.lax.scan(body, x, None, length=2)
+        branch = jax.lax.cond(p > 0, lambda y: y @ y, lambda y: y @ y.T, x)
+        return x @ x, loop, branch
+
+    graph = trace(f, jnp.ones((4, 4)), jnp.float32(1.0)).graph
+    places = [_body_of(graph, op) for op in graph.ops if op.name == "dot_general"]
+    assert () in places and len(set(places)) == 4, places
 
 
 def _planned(fn, shape: tuple[int, ...], names: tuple[str, ...]):
