@@ -302,4 +302,4 @@ def test_the_stage_gradients_all_reduce_as_the_combiner_packs_them():
     assert combined_sets(parts, float(2**63 - 1)) == [sum(parts)]
     assert combined_sets(parts, 30 * mib) == [20 * mib, 22 * mib, 22 * mib, 40 * mib, 1 * mib]
     assert combined_sets(parts[:4], 30 * mib) == [20 * mib]
-    assert combined_sets([], 30 * mib) == [0]
+    assert combined_sets([], 30 * mib) == []

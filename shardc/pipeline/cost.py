@@ -180,16 +180,16 @@ def combined_sets(parts: Sequence[float], limit: float) -> list[float]:
     """The bytes of each combined all-reduce XLA makes of the stage's weight gradients
     (``parts``, one per stacked parameter, in the program's order): each set takes the next
     gradients until one more would pass ``limit`` (the combiner's greedy rule,
-    :func:`shardc.cost.combiner.combine_groups`; a gradient over the limit runs alone).
-    One set, of them all, where they fit or none are listed (the design notes compare
-    it with XLA:GPU's compile of the deep zoo Llama)."""
+    :func:`shardc.cost.combiner.combine_groups`; a gradient over the limit runs alone):
+    one set where they all fit, none where none are listed (the design notes compare it
+    with XLA:GPU's compile of the deep zoo Llama)."""
     sets: list[float] = []
     for b in parts:
         if sets and sets[-1] + b <= limit:
             sets[-1] += b
         else:
             sets.append(b)
-    return sets if len(sets) > 1 else [sum(parts)]
+    return sets
 
 
 def price(pipeline: Pipeline, whole: Parts, stage: Parts, cluster: Cluster,
