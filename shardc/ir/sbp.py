@@ -86,6 +86,9 @@ class NdSbp:
     #: the mesh axes that split the value (:meth:`shard_fraction` runs millions of times a
     #: frontier)
     _split_axes: tuple = field(init=False, repr=False, compare=False, default=())
+    #: whether an axis holds it partial (:attr:`has_partial`: asked millions of times a
+    #: frontier, by every memory profile)
+    _partial: bool = field(init=False, repr=False, compare=False, default=False)
 
     def __post_init__(self):  # hashed and keyed once
         object.__setattr__(self, "_hash", hash(self.sbps))
@@ -94,6 +97,7 @@ class NdSbp:
             for s in self.sbps))
         object.__setattr__(self, "_split_axes", tuple(
             k for k, s in enumerate(self.sbps) if isinstance(s, Split)))
+        object.__setattr__(self, "_partial", any(isinstance(s, Partial) for s in self.sbps))
 
     def __hash__(self) -> int:
         return self._hash
@@ -116,7 +120,7 @@ class NdSbp:
 
     @property
     def has_partial(self) -> bool:
-        return any(isinstance(s, Partial) for s in self.sbps)
+        return self._partial
 
     @property
     def is_replicated(self) -> bool:
