@@ -18,6 +18,7 @@ from shardc.models import llama
 from shardc.pipeline.choose import ChoiceOptions, best_pipeline, candidates
 from shardc.pipeline.cost import combined_sets, price
 from shardc.pipeline.parts import Parts
+from shardc.pipeline.runs import _joined
 from shardc.pipeline.scans import find_layers
 from shardc.pipeline.schedule import Pipeline
 from shardc.plan.record import Reshard
@@ -303,3 +304,24 @@ def test_the_stage_gradients_all_reduce_as_the_combiner_packs_them():
     assert combined_sets(parts, 30 * mib) == [20 * mib, 22 * mib, 22 * mib, 40 * mib, 1 * mib]
     assert combined_sets(parts[:4], 30 * mib) == [20 * mib]
     assert combined_sets([], 30 * mib) == []
+
+
+def test_the_stage_gradients_join_a_combined_all_reduce_only_within_its_byte_limit():
+    """Gradients that fit one set join the all-reduce over the same devices that the rest
+    of the step combines, as XLA's combiner does, but only while the joined buffer stays
+    within the combiner's limit; past it they run alone."""
+    mib, name, whole = 2**20, "all-reduce@data", NdSbp((B,))
+
+    def ar(nbytes: float, group: int) -> Reshard:  # wire bytes = 2 x buffer (factor 2)
+        return Reshard(1, None, whole, whole, 1e-3, 2 * nbytes, (name,), (2 * nbytes,),
+                       (group,))
+
+    grouped = [ar(10 * mib, 0), ar(10 * mib, 0)]
+    assert _joined(grouped, name, 5 * mib, 30 * mib, 2.0)[1] == 0
+    assert _joined(grouped, name, 15 * mib, 30 * mib, 2.0)[1] == -1
+    alone = [ar(20 * mib, -1)]
+    out, group = _joined(alone, name, 5 * mib, 30 * mib, 2.0)
+    assert group == 0 and out[0].combined == (0,)
+    out, group = _joined(alone, name, 15 * mib, 30 * mib, 2.0)
+    assert group == -1 and out[0].combined == (-1,)
+    assert _joined(alone, name, 15 * mib, float("inf"), 2.0)[1] == 0

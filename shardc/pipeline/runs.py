@@ -144,7 +144,8 @@ def pipelined_reshards(plan: Plan, graph: Graph, layers: Layers, pipeline: Pipel
             out += [one("all-reduce", best.grad_spans, b, plan.cluster.collective_seconds(
                 "all-reduce", best.grad_spans, b)) for b in sets]
             return out
-        out, group = _joined(out, name)
+        factor = comm.wire_bytes("all-reduce", math.prod(k for _, k in best.grad_spans), 1.0)
+        out, group = _joined(out, name, best.grad_bytes, combiner.threshold_bytes, factor)
         out.append(one("all-reduce", best.grad_spans, best.grad_bytes,
                        _marginal(plan, out, name, group, best), group=group))
     return out
@@ -188,20 +189,29 @@ def _marginal(plan: Plan, out: list[Reshard], name: str, group: int,
     return max(0.0, whole - charged)
 
 
-def _joined(out: list[Reshard], name: str) -> tuple[list[Reshard], int]:
-    """(``out``, the combined collective a new ``name`` collective joins): the one an
-    earlier ``name`` collective is in, else a new one that the first such collective
-    joins too (XLA's all-reduce combiner joins all-reduces over the same devices; -1:
-    there is none)."""
+def _joined(out: list[Reshard], name: str, nbytes: float, limit: float, factor: float
+            ) -> tuple[list[Reshard], int]:
+    """(``out``, the combined collective a new ``name`` collective of ``nbytes`` joins):
+    the one an earlier ``name`` collective is in, else a new one that the first such
+    collective joins too (XLA's all-reduce combiner joins all-reduces over the same
+    devices), in either case only while the joined buffer stays within ``limit`` bytes (the
+    combiner's threshold; ``factor``: a ``name`` collective's wire bytes per buffer byte);
+    -1: it runs alone."""
     for r in out:
         for c, g in zip(r.collectives, r.combined or ()):
             if c == name and g >= 0:
-                return out, g
+                held = sum(b for x in out for cx, gx, b in
+                           zip(x.collectives, x.combined or (), x.collective_bytes)
+                           if cx == name and gx == g) / factor
+                return out, (g if held + nbytes <= limit else -1)
     fresh = 1 + max((g for r in out for g in r.combined or ()), default=-1)
     for k, r in enumerate(out):
         if name in r.collectives:
+            j = r.collectives.index(name)
+            if r.collective_bytes[j] / factor + nbytes > limit:
+                return out, -1
             joins = list(r.combined or (-1,) * len(r.collectives))
-            joins[r.collectives.index(name)] = fresh
+            joins[j] = fresh
             out = [*out[:k], dataclasses.replace(r, combined=tuple(joins)), *out[k + 1:]]
             return out, fresh
     return out, -1
