@@ -277,3 +277,38 @@ def test_the_scale_page_has_the_pipelines_and_the_weak_scaling_efficiency():
     # the page's pipelines: every case with its experts, the cheapest pipeline of each
     text = scale_markdown(cases, "shardc bench --scale")
     assert "gpipe, 8 stages over node: 2000 ms" in text and "## Weak scaling" in text
+
+
+def test_expert_cells_run_beside_each_other_and_shardc_cells_alone(monkeypatch):
+    """The bench runs neighbouring expert cells one per core (their compiles overlap),
+    a shardc cell alone (its saved-plan timing wants the machine to itself), and hands
+    the cells back in order."""
+    import threading
+    import time
+
+    import shardc.solve.beside
+
+    monkeypatch.setattr(harness, "cores", lambda: 2)  # as on CI's two cores, here too
+    monkeypatch.setattr(shardc.solve.beside, "cores", lambda: 2)
+    zm, preset = ZOO["mlp"], PRESETS["node-8"]
+    todo = [(zm, preset, m) for m in ("fsdp", "zero1", "shardc", "data-parallel", "hsdp4",
+                                       "megatron-tp8")]
+    spans, lock = {}, threading.Lock()
+
+    def cell_of(zm, preset, method):
+        start = time.perf_counter()
+        time.sleep(0.2)
+        with lock:
+            spans[method] = (start, time.perf_counter())
+        return harness.Cell(zm.name, preset.name, method)
+
+    out = list(harness.run_cells(todo, cell_of))
+    assert [c.method for _, c in out] == [m for _, _, m in todo]
+    assert [item for item, _ in out] == todo
+
+    def overlap(a, b):
+        return spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1]
+
+    assert overlap("fsdp", "zero1") and overlap("data-parallel", "hsdp4")
+    assert not any(overlap("shardc", m) for m in spans if m != "shardc")
+    assert not overlap("hsdp4", "megatron-tp8")  # two at a time on two cores

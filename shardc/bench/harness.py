@@ -18,8 +18,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import threading
 import time
 import traceback
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 import jax
@@ -41,6 +43,7 @@ from shardc.errors import BenchError, OptionsError
 from shardc.inspect.hlo import price_all
 from shardc.plan.record import Plan
 from shardc.report.explain import mesh_label
+from shardc.solve.beside import beside, cores
 from shardc.step.auto_shard import auto_shard
 from shardc.step.ranking import compile_lowered
 from shardc.tradeoff.views import views
@@ -48,7 +51,7 @@ from shardc.tradeoff.views import views
 __all__ = ["Cell", "cells", "expert_seeds", "experts",
            "feed_seconds", "GPU_TIMING_RUNS", "jit_seconds", "make_mesh", "MEMORY_MARGIN",
            "PLANNED", "planned_and_compiled", "planned_for", "planning_budget", "PRICINGS",
-           "QUICK_METHODS",
+           "QUICK_METHODS", "run_cells",
            "run_cell", "run_expert", "run_shardc", "shardc_method", "TIMING_RUNS", "traits"]
 
 MEMORY_MARGIN = 0.2
@@ -350,6 +353,12 @@ def expert_seeds(zm: ZooModel, mesh, preset: Preset, args, mesh_search: bool) ->
     return out
 
 
+#: held while an expert's cell traces and lowers its programs: expert cells run beside each
+#: other (:func:`run_cells`) overlap their XLA compiles, which let go of the GIL, not their
+#: tracing
+_LOWERING = threading.Lock()
+
+
 def run_expert(zm: ZooModel, preset: Preset, expert: Expert, which: str, check: bool,
                compiler: str = "cpu") -> Cell:
     cell = Cell(zm.name, preset.name, expert.name, compiler=compiler)
@@ -357,17 +366,19 @@ def run_expert(zm: ZooModel, preset: Preset, expert: Expert, which: str, check: 
         raise BenchError(f"{expert.name}: XLA:GPU's ahead-of-time compile for devices this "
                          "machine lacks has no host memory (pinned_host compiles as device "
                          "memory); run offloading cells with --compiler cpu")
-    mod, mesh = zm.load(), make_mesh(preset, compiler)
     cell.mesh = expert.view.label
-    cfg = zm.config(which, preset.devices)
-    args = mod.abstract_args(cfg)
-    _, lowered = compile_expert(mod.build_step(cfg), *args, mesh, expert, mod.param_axes)
+    with _LOWERING:
+        mod, mesh = zm.load(), make_mesh(preset, compiler)
+        cfg = zm.config(which, preset.devices)
+        args = mod.abstract_args(cfg)
+        _, lowered = compile_expert(mod.build_step(cfg), *args, mesh, expert, mod.param_axes)
     _fill_compiled(cell, compile_lowered(lowered), expert.mesh(mesh),
                    expert.view.cluster, args[1])
     if check:  # on the CPU devices, as run_shardc's
-        tiny_fn, (state, batch), want = _tiny(zm.name)
-        _, low = compile_expert(tiny_fn, state, batch, make_mesh(preset), expert,
-                                mod.param_axes)
+        with _LOWERING:
+            tiny_fn, (state, batch), want = _tiny(zm.name)
+            _, low = compile_expert(tiny_fn, state, batch, make_mesh(preset), expert,
+                                    mod.param_axes)
         compiled = low.compile()  # placed as it wants them (offloaded state on the host)
         args = jax.device_put((state, batch), compiled.input_shardings[0])
         cell.matched = _close(compiled(*args), want, _tiny_lr(zm))
@@ -407,6 +418,25 @@ def traits(zm: ZooModel) -> Traits:
                   stack=getattr(cfg, "stack_layers", False),
                   loss=getattr(cfg, "loss_in_stack", False), offload=zm.offload,
                   long=zm.long)
+
+
+def run_cells(todo: Sequence[tuple[ZooModel, Preset, str]],
+              cell_of: Callable[[ZooModel, Preset, str], Cell]
+              ) -> Iterator[tuple[tuple[ZooModel, Preset, str], Cell]]:
+    """Each of ``todo``'s cells (``cell_of`` runs one, :func:`run_cell`), in order. Expert
+    cells next to each other run beside each other, one per core (their compiles overlap;
+    nothing in them is timed); a shardc cell runs alone, as its saved-plan timing needs."""
+    k, width = 0, max(1, cores())
+    while k < len(todo):
+        group = [todo[k]]
+        while (len(group) < width and k + len(group) < len(todo)
+               and planned_for(todo[k][2]) is None and todo[k][2] != "shardc"
+               and planned_for(todo[k + len(group)][2]) is None
+               and todo[k + len(group)][2] != "shardc"):
+            group.append(todo[k + len(group)])
+        cells = beside([functools.partial(cell_of, *item) for item in group])
+        yield from zip(group, cells)
+        k += len(group)
 
 
 def run_cell(zm: ZooModel, preset: Preset, method: str, which: str, check: bool,
