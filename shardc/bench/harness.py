@@ -48,7 +48,7 @@ from shardc.step.auto_shard import auto_shard
 from shardc.step.ranking import compile_lowered
 from shardc.tradeoff.views import views
 
-__all__ = ["Cell", "cells", "expert_seeds", "experts",
+__all__ = ["BESIDE", "Cell", "cells", "expert_seeds", "experts",
            "feed_seconds", "GPU_TIMING_RUNS", "jit_seconds", "make_mesh", "MEMORY_MARGIN",
            "PLANNED", "planned_and_compiled", "planned_for", "planning_budget", "PRICINGS",
            "QUICK_METHODS", "run_cells",
@@ -353,6 +353,9 @@ def expert_seeds(zm: ZooModel, mesh, preset: Preset, args, mesh_search: bool) ->
     return out
 
 
+#: expert cells run at once at most (:func:`run_cells`): measured on two cores; each holds
+#: its compile's memory (several GiB for the 1B Llama's), so more cores do not mean more
+BESIDE = 2
 #: held while an expert's cell traces and lowers its programs: expert cells run beside each
 #: other (:func:`run_cells`) overlap their XLA compiles, which let go of the GIL, not their
 #: tracing
@@ -424,9 +427,10 @@ def run_cells(todo: Sequence[tuple[ZooModel, Preset, str]],
               cell_of: Callable[[ZooModel, Preset, str], Cell]
               ) -> Iterator[tuple[tuple[ZooModel, Preset, str], Cell]]:
     """Each of ``todo``'s cells (``cell_of`` runs one, :func:`run_cell`), in order. Expert
-    cells next to each other run beside each other, one per core (their compiles overlap;
-    nothing in them is timed); a shardc cell runs alone, as its saved-plan timing needs."""
-    k, width = 0, max(1, cores())
+    cells next to each other run beside each other, one per core and :data:`BESIDE` at most
+    (their compiles overlap; nothing in them is timed); a shardc cell runs alone, as its
+    saved-plan timing needs."""
+    k, width = 0, max(1, min(BESIDE, cores()))
     while k < len(todo):
         group = [todo[k]]
         while (len(group) < width and k + len(group) < len(todo)
