@@ -59,17 +59,18 @@ class Use:
     ring: int | None = None
 
 
-def post_order(graph: Graph, uses: Sequence[Use], via: dict[tuple[int, int], int]
+def post_order(graph: Graph, uses: Sequence[Use], via: dict[tuple[int, int], int],
+               links: tuple[dict[int, list[int]], dict[int, list[int]]] | None = None
                ) -> list[int]:
     """The reshards (indices into ``uses``) in the order XLA's
     ``HloComputation::MakeInstructionPostOrder`` visits the collectives they compile to: a
     depth-first walk from the outputs, in order, each instruction after its operands, first
     operand first. ``via[(consumer, value id)]`` is the reshard a read goes through (one
-    converted the same way for several readers is one, as XLA's CSE makes it)."""
+    converted the same way for several readers is one, as XLA's CSE makes it). ``links``:
+    :func:`_links` of ``uses``, where the caller has them."""
     producer = graph.producers()
     ops = graph.memo("ops by id", lambda g: {op.id: op for op in g.ops})
-    settles = _settles(graph, uses)
-    rings = _rings(uses)
+    settles, rings = links or _links(graph, uses)
 
     def made(vid: int) -> tuple | None:
         chain = settles.get(vid)
@@ -133,14 +134,15 @@ def combine_groups(graph: Graph, uses: Sequence[Use], via: dict[tuple[int, int],
       XLA ``collective_combiner_utils.h`` (``CombineInstructionsByKey``),
       ``all_reduce_key.cc`` (the key: reduction, element type, replica groups).
     """
-    order = post_order(graph, uses, via)
+    links = _links(graph, uses)
+    order = post_order(graph, uses, via, links)
     rank = {r: k for k, r in enumerate(order)}
     seq = sorted(range(len(pending)),
                  key=lambda i: (rank.get(pending[i].reshard, len(order)), pending[i].position))
     by_reshard: dict[int, list[int]] = {}
     for i in seq:
         by_reshard.setdefault(pending[i].reshard, []).append(i)
-    anc = _ancestors(graph, uses, via, pending, by_reshard)
+    anc = _ancestors(graph, uses, via, pending, by_reshard, links)
     group = [-1] * len(pending)
     left, gid = seq, 0
     while left:
@@ -174,6 +176,13 @@ def combine_groups(graph: Graph, uses: Sequence[Use], via: dict[tuple[int, int],
     return group
 
 
+def _links(graph: Graph, uses: Sequence[Use]
+           ) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """(:func:`_settles`, :func:`_rings`) of ``uses``: what orders and chains the reshards
+    beside the program's own dataflow, found once per combine."""
+    return _settles(graph, uses), _rings(uses)
+
+
 def _settles(graph: Graph, uses: Sequence[Use]) -> dict[int, list[int]]:
     """value id -> the reshards (indices into ``uses``) that settle it for all its readers,
     in order: those of no one reader, or read by the op making the value."""
@@ -196,10 +205,12 @@ def _rings(uses: Sequence[Use]) -> dict[int, list[int]]:
 
 
 def _ancestors(graph: Graph, uses: Sequence[Use], via: dict[tuple[int, int], int],
-               pending: Sequence[Pending], by_reshard: dict[int, list[int]]) -> list[int]:
-    """Per pending collective, the bit set of the pending collectives it depends on."""
+               pending: Sequence[Pending], by_reshard: dict[int, list[int]],
+               links: tuple[dict[int, list[int]], dict[int, list[int]]]) -> list[int]:
+    """Per pending collective, the bit set of the pending collectives it depends on
+    (``links``: :func:`_links` of ``uses``)."""
     own = {r: sum(1 << i for i in ids) for r, ids in by_reshard.items()}
-    settles, rings = _settles(graph, uses), _rings(uses)
+    settles, rings = links
     made: dict[int, int] = {}  # value id -> what it depends on, as its readers see it
     done: dict[int, int] = {}  # reshard -> what its result depends on
 
