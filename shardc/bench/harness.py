@@ -430,17 +430,21 @@ def run_cells(todo: Sequence[tuple[ZooModel, Preset, str]],
     cells next to each other run beside each other, one per core and :data:`BESIDE` at most
     (their compiles overlap; nothing in them is timed); a shardc cell runs alone, as its
     saved-plan timing needs."""
-    k, width = 0, max(1, min(BESIDE, cores()))
+    width = max(1, min(BESIDE, cores()))
+    k = 0
     while k < len(todo):
-        group = [todo[k]]
-        while (len(group) < width and k + len(group) < len(todo)
-               and planned_for(todo[k][2]) is None and todo[k][2] != "shardc"
-               and planned_for(todo[k + len(group)][2]) is None
-               and todo[k + len(group)][2] != "shardc"):
-            group.append(todo[k + len(group)])
-        cells = beside([functools.partial(cell_of, *item) for item in group])
-        yield from zip(group, cells)
-        k += len(group)
+        n = 1
+        while (n < width and k + n < len(todo) and _expert(todo[k][2])
+               and _expert(todo[k + n][2])):
+            n += 1
+        group = todo[k:k + n]
+        yield from zip(group, beside([functools.partial(cell_of, *item) for item in group]))
+        k += n
+
+
+def _expert(method: str) -> bool:
+    """``method`` names an expert (a plain ``jax.jit`` program), not a shardc plan."""
+    return method != "shardc" and planned_for(method) is None
 
 
 def run_cell(zm: ZooModel, preset: Preset, method: str, which: str, check: bool,

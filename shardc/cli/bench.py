@@ -141,7 +141,9 @@ def cmd_bench(args) -> None:
                "{task.total}"), TimeElapsedColumn())
     with Progress(*columns) as bar:
         task = bar.add_task("bench", total=len(todo))
+
         def one(zm, preset, method):
+            bar.update(task, description=f"{zm.name} {preset.name} {method}")
             # --quick checks shardc's numerics only (the experts are plain jax.jit programs,
             # checked by the full bench)
             check = not args.no_check and (method == "shardc" or not args.quick)
@@ -149,7 +151,6 @@ def cmd_bench(args) -> None:
                                     not args.no_mesh_search, args.compiler)
 
         for (zm, preset, method), cell in harness.run_cells(todo, one):
-            bar.update(task, description=f"{zm.name} {preset.name} {method}")
             if cell.error:
                 bar.console.print(f"[red]{zm.name} {preset.name} {method}: "
                                   f"{cell.error.splitlines()[0]}")
