@@ -144,12 +144,11 @@ def pipelined_reshards(plan: Plan, graph: Graph, layers: Layers, pipeline: Pipel
             out += [one("all-reduce", best.grad_spans, b, plan.cluster.collective_seconds(
                 "all-reduce", best.grad_spans, b)) for b in sets]
             return out
-        factor = comm.wire_bytes("all-reduce", math.prod(k for _, k in best.grad_spans), 1.0)
-        out, group = _joined(out, name, best.grad_bytes, combiner.threshold_bytes, factor)
+        out, group = _joined(out, name, best.grad_bytes, combiner.threshold_bytes,
+                             _grad_wire(best))
         out.append(one("all-reduce", best.grad_spans, best.grad_bytes,
                        _marginal(plan, out, name, group, best), group=group))
     return out
-
 
 
 def _inside(best: PipelinePrice, layers: Layers, graph: Graph) -> list[Reshard]:
@@ -176,8 +175,7 @@ def _marginal(plan: Plan, out: list[Reshard], name: str, group: int,
     prices a combined collective so, one latency for the whole buffer)."""
     if group < 0:
         return best.grads
-    n = math.prod(k for _, k in best.grad_spans)
-    factor = comm.wire_bytes("all-reduce", n, 1.0)
+    factor = _grad_wire(best)
     wire = charged = 0.0
     for r in out:
         for c, g, b in zip(r.collectives, r.combined or (), r.collective_bytes):
@@ -187,6 +185,11 @@ def _marginal(plan: Plan, out: list[Reshard], name: str, group: int,
     whole = plan.cluster.collective_seconds("all-reduce", best.grad_spans,
                                             wire / factor + best.grad_bytes)
     return max(0.0, whole - charged)
+
+
+def _grad_wire(best: PipelinePrice) -> float:
+    """Wire bytes per buffer byte of the stages' gradient all-reduce over ``grad_spans``."""
+    return comm.wire_bytes("all-reduce", math.prod(k for _, k in best.grad_spans), 1.0)
 
 
 def _joined(out: list[Reshard], name: str, nbytes: float, limit: float, factor: float
