@@ -8,9 +8,17 @@ programs are tiny, so their compiles, not their runs, take the suite's time.
   compile a program in about 40% of the time (fewer, larger loop fusions; a scatter runs
   as a loop). The partitioned program, so every collective a test counts, is the same;
   temporaries move by bytes (a 20 MiB scanned Llama: 192 bytes).
+
+A run's programs are compiled once: JAX's persistent compilation cache, in a directory made
+for this run (and removed after it) that its xdist workers and the processes its tests start
+share through ``JAX_COMPILATION_CACHE_DIR``; many tests compile the same reference step
+(``jax.jit`` of a zoo model), and a fault campaign compiles one program per launch. A cache
+set by the caller is used as it is.
 """
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
@@ -20,9 +28,22 @@ if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
 if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the controller's, inherited by workers
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="shardc-tests-xla-")
+    os.environ["SHARDC_TESTS_OWN_CACHE"] = os.environ["JAX_COMPILATION_CACHE_DIR"]
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+def pytest_unconfigure(config):
+    """The run's compilation cache removed by the process that made it."""
+    own = os.environ.get("SHARDC_TESTS_OWN_CACHE")
+    if own and not hasattr(config, "workerinput"):  # the controller, not an xdist worker
+        shutil.rmtree(own, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
