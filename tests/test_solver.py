@@ -451,3 +451,26 @@ def test_a_seed_completion_keeps_the_seed_inputs_where_free_descent_strands_them
     assert any(all(end[n] == c for n, c in inputs.items()) for end in ends)
     assert sol.stats["seeds"]["zero1"] == descent.objective(cg, ends[0])
     assert sol.stats["seeds"]["zero1"] < free * (1 - 1e-3), (sol.stats["seeds"], free)
+
+
+def test_a_repair_whose_moves_cycle_stops_at_the_first_plan_seen_again():
+    """Two nodes, two memory rows, a cap of 1 on each that no plan meets: moving node 0
+    off row 0 puts it over row 1, and the cheapest move back restores the first plan. The
+    repair gives up there (no plan fits) instead of cycling through its move limit."""
+    import shardc.solve.ilp as ilp
+
+    mem = np.array([[2.0, 0.0, 2.0, 0.0],    # row 0: choice 0 of each node holds 2
+                    [0.0, 2.0, 0.0, 2.0]])   # row 1: choice 1 does
+    plan = ilp._Budgeted([0, 1], {0: 0, 1: 2}, [np.array([0.0, 1.0])] * 2, {}, mem,
+                         np.array([1.0, 1.0]))
+    looked: list[int] = []
+    local = plan._local
+
+    def counted(a, k):
+        looked.append(k)
+        return local(a, k)
+
+    plan._local = counted
+    assert plan.repair(np.array([0, 0])) is None
+    # plans [0, 0] and [1, 0] looked at (two nodes each), then [0, 0] seen again
+    assert len(looked) == 4, looked

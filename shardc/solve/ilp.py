@@ -302,13 +302,20 @@ class _Budgeted:
 
     def repair(self, a: np.ndarray) -> np.ndarray | None:
         """``a`` moved to fit: while a row is over, the single-node move with the least
-        cost per byte it frees on the rows over (None if no move frees any)."""
+        cost per byte it frees on the rows over (None if no move frees any, or the moves
+        come back to a plan seen before: they cycle through plans that do not fit, as
+        under a budget no plan meets)."""
         a = a.copy()
         use = self.usage(a)
+        seen: set[bytes] = set()
         for _ in range(len(a) * 4):
             over = use > self.cap
             if not over.any():
                 return a
+            state = a.tobytes() + use.tobytes()  # the moves from here depend on both
+            if state in seen:
+                return None
+            seen.add(state)
             best, pick = np.inf, None
             for k, m in enumerate(self.mem):
                 freed = np.maximum(m[over, a[k]][:, None] - m[over], 0).sum(axis=0)
