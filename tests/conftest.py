@@ -28,9 +28,12 @@ if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
 if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the controller's, inherited by workers
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="shardc-tests-xla-")
-    os.environ["SHARDC_TESTS_OWN_CACHE"] = os.environ["JAX_COMPILATION_CACHE_DIR"]
+#: the run's compilation cache, where this process made it (the controller: its xdist
+#: workers and the processes tests start inherit the variables and make none)
+OWN_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    OWN_CACHE = tempfile.mkdtemp(prefix="shardc-tests-xla-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = OWN_CACHE
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
@@ -41,9 +44,8 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 def pytest_unconfigure(config):
     """The run's compilation cache removed by the process that made it."""
-    own = os.environ.get("SHARDC_TESTS_OWN_CACHE")
-    if own and not hasattr(config, "workerinput"):  # the controller, not an xdist worker
-        shutil.rmtree(own, ignore_errors=True)
+    if OWN_CACHE is not None:
+        shutil.rmtree(OWN_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
