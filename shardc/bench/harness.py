@@ -434,17 +434,12 @@ def run_cells(todo: Sequence[tuple[ZooModel, Preset, str]],
     k = 0
     while k < len(todo):
         n = 1
-        while (n < width and k + n < len(todo) and _expert(todo[k][2])
-               and _expert(todo[k + n][2])):
+        while (n < width and k + n < len(todo) and planned_for(todo[k][2]) is None
+               and planned_for(todo[k + n][2]) is None):
             n += 1
         group = todo[k:k + n]
         yield from zip(group, beside([functools.partial(cell_of, *item) for item in group]))
         k += n
-
-
-def _expert(method: str) -> bool:
-    """``method`` names an expert (a plain ``jax.jit`` program), not a shardc plan."""
-    return method != "shardc" and planned_for(method) is None
 
 
 def run_cell(zm: ZooModel, preset: Preset, method: str, which: str, check: bool,

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
 
 from shardc.cost import comm
 from shardc.cost.combine import XLA_CPU, Combiner
@@ -175,16 +176,21 @@ def _marginal(plan: Plan, out: list[Reshard], name: str, group: int,
     prices a combined collective so, one latency for the whole buffer)."""
     if group < 0:
         return best.grads
-    factor = _grad_wire(best)
-    wire = charged = 0.0
+    members = list(_members(out, name, group))
+    wire = sum(b for _, b in members)
+    charged = sum(r.time * b / sum(r.collective_bytes) for r, b in members)
+    whole = plan.cluster.collective_seconds("all-reduce", best.grad_spans,
+                                            wire / _grad_wire(best) + best.grad_bytes)
+    return max(0.0, whole - charged)
+
+
+def _members(out: list[Reshard], name: str, group: int) -> Iterator[tuple[Reshard, float]]:
+    """Each ``name`` collective of ``out`` in combined collective ``group``: its reshard
+    and its wire bytes."""
     for r in out:
         for c, g, b in zip(r.collectives, r.combined or (), r.collective_bytes):
             if c == name and g == group:
-                wire += b
-                charged += r.time * b / sum(r.collective_bytes)
-    whole = plan.cluster.collective_seconds("all-reduce", best.grad_spans,
-                                            wire / factor + best.grad_bytes)
-    return max(0.0, whole - charged)
+                yield r, b
 
 
 def _grad_wire(best: PipelinePrice) -> float:
@@ -203,9 +209,7 @@ def _joined(out: list[Reshard], name: str, nbytes: float, limit: float, factor: 
     for r in out:
         for c, g in zip(r.collectives, r.combined or ()):
             if c == name and g >= 0:
-                held = sum(b for x in out for cx, gx, b in
-                           zip(x.collectives, x.combined or (), x.collective_bytes)
-                           if cx == name and gx == g) / factor
+                held = sum(b for _, b in _members(out, name, g)) / factor
                 return out, (g if held + nbytes <= limit else -1)
     fresh = 1 + max((g for r in out for g in r.combined or ()), default=-1)
     for k, r in enumerate(out):
