@@ -129,7 +129,8 @@ def _quiet_highs():
 
 
 def _options(h):
-    """``h`` set as every shardc LP is solved: silent, one thread, seeded, no presolve."""
+    """``h`` set as every shardc LP is solved: silent, one thread, seeded, presolve as
+    :data:`LP_PRESOLVE` says."""
     for key, value in (("output_flag", False), ("threads", 1), ("random_seed", 0),
                        ("presolve", LP_PRESOLVE)):
         h.setOptionValue(key, value)
