@@ -35,7 +35,7 @@ import scipy.sparse as sparse
 from shardc.errors import OptionsError
 from shardc.solve.beside import beside
 from shardc.solve.costgraph import CostGraph
-from shardc.solve.lp import LP_PRESOLVE, LpChain
+from shardc.solve.lp import HIGHS_OPTIONS, LP_PRESOLVE, LpChain
 from shardc.solve.rows import Rows, groups, pair_rows
 
 if TYPE_CHECKING:
@@ -243,10 +243,10 @@ def _solve(model: mbh.ModelBuilderHelper, n_integral: int | None, time_limit: fl
         model.set_var_integrality(k, True)
     solver = _helper().ModelSolverHelper("highs")
     solver.set_time_limit_in_seconds(max(time_limit, 1e-3))
-    solver.set_solver_specific_parameters(
-        f"mip_rel_gap={GAP}\nmip_max_nodes={MAX_NODES}\nthreads=1\nrandom_seed=0\n"
-        f"presolve={'on' if n_integral else LP_PRESOLVE}\n"
-        f"output_flag={'true' if log else 'false'}")
+    params = {"mip_rel_gap": GAP, "mip_max_nodes": MAX_NODES, **HIGHS_OPTIONS,
+              "presolve": "on" if n_integral else LP_PRESOLVE,
+              "output_flag": "true" if log else "false"}
+    solver.set_solver_specific_parameters("\n".join(f"{k}={v}" for k, v in params.items()))
     solver.enable_output(log)
     solver.solve(model)
     name = solver.status().name

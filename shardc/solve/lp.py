@@ -13,17 +13,21 @@ References:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
 import numpy as np
 import scipy.sparse as sparse
 
-__all__ = ["LP_PRESOLVE", "LpChain"]
+__all__ = ["HIGHS_OPTIONS", "LP_PRESOLVE", "LpChain"]
 
 #: HiGHS presolve for the LP relaxation: off. The pair-variable LPs have little for it to
 #: remove, and dual simplex without it solves them sooner, to the same optimum
 LP_PRESOLVE = "off"
+#: the HiGHS options of every solve, through OR-Tools or ``highspy``: one thread and a fixed
+#: seed, so a plan does not depend on the machine
+HIGHS_OPTIONS = {"threads": 1, "random_seed": 0}
 
 
 class LpChain:
@@ -103,38 +107,38 @@ def _lp_model(cost: np.ndarray, lo: np.ndarray, hi: np.ndarray, matrix: sparse.c
 
 
 def _quiet_highs():
-    """A HiGHS instance that prints nothing: HiGHS writes its banner to the process's
-    standard output when it makes its first instance, before any option can silence it,
-    so that one is made with standard output sent to ``/dev/null``."""
+    """A HiGHS instance set as every LP here is solved (silent, :data:`HIGHS_OPTIONS`,
+    :data:`LP_PRESOLVE`). HiGHS writes its banner to the process's standard output when it
+    makes its first instance, before any option can silence it, so that one is made with
+    standard output sent to ``/dev/null``."""
     import highspy
 
     global _BANNER_SHOWN
-    if _BANNER_SHOWN:
+    with contextlib.nullcontext() if _BANNER_SHOWN else _stdout_to_devnull():
         h = highspy.Highs()
-    else:
-        _BANNER_SHOWN = True
-        sys.stdout.flush()
-        try:
-            saved, null = os.dup(1), os.open(os.devnull, os.O_WRONLY)
-        except OSError:  # no standard output to silence
-            return _options(highspy.Highs())
-        try:
-            os.dup2(null, 1)
-            h = highspy.Highs()
-        finally:
-            os.dup2(saved, 1)
-            os.close(saved)
-            os.close(null)
-    return _options(h)
-
-
-def _options(h):
-    """``h`` set as every shardc LP is solved: silent, one thread, seeded, presolve as
-    :data:`LP_PRESOLVE` says."""
-    for key, value in (("output_flag", False), ("threads", 1), ("random_seed", 0),
-                       ("presolve", LP_PRESOLVE)):
+    _BANNER_SHOWN = True
+    for key, value in {"output_flag": False, **HIGHS_OPTIONS, "presolve": LP_PRESOLVE}.items():
         h.setOptionValue(key, value)
     return h
+
+
+@contextlib.contextmanager
+def _stdout_to_devnull():
+    """The process's standard output (file descriptor 1, which C code writes to) sent to
+    ``/dev/null`` while inside; left as it is where it cannot be duplicated."""
+    sys.stdout.flush()
+    try:
+        saved, null = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    except OSError:  # no standard output to silence
+        yield
+        return
+    try:
+        os.dup2(null, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(null)
 
 
 #: whether this process made a HiGHS instance (:func:`_quiet_highs`)
