@@ -474,37 +474,3 @@ def test_a_repair_whose_moves_cycle_stops_at_the_first_plan_seen_again():
     assert plan.repair(np.array([0, 0])) is None
     # plans [0, 0] and [1, 0] looked at (two nodes each), then [0, 0] seen again
     assert len(looked) == 4, looked
-
-
-def test_an_lp_chain_extends_its_model_with_the_rows_added_and_keeps_the_optimum(
-        capfd, monkeypatch):
-    """A budgeted search's rounds: the same LP with a row more each round. The chain adds
-    the row to the model it holds (not built again) and reaches the optimum a fresh model
-    does; a model that is not an extension is built anew. HiGHS prints nothing."""
-    import scipy.sparse as sparse
-
-    import shardc.solve.lp as lp
-
-    rng = np.random.default_rng(0)
-    n = 12
-    cost = rng.uniform(0.0, 1.0, n)
-    one_hot = sparse.csr_matrix((np.ones(n), (np.repeat(np.arange(4), 3), np.arange(n))),
-                                shape=(4, n))
-    lo, hi = np.ones(4), np.ones(4)
-    mem = rng.uniform(1.0, 3.0, (2, n))
-    chain, built = lp.LpChain(), []
-    make = lp._lp_model
-    monkeypatch.setattr(lp, "_lp_model", lambda *a: built.append(a) or make(*a))
-    for rows in (1, 2):  # a memory row, then a second one below the cheapest plan
-        matrix = sparse.vstack([one_hot, sparse.csr_matrix(mem[:rows])]).tocsr()
-        lo_m = np.concatenate([lo, np.full(rows, -np.inf)])
-        hi_m = np.concatenate([hi, np.full(rows, 7.0)])
-        name, values, duals = chain.solve(cost, lo_m, hi_m, matrix, 10.0)
-        fresh = lp.LpChain().solve(cost, lo_m, hi_m, matrix, 10.0)
-        assert name == fresh[0] == "OPTIMAL"
-        assert cost @ values == pytest.approx(cost @ fresh[1], rel=1e-9)
-        assert len(duals) == 4 + rows and np.all(matrix @ values <= hi_m + 1e-7)
-    assert len(built) == 1 + 2  # the chain's first model, and each fresh one
-    chain.solve(cost * 2, lo_m, hi_m, matrix, 10.0)  # other costs: no extension
-    assert len(built) == 4
-    assert capfd.readouterr().out == ""

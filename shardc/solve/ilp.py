@@ -35,15 +35,14 @@ import scipy.sparse as sparse
 from shardc.errors import OptionsError
 from shardc.solve.beside import beside
 from shardc.solve.costgraph import CostGraph
-from shardc.solve.lp import HIGHS_OPTIONS, LP_PRESOLVE, LpChain
 from shardc.solve.rows import Rows, groups, pair_rows
 
 if TYPE_CHECKING:
     from ortools.linear_solver.python import model_builder_helper as mbh
 
 __all__ = ["BISECTIONS", "DEFAULT_TIME_LIMIT", "DOUBLINGS", "GAP", "IlpResult", "INTEGRALITY",
-           "LAMBDA_FLOOR", "MAX_NODES", "POLISH_SWEEPS", "problem_size", "SCALE_RANGE",
-           "solve_ilp"]
+           "LAMBDA_FLOOR", "LP_PRESOLVE", "MAX_NODES", "POLISH_SWEEPS", "problem_size",
+           "SCALE_RANGE", "solve_ilp"]
 
 #: the default wall-clock guard on each solve (seconds): every option that takes a
 #: ``time_limit`` (``auto_shard``'s, :class:`shardc.solve.search.SolveOptions`', the CLI's)
@@ -58,6 +57,9 @@ GAP = 1e-7
 #: branch-and-bound nodes before the MIP returns its incumbent: a deterministic bound on the
 #: work (the tight relaxation closes at the root on every graph measured)
 MAX_NODES = 2_000
+#: HiGHS presolve for the LP relaxation: off. The pair-variable LPs have little for it to
+#: remove, and dual simplex without it solves them sooner, to the same optimum
+LP_PRESOLVE = "off"
 #: how far from 0 or 1 an LP value may be and still count as integral
 INTEGRALITY = 1e-6
 #: Lagrangian search of a budgeted model (:class:`_Budgeted`): doublings of the multiplier
@@ -96,8 +98,7 @@ class IlpResult:
 def solve_ilp(cg: CostGraph, *, time_limit: float = DEFAULT_TIME_LIMIT,
               memory_budget: float | None = None,
               hint: dict[int, int] | None = None, free: Sequence[int] | None = None,
-              relaxation_only: bool = False, log: bool = False,
-              chain: LpChain | None = None) -> IlpResult:
+              relaxation_only: bool = False, log: bool = False) -> IlpResult:
     """Solve for the live nodes in ``free`` (default: all), the others held at ``hint``.
     A node with one choice is a constant: its edges become costs of its neighbours.
     ``time_limit`` is a wall-clock guard on each HiGHS solve (seconds; one LP, one
@@ -105,8 +106,7 @@ def solve_ilp(cg: CostGraph, *, time_limit: float = DEFAULT_TIME_LIMIT,
     meets it: a deadline shared by a budget's Lagrangian steps could cut the later ones on a
     loaded machine, and the plan then depended on the load). ``relaxation_only``: where the LP
     relaxation is fractional, return status ``FRACTIONAL`` (no assignment) instead of
-    solving the MIP. ``chain``: where the model has memory rows, the :class:`LpChain` of
-    the search's earlier rounds, whose model this one may extend."""
+    solving the MIP."""
     if free is not None and hint is None:
         raise OptionsError("solve_ilp(free=...) needs hint= for the nodes held fixed")
     t0 = time.perf_counter()
@@ -125,10 +125,7 @@ def solve_ilp(cg: CostGraph, *, time_limit: float = DEFAULT_TIME_LIMIT,
     lo, hi = rows.bounds()
     matrix = rows.matrix(n_vars)
     cost = np.concatenate(objective)
-    if rows.n > n_struct and chain is not None:  # memory rows: extend the last round's
-        name, values, duals = chain.solve(cost, lo, hi, matrix, time_limit)
-    else:
-        name, values, duals = _solve(_model(cost, lo, hi, matrix), None, time_limit, log)
+    name, values, duals = _solve(_model(cost, lo, hi, matrix), None, time_limit, log)
     if name == "OPTIMAL" and not _integral(values[:n_choice]):
         if relaxation_only:
             return IlpResult(None, "FRACTIONAL", time.perf_counter() - t0)
@@ -243,10 +240,10 @@ def _solve(model: mbh.ModelBuilderHelper, n_integral: int | None, time_limit: fl
         model.set_var_integrality(k, True)
     solver = _helper().ModelSolverHelper("highs")
     solver.set_time_limit_in_seconds(max(time_limit, 1e-3))
-    params = {"mip_rel_gap": GAP, "mip_max_nodes": MAX_NODES, **HIGHS_OPTIONS,
-              "presolve": "on" if n_integral else LP_PRESOLVE,
-              "output_flag": "true" if log else "false"}
-    solver.set_solver_specific_parameters("\n".join(f"{k}={v}" for k, v in params.items()))
+    solver.set_solver_specific_parameters(
+        f"mip_rel_gap={GAP}\nmip_max_nodes={MAX_NODES}\nthreads=1\nrandom_seed=0\n"
+        f"presolve={'on' if n_integral else LP_PRESOLVE}\n"
+        f"output_flag={'true' if log else 'false'}")
     solver.enable_output(log)
     solver.solve(model)
     name = solver.status().name

@@ -23,7 +23,6 @@ from shardc.solve.beside import beside
 from shardc.solve.costgraph import CostGraph
 from shardc.solve.fold import expand, members, restrict
 from shardc.solve.ilp import problem_size, solve_ilp
-from shardc.solve.lp import LpChain
 
 __all__ = ["AXIS_ROUNDS", "BLOCK_TERMS", "CROSS_ROUNDS", "ILP_FULL_TERMS", "TAIL_BLOCK_TERMS",
            "axes_choices", "axis_sweeps", "best_of", "better", "block_refine", "cross_sweeps",
@@ -138,17 +137,14 @@ def _tail_blocks(cg: CostGraph) -> list[list[int]]:
 
 
 def quotient_refine(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: float,
-                    folding: tuple[CostGraph, dict[int, int]], chain: LpChain | None = None
-                    ) -> tuple[dict[int, int], str]:
+                    folding: tuple[CostGraph, dict[int, int]]) -> tuple[dict[int, int], str]:
     """Solve the repeated-layer quotient of ``cg`` from ``x``, expand it, refine it by
     descent on the full graph, and keep it if it beats ``x``. A quotient small enough (or
     on a 1-D mesh) is one exact ILP; a larger nd one starts from its 1-D seeds
     (:func:`sub_mesh_seeds`) and is solved axis by axis (:func:`axis_sweeps`), then in
     cross neighbourhoods (:func:`cross_sweeps`); the blocks (:func:`block_refine`) refine
     the plan the axis sweeps reach beside the cross neighbourhoods' LP. Returns the plan
-    and how the quotient was settled. ``folding`` is ``fold(cg)``; ``chain`` the
-    :class:`~shardc.solve.lp.LpChain` of the search's rounds, for the one exact ILP (the
-    others solve sub-problems, some beside each other)."""
+    and how the quotient was settled. ``folding`` is ``fold(cg)``."""
     q, cls = folding
     xq = {c: x[m[0]] for c, m in enumerate(members(cls))}
     # a tail block of every layer is one block of the quotient
@@ -161,8 +157,7 @@ def quotient_refine(cg: CostGraph, x: dict[int, int], memory_budget, time_limit:
         return block_refine(q, xq, memory_budget, time_limit, tail)
 
     if len(q.axis_sizes) == 1 or problem_size(q) <= ILP_FULL_TERMS:
-        res = solve_ilp(q, time_limit=time_limit, memory_budget=memory_budget, hint=xq,
-                        chain=chain)
+        res = solve_ilp(q, time_limit=time_limit, memory_budget=memory_budget, hint=xq)
         if res.assignment is not None:
             xq = better(q, xq, res.assignment, memory_budget)
         status = {"OPTIMAL": "optimal", "INFEASIBLE": "infeasible",

@@ -31,7 +31,6 @@ from shardc.solve.costgraph import CostGraph
 from shardc.solve.fixed import NOTHING_FIXED, Fixed
 from shardc.solve.fold import expand, quotient
 from shardc.solve.ilp import DEFAULT_TIME_LIMIT, problem_size, solve_ilp
-from shardc.solve.lp import LpChain
 from shardc.solve.memory import memory_cut, memory_profile
 from shardc.solve.problem import build
 from shardc.solve.refine import ILP_FULL_TERMS, best_of, better, quotient_refine
@@ -156,9 +155,8 @@ def _rounds(cg: CostGraph, x: dict[int, int], kept: Starts, starts: list, memory
     # budget (the frontier's first ask, 1 byte, would run every round's ILPs for nothing)
     hopeless = memory_budget is not None and memory_budget < _floor(cg)
     fallback = memory_budget is not None and any(kept.peak(y) <= memory_budget for y in starts)
-    chain = LpChain()  # each round's model is the last one's with a memory row more
     for _ in range(0 if hopeless else MEMORY_ROUNDS):
-        x, status, stages = _solve_once(cg, x, memory_budget, time_limit, folding, chain)
+        x, status, stages = _solve_once(cg, x, memory_budget, time_limit, folding)
         if memory_budget is None:
             break
         profile = memory_profile(cg, cg.decode(x))
@@ -223,20 +221,19 @@ def _floor(cg: CostGraph) -> float:
 
 
 def _solve_once(cg: CostGraph, x: dict[int, int], memory_budget, time_limit: float | None,
-                folding: tuple[CostGraph, dict[int, int]] | None, chain: LpChain | None = None
+                folding: tuple[CostGraph, dict[int, int]] | None
                 ) -> tuple[dict[int, int], Status, str]:
     """Improve the descent point ``x`` with the ILP (``time_limit`` None: no ILP); keep
     whichever is better and fits. ``folding`` is ``fold(cg)`` for a graph too large for one
     ILP (:mod:`shardc.solve.fold`): its quotient is solved (:func:`quotient_refine`).
     ``time_limit`` guards each ILP solve (wall seconds). Returns the plan, its status and
-    the stages. ``chain``: the :class:`~shardc.solve.lp.LpChain` of the search's rounds."""
+    the stages."""
     if time_limit is None:
         return x, Status.DESCENT_ONLY, ""
     if folding is not None:
-        x, stages = quotient_refine(cg, x, memory_budget, time_limit, folding, chain)
+        x, stages = quotient_refine(cg, x, memory_budget, time_limit, folding)
         return x, Status.TIME_LIMIT if "time-limit" in stages else Status.REFINED, stages
-    res = solve_ilp(cg, time_limit=time_limit, memory_budget=memory_budget, hint=x,
-                    chain=chain)
+    res = solve_ilp(cg, time_limit=time_limit, memory_budget=memory_budget, hint=x)
     if res.assignment is None:
         return x, (Status.INFEASIBLE if res.status == "INFEASIBLE" else Status.DESCENT_ONLY), ""
     status = {"OPTIMAL": Status.OPTIMAL, "LAGRANGIAN": Status.LAGRANGIAN}.get(
