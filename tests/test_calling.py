@@ -102,8 +102,9 @@ def test_a_training_loop_with_numpy_batches_takes_the_full_path_once_per_signatu
         x = np.random.default_rng(i).normal(size=(16, 8)).astype(np.float32)
         (w, loss), (wj, lossj) = step(w, x), jax.jit(train)(wj, x)
         close((w, loss), (wj, lossj))
-    # the first call, and on an Explicit mesh the first whose state is typed by the plan
-    assert len(calls) == (1 if mesh is AUTO else 2)
+    # the first call only: on an Explicit mesh too, plain arguments' results are untyped
+    # (as jax.jit's), so the state fed back is a placement, not a new signature
+    assert len(calls) == 1
 
 
 def test_the_fast_path_keeps_statics_kwargs_and_donation():

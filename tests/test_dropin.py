@@ -295,6 +295,29 @@ def test_explicit_mesh_results_fed_back_reuse_the_plan():
     assert jax.typeof(w2).sharding == jax.typeof(w1).sharding
 
 
+def test_explicit_mesh_results_of_plain_arguments_are_untyped_as_jax_jits():
+    """On jax.make_mesh's default mesh, plain arguments' results are typed as jax.jit types
+    them (unsharded) whatever layout the plan gave them, so the user's own code reads them
+    as it reads jax.jit's: typed with the plan's layout (a weight split along the dim the
+    user's own loss contracts), jax.jit of that loss refused them as ambiguous."""
+    def loss(p, x):
+        return jnp.mean(jnp.tanh(x @ p["a"]) @ p["b"]) ** 2
+
+    def step(p, x):
+        return jax.tree.map(lambda w, g: w - 0.1 * g, p, jax.grad(loss)(p, x))
+
+    params = {"a": W, "b": W.T}
+    s = shard(step, mesh=EXPLICIT, in_shardings=({"a": Ps(None, "gpu"), "b": Ps("gpu")}, None))
+    got, want = s(params, X), jax.jit(step)(params, X)
+    assert got["b"].sharding.spec == Ps("gpu")  # placed as planned
+    assert jax.typeof(got["b"]).sharding.spec == jax.typeof(want["b"]).sharding.spec
+    close(jax.jit(loss)(got, X), jax.jit(loss)(want, X))  # the user's own jax.jit
+    close(got["b"][3, 5], want["b"][3, 5])  # and eager indexing read them
+    again = s(got, X)  # fed back: a placement, not a new signature
+    assert len({id(p) for p in s._plans.values()}) == 1
+    close(again, jax.jit(step)(want, X))
+
+
 def test_explicit_mesh_arguments_typed_as_a_plan_left_them_still_run():
     """A plan may leave a parameter split along a dimension the user's program contracts
     (an embedding split over its width, say). Fed back, such types fail jax.jit's type rules

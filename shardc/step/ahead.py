@@ -70,7 +70,7 @@ def peak_ahead(step, call: Call, plan: Plan) -> float | None:
 def jit_for(step, call: Call, tr, plan: Plan):
     """The ``jax.jit`` of ``tr``'s traced program that runs ``plan`` for calls like
     ``call`` (their tree, donated arguments), on the step's meshes for the plan."""
-    return jit_plan(tr.traced, plan, step.mesh_for(plan), step._out_mesh(plan), call.tree,
+    return jit_plan(tr.traced, plan, step.mesh_for(plan), step._out_mesh(tr, plan), call.tree,
                     tr.traced.out_tree, donate_argnums=call.donate_argnums,
                     donate_argnames=call.donate_argnames)
 

@@ -117,17 +117,18 @@ class AutoSharded(Planned):
         """
         return View(plan.axis_sizes, plan.axis_names, plan.cluster).mesh(self.mesh)
 
-    def _out_mesh(self, plan: Plan) -> Mesh:
+    def _out_mesh(self, tr: TracedCall, plan: Plan) -> Mesh:
         """Where results are placed.
 
-        The user's mesh (with its axis types) unless the plan runs on another view of its
-        devices.
+        The user's mesh (with its axis types) where ``jax.jit`` would type the results on
+        it (``tr.typed``) and the plan runs on that mesh; else the Auto view of its devices
+        the plan runs on, which types no result.
         """
         same = plan.mesh_axes == self.mesh.shape_tuple
-        return self.user_mesh if same else self.mesh_for(plan)
+        return self.user_mesh if same and tr.typed else self.mesh_for(plan)
 
     def _in_shardings(self, tr: TracedCall, plan: Plan) -> list[NamedSharding]:
-        mesh = self._out_mesh(plan)
+        mesh = self._out_mesh(tr, plan)
         return [NamedSharding(mesh, to_partition_spec(nd, v.ndim, mesh.axis_names),
                               memory_kind=HOST if k in plan.offloaded else None)
                 for k, (nd, v) in enumerate(zip(plan.inputs, tr.traced.graph.inputs))]
@@ -135,9 +136,10 @@ class AutoSharded(Planned):
     def _out_shardings(self, tr: TracedCall, plan: Plan) -> Any:
         """The result pytree's shardings under ``plan`` (of ``tr``'s program).
 
-        On the user's mesh, with its axis types (the types ``jax.jit`` gives the results).
+        On the mesh :meth:`_out_mesh` names: the user's, with its axis types, where
+        ``jax.jit`` types the results on it.
         """
-        mesh = self._out_mesh(plan)
+        mesh = self._out_mesh(tr, plan)
         return jax.tree.unflatten(tr.traced.out_tree, [
             NamedSharding(mesh, to_partition_spec(nd, v.ndim, mesh.axis_names),
                           memory_kind=HOST if j in plan.offloaded_outputs else None)

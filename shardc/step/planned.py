@@ -85,9 +85,9 @@ class Planned:
                                          platform=platform_of(self.mesh),
                                          while_trips=self.options.while_trips))
             ties = tie_outputs(call.arg_trees(), traced.out_tree, traced.graph)
-            hit = TracedCall(traced, tuple(ties),
-                             self._restricted(fixed_layouts(self, call), traced.graph),
-                             resident_inputs(call.arg_trees(), ties))
+            fixed, typed = fixed_layouts(self, call)
+            hit = TracedCall(traced, tuple(ties), self._restricted(fixed, traced.graph),
+                             resident_inputs(call.arg_trees(), ties), typed=typed)
             self._traces[key] = hit
             log.debug("shardc: traced %s in %.2f s", getattr(self.fn, "__name__", "fn"),
                       time.perf_counter() - t0)

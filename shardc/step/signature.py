@@ -1,6 +1,7 @@
 """A call's traced signature: the program, the outputs tied to the inputs they replace
-(a train step's new state), the inputs that stay on the devices, and the layouts the plan must
-keep (``in_shardings``, kept placements, results typed on a mesh with Explicit axes)."""
+(a train step's new state), the inputs that stay on the devices, the layouts the plan must
+keep (``in_shardings``, kept placements, results typed on a mesh with Explicit axes), and
+whether ``jax.jit`` would type the results on the user's mesh."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from shardc.step.calling import Call, abstract_leaf, placement
 from shardc.step.seeds import seed_layouts
 
 __all__ = ["fixed_layouts", "kept_layouts", "pins_layouts", "resident_inputs",
-           "tie_outputs", "TracedCall", "typed_outputs"]
+           "tie_outputs", "TracedCall", "typed_outputs", "typed_placement"]
 
 log = logging.getLogger("shardc")
 
@@ -74,6 +75,11 @@ class TracedCall:
     resident: frozenset[int] = frozenset()
     #: tied inputs planned in host memory between calls (:mod:`shardc.step.offload`)
     offloaded: frozenset[int] = frozenset()
+    #: the results are typed on the user's mesh, as ``jax.jit`` types them (an argument
+    #: typed by an Explicit placement, a ``jax.set_mesh`` context, the program's own
+    #: ``reshard``); else they are placed on the mesh's Auto view, untyped, as ``jax.jit``
+    #: leaves the results of plain arguments (:func:`typed_outputs`)
+    typed: bool = False
 
 
 def pins_layouts(tr: TracedCall) -> bool:
@@ -82,65 +88,88 @@ def pins_layouts(tr: TracedCall) -> bool:
     return bool(tr.fixed) or any(is_pinned(op) for op in tr.traced.graph.ops)
 
 
-def kept_layouts(step, call: Call) -> dict[int, NdSbp]:
-    """The layouts of the arguments placed on the mesh (``NamedSharding``s of its axes):
-    what the plan keeps under ``keep_input_shardings``."""
+def typed_placement(x) -> bool:
+    """Whether the argument leaf ``x``'s placement is part of its type: a sharding on a
+    mesh with Explicit axes (an Auto view's, such as a result :func:`typed_outputs` leaves
+    untyped, is a placement only)."""
+    sh = placement(x)
+    return isinstance(sh, NamedSharding) and bool(explicit_axes(sh.mesh))
+
+
+def kept_layouts(step, call: Call, *, every: bool = False) -> dict[int, NdSbp]:
+    """The layouts of the arguments placed on the mesh (``NamedSharding``s of its axes)
+    that the plan keeps under ``keep_input_shardings``: every one where the user asked
+    for it (or ``every``), else, where Explicit axes imply it, those the placement types.
+    """
     names = tuple(step.mesh.axis_names)
+    every = every or bool(step.options.keep_input_shardings)
     out = {}
     for k, x in enumerate(call.leaves):
         sh = placement(x)
         if isinstance(sh, NamedSharding) and tuple(sh.mesh.axis_names) == names \
-                and sh.mesh.shape_tuple == step.mesh.shape_tuple:
+                and sh.mesh.shape_tuple == step.mesh.shape_tuple \
+                and (every or typed_placement(x)):
             out[k] = from_partition_spec(sh.spec, len(x.shape), names)
     return out
 
 
-def fixed_layouts(step, call: Call) -> Fixed:
+def fixed_layouts(step, call: Call) -> tuple[Fixed, bool]:
     """The inputs the plan keeps (``in_shardings``, kept placements) and, on a mesh with
     Explicit axes, the outputs' layouts their types get under ``jax.jit``; the layouts of
     the other arguments already placed on the mesh (``placed``: they pay their
-    conversion, not the host feed)."""
+    conversion, not the host feed). And whether the results are typed on the user's mesh
+    (:func:`typed_outputs`)."""
     inputs = {}
     if step.options.in_shardings is not None:
         dyn_args, _ = call.unflatten(call.leaves)
         inputs.update(seed_layouts("in_shardings", step.options.in_shardings,
                                    jax.tree.map(abstract_leaf, dyn_args),
                                    step.mesh.axis_names))
-    placed = kept_layouts(step, call)
     if step.keep:
-        inputs.update(placed)
-    return Fixed(inputs, typed_outputs(step, call),
-                 placed={k: nd for k, nd in placed.items() if k not in inputs})
+        inputs.update(kept_layouts(step, call))
+    placed = kept_layouts(step, call, every=True)
+    outputs, typed = typed_outputs(step, call)
+    return Fixed(inputs, outputs,
+                 placed={k: nd for k, nd in placed.items() if k not in inputs}), typed
 
 
-def typed_outputs(step, call: Call) -> dict[int, NdSbp]:
+def typed_outputs(step, call: Call) -> tuple[dict[int, NdSbp], bool]:
     """On a mesh with Explicit axes the results get types as ``jax.jit`` infers them
-    (``jax.eval_shape``), from arguments typed with shardings of the mesh and from the
-    program's own ``reshard`` / ``out_sharding``: results are placed so, and combine
-    with the user's arrays as ``jax.jit``'s would. With no argument typed, a result
-    the program leaves untyped (replicated) keeps the plan's layout."""
+    (``jax.eval_shape``), from arguments typed with shardings of the mesh, a
+    ``jax.set_mesh`` context and the program's own ``reshard`` / ``out_sharding``: results
+    so typed are placed on the user's mesh, and combine with the user's arrays as
+    ``jax.jit``'s would; with no argument typed, a result the program leaves replicated
+    keeps the plan's layout. Where ``jax.jit`` types no result on the mesh (plain
+    arguments, no mesh context), none is: the results are placed on the mesh's Auto view,
+    so the user's own code (eager, or another ``jax.jit``) reads them as it reads
+    ``jax.jit``'s, whatever layout the plan gave them.
+
+    Returns:
+        The results' layouts their types fix, by output index, and whether the results
+        are typed on the user's mesh.
+    """
     names = tuple(step.mesh.axis_names)
-    typed = [isinstance(sh := placement(x), NamedSharding) and
-             tuple(sh.mesh.axis_names) == names for x in call.leaves]
     if not explicit_axes(step.user_mesh):
-        return {}
+        return {}, False
+    typed = [typed_placement(x) for x in call.leaves]
     try:  # under the caller's mesh context, as jax.jit traces
         outs = jax.eval_shape(call.function(step.fn), *call.leaves)
     except Exception as exc:
-        # arguments typed by an earlier plan's results (not by the user) may not type-check
-        # under jax.jit's rules, which shardc's lowering (under auto_axes) does not need:
-        # the results then keep the plan's layouts as their types
+        # arguments typed by the user may not type-check under jax.jit's rules, which
+        # shardc's lowering (under auto_axes) does not need: the results then keep the
+        # plan's layouts as their types
         if type(exc).__name__ != "ShardingTypeError":
             raise
         log.info("shardc: %s does not type-check with these argument shardings (%s); "
                  "its results are typed with the plan's layouts",
                  getattr(step.fn, "__name__", "fn"), str(exc).splitlines()[0])
-        return {}
-    fixed = {}
+        return {}, True
+    fixed, on_mesh = {}, any(typed)
     for j, o in enumerate(jax.tree.leaves(outs)):
         sh = getattr(o, "sharding", None)
         if isinstance(sh, NamedSharding) and tuple(sh.mesh.axis_names) == names:
+            on_mesh = True
             nd = from_partition_spec(sh.spec, len(o.shape), names)
             if any(typed) or any(not isinstance(p, Broadcast) for p in nd.sbps):
                 fixed[j] = nd
-    return fixed
+    return fixed, on_mesh
