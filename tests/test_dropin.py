@@ -318,6 +318,27 @@ def test_explicit_mesh_results_of_plain_arguments_are_untyped_as_jax_jits():
     close(again, jax.jit(step)(want, X))
 
 
+def test_a_train_step_runs_inside_jax_set_mesh_of_an_explicit_mesh():
+    """Traced under ``jax.set_mesh`` of an Explicit mesh, a step's jaxpr types its values on
+    that mesh (the broadcasts, reductions and reshards of the scalars it lifts name it, and
+    so do the bodies of its calls): the lowering runs them on Auto axes, equal to jax.jit's
+    step, its results typed on the mesh as jax.jit's are."""
+    import optax
+
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+
+    def step(w, state, x):
+        loss, g = jax.value_and_grad(lambda w: jnp.mean(jax.nn.gelu(x @ w) ** 2))(w)
+        updates, state = opt.update(g, state, w)
+        return optax.apply_updates(w, updates), state, loss
+
+    with jax.set_mesh(EXPLICIT):
+        state = opt.init(W)
+        got, want = shard(step, mesh=EXPLICIT)(W, state, X), jax.jit(step)(W, state, X)
+    close(got, want)
+    assert jax.typeof(got[0]).sharding.mesh.axis_types == EXPLICIT.axis_types
+
+
 def test_explicit_mesh_arguments_typed_as_a_plan_left_them_still_run():
     """A plan may leave a parameter split along a dimension the user's program contracts
     (an embedding split over its width, say). Fed back, such types fail jax.jit's type rules

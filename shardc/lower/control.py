@@ -11,24 +11,57 @@ from collections.abc import Sequence
 
 import jax
 from jax.extend import source_info_util
+from jax.sharding import AxisType, NamedSharding
 
 from shardc.ir.trace import Fork, Loop
 from shardc.lower.partial import unstack
 
-__all__ = ["ControlFlow", "bind_eqn"]
+__all__ = ["ControlFlow", "bind_eqn", "untyped_aval"]
 
 
 def bind_eqn(eqn, args: Sequence, params: dict | None = None) -> list:
     """Bind ``eqn``'s primitive on ``args`` as ``jax.core.eval_jaxpr`` does (its source
     info and context kept, but the mesh context of the lowering, which runs on Auto axes),
-    with ``params`` in place of the equation's own if given."""
-    bind_params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
+    with ``params`` in place of the equation's own if given. A ``reshard`` onto a mesh with
+    Explicit axes (a trace under ``jax.set_mesh`` writes one for every scalar it lifts
+    onto that mesh) is its operand here: its layout is the plan's, which the lowering
+    constrains, and a typed result would not match the Auto context."""
+    params = _untyped(eqn.params if params is None else params)
+    if eqn.primitive.name == "reshard" and _typed(params.get("dst_sharding")):
+        return list(args)
+    bind_params = eqn.primitive.get_bind_params(params)
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
     mesh = jax.sharding.get_abstract_mesh()  # the lowering's, not the one traced under
     with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
           eqn.ctx.manager, jax.sharding.use_abstract_mesh(mesh)):
         outs = eqn.primitive.bind(*args, **bind_params)
     return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def _typed(sharding) -> bool:
+    """Whether ``sharding`` names a mesh with Explicit axes (the traced program's types)."""
+    return isinstance(sharding, NamedSharding) and AxisType.Explicit in sharding.mesh.axis_types
+
+
+def untyped_aval(aval):
+    """``aval`` without a sharding naming a mesh with Explicit axes (a trace under
+    ``jax.set_mesh`` types every value so): a body rewritten under the lowering's Auto
+    context is traced over the shapes alone, as they would be traced outside a mesh."""
+    return aval.update(sharding=None) if _typed(getattr(aval, "sharding", None)) else aval
+
+
+def _untyped(params: dict) -> dict:
+    """``params`` without the replicated shardings a trace under a ``jax.set_mesh`` of an
+    Explicit mesh writes into its equations (``broadcast_in_dim``'s ``sharding``, a
+    reduction's ``out_sharding``: the context's type, not a layout the program asks for),
+    which name a mesh the lowering's Auto context does not match."""
+    out = None
+    for key in ("sharding", "out_sharding"):
+        value = params.get(key)
+        if _typed(value) and all(p is None for p in value.spec):
+            out = dict(params) if out is None else out
+            out[key] = None
+    return params if out is None else out
 
 
 class ControlFlow:
@@ -45,7 +78,7 @@ class ControlFlow:
         n = len(args) - 1
         copies = [self._pass(e, x, into=True)
                   for enters in fork.enters for e, x in zip(enters, args[1:])]
-        avals = [v.aval for v in eqn.invars[1:]] * len(fork.bodies)
+        avals = [untyped_aval(v.aval) for v in eqn.invars[1:]] * len(fork.bodies)
 
         def branch(b: int):
             def run(*xs):
@@ -89,8 +122,10 @@ class ControlFlow:
             outs = self.region(loop.body, p["body_jaxpr"].consts, pinned(enters[cn:], xs))
             return [self._back(e, unstack(x)) for e, x in zip(carried, outs)]
 
-        tests = jax.make_jaxpr(test)(*(v.aval for v in p["cond_jaxpr"].jaxpr.invars))
-        bodies = jax.make_jaxpr(body)(*(v.aval for v in p["body_jaxpr"].jaxpr.invars))
+        tests = jax.make_jaxpr(test)(*(untyped_aval(v.aval)
+                                       for v in p["cond_jaxpr"].jaxpr.invars))
+        bodies = jax.make_jaxpr(body)(*(untyped_aval(v.aval)
+                                        for v in p["body_jaxpr"].jaxpr.invars))
         ins = [self._pass(e, x, into=True) for e, x in zip(enters, args)]
         outs = bind_eqn(eqn, ins, {**p, "cond_jaxpr": tests, "body_jaxpr": bodies})
         return [self._pass(e, self._pass(e, x, into=True), into=False)

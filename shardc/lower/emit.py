@@ -38,7 +38,7 @@ from shardc.ir.prims import facts
 from shardc.ir.remat import is_gate
 from shardc.ir.sbp import B, NdSbp, P, Split, to_partition_spec
 from shardc.ir.trace import Fork, Inlined, Loop, Region, Traced
-from shardc.lower.control import ControlFlow, bind_eqn
+from shardc.lower.control import ControlFlow, bind_eqn, untyped_aval
 from shardc.lower.local import per_device, ring_source, run_ring
 from shardc.lower.partial import (
     Stacked,
@@ -295,7 +295,7 @@ class _Lowering(ControlFlow, StackedSums):
         sub = eqn.params[key]
         consts = tuple(sub.consts) if hasattr(sub, "consts") else ()
         body = jax.make_jaxpr(lambda *xs: [unstack(x) for x in self.region(region, consts, xs)])(
-            *(v.aval for v in region.jaxpr.invars))
+            *(untyped_aval(v.aval) for v in region.jaxpr.invars))
         if hasattr(sub, "consts"):
             new = body
         else:  # an open jaxpr (remat): the body is traced over its invars and closes over none
@@ -349,7 +349,7 @@ class _Lowering(ControlFlow, StackedSums):
 
         sizes = self.plan.axis_sizes
         avals = [jax.ShapeDtypeStruct(tuple(sizes[a] for a in axes) + v.aval.shape,
-                                      v.aval.dtype) if axes else v.aval
+                                      v.aval.dtype) if axes else untyped_aval(v.aval)
                  for v, axes in zip(loop.body.jaxpr.invars, held)]
         closed = jax.make_jaxpr(body)(*avals)
         ins = []

@@ -30,7 +30,7 @@ import itertools
 from collections.abc import Sequence
 
 from jax.extend import core as jcore
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from shardc.ir.flops import op_flops
 from shardc.ir.graph import Op
@@ -124,8 +124,8 @@ def on_mesh(ops: Sequence[Op], mesh) -> None:
         key = {"sharding_constraint": "sharding", "reshard": "dst_sharding"}.get(op.name)
         sh = op.params.get(key) if key else None
         other = getattr(sh, "mesh", None)
-        if other is None or tuple(other.axis_names) == own or not hasattr(other, "devices"):
-            continue
+        if other is None or tuple(other.axis_names) == own or isinstance(other, AbstractMesh):
+            continue  # an abstract mesh (a set_mesh context's type) names no devices
         groups = _axis_groups(other, mesh)
         if groups is None:
             raise LayoutError(
