@@ -120,12 +120,14 @@ class AutoSharded(Planned):
     def _out_mesh(self, tr: TracedCall, plan: Plan) -> Mesh:
         """Where results are placed.
 
-        The user's mesh (with its axis types) where ``jax.jit`` would type the results on
-        it (``tr.typed``) and the plan runs on that mesh; else the Auto view of its devices
-        the plan runs on, which types no result.
+        Where the plan runs on this function's mesh: the user's mesh (with its axis types)
+        where ``jax.jit`` would type the results on it (``tr.typed``), else its Auto version
+        (the same mesh where it has no Explicit axes), which types no result. Else the view
+        of its devices the plan runs on.
         """
-        same = plan.mesh_axes == self.mesh.shape_tuple
-        return self.user_mesh if same and tr.typed else self.mesh_for(plan)
+        if plan.mesh_axes != self.mesh.shape_tuple:
+            return self.mesh_for(plan)
+        return self.user_mesh if tr.typed else self.mesh
 
     def _in_shardings(self, tr: TracedCall, plan: Plan) -> list[NamedSharding]:
         mesh = self._out_mesh(tr, plan)
