@@ -339,6 +339,25 @@ def test_a_train_step_runs_inside_jax_set_mesh_of_an_explicit_mesh():
     assert jax.typeof(got[0]).sharding.mesh.axis_types == EXPLICIT.axis_types
 
 
+def test_a_step_typed_by_its_arguments_and_out_sharding_runs_as_jax_jits():
+    """Arguments placed on an Explicit mesh type the step's values, each op's type written
+    into its equation (a gradient's broadcast split as its cotangent is, a dot's
+    ``out_sharding``): the lowering replays them on Auto axes, its results typed as
+    jax.jit's."""
+    def step(w, x):
+        def loss(w):
+            return jnp.mean(jnp.matmul(jnp.tanh(x @ w), w.T, out_sharding=Ps("node")) ** 2)
+
+        return w - 0.1 * jax.grad(loss)(w)
+
+    with jax.set_mesh(EXPLICIT):
+        we = jax.device_put(W, NamedSharding(EXPLICIT, Ps(None, "gpu")))
+        xe = jax.device_put(X, NamedSharding(EXPLICIT, Ps("node")))
+        got, want = shard(step, mesh=EXPLICIT)(we, xe), jax.jit(step)(we, xe)
+    close(got, want)
+    assert jax.typeof(got).sharding == jax.typeof(want).sharding
+
+
 def test_explicit_mesh_arguments_typed_as_a_plan_left_them_still_run():
     """A plan may leave a parameter split along a dimension the user's program contracts
     (an embedding split over its width, say). Fed back, such types fail jax.jit's type rules

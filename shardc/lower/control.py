@@ -51,14 +51,15 @@ def untyped_aval(aval):
 
 
 def _untyped(params: dict) -> dict:
-    """``params`` without the replicated shardings a trace under a ``jax.set_mesh`` of an
-    Explicit mesh writes into its equations (``broadcast_in_dim``'s ``sharding``, a
-    reduction's ``out_sharding``: the context's type, not a layout the program asks for),
-    which name a mesh the lowering's Auto context does not match."""
+    """``params`` without the shardings a trace on an Explicit mesh writes into its
+    equations (``broadcast_in_dim``'s ``sharding``, a dot's or a reduction's
+    ``out_sharding``: the values' types), which name a mesh the lowering's Auto context
+    does not match; the planner reads none of them (the plan's layouts are constrained
+    where it made them, and the results typed as ``jax.jit`` types them)."""
     out = None
     for key in ("sharding", "out_sharding"):
         value = params.get(key)
-        if _typed(value) and all(p is None for p in value.spec):
+        if _typed(value):
             out = dict(params) if out is None else out
             out[key] = None
     return params if out is None else out
