@@ -318,6 +318,19 @@ def test_explicit_mesh_results_of_plain_arguments_are_untyped_as_jax_jits():
     close(again, jax.jit(step)(want, X))
 
 
+def test_an_untyped_result_runs_beside_a_batch_placed_on_the_explicit_mesh():
+    """A result left untyped (plain arguments) fed back beside a batch placed on the
+    Explicit mesh: the batch types the call, the result is given the plan's type (jax.jit
+    refuses arrays on meshes of different axis types together), and the step equals
+    jax.jit's."""
+    def step(w, x):
+        return w - 0.1 * jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+
+    s = shard(step, mesh=EXPLICIT)
+    xe = jax.device_put(X, NamedSharding(EXPLICIT, Ps("node")))
+    close(s(s(W, X), xe), jax.jit(step)(jax.jit(step)(W, X), X))
+
+
 def test_a_train_step_runs_inside_jax_set_mesh_of_an_explicit_mesh():
     """Traced under ``jax.set_mesh`` of an Explicit mesh, a step's jaxpr types its values on
     that mesh (the broadcasts, reductions and reshards of the scalars it lifts name it, and

@@ -184,8 +184,13 @@ class AutoSharded(Planned):
         return out
 
     def _report_moves(self, call: Call, shardings: list[NamedSharding], key) -> None:
-        """Log, once per argument and signature, a placed argument the plan moves."""
-        fresh = [k for k in misplaced(call.leaves, shardings) if (key, k) not in self._moved]
+        """Log, once per argument and signature, a placed argument the plan moves.
+
+        Not one only given the plan's type (an earlier call's untyped result).
+        """
+        fresh = [k for k in misplaced(call.leaves, shardings) if (key, k) not in self._moved
+                 and not placement(call.leaves[k]).is_equivalent_to(
+                     shardings[k], call.leaves[k].ndim)]
         if not fresh:
             return
         paths = call.leaf_names()

@@ -244,7 +244,16 @@ def placement(x) -> jax.sharding.Sharding | None:
 
 
 def _same(have: jax.sharding.Sharding, want: NamedSharding, ndim: int) -> bool:
-    return have == want or have.is_equivalent_to(want, ndim)
+    """Whether ``have`` is the placement ``want``: the same devices and layout, and where
+    ``want`` is a type (a mesh with Explicit axes), the same axis types (an untyped result
+    of an earlier call, on the mesh's Auto view, is given the type a typed call wants:
+    ``jax.jit`` refuses arguments on meshes of different axis types)."""
+    if have == want:
+        return True
+    if not have.is_equivalent_to(want, ndim):
+        return False
+    types = getattr(getattr(have, "mesh", None), "axis_types", None)
+    return AxisType.Explicit not in want.mesh.axis_types or types == want.mesh.axis_types
 
 
 def misplaced(leaves: Sequence, shardings: Sequence[NamedSharding]) -> list[int]:

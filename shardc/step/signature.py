@@ -152,8 +152,13 @@ def typed_outputs(step, call: Call) -> tuple[dict[int, NdSbp], bool]:
     if not explicit_axes(step.user_mesh):
         return {}, False
     typed = [typed_placement(x) for x in call.leaves]
+    # a leaf placed untyped (an earlier call's result, on the mesh's Auto view) is read as
+    # an unplaced one: jax.jit refuses arrays on meshes of different axis types together
+    leaves = [x if t or not isinstance(placement(x), NamedSharding) else
+              jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=jax.typeof(x).weak_type)
+              for x, t in zip(call.leaves, typed)]
     try:  # under the caller's mesh context, as jax.jit traces
-        outs = jax.eval_shape(call.function(step.fn), *call.leaves)
+        outs = jax.eval_shape(call.function(step.fn), *leaves)
     except Exception as exc:
         # arguments typed by the user may not type-check under jax.jit's rules, which
         # shardc's lowering (under auto_axes) does not need: the results then keep the
