@@ -16,7 +16,7 @@ from jax.sharding import AxisType, NamedSharding
 from shardc.ir.trace import Fork, Loop
 from shardc.lower.partial import unstack
 
-__all__ = ["ControlFlow", "bind_eqn", "untyped_aval"]
+__all__ = ["ControlFlow", "bind_eqn", "explicit_axes", "typed_sharding", "untyped_aval"]
 
 
 def bind_eqn(eqn, args: Sequence, params: dict | None = None) -> list:
@@ -27,7 +27,7 @@ def bind_eqn(eqn, args: Sequence, params: dict | None = None) -> list:
     onto that mesh) is its operand here: its layout is the plan's, which the lowering
     constrains, and a typed result would not match the Auto context."""
     params = _untyped(eqn.params if params is None else params)
-    if eqn.primitive.name == "reshard" and _typed(params.get("dst_sharding")):
+    if eqn.primitive.name == "reshard" and typed_sharding(params.get("dst_sharding")):
         return list(args)
     bind_params = eqn.primitive.get_bind_params(params)
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
@@ -38,16 +38,23 @@ def bind_eqn(eqn, args: Sequence, params: dict | None = None) -> list:
     return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
-def _typed(sharding) -> bool:
-    """Whether ``sharding`` names a mesh with Explicit axes (the traced program's types)."""
-    return isinstance(sharding, NamedSharding) and AxisType.Explicit in sharding.mesh.axis_types
+def explicit_axes(mesh) -> tuple[str, ...]:
+    """The names of ``mesh``'s axes of type Explicit."""
+    types = getattr(mesh, "axis_types", None) or ()
+    return tuple(n for n, t in zip(mesh.axis_names, types) if t == AxisType.Explicit)
+
+
+def typed_sharding(sharding) -> bool:
+    """Whether ``sharding`` is a type: a ``NamedSharding`` on a mesh with Explicit axes."""
+    return isinstance(sharding, NamedSharding) and bool(explicit_axes(sharding.mesh))
 
 
 def untyped_aval(aval):
     """``aval`` without a sharding naming a mesh with Explicit axes (a trace under
     ``jax.set_mesh`` types every value so): a body rewritten under the lowering's Auto
     context is traced over the shapes alone, as they would be traced outside a mesh."""
-    return aval.update(sharding=None) if _typed(getattr(aval, "sharding", None)) else aval
+    return aval.update(sharding=None) if typed_sharding(getattr(aval, "sharding", None)) \
+        else aval
 
 
 def _untyped(params: dict) -> dict:
@@ -59,7 +66,7 @@ def _untyped(params: dict) -> dict:
     out = None
     for key in ("sharding", "out_sharding"):
         value = params.get(key)
-        if _typed(value):
+        if typed_sharding(value):
             out = dict(params) if out is None else out
             out[key] = None
     return params if out is None else out

@@ -9,14 +9,15 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 from shardc.errors import ArgumentsError
 from shardc.ir.sbp import to_partition_spec
 from shardc.ir.trace import Traced
+from shardc.lower.control import explicit_axes
 from shardc.lower.emit import HOST, evaluator
 
-__all__ = ["explicit_axes", "jit_plan"]
+__all__ = ["jit_plan"]
 
 
 def _under(fn: Callable, mesh: Mesh) -> Callable:
@@ -28,12 +29,6 @@ def _under(fn: Callable, mesh: Mesh) -> Callable:
             return fn(*args)
 
     return wrapped
-
-
-def explicit_axes(mesh: Mesh) -> tuple[str, ...]:
-    """The names of ``mesh``'s axes of type Explicit."""
-    types = getattr(mesh, "axis_types", None) or ()
-    return tuple(n for n, t in zip(mesh.axis_names, types) if t == AxisType.Explicit)
 
 
 def jit_plan(traced: Traced, plan, run_mesh: Mesh, out_mesh: Mesh, in_tree, out_tree, *,

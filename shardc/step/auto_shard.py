@@ -24,8 +24,8 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from shardc.cost.cluster import DEFAULT_CLUSTER, Cluster
 from shardc.ir.sbp import to_partition_spec
 from shardc.ir.trace import DEFAULT_WHILE_TRIPS
+from shardc.lower.control import explicit_axes
 from shardc.lower.emit import HOST
-from shardc.lower.program import explicit_axes
 from shardc.pipeline.runtime import check_axis
 from shardc.pipeline.schedule import Pipeline
 from shardc.plan.record import Plan

@@ -23,9 +23,10 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 
 from shardc.errors import ArgumentsError, DonatedArgumentError, SignatureError
+from shardc.lower.control import typed_sharding
 from shardc.util.axes import axis_tuple
 
 try:  # how JAX names a traced function and its arguments in its errors
@@ -253,7 +254,7 @@ def _same(have: jax.sharding.Sharding, want: NamedSharding, ndim: int) -> bool:
     if not have.is_equivalent_to(want, ndim):
         return False
     types = getattr(getattr(have, "mesh", None), "axis_types", None)
-    return AxisType.Explicit not in want.mesh.axis_types or types == want.mesh.axis_types
+    return not typed_sharding(want) or types == want.mesh.axis_types
 
 
 def misplaced(leaves: Sequence, shardings: Sequence[NamedSharding]) -> list[int]:
@@ -405,6 +406,5 @@ def _type(x) -> tuple:
     its sharding where that is part of its type (Explicit mesh axes)."""
     aval = jax.typeof(x)
     sharding = getattr(aval, "sharding", None)
-    types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
-    typed = any(t == AxisType.Explicit for t in types)
-    return aval.shape, aval.dtype, aval.weak_type, sharding.spec if typed else None
+    return aval.shape, aval.dtype, aval.weak_type, \
+        sharding.spec if typed_sharding(sharding) else None

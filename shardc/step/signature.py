@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 
 from shardc.ir.sbp import Broadcast, NdSbp, from_partition_spec
 from shardc.ir.trace import Traced
-from shardc.lower.program import explicit_axes
+from shardc.lower.control import explicit_axes, typed_sharding
 from shardc.rules.registry import is_pinned
 from shardc.solve.fixed import Fixed
 from shardc.step.calling import Call, abstract_leaf, placement
@@ -92,8 +92,7 @@ def typed_placement(x) -> bool:
     """Whether the argument leaf ``x``'s placement is part of its type: a sharding on a
     mesh with Explicit axes (an Auto view's, such as a result :func:`typed_outputs` leaves
     untyped, is a placement only)."""
-    sh = placement(x)
-    return isinstance(sh, NamedSharding) and bool(explicit_axes(sh.mesh))
+    return typed_sharding(placement(x))
 
 
 def kept_layouts(step, call: Call, *, every: bool = False) -> dict[int, NdSbp]:
