@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-__all__ = ["beside", "cores"]
+__all__ = ["beside", "cores", "idle_core"]
 
 T = TypeVar("T")
 
@@ -24,6 +24,21 @@ def cores() -> int:
     """The cores this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
         os.cpu_count() or 1
+
+
+def idle_core() -> bool:
+    """Whether a core is free for work this process may not need (a speculative solve): the
+    process may use more than one, and the one-minute load average leaves one idle. On a
+    loaded machine (a test suite's workers, a bench running cells side by side) such work
+    only takes the time of work that is needed."""
+    n = cores()
+    if n < 2:
+        return False
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # not reported here: assume the machine is ours
+        return True
+    return load <= n - 1
 
 
 def beside(calls: Sequence[Callable[[], T]]) -> list[T]:

@@ -33,7 +33,7 @@ import numpy as np
 import scipy.sparse as sparse
 
 from shardc.errors import OptionsError
-from shardc.solve.beside import beside
+from shardc.solve.beside import beside, idle_core
 from shardc.solve.costgraph import CostGraph
 from shardc.solve.rows import Rows, groups, pair_rows
 
@@ -235,7 +235,10 @@ def _solve(model: mbh.ModelBuilderHelper, n_integral: int | None, time_limit: fl
            ) -> tuple[str, np.ndarray | None, np.ndarray | None]:
     """Solve ``model`` with HiGHS: its LP relaxation (``n_integral`` None), or the MIP
     whose first ``n_integral`` variables are binary. Returns the status, the values and
-    (for the LP) the rows' duals."""
+    (for the LP) what the model builder reports as the rows' dual values: with HiGHS these
+    are the rows' activities at the optimum, not their duals (``min 2x, x >= 3`` reports 3
+    where GLOP reports the dual, 2; ``test_solver`` pins it), so the budgeted search's
+    multipliers (:class:`_Budgeted`) weigh each memory row by its use."""
     for k in range(n_integral or 0):
         model.set_var_integrality(k, True)
     solver = _helper().ModelSolverHelper("highs")
@@ -256,7 +259,8 @@ def _solve(model: mbh.ModelBuilderHelper, n_integral: int | None, time_limit: fl
 
 class _Budgeted:
     """The choice part of a memory-budgeted model, to search it by its Lagrangian: the
-    memory rows priced into the objective at multipliers ``t·λ`` (``λ``: their LP duals),
+    memory rows priced into the objective at multipliers ``t·λ`` (``λ``: what
+    :func:`_solve` reports as their duals, their use at the LP optimum),
     each such problem an LP without memory rows (integral, like the unbudgeted model), and
     ``t`` bisected to the smallest that fits. Every plan it reaches is repaired to fit
     (the moves freeing the most bytes per unit of cost first) and polished by single-node
@@ -357,9 +361,9 @@ class _Budgeted:
                matrix: sparse.csr_matrix, duals: np.ndarray, values: np.ndarray,
                hint: dict[int, int], time_limit: float) -> dict[int, int] | None:
         """The cheapest plan that fits, from the Lagrangian's plans at multipliers ``t·λ``
-        (``λ`` the memory rows' LP ``duals``, plus a small share on every row so a large
-        ``t`` reaches the leanest plan), from the budgeted LP's rounded ``values`` and from
-        ``hint``; None if none fits."""
+        (``λ`` the memory rows' ``duals`` as :func:`_solve` reports them, plus a small share
+        on every row so a large ``t`` reaches the leanest plan), from the budgeted LP's
+        rounded ``values`` and from ``hint``; None if none fits."""
         lam = duals + LAMBDA_FLOOR * max(float(duals.max()), SCALE_RANGE / max(
             float(self.cap.max()), 1.0))
         price = lam @ np.concatenate(self.mem, axis=1)
@@ -375,12 +379,13 @@ class _Budgeted:
         t_lo, t_hi = 0.0, 1.0
         ahead: tuple[float, np.ndarray | None] | None = None
         for _ in range(DOUBLINGS):
-            # the first bisection's relaxation solved beside the doubling's
-            # (:func:`shardc.solve.beside.beside`): where this ``t`` fits, the bisection is
-            # between it and the last that did not, and its answer is already here (every
-            # search of GPT-2's frontier fitted at its first ``t``); else it is dropped
+            # the first bisection's relaxation solved beside the doubling's where a core is
+            # idle (:func:`shardc.solve.beside.beside`): where this ``t`` fits, the
+            # bisection is between it and the last that did not, and its answer is already
+            # here (every search of GPT-2's frontier fitted at its first ``t``); else it is
+            # dropped. The plan is the same either way: only the wall time changes
             mid = (t_lo + t_hi) / 2
-            if BISECTIONS:
+            if BISECTIONS and idle_core():
                 a, b = beside([partial(relaxed, t_hi), partial(relaxed, mid)])
                 ahead = (mid, b)
             else:
