@@ -119,8 +119,10 @@ def descend(cg: CostGraph, start: dict[int, int], memory_weight: float = 0.0,
     x = dict(start)
     order = cg.live
     # a node is looked at again only once a neighbour has moved: otherwise its local cost
-    # is what it was, and it would stay (the sweeps' end point is unchanged)
-    dirty = set(order).difference(kept)
+    # is what it was, and it would stay (the sweeps' end point is unchanged); a node of one
+    # choice (an input pinned to its layout) never moves, so is never looked at
+    movable = {i for i in order if len(cost[i]) > 1}.difference(kept)
+    dirty = set(movable)
     for _ in range(max_sweeps):
         changed = False
         for i in order:
@@ -136,7 +138,7 @@ def descend(cg: CostGraph, start: dict[int, int], memory_weight: float = 0.0,
             if local[best] < local[x[i]] - 1e-15:
                 x[i] = best
                 changed = True
-                dirty.update(j for j, _, _ in near[i] if j not in kept)
+                dirty.update(j for j, _, _ in near[i] if j in movable)
         if not changed:
             break
     return x
