@@ -8,6 +8,10 @@ programs are tiny, so their compiles, not their runs, take the suite's time.
   compile a program in about 40% of the time (fewer, larger loop fusions; a scatter runs
   as a loop). The partitioned program, so every collective a test counts, is the same;
   temporaries move by bytes (a 20 MiB scanned Llama: 192 bytes).
+- ``--xla_cpu_parallel_codegen_split_count=1``: the program's LLVM IR compiled as one
+  module, not split into modules compiled on a thread each: on the suite's three workers
+  sharing two cores the split only adds work. It changes no HLO, so no buffer or
+  collective a test reads.
 
 A run's programs are compiled once: JAX's persistent compilation cache, in a directory made
 for this run (and removed after it) that its xdist workers and the processes its tests start
@@ -27,6 +31,8 @@ if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
+if "xla_cpu_parallel_codegen_split_count" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_cpu_parallel_codegen_split_count=1"
 
 #: the run's compilation cache, where this process made it (the controller: its xdist
 #: workers and the processes tests start inherit the variables and make none)
