@@ -28,9 +28,9 @@ def cores() -> int:
 
 def idle_core() -> bool:
     """Whether a core is free for work this process may not need (a speculative solve): the
-    process may use more than one, and the one-minute load average leaves one idle. On a
-    loaded machine (a test suite's workers, a bench running cells side by side) such work
-    only takes the time of work that is needed."""
+    process may use more than one, and the one-minute load average, less this process's own
+    running thread, leaves one idle. On a loaded machine (a test suite's workers, a bench
+    running cells side by side) such work only takes the time of work that is needed."""
     n = cores()
     if n < 2:
         return False
@@ -38,7 +38,7 @@ def idle_core() -> bool:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):  # not reported here: take the machine as ours
         return True
-    return load <= n - 1
+    return load - 1 < n - 1
 
 
 def beside(calls: Sequence[Callable[[], T]]) -> list[T]:
