@@ -638,3 +638,53 @@ def test_tracing_pauses_the_garbage_collector_and_restores_it():
     with pytest.raises(ValueError, match="boom"):
         shard(broken)(X)
     assert gc.isenabled()
+
+
+@pytest.mark.parametrize("typed_by", ["set_mesh", "argument"])
+def test_a_step_with_an_io_callback_runs_on_an_explicit_mesh_as_jax_jits(typed_by):
+    """A step that reports its loss through ``io_callback``, typed by a ``jax.set_mesh``
+    context or by an argument placed on the Explicit mesh: JAX lowers a program with a
+    primitive that needs its devices only where every sharding names one abstract mesh, so
+    the step runs on the mesh's Auto view (its results untyped) and equals jax.jit's, each
+    callback heard as jax.jit's are."""
+    import contextlib
+
+    from jax.experimental import io_callback
+
+    heard: list[float] = []
+
+    def step(w, x):
+        loss, g = jax.value_and_grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+        io_callback(lambda v: heard.append(float(v)), None, loss, ordered=True)
+        return w - 0.1 * g, loss
+
+    context = jax.set_mesh(EXPLICIT) if typed_by == "set_mesh" else contextlib.nullcontext()
+    w = W if typed_by == "set_mesh" else jax.device_put(W, NamedSharding(EXPLICIT, Ps()))
+    runs = {}
+    with context:
+        for name, fn in (("jit", jax.jit(step)), ("shardc", shardc.auto_shard(step,
+                                                                              mesh=EXPLICIT))):
+            state, losses = w, []
+            for _ in range(3):
+                state, loss = fn(state, X)
+                losses.append(float(loss))
+            jax.effects_barrier()
+            runs[name] = (np.asarray(state), losses, list(heard))
+            heard.clear()
+    assert runs["shardc"][1:] == runs["jit"][1:] and len(runs["jit"][2]) == 3
+    np.testing.assert_allclose(runs["shardc"][0], runs["jit"][0], rtol=1e-6, atol=1e-7)
+
+
+def test_primitives_that_need_devices_are_found_inside_branches():
+    from jax.experimental import io_callback
+
+    from shardc.lower.control import _NEEDS_DEVICES, holds_named, needs_devices
+
+    def branchy(x):
+        return jax.lax.cond(x.sum() > 0, lambda y: io_callback(
+            lambda v: v, jax.ShapeDtypeStruct((3,), jnp.float32), y), lambda y: y, x)
+
+    inside = jax.make_jaxpr(branchy)(jnp.ones(3)).jaxpr
+    plain = jax.make_jaxpr(jnp.sin)(1.0).jaxpr
+    assert needs_devices(inside) and holds_named(inside, _NEEDS_DEVICES)
+    assert not needs_devices(plain) and not holds_named(plain, _NEEDS_DEVICES)

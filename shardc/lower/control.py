@@ -16,7 +16,8 @@ from jax.sharding import AxisType, NamedSharding
 from shardc.ir.trace import Fork, Loop
 from shardc.lower.partial import unstack
 
-__all__ = ["ControlFlow", "bind_eqn", "explicit_axes", "typed_sharding", "untyped_aval"]
+__all__ = ["ControlFlow", "bind_eqn", "explicit_axes", "holds_named", "needs_devices",
+           "typed_sharding", "untyped_aval"]
 
 
 def bind_eqn(eqn, args: Sequence, params: dict | None = None) -> list:
@@ -47,6 +48,40 @@ def explicit_axes(mesh) -> tuple[str, ...]:
 def typed_sharding(sharding) -> bool:
     """Whether ``sharding`` is a type: a ``NamedSharding`` on a mesh with Explicit axes."""
     return isinstance(sharding, NamedSharding) and bool(explicit_axes(sharding.mesh))
+
+
+#: primitives whose lowering needs the devices (callbacks, custom partitioning, cuDNN
+#: attention and scaled matmuls), by name: read where JAX's own set is not importable
+_NEEDS_DEVICES = frozenset({
+    "io_callback", "pure_callback", "custom_partitioning", "inspect_sharding",
+    "dot_product_attention_fwd", "dot_product_attention_bwd", "dot_product_attention_fp8_fwd",
+    "dot_product_attention_fp8_bwd", "scaled_matmul"})
+
+
+def needs_devices(jaxpr) -> bool:
+    """Whether ``jaxpr`` (its sub-jaxprs included) holds a primitive whose lowering needs
+    the devices: JAX then asks every sharding of the program, its arguments', results' and
+    constraints', to name one abstract mesh, axis types included, so such a program cannot
+    take typed arguments and results beside the plan's constraints on the Auto view."""
+    try:
+        from jax._src.dispatch import jaxpr_has_prim_requiring_devices
+    except ImportError:  # JAX moved it: the primitives known to need them
+        return holds_named(jaxpr, _NEEDS_DEVICES)
+    return jaxpr_has_prim_requiring_devices(jaxpr)
+
+
+def holds_named(jaxpr, names: frozenset[str]) -> bool:
+    """Whether ``jaxpr`` or a jaxpr in its equations' params (bodies, branches) binds a
+    primitive (or its ``_wrapper``) named in ``names``."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name.removesuffix("_wrapper") in names:
+            return True
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns") and holds_named(inner, names):
+                    return True
+    return False
 
 
 def untyped_aval(aval):
