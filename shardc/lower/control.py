@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
+from jax.extend import core as jcore
 from jax.extend import source_info_util
 from jax.sharding import AxisType, NamedSharding
 
@@ -73,15 +74,8 @@ def needs_devices(jaxpr) -> bool:
 def holds_named(jaxpr, names: frozenset[str]) -> bool:
     """Whether ``jaxpr`` or a jaxpr in its equations' params (bodies, branches) binds a
     primitive (or its ``_wrapper``) named in ``names``."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name.removesuffix("_wrapper") in names:
-            return True
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns") and holds_named(inner, names):
-                    return True
-    return False
+    return any(e.primitive.name.removesuffix("_wrapper") in names for e in jaxpr.eqns) or \
+        any(holds_named(sub, names) for sub in jcore.subjaxprs(jaxpr))
 
 
 def untyped_aval(aval):

@@ -24,7 +24,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from shardc.cost.cluster import DEFAULT_CLUSTER, Cluster
 from shardc.ir.sbp import to_partition_spec
 from shardc.ir.trace import DEFAULT_WHILE_TRIPS
-from shardc.lower.control import explicit_axes, needs_devices
+from shardc.lower.control import explicit_axes
 from shardc.lower.emit import HOST
 from shardc.pipeline.runtime import check_axis
 from shardc.pipeline.schedule import Pipeline
@@ -121,17 +121,13 @@ class AutoSharded(Planned):
         """Where results are placed.
 
         Where the plan runs on this function's mesh: the user's mesh (with its axis types)
-        where ``jax.jit`` would type the results on it (``tr.typed``), else its Auto version
-        (the same mesh where it has no Explicit axes), which types no result; a program with
-        a primitive whose lowering needs the devices (an ``io_callback``) on the Auto
-        version always (:func:`~shardc.lower.control.needs_devices`: its results come
-        back untyped). Else the view of its devices the plan runs on.
+        where its results are typed (``tr.typed``), else its Auto version (the same mesh
+        where it has no Explicit axes), which types no result. Else the view of its devices
+        the plan runs on.
         """
         if plan.mesh_axes != self.mesh.shape_tuple:
             return self.mesh_for(plan)
-        if tr.typed and not needs_devices(tr.traced.jaxpr.jaxpr):
-            return self.user_mesh
-        return self.mesh
+        return self.user_mesh if tr.typed else self.mesh
 
     def _in_shardings(self, tr: TracedCall, plan: Plan) -> list[NamedSharding]:
         mesh = self._out_mesh(tr, plan)

@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from shardc.ir.trace import Traced, rematerialized, trace
+from shardc.lower.control import needs_devices
 from shardc.pipeline.lowering import NoStackError
 from shardc.pipeline.routing import scans_as_layers
 from shardc.pipeline.schedule import Pipeline
@@ -87,7 +88,8 @@ class Planned:
             ties = tie_outputs(call.arg_trees(), traced.out_tree, traced.graph)
             fixed, typed = fixed_layouts(self, call)
             hit = TracedCall(traced, tuple(ties), self._restricted(fixed, traced.graph),
-                             resident_inputs(call.arg_trees(), ties), typed=typed)
+                             resident_inputs(call.arg_trees(), ties),
+                             typed=typed and not needs_devices(traced.jaxpr.jaxpr))
             self._traces[key] = hit
             log.debug("shardc: traced %s in %.2f s", getattr(self.fn, "__name__", "fn"),
                       time.perf_counter() - t0)

@@ -78,7 +78,10 @@ class TracedCall:
     #: the results are typed on the user's mesh, as ``jax.jit`` types them (an argument
     #: typed by an Explicit placement, a ``jax.set_mesh`` context, the program's own
     #: ``reshard``); else they are placed on the mesh's Auto view, untyped, as ``jax.jit``
-    #: leaves the results of plain arguments (:func:`typed_outputs`)
+    #: leaves the results of plain arguments (:func:`typed_outputs`). Never for a program
+    #: with a primitive whose lowering needs the devices (an ``io_callback``): JAX lowers it
+    #: only with every sharding on one mesh, axis types included
+    #: (:func:`shardc.lower.control.needs_devices`), so it runs wholly on the Auto view
     typed: bool = False
 
 
